@@ -1,0 +1,132 @@
+"""The row contract shared by every row-batched op (after shared/seeds/deepseek_rows.rs.txt).
+
+A `Row` is one request's step: its state slot, the position of the token it decodes, the row of
+q/x it reads (and of the output it writes) and its block table per compression ratio. A
+`RowBatch` carries 1..8 rows as python ints (for the checks) and as mx arrays (for the ops).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+MAX_ROWS = 8
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Row:
+    slot: int
+    position: int
+    q_row: int
+    tables: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    rows: tuple[Row, ...]
+    slots: mx.array  # [B] int32
+    positions: mx.array  # [B] int32
+    q_rows: mx.array  # [B] int32
+    tables: Mapping[int, mx.array]  # ratio -> [B, maxp] int32, padded with the trash page 0
+    page_size: int
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def build(cls, rows: Sequence[Row], page_size: int, table_width: Mapping[int, int] | None = None) -> RowBatch:
+        """Python rows -> arrays. `table_width[ratio]` fixes the padded width (static shapes)."""
+        rows = tuple(rows)
+        widths = dict(table_width or {})
+        for r in rows:
+            for ratio, t in r.tables.items():
+                widths[ratio] = max(widths.get(ratio, 1), len(t), 1)
+        tables = {}
+        for ratio, w in widths.items():
+            padded = [list(r.tables.get(ratio, ())) + [0] * (w - len(r.tables.get(ratio, ()))) for r in rows]
+            tables[ratio] = mx.array(padded, dtype=mx.int32) if rows else mx.zeros((0, w), mx.int32)
+        return cls(
+            rows=rows,
+            slots=mx.array([r.slot for r in rows], dtype=mx.int32),
+            positions=mx.array([r.position for r in rows], dtype=mx.int32),
+            q_rows=mx.array([r.q_row for r in rows], dtype=mx.int32),
+            tables=tables,
+            page_size=page_size,
+        )
+
+
+# ---- checks (each raises ValueError naming the op and the argument) -------------------------
+
+
+def fail(op: str, arg: str, why: str) -> ValueError:
+    return ValueError(f"{op}: {arg}: {why}")
+
+
+def check_batch(op: str, batch: RowBatch, *, slots: int | None = None, q_len: int | None = None) -> None:
+    """Row count, int32 ranges, q rows and slots used once, q rows inside the q buffer."""
+    n = len(batch.rows)
+    if not 1 <= n <= MAX_ROWS:
+        raise fail(op, "rows", f"must be 1..={MAX_ROWS}, got {n}")
+    seen_q: set[int] = set()
+    seen_slot: set[int] = set()
+    for i, r in enumerate(batch.rows):
+        for name in ("slot", "position", "q_row"):
+            v = getattr(r, name)
+            if not isinstance(v, int) or not 0 <= v <= INT32_MAX:
+                raise fail(op, f"row {i} {name}", f"must be an integer in 0..{INT32_MAX}, got {v!r}")
+        if r.q_row in seen_q:
+            raise fail(op, f"row {i} q_row", f"q_row {r.q_row} is used twice")
+        if r.slot in seen_slot:
+            raise fail(op, f"row {i} slot", f"slot {r.slot} is used by two rows")
+        seen_q.add(r.q_row)
+        seen_slot.add(r.slot)
+        if slots is not None and r.slot >= slots:
+            raise fail(op, f"row {i} slot", f"slot {r.slot} is out of range for {slots} slots")
+        if q_len is not None and r.q_row >= q_len:
+            raise fail(op, f"row {i} q_row", f"q_row {r.q_row} is out of range: the buffer has {q_len} rows")
+
+
+def check_tables(op: str, batch: RowBatch, ratio: int, pages: int, entries: Sequence[int]) -> None:
+    """Each row's block table covers its `entries`, names real pages, and shares none."""
+    owner: dict[int, int] = {}
+    page = batch.page_size
+    if ratio not in batch.tables:
+        raise fail(op, "tables", f"no block table for ratio {ratio}")
+    for i, (r, n) in enumerate(zip(batch.rows, entries, strict=True)):
+        t = r.tables.get(ratio, ())
+        if len(t) * page < n:
+            raise fail(op, f"row {i} block_table", f"{len(t)} pages of {page} do not cover {n} entries")
+        for pg in t:
+            if not isinstance(pg, int) or not 1 <= pg < pages:
+                raise fail(op, f"row {i} block_table", f"page {pg!r} is out of range 1..{pages - 1}")
+            if owner.setdefault(pg, i) != i:
+                raise fail(op, f"row {i} block_table", f"page {pg} is owned by rows {owner[pg]} and {i}")
+
+
+def check_array(op: str, name: str, a: object, dtype: mx.Dtype | Sequence[mx.Dtype], shape: Sequence[int | None]) -> None:
+    """dtype and shape; None in `shape` matches any size."""
+    if not isinstance(a, mx.array):
+        raise fail(op, name, f"must be an mx.array, got {type(a).__name__}")
+    dtypes = (dtype,) if isinstance(dtype, mx.Dtype) else tuple(dtype)
+    if a.dtype not in dtypes:
+        raise fail(op, name, f"dtype must be {' or '.join(map(str, dtypes))}, got {a.dtype}")
+    if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape, strict=True)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise fail(op, name, f"shape must be {want}, got {list(a.shape)}")
+
+
+def check_rows_fit(op: str, name: str, a: mx.array, batch: RowBatch) -> None:
+    """A per-row buffer needs a row for every q_row (a short buffer is an error)."""
+    need = max(r.q_row for r in batch.rows) + 1
+    if a.shape[0] < need:
+        raise fail(op, name, f"has {a.shape[0]} rows, q_row needs {need}")
+
+
+def check_positive(op: str, name: str, v: float) -> None:
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise fail(op, name, f"must be finite and positive, got {v!r}")
