@@ -1,0 +1,113 @@
+"""The three attention kinds (sliding / CSA / HCA) for a batch of decode rows.
+
+The only model file that calls `kernels`: per layer one compressor dispatch (two in CSA layers: the
+main and the indexer's own), one indexer dispatch and one sparse-attention dispatch for all rows.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import kernels
+from kernels.rope import rope as apply_rope
+from model.config import ModelArgs
+from model.layers import RMSNorm, rms, rope_cos_sin
+from model.state import StatePools
+
+
+class Compressor(nn.Module):
+    def __init__(self, args: ModelArgs, ratio: int, dim: int):
+        super().__init__()
+        coff = 2 if ratio == 4 else 1
+        self.wkv = nn.Linear(args.hidden_size, coff * dim, bias=False)
+        self.wgate = nn.Linear(args.hidden_size, coff * dim, bias=False)
+        self.ape = mx.zeros((ratio, coff * dim))
+        self.norm = RMSNorm(dim, args.rms_norm_eps)
+        self.ratio, self.dim = ratio, dim
+
+    def __call__(self, batch, x, kv_state, score_state, pool, freqs, eps):
+        # Projections and pooling in f32 (REF): the weights are upcast, not the other way round.
+        xf = x.astype(mx.float32)
+        kv = xf @ self.wkv.weight.astype(mx.float32).T
+        score = xf @ self.wgate.weight.astype(mx.float32).T
+        cos, sin = rope_cos_sin(freqs, mx.maximum(batch.positions + 1 - self.ratio, 0))
+        return kernels.compressor_rows(
+            batch, kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state, pool,
+            ratio=self.ratio, head_dim=self.dim, eps=eps, cos=cos, sin=sin,
+        )
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.wq_b = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, args.index_n_heads, bias=False)
+        self.compressor = Compressor(args, 4, args.index_head_dim)
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        h, nh, d = args.hidden_size, args.num_attention_heads, args.head_dim
+        self.wq_a = nn.Linear(h, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, nh * d, bias=False)
+        self.wkv = nn.Linear(h, d, bias=False)
+        self.kv_norm = RMSNorm(d, args.rms_norm_eps)
+        self.wo_a = nn.Linear(nh * d // args.o_groups, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, h, bias=False)
+        self.attn_sink = mx.zeros((nh,))
+        self.ratio = args.layer_ratio(layer)
+        if self.ratio:
+            self.compressor = Compressor(args, self.ratio, d)
+        if self.ratio == 4:
+            self.indexer = Indexer(args)
+        self.layer, self.args = layer, args
+
+    def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
+        a, layer, r = self.args, self.layer, self.ratio
+        b, nh, d, eps = x.shape[0], a.num_attention_heads, a.head_dim, a.rms_norm_eps
+        qr = self.q_norm(self.wq_a(x))
+        q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
+        kv = self.kv_norm(self.wkv(x))
+        cos, sin = rope_cos_sin(freqs, batch.positions)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(kv, cos, sin)
+        # Window ring: row p % W, written before attention (the current token is one of the W keys).
+        pools.window[layer][batch.slots, batch.positions % a.sliding_window] = kv.astype(pools.dtype)
+
+        pool, indices = None, None
+        if r:
+            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = self.compressor(
+                batch, x, pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], freqs, eps
+            )
+            pool = pools.ckv[layer]
+        if r == 4:
+            indices = self._select(x, qr, batch, pools, freqs, cos, sin)
+        elif r == 128:
+            cap = pools.table_width(128) * pools.page_size
+            ids = mx.arange(cap, dtype=mx.int32)[None, :]
+            indices = mx.where(ids < ((batch.positions + 1) // 128)[:, None], ids, -1)
+        o = kernels.sparse_attention_rows(
+            batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
+            self.attn_sink.astype(mx.float32), scale=d**-0.5, ratio=r,
+        ).astype(x.dtype)
+        o = apply_rope(o, cos, -sin)  # V = K carries RoPE: de-rotate by -p
+        # Grouped output projection: group k (contiguous heads) through its own rows of wo_a.
+        g = a.o_groups
+        u = o.reshape(b, g, nh * d // g)
+        wa = self.wo_a.weight.reshape(g, a.o_lora_rank, nh * d // g)
+        z = mx.einsum("bgi,gri->bgr", u, wa).reshape(b, g * a.o_lora_rank)
+        return self.wo_b(z)
+
+    def _select(self, x, qr, batch, pools, freqs, cos, sin) -> mx.array:
+        ix, layer, a = self.indexer, self.layer, self.args
+        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = ix.compressor(
+            batch, x, pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], freqs, a.rms_norm_eps
+        )
+        b = x.shape[0]
+        q_i = apply_rope(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), cos, sin)
+        w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
+        return kernels.indexer_rows(batch, q_i.astype(pools.dtype), w, pools.ikeys[layer], topk=ix.topk)

@@ -1,0 +1,107 @@
+"""DeepSeek-V4: embed -> mHC streams -> layers (attention + MoE) -> HyperHead -> norm -> head.
+
+`decode()` runs one step for a batch of 1..8 rows, each at its own position with its own state slot and
+pages. A prompt is prefilled through the same step, one token per row per step, so a prompt fed in
+chunks of any size leaves exactly the state of token-by-token decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels import Row, RowBatch
+from model.attention import Attention
+from model.config import ModelArgs
+from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq
+from model.state import StateHandle, StatePools
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        nc, h = args.hc_mult, args.hidden_size
+        self.attn_norm = RMSNorm(h, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(h, args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args, layer)
+        for unit in ("attn", "ffn"):
+            setattr(self, f"hc_{unit}_fn", mx.zeros(((2 + nc) * nc, nc * h)))
+            setattr(self, f"hc_{unit}_base", mx.zeros(((2 + nc) * nc,)))
+            setattr(self, f"hc_{unit}_scale", mx.zeros((3,)))
+        self.args = args
+
+    def __call__(self, h, token_ids, batch, pools, freqs):
+        a = self.args
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a)
+        h = hc_post(self.attn(self.attn_norm(x), batch, pools, freqs), h, post, comb)
+        # The ffn unit's weights come from the post-attention streams.
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
+        return hc_post(self.ffn(self.ffn_norm(x), token_ids), h, post, comb)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        nc, h = args.hc_mult, args.hidden_size
+        self.embed = nn.Embedding(args.vocab_size, h)
+        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(h, args.rms_norm_eps)
+        self.head = nn.Linear(h, args.vocab_size, bias=False)
+        self.hc_head_fn = mx.zeros((nc, nc * h))
+        self.hc_head_base = mx.zeros((nc,))
+        self.hc_head_scale = mx.zeros((1,))
+        self.args = args
+        # RoPE tables are config, not weights: keep them out of parameters().
+        self._freqs = {False: inv_freq(args, False), True: inv_freq(args, True)}
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.embed.weight.dtype
+
+    def step(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
+        """One decode step for the rows of `batch` (row i reads token_ids[i]); logits [B, vocab] f32.
+
+        Updates the rows' state in `pools` (lazily: the caller evaluates logits and pools together)."""
+        a = self.args
+        x = self.embed(token_ids)
+        hs = mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1]))
+        for i, block in enumerate(self.layers):
+            hs = block(hs, token_ids, batch, pools, self._freqs[a.layer_ratio(i) != 0])
+        y = self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a))
+        return y.astype(mx.float32) @ self.head.weight.astype(mx.float32).T
+
+    def make_batch(self, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int]) -> RowBatch:
+        rows = [
+            Row(slot=h.slot, position=int(p), q_row=i, tables=h.tables)
+            for i, (h, p) in enumerate(zip(handles, positions, strict=True))
+        ]
+        for h, p in zip(handles, positions, strict=True):
+            if not 0 <= p < h.capacity:
+                raise ValueError(f"decode: position {p} is outside the request's capacity {h.capacity}")
+        widths = {r: pools.table_width(r) for r in pools.ratios}
+        return RowBatch.build(rows, pools.page_size, widths)
+
+    def decode(
+        self, pools: StatePools, handles: Sequence[StateHandle], token_ids: Sequence[int], positions: Sequence[int]
+    ) -> mx.array:
+        """Build the rows, run one step and evaluate logits and the updated state together."""
+        batch = self.make_batch(pools, handles, positions)
+        logits = self.step(batch, mx.array(list(token_ids), dtype=mx.int32), pools)
+        mx.eval(logits, pools.arrays())
+        return logits
+
+    def prefill(self, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int) -> mx.array:
+        """Feed a chunk of one request's prompt; returns the logits of its last token [vocab]."""
+        if not token_ids:
+            raise ValueError("prefill: token_ids must not be empty")
+        logits = None
+        for i, t in enumerate(token_ids):
+            batch = self.make_batch(pools, [handle], [start + i])
+            logits = self.step(batch, mx.array([t], dtype=mx.int32), pools)
+            mx.async_eval(logits, pools.arrays())
+        mx.eval(logits)
+        return logits[0]

@@ -1,0 +1,179 @@
+"""Building blocks: RMSNorm, RoPE frequencies (YaRN), mHC hyper-connections, MoE.
+
+Parameter names follow the release checkpoint (spec section 4) so loading is a rename-free copy;
+the only exception is the routed experts, stacked per layer as `experts.w1/w2/w3` [E, out, in].
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from model.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    """Computed in f32, weight applied in f32, cast back (as REF and transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        xf = x.astype(mx.float32)
+        y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight.astype(mx.float32) * y).astype(x.dtype)
+
+
+def rms(x: mx.array, eps: float) -> mx.array:
+    """Unweighted RMSNorm (q heads, mHC input)."""
+    xf = x.astype(mx.float32)
+    return (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def inv_freq(args: ModelArgs, compressed: bool) -> mx.array:
+    """Per-pair inverse frequencies. Sliding layers: rope_theta, no YaRN. CSA/HCA: compress theta + YaRN
+    without any magnitude factor (spec 2.3). Computed in f32 like transformers, for logit parity."""
+    rd = args.qk_rope_head_dim
+    base = args.compress_rope_theta if compressed else args.rope_theta
+    pos = np.float32(base) ** (np.arange(0, rd, 2, dtype=np.float32) / np.float32(rd))
+    extra = (1.0 / pos).astype(np.float32)
+    yarn = args.yarn
+    if not compressed or yarn is None:
+        return mx.array(extra)
+    factor = float(yarn["factor"])
+    orig = float(yarn["original_max_position_embeddings"])
+
+    def corr(n_rot: float) -> float:
+        return rd * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(corr(float(yarn["beta_fast"]))), 0)
+    hi = min(math.ceil(corr(float(yarn["beta_slow"]))), rd - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(rd // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1).astype(np.float32)
+    inter = (1.0 / (factor * pos)).astype(np.float32)
+    return mx.array((inter * ramp + extra * (1 - ramp)).astype(np.float32))
+
+
+def rope_cos_sin(freqs: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+    """cos/sin [B, rd/2] f32 at each row's own position."""
+    ang = positions.astype(mx.float32)[:, None] * freqs[None, :]
+    return mx.cos(ang), mx.sin(ang)
+
+
+def hc_pre(
+    h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
+) -> tuple[mx.array, mx.array, mx.array]:
+    """h [B, nc, H] -> (block input x [B, H], post [B, nc], comb C [B, nc, nc]); all mixing in f32."""
+    nc, eps = args.hc_mult, args.hc_eps
+    b = h.shape[0]
+    f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
+    m = f @ fn.astype(mx.float32).T
+    pre = mx.sigmoid(m[:, :nc] * scale[0] + base[:nc]) + eps
+    post = 2 * mx.sigmoid(m[:, nc : 2 * nc] * scale[1] + base[nc : 2 * nc])
+    comb = (m[:, 2 * nc :] * scale[2] + base[2 * nc :]).reshape(b, nc, nc)
+    comb = mx.softmax(comb, axis=-1, precise=True) + eps
+    comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(args.hc_sinkhorn_iters - 1):
+        comb = comb / (mx.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
+    x = mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
+    return x, post, comb
+
+
+def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """h'[k] = post[k] * y + sum_j C[j, k] h[j]  (C used transposed)."""
+    mixed = mx.einsum("bjk,bjd->bkd", comb, h.astype(mx.float32))
+    return (post[:, :, None] * y.astype(mx.float32)[:, None, :] + mixed).astype(h.dtype)
+
+
+def hc_head(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs) -> mx.array:
+    """HyperHead: sigmoid weights only, no Sinkhorn and no post."""
+    b = h.shape[0]
+    f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
+    pre = mx.sigmoid((f @ fn.astype(mx.float32).T) * scale + base) + args.hc_eps
+    return mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
+
+
+def swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
+    if limit:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+class Gate(nn.Module):
+    """Router: sqrt(softplus) scores; hash layers select by tid2eid[token], others by top-k(s + bias)."""
+
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), dtype=mx.int32)
+        else:
+            self.bias = mx.zeros((args.n_routed_experts,))
+        self.hashed = hashed
+        self.k = args.num_experts_per_tok
+        self.route_scale = args.routed_scaling_factor
+
+    def __call__(self, x: mx.array, token_ids: mx.array) -> tuple[mx.array, mx.array]:
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        scores = mx.sqrt(nn.softplus(logits))
+        if self.hashed:
+            idx = self.tid2eid[token_ids].astype(mx.int32)
+        else:
+            biased = scores + self.bias.astype(mx.float32)
+            idx = mx.argpartition(-biased, self.k - 1, axis=-1)[:, : self.k].astype(mx.int32)
+        w = mx.take_along_axis(scores, idx, axis=-1)
+        w = w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * self.route_scale
+        return idx, w
+
+
+class Experts(nn.Module):
+    """Routed experts stacked [E, out, in]; one gathered matmul per projection for the whole batch."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, inter, hid = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+        self.w1 = mx.zeros((e, inter, hid))
+        self.w2 = mx.zeros((e, hid, inter))
+        self.w3 = mx.zeros((e, inter, hid))
+        self.limit = args.swiglu_limit
+
+    def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        xe = x[:, None, None, :]  # [B, 1, 1, H]: broadcast against idx [B, k]
+        g = mx.gather_mm(xe, self.w1.swapaxes(-1, -2), rhs_indices=idx)
+        u = mx.gather_mm(xe, self.w3.swapaxes(-1, -2), rhs_indices=idx)
+        hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(x.dtype)
+        out = mx.gather_mm(hdn, self.w2.swapaxes(-1, -2), rhs_indices=idx)[:, :, 0, :]  # [B, k, H]
+        return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.moe_intermediate_size, args.hidden_size, bias=False)
+        self.w3 = nn.Linear(args.hidden_size, args.moe_intermediate_size, bias=False)
+        self.limit = args.swiglu_limit if args.clamp_shared_expert else None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = swiglu(self.w1(x).astype(mx.float32), self.w3(x).astype(mx.float32), self.limit)
+        return self.w2(h.astype(x.dtype)).astype(mx.float32)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.gate = Gate(args, hashed=args.is_hash_layer(layer))
+        self.experts = Experts(args)
+        self.shared_experts = SharedExpert(args)
+
+    def __call__(self, x: mx.array, token_ids: mx.array) -> mx.array:
+        idx, w = self.gate(x, token_ids)
+        return (self.experts(x, idx, w) + self.shared_experts(x)).astype(x.dtype)

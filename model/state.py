@@ -1,0 +1,153 @@
+"""Per-request decode state in per-layer pools: a slot for the fixed-size parts, pages for the growing ones.
+
+Allocated once; a request gets a slot and, per compression ratio, the pages its positions can reach
+(prompt + max_tokens) at admission. Nothing is reallocated or copied while it grows; freeing makes the
+slot and pages reusable at once. Page 0 of every page pool is the trash page (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from model.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class StateHandle:
+    slot: int
+    capacity: int  # positions this request may reach
+    tables: dict[int, tuple[int, ...]]  # ratio -> page ids
+
+    def entries(self, ratio: int) -> int:
+        return self.capacity // ratio
+
+
+class StatePools:
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        max_slots: int,
+        max_positions: int,
+        page_size: int = 64,
+        pages: dict[int, int] | None = None,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        if max_slots < 1:
+            raise ValueError(f"StatePools: max_slots must be >= 1, got {max_slots}")
+        if max_positions < 1:
+            raise ValueError(f"StatePools: max_positions must be >= 1, got {max_positions}")
+        if page_size < 1:
+            raise ValueError(f"StatePools: page_size must be >= 1, got {page_size}")
+        self.args, self.dtype, self.page_size = args, dtype, page_size
+        self.max_slots, self.max_positions = max_slots, max_positions
+        ratios = sorted({r for r in args.compress_ratios if r})
+        self.ratios = ratios
+        # Default: every slot can reach max_positions (+1 for the trash page).
+        self.pages = {r: (pages or {}).get(r, max_slots * self.pages_for(max_positions, r)) + 1 for r in ratios}
+        D, Di, W = args.head_dim, args.index_head_dim, args.sliding_window
+        self.window: list[mx.array] = [mx.zeros((max_slots, W, D), dtype) for _ in args.compress_ratios]
+        self.comp_kv: dict[int, mx.array] = {}
+        self.comp_score: dict[int, mx.array] = {}
+        self.idx_kv: dict[int, mx.array] = {}
+        self.idx_score: dict[int, mx.array] = {}
+        self.ckv: dict[int, mx.array] = {}
+        self.ikeys: dict[int, mx.array] = {}
+        for layer, r in enumerate(args.compress_ratios):
+            if not r:
+                continue
+            coff = 2 if r == 4 else 1
+            self.comp_kv[layer] = mx.zeros((max_slots, coff * r, coff * D), mx.float32)
+            self.comp_score[layer] = mx.full((max_slots, coff * r, coff * D), -mx.inf, mx.float32)
+            self.ckv[layer] = mx.zeros((self.pages[r], page_size, D), dtype)
+            if r == 4:
+                self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
+                self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)
+                self.ikeys[layer] = mx.zeros((self.pages[r], page_size, Di), dtype)
+        mx.eval(self.arrays())
+        self._free_slots = list(range(max_slots))
+        self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}
+        self._live: dict[int, StateHandle] = {}
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def pages_for(self, positions: int, ratio: int) -> int:
+        return -(-(positions // ratio) // self.page_size)
+
+    def table_width(self, ratio: int) -> int:
+        return max(1, self.pages_for(self.max_positions, ratio))
+
+    def slot_bytes(self) -> int:
+        a, isz = self.args, self.dtype.size
+        n = sum(a.sliding_window * a.head_dim * isz for _ in a.compress_ratios)
+        for r in a.compress_ratios:
+            if r == 4:
+                n += 2 * 4 * (8 * 2 * a.head_dim) + 2 * 4 * (8 * 2 * a.index_head_dim)
+            elif r == 128:
+                n += 2 * 4 * (128 * a.head_dim)
+        return n
+
+    def page_bytes(self, ratio: int) -> int:
+        """One page of `ratio` across all layers of that ratio (they grow in step)."""
+        a, isz = self.args, self.dtype.size
+        per_entry = a.head_dim + (a.index_head_dim if ratio == 4 else 0)
+        return sum(1 for r in a.compress_ratios if r == ratio) * self.page_size * per_entry * isz
+
+    def bytes_for(self, positions: int) -> int:
+        """Decode-state bytes a request reaching `positions` holds (exact, page-rounded)."""
+        return self.slot_bytes() + sum(self.pages_for(positions, r) * self.page_bytes(r) for r in self.ratios)
+
+    def bytes_in_use(self) -> int:
+        return sum(self.bytes_for(h.capacity) for h in self._live.values())
+
+    def bytes_total(self) -> int:
+        return self.max_slots * self.slot_bytes() + sum((self.pages[r] - 1) * self.page_bytes(r) for r in self.ratios)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def can_alloc(self, positions: int) -> bool:
+        if not self._free_slots or not 1 <= positions <= self.max_positions:
+            return False
+        return all(self.pages_for(positions, r) <= len(self._free_pages[r]) for r in self.ratios)
+
+    def alloc(self, positions: int) -> StateHandle:
+        if not 1 <= positions <= self.max_positions:
+            raise ValueError(f"StatePools.alloc: positions must be in 1..{self.max_positions}, got {positions}")
+        if not self.can_alloc(positions):
+            raise RuntimeError(f"StatePools.alloc: no free slot or pages for {positions} positions")
+        slot = self._free_slots.pop(0)
+        tables = {}
+        for r in self.ratios:
+            n = self.pages_for(positions, r)
+            tables[r], self._free_pages[r] = tuple(self._free_pages[r][:n]), self._free_pages[r][n:]
+        self._reset_slot(slot)
+        handle = StateHandle(slot=slot, capacity=positions, tables=tables)
+        self._live[slot] = handle
+        return handle
+
+    def free(self, handle: StateHandle) -> None:
+        if self._live.get(handle.slot) is not handle:
+            raise ValueError(f"StatePools.free: slot {handle.slot} is not held by this handle")
+        del self._live[handle.slot]
+        self._free_slots.append(handle.slot)
+        for r, t in handle.tables.items():
+            self._free_pages[r].extend(t)
+
+    def _reset_slot(self, slot: int) -> None:
+        # Compressor scores back to -inf: window 0's "previous half" must weigh nothing. The window ring and
+        # pages need no reset: only rows/entries written by this request are ever read.
+        for layer in self.comp_score:
+            self.comp_score[layer][slot] = -mx.inf
+        for layer in self.idx_score:
+            self.idx_score[layer][slot] = -mx.inf
+
+    def arrays(self) -> list[mx.array]:
+        return [
+            *self.window,
+            *self.comp_kv.values(),
+            *self.comp_score.values(),
+            *self.idx_kv.values(),
+            *self.idx_score.values(),
+            *self.ckv.values(),
+            *self.ikeys.values(),
+        ]
