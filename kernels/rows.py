@@ -39,7 +39,9 @@ class RowBatch:
         return len(self.rows)
 
     @classmethod
-    def build(cls, rows: Sequence[Row], page_size: int, table_width: Mapping[int, int] | None = None) -> RowBatch:
+    def build(
+        cls, rows: Sequence[Row], page_size: int, table_width: Mapping[int, int] | None = None
+    ) -> RowBatch:
         """Python rows -> arrays. `table_width[ratio]` fixes the padded width (static shapes)."""
         rows = tuple(rows)
         widths = dict(table_width or {})
@@ -108,7 +110,9 @@ def check_tables(op: str, batch: RowBatch, ratio: int, pages: int, entries: Sequ
                 raise fail(op, f"row {i} block_table", f"page {pg} is owned by rows {owner[pg]} and {i}")
 
 
-def check_array(op: str, name: str, a: object, dtype: mx.Dtype | Sequence[mx.Dtype], shape: Sequence[int | None]) -> None:
+def check_array(
+    op: str, name: str, a: object, dtype: mx.Dtype | Sequence[mx.Dtype], shape: Sequence[int | None]
+) -> None:
     """dtype and shape; None in `shape` matches any size."""
     if not isinstance(a, mx.array):
         raise fail(op, name, f"must be an mx.array, got {type(a).__name__}")
@@ -130,3 +134,23 @@ def check_rows_fit(op: str, name: str, a: mx.array, batch: RowBatch) -> None:
 def check_positive(op: str, name: str, v: float) -> None:
     if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise fail(op, name, f"must be finite and positive, got {v!r}")
+
+
+# ---- small shared helpers (additive) ---------------------------------------------------------
+
+FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def row_entries(batch: RowBatch, ratio: int) -> list[int]:
+    """Compressed entries each row can see after this step: `(p+1) // ratio` (python ints)."""
+    return [(r.position + 1) // ratio for r in batch.rows]
+
+
+def emitted(positions: mx.array, ratio: int) -> mx.array:
+    """`(p+1) // ratio` on device without forming `p+1` (p may be INT32_MAX)."""
+    return positions // ratio + (positions % ratio == ratio - 1).astype(positions.dtype)
+
+
+def check_width(op: str, name: str, n: int) -> None:
+    if n < 1:
+        raise fail(op, name, f"zero width: must be >= 1, got {n}")

@@ -1,0 +1,73 @@
+"""The three row-batched DeepSeek-V4 decode ops (see ARCHITECTURE.md "Kernel API").
+
+Each public op dispatches through `kernels.backend`: a registered fast path on a CUDA device,
+else the plain-MLX reference (`DSV4_KERNELS=reference` forces it). Both validate the row
+contract and raise `ValueError("<op>: <arg>: why")`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels import backend
+from kernels.compressor import compressor_rows_reference
+from kernels.indexer import indexer_rows_reference
+from kernels.rope import rope
+from kernels.rows import Row, RowBatch
+from kernels.sparse_attention import sparse_attention_rows_reference
+
+__all__ = [
+    "Row",
+    "RowBatch",
+    "backend",
+    "compressor_rows",
+    "indexer_rows",
+    "rope",
+    "sparse_attention_rows",
+]
+
+
+def compressor_rows(
+    batch: RowBatch,
+    kv: mx.array,
+    score: mx.array,
+    ape: mx.array,
+    norm: mx.array,
+    kv_state: mx.array,
+    score_state: mx.array,
+    pool: mx.array,
+    *,
+    ratio: int,
+    head_dim: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One compressor step for every row -> new `(kv_state, score_state, pool)`."""
+    fn = backend.pick("compressor_rows", compressor_rows_reference)
+    return fn(
+        batch, kv, score, ape, norm, kv_state, score_state, pool,
+        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+    )  # fmt: skip
+
+
+def indexer_rows(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
+    """Top-k visible indexer entries per row -> `[Bq, topk] int32` (-1 padded), row `q_row`."""
+    fn = backend.pick("indexer_rows", indexer_rows_reference)
+    return fn(batch, q, weights, keys, topk=topk)
+
+
+def sparse_attention_rows(
+    batch: RowBatch,
+    q: mx.array,
+    window: mx.array,
+    pool: mx.array | None,
+    indices: mx.array | None,
+    sinks: mx.array,
+    *,
+    scale: float,
+    ratio: int | None = None,
+) -> mx.array:
+    """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`."""
+    fn = backend.pick("sparse_attention_rows", sparse_attention_rows_reference)
+    return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)

@@ -1,0 +1,94 @@
+"""Picks each op's implementation: a registered fast path (CUDA) or the plain-MLX reference.
+
+The reference is always there (and is what CI and a Mac run). A fast module — `kernels/cuda/`
+— registers its versions by op name:
+
+    from kernels import backend
+    backend.register("sparse_attention_rows", my_fast_fn)
+
+and is imported lazily the first time the CUDA path is considered, so importing `kernels` never
+compiles anything. `DSV4_KERNELS` selects: unset / `auto` (CUDA when available), `reference`
+(force the plain twin), `cuda` (demand the fast path; an error where there is none).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+OPS = ("compressor_rows", "indexer_rows", "sparse_attention_rows")
+ENV = "DSV4_KERNELS"
+
+_fast: dict[str, Callable[..., Any]] = {}
+_loaded = False
+
+
+def register(op: str, fn: Callable[..., Any]) -> None:
+    """Register a fast implementation of `op` (same signature and checks as the reference)."""
+    if op not in OPS:
+        raise ValueError(f"backend: op: unknown op {op!r}, expected one of {OPS}")
+    _fast[op] = fn
+
+
+def registered() -> dict[str, Callable[..., Any]]:
+    return dict(_fast)
+
+
+def cuda_available() -> bool:
+    """An MLX CUDA build whose default device is the GPU."""
+    cuda = getattr(mx, "cuda", None)
+    try:
+        ok = bool(cuda is not None and cuda.is_available())
+    except Exception:  # an older or odd build: treat as no CUDA
+        return False
+    return ok and mx.default_device().type == mx.gpu
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "reference", "cuda"):
+        raise ValueError(f"backend: {ENV}: must be auto, reference or cuda, got {mode!r}")
+    return mode
+
+
+def _load_fast() -> None:
+    """Import `kernels.cuda` once; its import registers the fast ops. Absent module = no fast ops."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        importlib.import_module("kernels.cuda")
+    except ModuleNotFoundError as e:
+        if e.name not in ("kernels.cuda",):
+            raise
+
+
+def _use_fast() -> bool:
+    mode = _mode()
+    if mode == "reference":
+        return False
+    if not cuda_available():
+        if mode == "cuda":
+            raise ValueError(f"backend: {ENV}: cuda was asked for but MLX has no CUDA GPU as default device")
+        return False
+    _load_fast()
+    if mode == "cuda" and not _fast:
+        raise ValueError(f"backend: {ENV}: cuda was asked for but no fast op is registered")
+    return bool(_fast)
+
+
+def name() -> str:
+    """`"cuda"` when the fast path is in use (on a CUDA device, not forced off), else `"reference"`."""
+    return "cuda" if _use_fast() else "reference"
+
+
+def pick(op: str, reference: Callable[..., Any]) -> Callable[..., Any]:
+    """The implementation of `op` for the current device and env: fast if registered, else `reference`."""
+    if _use_fast():
+        return _fast.get(op, reference)
+    return reference

@@ -1,0 +1,87 @@
+"""indexer_rows: the lightning indexer's top-k for 1..8 rows (spec 2.6), plain MLX.
+
+Per row at position p: `n = (p+1) // 4` visible entries, `score_s = sum_h w_h relu(q_h . K[s])`
+in f32 over the row's keys (read through its ratio-4 block table), top `min(topk, n)` entry ids
+by descending score, ties to the lowest id, padded with -1.
+
+Determinism: instead of trusting a sort's stability, each entry gets a unique 64-bit key
+`(order-preserving bits of -score) << 32 | id`, so ascending key order is exactly "score
+descending, then id ascending" on every backend.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels.rows import (
+    FLOATS,
+    RowBatch,
+    check_array,
+    check_batch,
+    check_rows_fit,
+    check_tables,
+    check_width,
+    emitted,
+    fail,
+    row_entries,
+)
+
+OP = "indexer_rows"
+RATIO = 4
+
+
+def check_indexer(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> None:
+    """The row contract for the indexer; raises ValueError('indexer_rows: <arg>: why')."""
+    check_batch(OP, batch)
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise fail(OP, "topk", f"must be an int, got {type(topk).__name__}")
+    check_width(OP, "topk", topk)
+    if topk > 2**31 - 1:
+        raise fail(OP, "topk", f"{topk} does not fit int32")
+    check_array(OP, "q", q, FLOATS, (None, None, None))
+    check_width(OP, "q heads", q.shape[1])
+    check_width(OP, "q dim", q.shape[2])
+    check_array(OP, "weights", weights, mx.float32, (None, q.shape[1]))
+    check_array(OP, "keys", keys, FLOATS, (None, batch.page_size, q.shape[2]))
+    check_rows_fit(OP, "q", q, batch)
+    check_rows_fit(OP, "weights", weights, batch)
+    check_tables(OP, batch, RATIO, keys.shape[0], row_entries(batch, RATIO))
+
+
+def _order_key(score: mx.array, valid: mx.array) -> mx.array:
+    """uint64 keys, ascending = (score descending, id ascending); invalid entries last."""
+    cap = score.shape[-1]
+    score = mx.where(score == 0, 0.0, score)  # -0.0 == +0.0: make them one key so the id decides
+    bits = mx.view(score, mx.uint32)
+    ordered = mx.where((bits >> 31) == 1, ~bits, bits | 0x80000000)  # monotone in the float value
+    desc = mx.where(valid, ~ordered, 0xFFFFFFFF)  # ~: larger score -> smaller key
+    ids = mx.arange(cap, dtype=mx.uint32).astype(mx.uint64)
+    return (desc.astype(mx.uint64) << 32) | ids
+
+
+def indexer_rows_reference(
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int
+) -> mx.array:
+    check_indexer(batch, q, weights, keys, topk=topk)
+    b, page = batch.size, batch.page_size
+    qr = batch.q_rows
+    table = batch.tables[RATIO]  # [B, width]
+    cap = table.shape[1] * page  # fixed capacity: the op count is independent of the rows' lengths
+    k_all = keys[table].reshape(b, cap, keys.shape[-1]).astype(mx.float32)  # [B, cap, Di]
+    qq = q[qr].astype(mx.float32)  # [B, nI, Di]
+    dots = qq @ k_all.transpose(0, 2, 1)  # [B, nI, cap]
+    score = (weights[qr][:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)  # ReLU before the weights
+
+    n = emitted(batch.positions, RATIO)[:, None]  # [B, 1]
+    valid = mx.arange(cap)[None, :] < n
+    key = _order_key(score, valid)
+    k = min(topk, cap)
+    if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
+        key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
+    key = mx.sort(key, axis=-1)[:, :k]
+    ids = (key & 0xFFFFFFFF).astype(mx.int32)
+    ids = mx.where(mx.arange(k)[None, :] < n, ids, -1)
+    if k < topk:
+        ids = mx.concatenate([ids, mx.full((b, topk - k), -1, dtype=mx.int32)], axis=1)
+    out = mx.full((q.shape[0], topk), -1, dtype=mx.int32)
+    return mx.put_along_axis(out, qr[:, None], ids, axis=0)

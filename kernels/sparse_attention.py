@@ -1,0 +1,115 @@
+"""sparse_attention_rows: attention over window + selected compressed entries, 1..8 rows, plain MLX.
+
+Per row at position p (spec 2.4, 2.7): keys = the valid window ring rows `0..min(p+1, W)-1` of its
+slot, plus the pool entries named by `indices[q_row]` (logical ids read through its block table
+for `ratio`; -1 or ids >= `(p+1) // ratio` are masked and their keys zeroed, so stale or trash
+values never reach the output). V = K. Logits `(q . k) * scale` in f32; the sink adds
+`exp(sink - max)` to the denominator only. Output row `q_row`, dtype `q.dtype`; buffer rows no
+batch row names are 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from kernels.rows import (
+    FLOATS,
+    RowBatch,
+    check_array,
+    check_batch,
+    check_positive,
+    check_rows_fit,
+    check_tables,
+    check_width,
+    emitted,
+    fail,
+    row_entries,
+)
+
+OP = "sparse_attention_rows"
+RATIOS = (4, 128)
+
+
+def check_sparse_attention(
+    batch: RowBatch,
+    q: mx.array,
+    window: mx.array,
+    pool: mx.array | None,
+    indices: mx.array | None,
+    sinks: mx.array,
+    *,
+    scale: float,
+    ratio: int | None,
+) -> None:
+    """The row contract for sparse attention; raises ValueError('sparse_attention_rows: <arg>: why')."""
+    check_batch(OP, batch)
+    check_positive(OP, "scale", scale)
+    check_array(OP, "q", q, FLOATS, (None, None, None))
+    nh, d = q.shape[1], q.shape[2]
+    check_width(OP, "q heads", nh)
+    check_width(OP, "q dim", d)
+    check_rows_fit(OP, "q", q, batch)
+    check_array(OP, "window", window, FLOATS, (None, None, d))
+    check_width(OP, "window", window.shape[1])
+    check_array(OP, "sinks", sinks, mx.float32, (nh,))
+    check_batch(OP, batch, slots=window.shape[0])
+    if pool is None:
+        if indices is not None:
+            raise fail(OP, "indices", "must be None when pool is None (sliding layer)")
+        return
+    if not isinstance(ratio, int) or ratio not in RATIOS:
+        raise fail(OP, "ratio", f"must be one of {RATIOS} with a pool, got {ratio!r}")
+    check_array(OP, "pool", pool, FLOATS, (None, batch.page_size, d))
+    if indices is not None:
+        check_array(OP, "indices", indices, mx.int32, (None, None))
+        check_width(OP, "indices", indices.shape[1])
+        check_rows_fit(OP, "indices", indices, batch)
+    check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
+
+
+def sparse_attention_rows_reference(
+    batch: RowBatch,
+    q: mx.array,
+    window: mx.array,
+    pool: mx.array | None,
+    indices: mx.array | None,
+    sinks: mx.array,
+    *,
+    scale: float,
+    ratio: int | None = None,
+) -> mx.array:
+    """`indices=None` with a pool attends to every entry in the row's table (HCA needs no indexer)."""
+    check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    b, w_len = batch.size, window.shape[1]
+    p, qr = batch.positions, batch.q_rows
+    keys = window[batch.slots].astype(mx.float32)  # [B, W, D]
+    n_win = mx.minimum(p, w_len - 1) + 1  # min(p+1, W) without overflowing int32
+    valid = mx.arange(w_len)[None, :] < n_win[:, None]
+    if pool is not None:
+        assert ratio is not None
+        page = batch.page_size
+        table = batch.tables[ratio]  # [B, width]
+        if indices is None:
+            cap = table.shape[1] * page
+            ids = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (b, cap))
+        else:
+            ids = indices[qr]  # [B, K]
+        ok = (ids >= 0) & (ids < emitted(p, ratio)[:, None])
+        ids = mx.where(ok, ids, 0)  # in range: check_tables guarantees the table covers every valid id
+        pages = mx.take_along_axis(table, ids // page, axis=1)
+        comp = pool[pages, ids % page].astype(mx.float32)  # [B, K, D]
+        keys = mx.concatenate([keys, comp], axis=1)
+        valid = mx.concatenate([valid, ok], axis=1)
+    keys = mx.where(valid[:, :, None], keys, 0.0)  # masked keys are also values: zero them
+
+    logits = (q[qr].astype(mx.float32) @ keys.transpose(0, 2, 1)) * scale  # [B, nh, L]
+    logits = mx.where(valid[:, None, :], logits, -math.inf)
+    sink = sinks[None, :, None]
+    top = mx.maximum(logits.max(axis=-1, keepdims=True), sink)  # window row 0 is always valid
+    e = mx.exp(logits - top)
+    o = (e @ keys) / (e.sum(axis=-1, keepdims=True) + mx.exp(sink - top))  # [B, nh, D]
+
+    out = mx.zeros((q.shape[0],) + tuple(q.shape[1:]), dtype=q.dtype)
+    return mx.put_along_axis(out, qr[:, None, None], o.astype(q.dtype), axis=0)
