@@ -1,0 +1,199 @@
+"""Batched per-row sampling: one set of mx ops for all rows, one host sync per step.
+
+Order per row (vLLM v1's): repetition penalty (prompt + generated; positive logits divided,
+negative multiplied), presence/frequency penalties (OpenAI: generated tokens only), stop tokens
+masked while fewer than min_tokens are generated, then greedy argmax (temperature 0, lowest index
+on ties) or: temperature, min-p, top-k, top-p, and a Gumbel-max draw.
+
+Logprobs are the *processed* ones: log-softmax after penalties, min-tokens masking and temperature
+(temperature 1 for greedy rows) but before min-p/top-k/top-p truncation, so the chosen token's
+logprob is always finite. `top_logprobs` come sorted best first (lowest id on ties).
+
+Randomness: each row's noise is a counter-based hash of (row key, token id), where a seeded row's
+key depends only on (seed, generated_count). A seeded request thus draws the same tokens alone or
+beside 7 other rows; unseeded rows get a fresh key from a process-wide RNG every step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from service.engine.request import SamplingParams
+from service.engine.scheduler import Sampled
+
+_M64 = (1 << 64) - 1
+_rng = random.SystemRandom()
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finalizer on python ints (host side, per row)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int | None, generated_count: int) -> int:
+    """64-bit noise key of one row for one step."""
+    if seed is None:
+        return _rng.getrandbits(64)
+    return _mix64((seed & _M64) ^ _mix64(generated_count))
+
+
+def _fmix32(h: mx.array) -> mx.array:
+    h = h ^ (h >> 16)
+    h = h * mx.array(0x85EBCA6B, dtype=mx.uint32)
+    h = h ^ (h >> 13)
+    h = h * mx.array(0xC2B2AE35, dtype=mx.uint32)
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(keys: Sequence[int], vocab: int) -> mx.array:
+    """[B, V] f32 standard Gumbel noise; row b depends only on keys[b]."""
+    k = np.asarray(keys, dtype=np.uint64)
+    k1 = mx.array((k & 0xFFFFFFFF).astype(np.uint32))[:, None]
+    k2 = mx.array((k >> np.uint64(32)).astype(np.uint32))[:, None]
+    idx = mx.arange(vocab, dtype=mx.uint32)[None, :]
+    # XOR (not add) the key in: adding would make nearby keys shifted copies of one sequence.
+    h = _fmix32((idx * mx.array(0x9E3779B9, dtype=mx.uint32)) ^ k1)
+    h = _fmix32(h + k2)
+    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
+    return -mx.log(-mx.log(u))
+
+
+def _row_mask(rows_ids: list[np.ndarray], shape: tuple[int, int], counts: bool = False) -> mx.array:
+    """[B, V] f32 with, per row b, the occurrence count (or 1) of each id in rows_ids[b]."""
+    b, v = shape
+    flat = np.concatenate([ids.astype(np.int64) + i * v for i, ids in enumerate(rows_ids)])
+    if flat.size == 0:
+        return mx.zeros(shape, dtype=mx.float32)
+    if counts:
+        out = mx.zeros((b * v,), dtype=mx.float32).at[mx.array(flat)].add(1.0)
+    else:
+        out = mx.zeros((b * v,), dtype=mx.float32).at[mx.array(flat)].maximum(1.0)
+    return out.reshape(b, v)
+
+
+def _col(values: list[float]) -> mx.array:
+    return mx.array(values, dtype=mx.float32)[:, None]
+
+
+def apply_penalties(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generated_counts: Sequence[int],
+) -> mx.array:
+    """Repetition (prompt + generated) then presence/frequency (generated only) penalties."""
+    shape = tuple(logits.shape)
+    empty = np.zeros(0, dtype=np.int64)
+    x = logits
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = _row_mask(
+            [
+                np.asarray(h) if p.repetition_penalty != 1.0 else empty
+                for p, h in zip(params, histories, strict=True)
+            ],
+            shape,
+        )
+        rp = _col([p.repetition_penalty for p in params])
+        x = mx.where(seen > 0, mx.where(x > 0, x / rp, x * rp), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        gen = [
+            np.asarray(h[len(h) - n :]) if (p.presence_penalty or p.frequency_penalty) and n else empty
+            for p, h, n in zip(params, histories, generated_counts, strict=True)
+        ]
+        cnt = _row_mask(gen, shape, counts=True)
+        x = x - _col([p.frequency_penalty for p in params]) * cnt
+        x = x - _col([p.presence_penalty for p in params]) * (cnt > 0)
+    return x
+
+
+def sample(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generated_counts: Sequence[int],
+    *,
+    eos_token_id: int | None = None,
+) -> list[Sampled]:
+    """Sample one token per row of `logits` [B, V]; returns (token, logprob, top) per row.
+
+    histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
+    otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
+    logprob is None unless params[b].logprobs is not None.
+    """
+    b, v = logits.shape
+    if not (len(params) == len(histories) == len(generated_counts) == b):
+        raise ValueError(f"sample: {b} logit rows but {len(params)} params / {len(histories)} histories")
+    x = apply_penalties(logits.astype(mx.float32), params, histories, generated_counts)
+
+    # Before min_tokens, EOS (unless ignore_eos) and the stop ids may not be drawn at all.
+    banned = [
+        np.asarray(
+            list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+            if n < p.min_tokens
+            else [],
+            dtype=np.int64,
+        )
+        for p, n in zip(params, generated_counts, strict=True)
+    ]
+    if any(a.size for a in banned):
+        x = mx.where(_row_mask(banned, (b, v)) > 0, -mx.inf, x)
+
+    greedy_tok = mx.argmax(x, axis=-1)  # first max: lowest index on ties
+    s = x / _col([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
+
+    random_rows = [not p.greedy for p in params]
+    if any(random_rows):
+        # min-p: keep p >= min_p * p_max, i.e. s >= s_max + log(min_p).
+        log_minp = _col([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
+        s = mx.where(s < mx.max(s, axis=-1, keepdims=True) + log_minp, -mx.inf, s)
+        if any(r and (0 < p.top_k < v or p.top_p < 1.0) for r, p in zip(random_rows, params, strict=True)):
+            s = _top_k_top_p(s, params)
+        keys = [row_key(p.seed, n) for p, n in zip(params, generated_counts, strict=True)]
+        drawn = mx.argmax(s + gumbel_noise(keys, v), axis=-1)
+        token = mx.where(mx.array(random_rows), drawn, greedy_tok)
+    else:
+        token = greedy_tok
+
+    outs = [token, mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0]]
+    k = max((p.logprobs or 0) for p in params)
+    if k > 0:
+        k = min(k, v)
+        top_idx = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        outs += [top_idx, mx.take_along_axis(lp, top_idx, axis=-1)]
+    mx.eval(*outs)  # the one host sync
+    host = [o.tolist() for o in outs]
+
+    result: list[Sampled] = []
+    for i, p in enumerate(params):
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs and k > 0:
+            pairs = sorted(zip(host[2][i], host[3][i], strict=True), key=lambda t: (-t[1], t[0]))
+            top = tuple((int(t), float(val)) for t, val in pairs[: p.logprobs])
+        logprob = float(host[1][i]) if p.logprobs is not None else None
+        result.append((int(host[0][i]), logprob, top))
+    return result
+
+
+def _top_k_top_p(s: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """Mask entries outside each row's top-k then top-p nucleus (ties at the cut are kept)."""
+    v = s.shape[-1]
+    srt = -mx.sort(-s, axis=-1)  # descending
+    pos = mx.arange(v)[None, :]
+    kk = mx.array([p.top_k if 0 < p.top_k < v else v for p in params])[:, None]
+    srt = mx.where(pos < kk, srt, -mx.inf)
+    probs = mx.softmax(srt, axis=-1)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above this entry
+    top_p = _col([p.top_p for p in params])
+    keep = ((before < top_p) | (top_p >= 1.0)) & (srt > -mx.inf)
+    n_keep = mx.maximum(keep.astype(mx.int32).sum(axis=-1, keepdims=True), 1)
+    threshold = mx.take_along_axis(srt, n_keep - 1, axis=-1)
+    return mx.where(s < threshold, -mx.inf, s)

@@ -1,0 +1,343 @@
+"""The engine thread and its bridge to asyncio: submit()/abort() in, TokenEvents out.
+
+One thread owns the Engine (every MLX call). Its loop: drain the inbox -> scheduler.plan() ->
+engine.step(feeds) -> sample the rows that need a token -> scheduler.on_step() -> publish events
+with loop.call_soon_threadsafe (one call per step per event loop). It blocks on the inbox when
+idle. This module imports no mlx at import time, so the API side may import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.engine.request import Request, SamplingParams, TokenEvent
+from service.engine.scheduler import QueueFull, Scheduler, needs_sample
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
+
+
+class EngineNotReady(RuntimeError):
+    """Not started yet, failed to start, draining or stopped; the API answers 503."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent]
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine_factory: Callable[[], tuple[Any, Any]],
+        *,
+        max_rows: int = 8,
+        max_queue: int = 64,
+        max_prefill_rows: int | None = None,
+        on_step_metrics: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._factory = engine_factory
+        self.max_rows = max_rows
+        self.max_queue = max_queue
+        self.max_prefill_rows = max_prefill_rows
+        # Called on the engine thread after every step: (rows in the step, step seconds).
+        self.on_step_metrics = on_step_metrics
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._started = threading.Event()  # set once start-up ended, well or not
+        self._accepting = True
+        self._stop_deadline: float | None = None
+        self.start_error: BaseException | None = None
+        # Engine facts, set on the engine thread before `ready`; plain ints, safe to read anywhere.
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_id: int | None = None
+        self.bytes_budget = 0
+        self.max_fit_tokens = 0  # the most positions one request's decode state can ever have
+        # Queue accounting shared by both threads (under _lock).
+        self._undrained = 0
+        self._sched_waiting = 0
+        self._running = 0
+        self._last_rows = 0
+        self._steps = 0
+        self._tokens = 0
+        self._step_seconds = 0.0
+        self._rows_hist = [0] * 9  # index = rows in a step
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineWorker already started")
+        self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._accepting
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for start-up to end; True if the engine is serving."""
+        await asyncio.to_thread(self._started.wait, timeout)
+        return self.ready
+
+    def _begin_stop(self, deadline: float) -> None:
+        with self._lock:
+            self._accepting = False
+        self._inbox.put(("stop", deadline))
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; let accepted requests run up to `timeout` s, abort the rest, stop."""
+        self._begin_stop(time.monotonic() + timeout)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout + 30.0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything at once and stop the thread (blocking)."""
+        self._begin_stop(time.monotonic())
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the event-loop side -----------------------------------------------------------------------
+    async def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Queue a request; returns its event stream. Raises before any iteration: QueueFull,
+        ValueError (never fits), EngineNotReady. The stream ends after an event with
+        finish_reason or error set; closing it early aborts the request."""
+        if not self._ready.is_set():
+            raise EngineNotReady(
+                f"engine failed to start: {self.start_error!r}" if self.start_error else "engine is not ready"
+            )
+        n = len(prompt_ids) + params.max_tokens
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if n > self.max_fit_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n} "
+                f"positions exceed the {self.max_fit_tokens} that fit the decode state "
+                f"budget of {self.bytes_budget} bytes"
+            )
+        rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        with self._lock:
+            if not self._accepting:
+                raise EngineNotReady("engine is draining")
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            if self._undrained + self._sched_waiting >= self.max_queue:
+                raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
+            self._undrained += 1
+            self._streams[rid] = stream
+        self._inbox.put(("add", Request(rid, list(prompt_ids), params)))
+        return self._iterate(rid, stream)
+
+    async def _iterate(self, rid: str, stream: _Stream) -> AsyncIterator[TokenEvent]:
+        done = False
+        try:
+            while True:
+                ev = await stream.queue.get()
+                done = ev.finish_reason is not None or ev.error is not None
+                yield ev
+                if done:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not done:
+                self.abort(rid)  # consumer went away (client disconnect): free the row
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the engine frees the row before its next step. Unknown ids are ignored."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "ready": self.ready,
+                "waiting": self._undrained + self._sched_waiting,
+                "running": self._running,
+                "last_step_rows": self._last_rows,
+                "steps_total": self._steps,
+                "tokens_total": self._tokens,
+                "step_seconds_total": self._step_seconds,
+                "rows_per_step": list(self._rows_hist),  # rows_per_step[r] = steps with r rows
+            }
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _publish(self, events: list[TokenEvent]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
+        with self._lock:
+            for ev in events:
+                s = self._streams.get(ev.request_id)
+                if s is not None:
+                    by_loop.setdefault(s.loop, []).append((s.queue, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+    def _start_engine(self) -> tuple[Any, Scheduler]:
+        engine, self.tokenizer = self._factory()
+        engine.warmup()
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.eos_token_id = engine.eos_token_id
+        self.bytes_budget = engine.bytes_budget()
+        budget = self.bytes_budget
+        fits = getattr(engine, "fits_ever", None) or (lambda n: engine.state_bytes_for(n) <= budget)
+        lo, hi = 0, engine.max_model_len  # binary search: the largest n that fits empty pools
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        self.max_fit_tokens = lo
+        sched = Scheduler(
+            engine,
+            max_rows=min(self.max_rows, engine.max_rows),
+            max_queue=self.max_queue,
+            eos_token_id=engine.eos_token_id,
+            max_model_len=engine.max_model_len,
+            max_prefill_rows=self.max_prefill_rows,
+        )
+        return engine, sched
+
+    def _run(self) -> None:
+        try:
+            engine, sched = self._start_engine()
+            from service.engine.sampler import sample  # mlx is imported on this thread only
+        except BaseException as e:  # noqa: BLE001 - reported through start_error / EngineNotReady
+            log.exception("engine start-up failed")
+            self.start_error = e
+            with self._lock:
+                self._accepting = False
+            self._started.set()
+            return
+        self._ready.set()
+        self._started.set()
+        while True:
+            events = self._drain_inbox(sched, block=not sched.has_work())
+            deadline = self._stop_deadline
+            if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
+                break
+            try:
+                events += self._step(engine, sched, sample)
+            except Exception as e:  # noqa: BLE001 - never let one step kill the thread
+                log.exception("engine iteration failed")
+                events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
+            with self._lock:
+                self._sched_waiting = sched.num_waiting
+                self._running = sched.num_running
+            self._publish(events)
+        # Stopping: abort whatever is left, including adds that raced with the stop.
+        events = self._drain_inbox(sched, block=False)
+        for rid in sched.ids():
+            events.append(sched.abort(rid))  # type: ignore[arg-type]
+        with self._lock:
+            self._sched_waiting = self._running = 0
+        self._publish([e for e in events if e is not None])
+
+    def _drain_inbox(self, sched: Scheduler, block: bool) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        while True:
+            try:
+                kind, arg = self._inbox.get(block=block)
+            except queue.Empty:
+                return events
+            block = False
+            if kind == "add":
+                with self._lock:  # move it from "undrained" to "waiting" atomically for submit()
+                    self._undrained -= 1
+                    self._sched_waiting += 1
+                try:
+                    sched.add(arg)
+                except (QueueFull, ValueError) as e:
+                    events.append(TokenEvent(arg.request_id, error=str(e)))
+            elif kind == "abort":
+                ev = sched.abort(arg)
+                if ev is not None:
+                    events.append(ev)
+            elif kind == "stop":
+                self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
+
+    def _step(self, engine: Any, sched: Scheduler, sample: Callable[..., Any]) -> list[TokenEvent]:
+        try:
+            plan = sched.plan()
+        except Exception as e:  # noqa: BLE001 - admission failed: the head it was admitting fails
+            log.exception("admission failed")
+            return sched.fail(
+                [sched.waiting[0].request_id] if sched.waiting else [], f"admission failed: {e}"
+            )
+        if not plan:
+            if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
+                head = sched.waiting[0].request_id
+                return sched.fail([head], "request cannot be admitted: not enough free decode state")
+            return []
+        import mlx.core as mx
+
+        t0 = time.perf_counter()
+        try:
+            logits = engine.step(sched.feeds(plan))
+            idx = [i for i, r in enumerate(plan) if needs_sample(r)]
+            sampled = {}
+            if idx:
+                rows = logits if len(idx) == len(plan) else logits[mx.array(idx)]
+                reqs = [plan[i] for i in idx]
+                res = sample(
+                    rows,
+                    [r.params for r in reqs],
+                    [r.prompt_ids + r.output_ids if _has_penalty(r.params) else [] for r in reqs],
+                    [len(r.output_ids) for r in reqs],
+                    eos_token_id=engine.eos_token_id,
+                )
+                sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
+            else:
+                mx.eval(logits)  # a prefill-only step still has to run
+        except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
+            log.exception("engine step failed (%d rows)", len(plan))
+            events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
+            return events + sched.on_step({})
+        dt = time.perf_counter() - t0
+        events = sched.on_step(sampled)
+        with self._lock:
+            self._steps += 1
+            self._last_rows = len(plan)
+            self._rows_hist[min(len(plan), 8)] += 1
+            self._tokens += len(sampled)
+            self._step_seconds += dt
+        if self.on_step_metrics is not None:
+            try:
+                self.on_step_metrics(len(plan), dt)
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                log.exception("on_step_metrics failed")
+        return events
+
+
+def _deliver(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
