@@ -1,0 +1,211 @@
+"""Scheduler: pure logic, driven with a tiny admission ledger (slots + a token budget)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from service.engine.scheduler import QueueFull, Scheduler, needs_sample
+
+EOS = 2
+
+
+class Ledger:
+    """Admission by slots and a positions budget; records every admit/release."""
+
+    def __init__(self, slots: int = 8, tokens: int = 10_000) -> None:
+        self.slots, self.tokens = slots, tokens
+        self.live: dict[int, int] = {}
+        self.next = 0
+        self.released: list[int] = []
+
+    def can_admit(self, n: int) -> bool:
+        return len(self.live) < self.slots and sum(self.live.values()) + n <= self.tokens
+
+    def admit(self, n: int) -> int:
+        if not self.can_admit(n):
+            raise RuntimeError("no room")
+        self.next += 1
+        self.live[self.next] = n
+        return self.next
+
+    def release(self, h: int) -> None:
+        assert h in self.live, f"double release of {h}"
+        del self.live[h]
+        self.released.append(h)
+
+
+def make(ledger: Ledger | None = None, **kw) -> tuple[Scheduler, Ledger]:
+    led = ledger or Ledger()
+    kw.setdefault("max_rows", 8)
+    kw.setdefault("max_queue", 16)
+    kw.setdefault("max_model_len", 1000)
+    return Scheduler(led, eos_token_id=EOS, **kw), led
+
+
+def req(rid: str, n_prompt: int = 3, **params) -> Request:
+    return Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(**params))
+
+
+def run_step(s: Scheduler, tokens: dict[str, int] | None = None, default: int = 7):
+    """One step: every row that needs a token gets tokens.get(id, default)."""
+    plan = s.plan()
+    feeds = s.feeds(plan)
+    tokens = tokens or {}
+    sampled = {r.request_id: (tokens.get(r.request_id, default), None, ()) for r in plan if needs_sample(r)}
+    return plan, feeds, s.on_step(sampled)
+
+
+def test_token_serial_prefill_then_decode_feeds_and_positions() -> None:
+    s, _ = make()
+    r = req("a", n_prompt=3, max_tokens=3)
+    s.add(r)
+    seen = []
+    for _ in range(5):
+        plan, feeds, events = run_step(s, default=50 + len(seen))
+        seen.append((feeds[0][1], feeds[0][2], [e.token_id for e in events]))
+    # Prompt tokens 10, 11, 12 at positions 0..2; the first sample comes with the last prompt token.
+    assert seen[:3] == [(10, 0, []), (11, 1, []), (12, 2, [52])]
+    assert seen[3][:2] == (52, 3) and seen[4][:2] == (53, 4)
+    assert r.output_ids == [52, 53, 54] and r.status is RequestStatus.FINISHED
+
+
+def test_admission_fifo_and_max_rows_cap() -> None:
+    s, led = make(max_rows=2)
+    for i in range(4):
+        s.add(req(f"r{i}", max_tokens=5))
+    plan = s.plan()
+    assert [r.request_id for r in plan] == ["r0", "r1"] and s.num_waiting == 2
+    s.on_step({})
+    assert s.abort("r0") is not None
+    assert [r.request_id for r in s.plan()] == ["r1", "r2"]
+    assert led.released == [1]
+
+
+def test_head_is_not_skipped_when_it_does_not_fit() -> None:
+    s, led = make(Ledger(tokens=30))
+    s.add(req("big", n_prompt=5, max_tokens=20))  # 25 positions
+    s.add(req("huge", n_prompt=5, max_tokens=20))  # doesn't fit beside big
+    s.add(req("small", n_prompt=1, max_tokens=1))  # would fit, but must not jump the queue
+    assert [r.request_id for r in s.plan()] == ["big"]
+    assert [r.request_id for r in s.waiting] == ["huge", "small"]
+    s.on_step({})
+    s.abort("big")
+    assert [r.request_id for r in s.plan()] == ["huge", "small"]
+
+
+def test_queue_full() -> None:
+    s, _ = make(max_queue=2)
+    s.add(req("a"))
+    s.add(req("b"))
+    with pytest.raises(QueueFull):
+        s.add(req("c"))
+    s.plan()  # both admitted: room again
+    s.add(req("c"))
+
+
+def test_max_prefill_rows_keeps_decode_rows_flowing() -> None:
+    s, _ = make(max_prefill_rows=1)
+    s.add(req("d", n_prompt=1, max_tokens=50))
+    run_step(s)  # d's only prompt token: it decodes from now on
+    s.add(req("p1", n_prompt=4))
+    s.add(req("p2", n_prompt=4))
+    plan, _, _ = run_step(s)
+    assert [r.request_id for r in plan] == ["d", "p1"]
+    with pytest.raises(ValueError):
+        make(max_prefill_rows=0)
+
+
+def test_eos_stops_without_emitting_token_and_releases_once() -> None:
+    s, led = make()
+    s.add(req("a", n_prompt=1, max_tokens=10))
+    _, _, ev = run_step(s, default=5)
+    assert [(e.token_id, e.finish_reason) for e in ev] == [(5, None)]
+    _, _, ev = run_step(s, default=EOS)
+    assert [(e.token_id, e.finish_reason) for e in ev] == [(None, FinishReason.STOP)]
+    assert led.released == [1] and not s.has_work()
+    assert s.abort("a") is None  # already finished: no second release
+    assert led.released == [1]
+
+
+def test_min_tokens_and_ignore_eos() -> None:
+    s, _ = make()
+    s.add(req("m", n_prompt=1, max_tokens=10, min_tokens=2))
+    s.add(req("i", n_prompt=1, max_tokens=3, ignore_eos=True))
+    _, _, ev = run_step(s, default=EOS)
+    assert [(e.request_id, e.token_id) for e in ev] == [("m", EOS), ("i", EOS)]
+    _, _, ev = run_step(s, default=EOS)
+    assert [(e.request_id, e.token_id) for e in ev] == [("m", EOS), ("i", EOS)]
+    _, _, ev = run_step(s, default=EOS)  # m has 2 tokens now: EOS stops it; i runs into max_tokens
+    assert [(e.request_id, e.token_id, e.finish_reason) for e in ev] == [
+        ("m", None, FinishReason.STOP),
+        ("i", EOS, None),
+        ("i", None, FinishReason.LENGTH),
+    ]
+
+
+def test_stop_token_ids() -> None:
+    s, _ = make()
+    s.add(req("a", n_prompt=1, max_tokens=10, stop_token_ids=(99, 98)))
+    run_step(s, default=5)
+    _, _, ev = run_step(s, default=98)
+    assert ev[-1].finish_reason is FinishReason.STOP and ev[-1].token_id is None
+
+
+def test_max_tokens_emits_last_token_then_length() -> None:
+    s, led = make()
+    s.add(req("a", n_prompt=2, max_tokens=2))
+    events = []
+    for _ in range(3):
+        events += run_step(s)[2]
+    assert [(e.token_id, e.finish_reason) for e in events] == [
+        (7, None),
+        (7, None),
+        (None, FinishReason.LENGTH),
+    ]
+    assert led.released == [1]
+
+
+def test_context_limit_finishes_with_length() -> None:
+    s, _ = make(max_model_len=5)
+    s.add(req("a", n_prompt=3, max_tokens=100))
+    events = []
+    while s.has_work():
+        events += run_step(s)[2]
+    assert [e.token_id for e in events] == [7, 7, None]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_waiting_and_running_frees_at_once() -> None:
+    s, led = make(max_rows=1)
+    s.add(req("run", max_tokens=5))
+    s.add(req("wait", max_tokens=5))
+    s.plan()
+    s.on_step({})
+    ev = s.abort("wait")
+    assert ev is not None and ev.finish_reason is FinishReason.ABORT
+    assert led.released == []  # it never held state
+    assert s.abort("run").finish_reason is FinishReason.ABORT
+    assert led.released == [1] and not led.live and not s.has_work()
+    assert s.abort("nope") is None
+
+
+def test_abort_between_plan_and_on_step_skips_the_row() -> None:
+    s, led = make()
+    s.add(req("a", n_prompt=1))
+    plan = s.plan()
+    s.abort("a")
+    assert s.on_step({"a": (5, None, ())}) == [] and led.released == [1]
+    assert plan[0].output_ids == []
+
+
+def test_fail_emits_error_and_releases() -> None:
+    s, led = make()
+    s.add(req("a"))
+    s.add(req("b"))
+    s.plan()
+    ev = s.fail(["a"], "boom")
+    assert [(e.request_id, e.error) for e in ev] == [("a", "boom")]
+    assert led.released == [1]
+    _, _, _ = run_step(s)
+    assert [r.request_id for r in s.running] == ["b"]
