@@ -90,7 +90,7 @@ class DeepseekV4(nn.Module):
     ) -> mx.array:
         """Build the rows, run one step and evaluate logits and the updated state together."""
         batch = self.make_batch(pools, handles, positions)
-        logits = self.step(batch, mx.array(list(token_ids), dtype=mx.int32), pools)
+        logits = self.step(batch, mx.array([int(t) for t in token_ids], dtype=mx.int32), pools)
         mx.eval(logits, pools.arrays())
         return logits
 
@@ -101,7 +101,7 @@ class DeepseekV4(nn.Module):
         logits = None
         for i, t in enumerate(token_ids):
             batch = self.make_batch(pools, [handle], [start + i])
-            logits = self.step(batch, mx.array([t], dtype=mx.int32), pools)
+            logits = self.step(batch, mx.array([int(t)], dtype=mx.int32), pools)
             mx.async_eval(logits, pools.arrays())
         mx.eval(logits)
         return logits[0]

@@ -6,6 +6,7 @@ the only exception is the routed experts, stacked per layer as `experts.w1/w2/w3
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -66,10 +67,24 @@ def rope_cos_sin(freqs: mx.array, positions: mx.array) -> tuple[mx.array, mx.arr
     return mx.cos(ang), mx.sin(ang)
 
 
+_compiled_pre: dict[int, object] = {}
+
+
 def hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """h [B, nc, H] -> (block input x [B, H], post [B, nc], comb C [B, nc, nc]); all mixing in f32."""
+    """h [B, nc, H] -> (block input x [B, H], post [B, nc], comb C [B, nc, nc]); all mixing in f32.
+
+    Compiled: the Sinkhorn loop is ~4 tiny ops per iteration, fused into a few kernels."""
+    f = _compiled_pre.get(id(args))
+    if f is None:
+        f = _compiled_pre[id(args)] = mx.compile(functools.partial(_hc_pre, args=args))
+    return f(h, fn, base, scale)
+
+
+def _hc_pre(
+    h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
+) -> tuple[mx.array, mx.array, mx.array]:
     nc, eps = args.hc_mult, args.hc_eps
     b = h.shape[0]
     f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
@@ -86,6 +101,7 @@ def hc_pre(
     return x, post, comb
 
 
+@mx.compile
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
     """h'[k] = post[k] * y + sum_j C[j, k] h[j]  (C used transposed)."""
     mixed = mx.einsum("bjk,bjd->bkd", comb, h.astype(mx.float32))
