@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from model.loader import tiny_model
+
 from model.state import StatePools
 
 
@@ -113,9 +113,8 @@ def test_state_bytes_exact(tiny):
         slot += sum(a[0].nbytes for a in d.values())
     assert pools.slot_bytes() == slot
     h = pools.alloc(300)
-    pages = sum(pools.ckv[l][0].nbytes for l in pools.ckv for _ in
-                range(len(h.tables[args.compress_ratios[l]])))
-    pages += sum(pools.ikeys[l][0].nbytes * len(h.tables[4]) for l in pools.ikeys)
+    pages = sum(pool[0].nbytes * len(h.tables[args.compress_ratios[layer]]) for layer, pool in pools.ckv.items())
+    pages += sum(pool[0].nbytes * len(h.tables[4]) for pool in pools.ikeys.values())
     assert pools.bytes_in_use() == slot + pages
     pools.free(h)
     assert pools.bytes_in_use() == 0
