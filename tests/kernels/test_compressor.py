@@ -127,7 +127,8 @@ def test_compressor_bf16_pool_close_to_numpy() -> None:
     kv_np, sc_np = initial_state(su)
     pool = mx.zeros((su.pages, 2, 16), mx.bfloat16)
     kv, score, cos, sin = _inputs(rng, 3, 2, 16, 4)
-    rows = [Row(s, st, i, {4: tuple(tb)}) for i, (s, st, tb) in enumerate(zip(su.slots, su.starts, su.tables))]
+    triples = zip(su.slots, su.starts, su.tables, strict=True)
+    rows = [Row(s, st, i, {4: tuple(tb)}) for i, (s, st, tb) in enumerate(triples)]
     _, _, pool = compressor_rows(
         RowBatch.build(rows, 2), mx.array(kv), mx.array(score), mx.array(su.ape), mx.array(su.norm),
         mx.array(kv_np), mx.array(sc_np), pool, ratio=4, head_dim=16, eps=EPS, cos=mx.array(cos), sin=mx.array(sin),
@@ -154,12 +155,17 @@ def test_compressor_batched_equals_single_rows(ratio: int) -> None:
     for t in range(3):
         q_rows = [int(x) for x in rng.permutation(8)]
         kv, score, cos, sin = (mx.array(a) for a in _inputs(rng, 8, coff, d, half))
-        rows = [Row(s, st + t, qr, {ratio: tuple(tb)}) for s, st, qr, tb in zip(su.slots, starts, q_rows, su.tables)]
+        rows = [
+            Row(s, st + t, qr, {ratio: tuple(tb)})
+            for s, st, qr, tb in zip(su.slots, starts, q_rows, su.tables, strict=True)
+        ]
         common = dict(ratio=ratio, head_dim=d, eps=EPS, cos=cos, sin=sin)
         ape, norm = mx.array(su.ape), mx.array(su.norm)
-        together = compressor_rows(RowBatch.build(rows, page, {ratio: width}), kv, score, ape, norm, *together, **common)
+        batch = RowBatch.build(rows, page, {ratio: width})
+        together = compressor_rows(batch, kv, score, ape, norm, *together, **common)
         for row in rows:
-            alone = compressor_rows(RowBatch.build([row], page, {ratio: width}), kv, score, ape, norm, *alone, **common)
+            one = RowBatch.build([row], page, {ratio: width})
+            alone = compressor_rows(one, kv, score, ape, norm, *alone, **common)
     for a, b in zip(together, alone, strict=True):
         np.testing.assert_allclose(np.array(a)[1:], np.array(b)[1:], rtol=1e-6, atol=1e-6)
     assert not np.array_equal(np.array(together[2])[1:], pool_np[1:])  # entries were emitted

@@ -52,9 +52,10 @@ def expected(rows, q, window, pool, indices, sinks, ratio, scale, all_entries=Fa
 
 def call(rows, q, window, pool, indices, sinks, ratio, scale, width=None):
     batch = RowBatch.build(rows, PAGE, {ratio: width} if width else None)
-    as_mx = (lambda a: None if a is None else mx.array(a))
+    pool = None if pool is None else mx.array(pool)
+    indices = None if indices is None else mx.array(indices)
     return sparse_attention_rows(
-        batch, mx.array(q), mx.array(window), as_mx(pool), as_mx(indices), mx.array(sinks), scale=scale, ratio=ratio
+        batch, mx.array(q), mx.array(window), pool, indices, mx.array(sinks), scale=scale, ratio=ratio
     )
 
 
