@@ -1,0 +1,97 @@
+"""`dsv4-serve`: serve (uvicorn + create_app), make-tiny and generate (model.cli, imported lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from pydantic import ValidationError
+
+from service.settings import Settings, describe_error
+
+# Subcommands owned by model/cli.py: their argv passes through untouched.
+_PASSTHROUGH = {
+    "make-tiny": ("make_tiny_main", "write the embedded tiny model + tokenizer to DIR (HF layout)"),
+    "generate": ("generate_main", "greedy/sampled generation from prompt ids, no server"),
+}
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    # Every default is None so that DSV4_* env vars apply unless a flag is given.
+    p.add_argument("--model", help="HF checkpoint dir (default: embedded tiny model)  [DSV4_MODEL]")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)  [DSV4_HOST]")
+    p.add_argument("--port", type=int, help="port (default 8000)  [DSV4_PORT]")
+    p.add_argument("--max-rows", type=int, help="decode rows per step, 1..8 (default 8)  [DSV4_MAX_ROWS]")
+    p.add_argument("--max-queue", type=int, help="waiting requests before 429 (default 64)  [DSV4_MAX_QUEUE]")
+    p.add_argument("--max-model-len", type=int, help="context limit (default: model's)  [DSV4_MAX_MODEL_LEN]")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step  [DSV4_PREFILL_CHUNK]")
+    p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
+    p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")
+    p.add_argument(
+        "--drain-timeout", type=float, help="SIGTERM drain seconds (default 30)  [DSV4_DRAIN_TIMEOUT]"
+    )
+    p.add_argument("--log-level", help="uvicorn/app log level (default info)  [DSV4_LOG_LEVEL]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4-serve", description="DeepSeek-V4 decode serving on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    for name, (_, help_text) in _PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+
+    app = create_app(settings)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Runs on the main (= event loop) thread: start the drain now, before uvicorn waits for
+            # the open streams (it only runs the lifespan shutdown after they have all closed).
+            app.state.ctl.begin_drain_threadsafe()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # Backstop only: our drain ends every stream within drain_timeout.
+        timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
+        access_log=settings.log_level in ("debug", "trace"),
+    )
+    # uvicorn re-raises the captured signal after a graceful shutdown, restoring the handlers that
+    # were there before it: make those no-ops so a drained SIGTERM exits 0, not 143.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    _Server(config).run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        import model.cli
+
+        return int(getattr(model.cli, _PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = Settings.load(overrides)
+    except ValidationError as err:
+        print(f"dsv4-serve: invalid settings: {describe_error(err)}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

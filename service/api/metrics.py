@@ -1,0 +1,101 @@
+"""Prometheus metrics on the service's own CollectorRegistry.
+
+Latencies and token counts are observed by the streaming code on the event loop. Engine-side
+numbers (waiting / running requests, rows per step, state bytes) are read from `worker.stats()`
+at scrape time by a custom collector, so the engine thread never calls into prometheus:
+  waiting, running: int             requests queued / holding a row now
+  rows_per_step: list[int]          rows_per_step[r] = engine steps with r rows so far (cumulative)
+  bytes_in_use, bytes_budget: int   decode state bytes (slots + pages) reserved / total
+Step durations come through the worker's on_step_metrics hook (observe_step).
+Missing keys are simply not exported."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+PREFIX = "dsv4"
+OUTCOMES = (
+    "stop",
+    "length",
+    "abort",
+    "client_disconnect",
+    "rejected_4xx",
+    "queue_full",
+    "unavailable",
+    "error",
+)
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], max_rows: int) -> None:
+        self.stats, self.max_rows = stats, max_rows
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self.stats() or {}
+        except Exception:  # a scrape must never fail because the engine is busy or gone
+            log.exception("worker.stats() failed")
+            s = {}
+        for key, name, doc in (
+            ("waiting", "requests_waiting", "Requests waiting for a decode row"),
+            ("running", "requests_running", "Requests holding a decode row"),
+            ("bytes_in_use", "state_bytes_in_use", "Decode state bytes reserved by running requests"),
+            ("bytes_budget", "state_bytes_budget", "Decode state bytes available in the pools"),
+        ):
+            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            g.add_metric([], float(s.get(key) or 0))
+            yield g
+        by_rows = dict(enumerate(int(n) for n in s.get("rows_per_step") or ()))
+        buckets, acc = [], 0
+        for rows in range(1, self.max_rows + 1):
+            acc += by_rows.get(rows, 0)
+            buckets.append((str(float(rows)), acc))
+        total = sum(by_rows.values())
+        buckets.append(("+Inf", total))
+        h = HistogramMetricFamily(
+            f"{PREFIX}_decode_rows_per_step", "Rows decoded together in one engine step"
+        )
+        h.add_metric([], buckets, sum_value=float(sum(r * n for r, n in by_rows.items())))
+        yield h
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], max_rows: int = 8) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=_LAT, registry=r
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds", "Time between tokens", buckets=_LAT, registry=r
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Request latency", buckets=_E2E, registry=r
+        )
+        self.step_seconds = Histogram(
+            f"{PREFIX}_engine_step_seconds", "Duration of one engine step", buckets=_LAT, registry=r
+        )
+        r.register(_EngineCollector(stats, max_rows))
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+
+    def outcome(self, name: str) -> None:
+        self.requests.labels(name).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,229 @@
+"""OpenAI request / response / chunk / error models. A field sent as null means absent; unknown
+fields are ignored. Validation errors are mapped to 400 with the offending `param`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_REQ = ConfigDict(extra="ignore", strict=True)
+
+
+class APIError(Exception):
+    """Raised anywhere in the API layer; rendered as an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_to_api_error(err: ValidationError) -> APIError:
+    """First pydantic error -> 400 naming the top-level field (`messages`, `temperature`, ...)."""
+    e = err.errors(include_url=False)[0]
+    loc = [str(x) for x in e.get("loc", ())]
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"Malformed JSON body: {e.get('msg')}", code="invalid_json")
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{where}': {msg}", param=param, code="invalid_value")
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQ
+    include_usage: bool | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+
+    model_config = _REQ
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        items = [v] if isinstance(v, str) else v
+        if len(items) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return items or None
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])  # type: ignore[arg-type]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = _REQ
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQ
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None  # accepted in history, dropped by the encoder
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a '{self.role}' message needs content")
+        return self
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def limit_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: None off, else the number of alternatives."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def thinking(self) -> bool:
+        kw = self.chat_template_kwargs or {}
+        for key in ("thinking", "enable_thinking"):
+            if key in kw and kw[key] is not None:
+                return bool(kw[key])
+        return self.reasoning_effort not in (None, "none")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @property
+    def limit_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_card(name: str, root: str | None, max_model_len: int | None) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "dsv4-serve",
+        "root": root or name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }

@@ -1,0 +1,83 @@
+"""Every knob of the service, validated once. Each field `name` is also env `DSV4_<NAME>`; flags win."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "DSV4_"
+EMBEDDED_MODEL_NAME = "deepseek-v4-tiny"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str | None = None  # None: the embedded tiny model and tokenizer
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_rows: int = Field(8, ge=1, le=8)  # decode rows per step (the kernels' row contract caps it at 8)
+    max_queue: int = Field(64, ge=1)  # waiting requests beyond the running rows; more -> 429
+    max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
+    prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens per prefill step; None: engine default
+    served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
+    max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
+    drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them
+    log_level: str = "info"
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        return v
+
+    @field_validator("model", "served_model_name")
+    @classmethod
+    def _blank_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @property
+    def served_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return EMBEDDED_MODEL_NAME
+        return Path(self.model).expanduser().resolve().name or self.model
+
+    @property
+    def state_budget_bytes(self) -> int | None:
+        return None if self.max_state_gib is None else int(self.max_state_gib * 2**30)
+
+    @classmethod
+    def env_names(cls) -> dict[str, str]:
+        """Field name -> environment variable name."""
+        return {name: ENV_PREFIX + name.upper() for name in cls.model_fields}
+
+    @classmethod
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Env first, then non-None overrides (CLI flags). An empty env value counts as unset."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, var in cls.env_names().items():
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                values[name] = raw.strip()
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.model_validate(values)
+
+
+def describe_error(err: ValidationError) -> str:
+    """One line per bad knob, naming its flag and env var."""
+    lines = []
+    for e in err.errors():
+        name = str(e["loc"][0]) if e["loc"] else "?"
+        lines.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {e['msg']}")
+    return "; ".join(lines)
