@@ -1,0 +1,178 @@
+"""The project's real decode step on a truncated V4-Flash (real dims, random weights, bf16).
+
+4 layers by default (sliding, CSA, HCA, CSA); rows 1, 2, 4, 8 at 4K and 128K context; with the fast
+kernels and with DSV4_KERNELS=reference, measured side by side in one run. The context is laid down as
+random state (window rings, compressed entries, indexer keys), not prefilled. Prints a table, writes JSON.
+
+    python bench/step.py --out $OUT/step.json [--layers 4] [--contexts 4096,131072] [--rows 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+
+from model.config import ModelArgs  # noqa: E402
+from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.state import StatePools  # noqa: E402
+
+COPY_BW = None  # bytes/s of a plain device copy, measured in this run
+
+
+def flash_args(layers: int) -> ModelArgs:
+    a = ModelArgs()  # V4-Flash defaults
+    a.num_hidden_layers = layers
+    a.compress_ratios = ([0, 4, 128, 4] * ((layers + 3) // 4))[:layers]
+    return a
+
+
+def random_model(args: ModelArgs, dtype: mx.Dtype, quantize: str | None) -> DeepseekV4:
+    model = DeepseekV4(args)
+    key = mx.random.key(0)
+    for name, p in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        if p.dtype == mx.int32:  # tid2eid: distinct-ish random experts
+            v = mx.random.randint(0, args.n_routed_experts, p.shape, key=sub).astype(mx.int32)
+        else:
+            fan = p.shape[-1] if p.ndim >= 2 else 1
+            std = fan**-0.5 if p.ndim >= 2 else 0.1
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            v = (base + std * mx.random.normal(p.shape, key=sub)).astype(dtype if p.ndim >= 2 else mx.float32)
+            if name.endswith("norm.weight"):
+                v = v.astype(dtype)
+        model.update(tree_unflatten([(name, v)]))
+        mx.eval(v)
+    if quantize:
+        from model.quant import quantize_model  # issue 5: mxfp8 dense / mxfp4 experts
+
+        quantize_model(model, mode=quantize)
+    mx.eval(model.parameters())
+    return model
+
+
+def fill_state(pools: StatePools, handles, ctx: int) -> None:
+    key = mx.random.key(1)
+    for lst in (pools.window,):
+        for i, a in enumerate(lst):
+            lst[i] = (0.5 * mx.random.normal(a.shape, key=mx.random.split(key, i + 2)[i + 1])).astype(a.dtype)
+    for d in (pools.ckv, pools.ikeys):
+        for layer, a in d.items():
+            d[layer] = (0.5 * mx.random.normal(a.shape, key=mx.random.key(layer + 7))).astype(a.dtype)
+    for d in (pools.comp_kv, pools.comp_score, pools.idx_kv, pools.idx_score):
+        for layer, a in d.items():
+            d[layer] = mx.random.normal(a.shape, key=mx.random.key(layer + 99)).astype(a.dtype)
+    mx.eval(pools.arrays())
+
+
+def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
+    """(weight bytes, state bytes) one step must read at least."""
+    a = model.args
+    total = 0
+    expert = 0
+    for name, p in tree_flatten(model.parameters()):
+        if ".ffn.experts." in name:
+            expert += p.nbytes
+        else:
+            total += p.nbytes
+    e, k = a.n_routed_experts, a.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** rows)
+    weights = total + expert * distinct / e
+    state = 0
+    for r in a.compress_ratios:
+        n = min(ctx + 1, a.sliding_window)
+        if r == 4:
+            n += min(a.index_topk, ctx // 4)
+            state += rows * (ctx // 4) * a.index_head_dim * 2
+        elif r == 128:
+            n += ctx // 128
+        state += rows * n * a.head_dim * 2
+    return weights, state
+
+
+def copy_bandwidth() -> float:
+    x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.bfloat16)  # 512 MB
+    mx.eval(x)
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        mx.eval(x + 0)
+        ts.append(time.perf_counter() - t)
+    return 2 * x.nbytes / statistics.median(ts)
+
+
+def time_steps(model, pools, handles, ctx, reps) -> list[float]:
+    ts = []
+    for i in range(reps):
+        t = time.perf_counter()
+        model.decode(pools, handles, [7] * len(handles), [ctx + i] * len(handles))
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--contexts", default="4096,131072")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--quantize", default="", help="'' (bf16 weights) or 'mxfp' (mxfp8 dense + mxfp4 experts)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
+    opt = ap.parse_args()
+    args = flash_args(opt.layers)
+    t0 = time.perf_counter()
+    model = random_model(args, mx.bfloat16, opt.quantize or None)
+    print(f"model ready in {time.perf_counter() - t0:.1f} s on {mx.default_device()}", flush=True)
+    bw = copy_bandwidth()
+    rows_list = [int(r) for r in opt.rows.split(",")]
+    results = []
+    for ctx in (int(c) for c in opt.contexts.split(",")):
+        pools = StatePools(args, max_slots=max(rows_list), max_positions=ctx + opt.reps + 8, page_size=256,
+                           dtype=mx.bfloat16)
+        handles = [pools.alloc(ctx + opt.reps + 8) for _ in range(max(rows_list))]
+        fill_state(pools, handles, ctx)
+        for rows in rows_list:
+            arm = {}
+            for mode in ("fast", "reference", "fast", "reference"):  # interleaved arms
+                os.environ["DSV4_KERNELS"] = "auto" if mode == "fast" else "reference"
+                time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
+                arm.setdefault(mode, []).extend(time_steps(model, pools, handles[:rows], ctx, opt.reps))
+            wb, sb = floor_bytes(model, rows, ctx)
+            floor = (wb + sb) / bw
+            for mode, ts in arm.items():
+                med = statistics.median(ts)
+                results.append({
+                    "layers": opt.layers, "context": ctx, "rows": rows, "kernels": mode,
+                    "weights": opt.quantize or "bf16", "ms_per_step": med * 1e3,
+                    "spread_ms": (max(ts) - min(ts)) * 1e3, "tokens_per_s": rows / med,
+                    "floor_ms": floor * 1e3, "ms_per_layer": med * 1e3 / opt.layers,
+                    "floor_ms_per_layer": floor * 1e3 / opt.layers, "ratio_to_floor": med / floor,
+                })
+        del pools, handles
+    meta = {
+        "mlx": mx.__version__, "device": str(mx.default_device()), "copy_bw_GBs": bw / 1e9,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }
+    Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(json.dumps(meta))
+    head = ("ctx", "rows", "kernels", "weights", "ms/step", "tok/s", "floor ms", "x floor")
+    print("{:>7} {:>4} {:>9} {:>7} {:>8} {:>8} {:>8} {:>7}".format(*head))
+    for r in results:
+        print(f"{r['context']:>7} {r['rows']:>4} {r['kernels']:>9} {r['weights']:>7} {r['ms_per_step']:>8.2f} "
+              f"{r['tokens_per_s']:>8.1f} {r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()
