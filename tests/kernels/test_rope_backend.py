@@ -1,0 +1,73 @@
+"""The interleaved RoPE helper vs NumPy, and backend selection (env override, fast-path registry)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels import backend, rope
+from kernels.indexer import indexer_rows_reference
+from tests.kernels.naive import rope_np
+
+
+@pytest.mark.parametrize(("d", "half"), [(12, 2), (8, 4)])
+def test_rope_interleaved_last_dims_matches_numpy(d: int, half: int) -> None:
+    rng = np.random.default_rng(d)
+    x = rng.normal(size=(3, 5, d)).astype(np.float32)
+    ang = rng.uniform(-math.pi, math.pi, size=(3, half))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    got = np.array(rope(mx.array(x), mx.array(cos), mx.array(sin)))
+    want = np.stack([np.stack([rope_np(x[b, h], cos[b], sin[b]) for h in range(5)]) for b in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[..., : d - 2 * half], x[..., : d - 2 * half])  # nope dims untouched
+
+
+def test_rope_keeps_dtype() -> None:
+    x = mx.ones((2, 8), mx.bfloat16)
+    assert rope(x, mx.ones((2, 2)), mx.zeros((2, 2))).dtype == mx.bfloat16
+
+
+@pytest.fixture
+def fresh_backend(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setattr(backend, "_fast", {})
+    monkeypatch.setattr(backend, "_loaded", True)
+    monkeypatch.delenv(backend.ENV, raising=False)
+    return monkeypatch
+
+
+def test_backend_is_reference_without_cuda(fresh_backend: pytest.MonkeyPatch) -> None:
+    fresh_backend.setattr(backend, "cuda_available", lambda: False)
+    backend.register("indexer_rows", lambda *a, **k: "fast")
+    assert backend.name() == "reference"
+    assert backend.pick("indexer_rows", indexer_rows_reference) is indexer_rows_reference
+
+
+def test_backend_picks_registered_fast_op_on_cuda(fresh_backend: pytest.MonkeyPatch) -> None:
+    fresh_backend.setattr(backend, "cuda_available", lambda: True)
+    assert backend.name() == "reference"  # CUDA but nothing registered yet
+    backend.register("indexer_rows", lambda *a, **k: "fast")
+    assert backend.name() == "cuda"
+    assert kernels.indexer_rows(None, None, None, None, topk=1) == "fast"  # type: ignore[arg-type]
+    # an op without a fast version still gets its reference
+    from kernels.compressor import compressor_rows_reference
+
+    assert backend.pick("compressor_rows", compressor_rows_reference) is compressor_rows_reference
+    fresh_backend.setenv(backend.ENV, "reference")
+    assert backend.name() == "reference"
+    assert backend.pick("indexer_rows", indexer_rows_reference) is indexer_rows_reference
+
+
+def test_backend_env_errors(fresh_backend: pytest.MonkeyPatch) -> None:
+    fresh_backend.setattr(backend, "cuda_available", lambda: False)
+    fresh_backend.setenv(backend.ENV, "cuda")
+    with pytest.raises(ValueError, match="DSV4_KERNELS"):
+        backend.name()
+    fresh_backend.setenv(backend.ENV, "metal-please")
+    with pytest.raises(ValueError, match="DSV4_KERNELS"):
+        backend.name()
+    with pytest.raises(ValueError, match="op"):
+        backend.register("rows_gather", lambda: None)
