@@ -99,3 +99,15 @@ def test_indexer_batched_equals_single_rows() -> None:
         alone = run([r], q, w, keys, 4, topk=7, width=9)
         np.testing.assert_array_equal(together[r.q_row], alone[r.q_row])
     assert (together >= 0).sum() > 20
+
+
+def test_indexer_order_key_signed_zero_and_infinities() -> None:
+    """The sort key alone: -0.0 ties +0.0 (id decides), +-inf order, masked entries go last."""
+    from kernels.indexer import _order_key
+
+    scores = np.array([0.0, -0.0, 1.0, -1.0, -0.0, np.inf, -np.inf, 1.0, 5.0, 0.0], np.float32)
+    valid = np.array([True] * 8 + [False, True])
+    key = _order_key(mx.array(scores)[None], mx.array(valid)[None])
+    ids = np.array((mx.sort(key, axis=-1) & 0xFFFFFFFF).astype(mx.int32))[0].tolist()
+    want = sorted(range(10), key=lambda s: (not valid[s], -float(scores[s]), s))
+    assert ids == want == [5, 2, 7, 0, 1, 4, 9, 3, 6, 8]

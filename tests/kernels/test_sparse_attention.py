@@ -114,3 +114,16 @@ def test_sparse_attention_batched_equals_single_rows() -> None:
         alone = np.array(call([r], q, window, pool, indices, sinks, 4, 0.3, width=12))
         np.testing.assert_allclose(together[r.q_row], alone[r.q_row], rtol=1e-6, atol=1e-6)
     assert np.isfinite(together).all()
+
+
+def test_sparse_attention_position_int32_max_sliding() -> None:
+    """p = INT32_MAX: min(p+1, W) must not overflow int32 (the whole ring is valid)."""
+    rng = np.random.default_rng(12)
+    rows = [Row(slot=1, position=2**31 - 1, q_row=0), Row(slot=0, position=4, q_row=1)]
+    q = rng.normal(size=(2, NH, D)).astype(np.float32)
+    window = rng.normal(size=(2, W, D)).astype(np.float32)
+    window[0, 5:] = np.nan
+    sinks = rng.normal(size=NH).astype(np.float32)
+    got = call(rows, q, window, None, None, sinks, None, 0.3)
+    want = expected(rows, q, window, None, None, sinks, 4, 0.3)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
