@@ -1,0 +1,110 @@
+"""CUDA fast path of the three row-batched ops (`mx.fast.cuda_kernel`), registered on import.
+
+`kernels.backend` imports this package lazily when MLX's default device is a CUDA GPU (and
+`DSV4_KERNELS` is not `reference`). Each fast op has the reference's signature, runs the same
+row-contract checks before launching, and falls back to the reference for dtypes or shapes its
+kernels do not cover:
+- compressor_rows: every float dtype (1 kernel + 3 scatters into the slot / page pools);
+- indexer_rows: q / keys bf16 or f16, heads and dim multiples of 16, topk <= 2048 (2 kernels);
+- sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
+  of 32 (2 kernels). float32 (the tiny test model) runs the reference for these two.
+
+NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
+about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
+start-up, before the server says it is ready.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import mlx.core as mx
+
+from kernels import backend
+from kernels.cuda.attention import sparse_attention_rows_cuda
+from kernels.cuda.compressor import compressor_rows_cuda
+from kernels.cuda.indexer import indexer_rows_cuda
+from kernels.rows import Row, RowBatch
+
+__all__ = [
+    "compressor_rows_cuda",
+    "indexer_rows_cuda",
+    "precompile",
+    "precompile_model",
+    "sparse_attention_rows_cuda",
+]
+
+backend.register("compressor_rows", compressor_rows_cuda)
+backend.register("indexer_rows", indexer_rows_cuda)
+backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
+
+
+def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:
+    # position 511: emits for ratio 4 and 128, 128 ratio-4 entries, 4 ratio-128 entries
+    tables = {r: tuple(range(1, 1 + max(1, -(-(512 // r) // page_size)))) for r in ratios}
+    return RowBatch.build([Row(0, 511, 0, tables)], page_size)
+
+
+def precompile(
+    *,
+    dtype: mx.Dtype,
+    page_size: int,
+    n_heads: int,
+    head_dim: int,
+    rope_dim: int,
+    index_heads: int,
+    index_dim: int,
+    topk: int,
+    window: int = 128,
+    ratios: Iterable[int] = (4, 128),
+) -> int:
+    """Compile (and run once) every kernel variant the model uses; returns the number of op calls."""
+    ratios = tuple(sorted(set(r for r in ratios if r)))
+    batch = _batch(page_size, ratios or (4,))
+    calls: list[Any] = []
+    half = rope_dim // 2
+    cos = mx.ones((1, half), mx.float32)
+    pages = {r: len(batch.rows[0].tables[r]) + 1 for r in batch.rows[0].tables}
+    comp = [(r, head_dim) for r in ratios] + ([(4, index_dim)] if 4 in ratios else [])
+    for ratio, d in comp:
+        coff = 2 if ratio == 4 else 1
+        pool = mx.zeros((pages[ratio], page_size, d), dtype)
+        st = mx.zeros((1, coff * ratio, coff * d), mx.float32)
+        x = mx.random.normal((1, coff * d))
+        calls.append(compressor_rows_cuda(
+            batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool,
+            ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0,
+        ))  # fmt: skip
+    q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
+    win = mx.random.normal((1, window, head_dim)).astype(dtype)
+    sinks = mx.zeros((n_heads,), mx.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    calls.append(sparse_attention_rows_cuda(batch, q, win, None, None, sinks, scale=scale))
+    for ratio in ratios:
+        pool = mx.random.normal((pages[ratio], page_size, head_dim)).astype(dtype)
+        ind = mx.arange(8, dtype=mx.int32)[None, :]
+        calls.append(sparse_attention_rows_cuda(batch, q, win, pool, ind, sinks, scale=scale, ratio=ratio))
+    if 4 in ratios:
+        qi = mx.random.normal((1, index_heads, index_dim)).astype(dtype)
+        keys = mx.random.normal((pages[4], page_size, index_dim)).astype(dtype)
+        calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk))
+    mx.eval(calls)
+    return len(calls)
+
+
+def precompile_model(args: Any, dtype: mx.Dtype, page_size: int) -> int:
+    """`precompile` with the dims of a `model.config.ModelArgs`."""
+    return precompile(
+        dtype=dtype,
+        page_size=page_size,
+        n_heads=args.num_attention_heads,
+        head_dim=args.head_dim,
+        rope_dim=args.qk_rope_head_dim,
+        index_heads=args.index_n_heads,
+        index_dim=args.index_head_dim,
+        topk=args.index_topk,
+        window=args.sliding_window,
+        ratios=tuple(args.compress_ratios),
+    )

@@ -1,0 +1,264 @@
+"""sparse_attention_rows on CUDA: split-K flash decoding with tensor cores (2 launches).
+
+1. `partial`: grid (splits, head groups of 16, rows). Heads-as-rows: a block holds its 16 heads'
+   q rows [16, D] in shared memory and walks its range of 64-key chunks of the row's key list
+   (window ring rows `0..W-1`, then the selected ids; invalid ones are never read, their keys are
+   zero and masked). Per chunk: keys gathered through the slot id / block table into shared
+   memory, S = Q K^T (wmma bf16/f16, f32 accumulation), an online softmax update, O += P V
+   (wmma, O kept in shared memory in f32). Writes O [16, D] and (max, sum) per head.
+2. `combine`: one block per (q-buffer row, head): merges the splits with the sink in the
+   denominator, writes `q.dtype`; rows no batch row names get 0.
+Fast path: q, window, pool of one 16-bit dtype, heads and D multiples of 16; else the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from kernels.cuda.common import f32_params, i32_dummy, kernel
+from kernels.rows import RowBatch
+from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
+
+HG, CK, THREADS = 16, 64, 256
+TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
+PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams")
+COMB_IN = ("q_rows", "opart", "ml", "sinks")
+
+PARTIAL = r"""
+  using namespace nvcuda;
+  constexpr int LDK = D + 8, LDP = CK + 8, LDO = D + 4, VPR = D / 8, NWARP = 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* Ks = Qs + HG * LDK;
+  T* Ps = Ks + CK * LDK;
+  float* Ss = reinterpret_cast<float*>(Ps + HG * LDP);
+  float* Os = Ss + 2 * HG * CK;
+  float* mrun = Os + HG * LDO;
+  float* lrun = mrun + HG;
+  float* alpha = lrun + HG;
+  long long* koff = reinterpret_cast<long long*>(alpha + HG);
+  int* kwin = reinterpret_cast<int*>(koff + CK);
+  const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int nsplit = gridDim.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NH = q_shape[1], W = window_shape[1];
+  const int KI = RATIO ? indices_shape[1] : 0;
+  const int tw = table_shape[1];
+  const int slot = slots[b], p = positions[b], qr = q_rows[b];
+  const int nwin = min(p, W - 1) + 1;
+  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const int nchunk = (W + KI + CK - 1) / CK;
+  const int per = (nchunk + nsplit - 1) / nsplit;
+  const int c0 = split * per, c1 = min(nchunk, c0 + per);
+  const float scale = fparams[0];
+  const uint4* qsrc = reinterpret_cast<const uint4*>(q + ((size_t)qr * NH + g * HG) * D);
+  for (int i = tid; i < HG * VPR; i += THREADS) {
+    const int h = i / VPR, v = i - h * VPR;
+    *reinterpret_cast<uint4*>(Qs + h * LDK + v * 8) = qsrc[i];
+  }
+  for (int i = tid; i < HG * LDO; i += THREADS) Os[i] = 0.f;
+  if (tid < HG) { mrun[tid] = -INFINITY; lrun[tid] = 0.f; }
+  for (int c = c0; c < c1; ++c) {
+    __syncthreads();
+    if (tid < CK) {
+      const int j = c * CK + tid;
+      long long off = -1;
+      int win = 1;
+      if (j < W) {
+        if (j < nwin) off = ((long long)slot * W + j) * D;
+      } else if (j < W + KI) {
+        win = 0;
+        const int id = indices[(size_t)qr * KI + (j - W)];
+        if (id >= 0 && id < ncomp) {
+          const int pg = table[b * tw + id / PAGE];
+          off = ((long long)pg * PAGE + id % PAGE) * D;
+        }
+      }
+      koff[tid] = off;
+      kwin[tid] = win;
+    }
+    const int any = __syncthreads_or(tid < CK && koff[tid] >= 0);
+    if (!any) continue;
+    for (int i = tid; i < CK * VPR; i += THREADS) {
+      const int e = i / VPR, v = i - e * VPR;
+      const long long off = koff[e];
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (off >= 0) val = reinterpret_cast<const uint4*>((kwin[e] ? window : pool) + off)[v];
+      *reinterpret_cast<uint4*>(Ks + e * LDK + v * 8) = val;
+    }
+    __syncthreads();
+    {
+      const int kt = warp & 3, half = warp >> 2;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = half * (D / 32); ks < (half + 1) * (D / 32); ++ks) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, Qs + ks * 16, LDK);
+        wmma::load_matrix_sync(fb, Ks + kt * 16 * LDK + ks * 16, LDK);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int hh = 0; hh < HG / NWARP; ++hh) {
+      const int h = warp * (HG / NWARP) + hh;
+      const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
+      const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
+      const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
+      float m = fmaxf(s0, s1);
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const float mold = mrun[h];
+      const float mnew = fmaxf(mold, m);
+      const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
+      float l = p0 + p1;
+      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+      Ps[h * LDP + lane] = dsv4_t<T>(p0);
+      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+      __syncwarp();
+      if (lane == 0) {
+        const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
+        alpha[h] = a;
+        lrun[h] = lrun[h] * a + l;
+        mrun[h] = mnew;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < HG * D; i += THREADS) {
+      const int h = i / D, d = i - h * D;
+      Os[h * LDO + d] *= alpha[h];
+    }
+    __syncthreads();
+    {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fp[CK / 16];
+#pragma unroll
+      for (int ks = 0; ks < CK / 16; ++ks) wmma::load_matrix_sync(fp[ks], Ps + ks * 16, LDP);
+      for (int nt = warp; nt < D / 16; nt += NWARP) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::load_matrix_sync(acc, Os + nt * 16, LDO, wmma::mem_row_major);
+#pragma unroll
+        for (int ks = 0; ks < CK / 16; ++ks) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fv;
+          wmma::load_matrix_sync(fv, Ks + ks * 16 * LDK + nt * 16, LDK);
+          wmma::mma_sync(acc, fp[ks], fv, acc);
+        }
+        wmma::store_matrix_sync(Os + nt * 16, acc, LDO, wmma::mem_row_major);
+      }
+    }
+  }
+  __syncthreads();
+  const size_t base = ((size_t)b * nsplit + split) * NH + g * HG;
+  for (int i = tid; i < HG * D / 4; i += THREADS) {
+    const int h = i / (D / 4), d4 = i - h * (D / 4);
+    const float* src = Os + h * LDO + d4 * 4;
+    reinterpret_cast<float4*>(opart + (base + h) * D)[d4] = make_float4(src[0], src[1], src[2], src[3]);
+  }
+  if (tid < HG) { ml[(base + tid) * 2] = mrun[tid]; ml[(base + tid) * 2 + 1] = lrun[tid]; }
+"""
+
+COMBINE = r"""
+  const int NH = sinks_shape[0], B = q_rows_shape[0], NS = ml_shape[1];
+  const int r = blockIdx.x / NH, h = blockIdx.x - (blockIdx.x / NH) * NH, tid = threadIdx.x;
+  int b = -1;
+  for (int i = 0; i < B; ++i) if (q_rows[i] == r) b = i;
+  T* o = out + ((size_t)r * NH + h) * D;
+  if (b < 0) {
+    for (int d = tid; d < D; d += blockDim.x) o[d] = dsv4_t<T>(0.f);
+    return;
+  }
+  const float sink = sinks[h];
+  float M = sink;
+  for (int s = 0; s < NS; ++s) M = fmaxf(M, ml[(((size_t)b * NS + s) * NH + h) * 2]);
+  float den = __expf(sink - M);
+  for (int s = 0; s < NS; ++s) {
+    const float m = ml[(((size_t)b * NS + s) * NH + h) * 2];
+    if (m != -INFINITY) den += ml[(((size_t)b * NS + s) * NH + h) * 2 + 1] * __expf(m - M);
+  }
+  const float inv = 1.f / den;
+  for (int d4 = tid; d4 < D / 4; d4 += blockDim.x) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < NS; ++s) {
+      const size_t row = ((size_t)b * NS + s) * NH + h;
+      const float m = ml[row * 2];
+      if (m == -INFINITY) continue;
+      const float w = __expf(m - M);
+      const float4 v = reinterpret_cast<const float4*>(opart + row * D)[d4];
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    o[4 * d4] = dsv4_t<T>(acc.x * inv);
+    o[4 * d4 + 1] = dsv4_t<T>(acc.y * inv);
+    o[4 * d4 + 2] = dsv4_t<T>(acc.z * inv);
+    o[4 * d4 + 3] = dsv4_t<T>(acc.w * inv);
+  }
+"""
+
+
+def smem_bytes(d: int) -> int:
+    t = 2 * (HG * (d + 8) + CK * (d + 8) + HG * (CK + 8))
+    f = 4 * (2 * HG * CK + HG * (d + 4) + 3 * HG)
+    return t + f + 8 * CK + 4 * CK
+
+
+def supported(q: mx.array, window: mx.array, pool: mx.array | None) -> bool:
+    nh, d = q.shape[1], q.shape[2]
+    same = window.dtype == q.dtype and (pool is None or pool.dtype == q.dtype)
+    return q.dtype in (mx.bfloat16, mx.float16) and same and nh % HG == 0 and d % 32 == 0 and smem_bytes(d) <= 200_000
+
+
+def splits(b: int, groups: int, nchunk: int) -> int:
+    want = max(1, math.ceil(TARGET_BLOCKS / (b * groups)))
+    ns = min(nchunk, want)
+    per = math.ceil(nchunk / ns)
+    return math.ceil(nchunk / per)  # no empty split
+
+
+def sparse_attention_rows_cuda(
+    batch: RowBatch,
+    q: mx.array,
+    window: mx.array,
+    pool: mx.array | None,
+    indices: mx.array | None,
+    sinks: mx.array,
+    *,
+    scale: float,
+    ratio: int | None = None,
+) -> mx.array:
+    check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    if not supported(q, window, pool):
+        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    b, page = batch.size, batch.page_size
+    bq, nh, d = q.shape
+    if pool is None:
+        r, table, pool_in, ind, ki = 0, i32_dummy((b, 1)), window, i32_dummy((1, 1)), 0
+    else:
+        assert ratio is not None
+        r, table, pool_in = ratio, batch.tables[ratio], pool
+        if indices is None:
+            cap = table.shape[1] * page
+            indices = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (bq, cap))
+        ind, ki = indices, indices.shape[1]
+    groups = nh // HG
+    nchunk = -(-(window.shape[1] + ki) // CK)
+    ns = splits(b, groups, nchunk)
+    part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d))
+    opart, ml = part(
+        inputs=[batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, f32_params(scale)],
+        template=[("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", r), ("HG", HG), ("CK", CK),
+                  ("THREADS", THREADS)],
+        grid=(ns * THREADS, groups, b),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, ns, nh, d), (b, ns, nh, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )  # fmt: skip
+    comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
+    (out,) = comb(
+        inputs=[batch.q_rows, opart, ml, sinks],
+        template=[("T", q.dtype), ("D", d)],
+        grid=(bq * nh * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(bq, nh, d)],
+        output_dtypes=[q.dtype],
+    )
+    return out
