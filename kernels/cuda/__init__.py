@@ -12,6 +12,9 @@ kernels do not cover:
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
 start-up, before the server says it is ready.
+
+Importing this package also memoizes the block-table checks per RowBatch object
+(`common.install_check_memo`): they walk every page in python and would cost ~1 ms per op.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import mlx.core as mx
 
 from kernels import backend
 from kernels.cuda.attention import sparse_attention_rows_cuda
+from kernels.cuda.common import install_check_memo
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.rows import Row, RowBatch
@@ -36,6 +40,7 @@ __all__ = [
     "sparse_attention_rows_cuda",
 ]
 
+install_check_memo()
 backend.register("compressor_rows", compressor_rows_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)

@@ -9,10 +9,14 @@ every kernel takes its element types as template arguments (`T`, ...).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+
+from kernels.rows import RowBatch
+from kernels.rows import check_tables as _check_tables
 
 # Type conversions shared by every kernel (T is float, __nv_bfloat16 or __half).
 HEADER = r"""
@@ -108,3 +112,31 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
             lines.append(f"  constexpr int {n} = {v};")
     lines += [source, "}", "}"]
     return "\n".join(lines)
+
+
+# ---- memoized block-table checks ---------------------------------------------------------------
+# `check_tables` walks every page of every row in python: about 1 ms per call at 128K context and
+# 8 rows, paid by each op of each layer. A step's RowBatch is immutable and shared by all layers,
+# so a successful check is remembered per (op, batch object, ratio, pool pages, entries).
+_memo: dict[tuple[Any, ...], weakref.ref] = {}
+
+
+def check_tables_memo(op: str, batch: RowBatch, ratio: int, pages: int, entries: Sequence[int]) -> None:
+    key = (op, id(batch), ratio, pages, tuple(entries))
+    ref = _memo.get(key)
+    if ref is not None and ref() is batch:
+        return
+    _check_tables(op, batch, ratio, pages, entries)
+    if len(_memo) > 512:
+        _memo.clear()
+    _memo[key] = weakref.ref(batch)
+
+
+def install_check_memo() -> None:
+    """Route the three ops' table checks (reference and fast: they share them) through the memo."""
+    import kernels.compressor
+    import kernels.indexer
+    import kernels.sparse_attention
+
+    for m in (kernels.compressor, kernels.indexer, kernels.sparse_attention):
+        m.check_tables = check_tables_memo  # type: ignore[attr-defined]

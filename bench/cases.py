@@ -1,0 +1,192 @@
+"""Inputs for bench/kernels.py: one op case (rows, context) and the 43-layer chained emulation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+import kernels.cuda as kc
+from kernels import Row, RowBatch
+from kernels.compressor import compressor_rows_reference
+from kernels.indexer import indexer_rows_reference
+from kernels.sparse_attention import sparse_attention_rows_reference
+
+PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
+REF = {"compressor_rows": compressor_rows_reference, "indexer_rows": indexer_rows_reference,
+       "sparse_attention_rows": sparse_attention_rows_reference}  # fmt: skip
+FAST = {"compressor_rows": kc.compressor_rows_cuda, "indexer_rows": kc.indexer_rows_cuda,
+        "sparse_attention_rows": kc.sparse_attention_rows_cuda}  # fmt: skip
+
+
+@dataclass
+class Case:
+    op: str
+    bytes: int
+    call: Callable[[Callable[..., Any], RowBatch, Any], Any]  # (impl, batch, prev) -> state/output
+    batch: RowBatch
+    singles: list[RowBatch]
+    init: Any
+
+    def ref(self, prev: Any = None) -> Any:
+        return self.call(REF[self.op], self.batch, self.init if prev is None else prev)
+
+    def fast(self, prev: Any = None) -> Any:
+        return self.call(FAST[self.op], self.batch, self.init if prev is None else prev)
+
+    def single(self, prev: Any = None) -> Any:
+        x = self.init if prev is None else prev
+        for b in self.singles:
+            x = self.call(FAST[self.op], b, x)
+        return x
+
+    def chain(self, link: Callable[[Any], Any], n: int) -> Callable[[], Any]:
+        def run() -> Any:
+            x = None
+            for _ in range(n):
+                x = link(x)
+            return x
+
+        return run
+
+
+def _tables(rng: np.random.Generator, rows: int, entries: int, distinct: bool = True) -> tuple[list[list[int]], int]:
+    need = max(1, -(-entries // PAGE))
+    if not distinct:  # writers only: one page per row, repeated (a small pool keeps the scatters honest)
+        return [[i + 1] * need for i in range(rows)], rows + 1
+    perm = (rng.permutation(rows * need) + 1).tolist()
+    return [perm[i * need : (i + 1) * need] for i in range(rows)], rows * need + 1
+
+
+def _batch(tables: dict[int, list[list[int]]], rows: int, ctx: int) -> tuple[RowBatch, list[RowBatch]]:
+    rs = [Row(i, ctx - 1, i, {r: tuple(t[i]) for r, t in tables.items()}) for i in range(rows)]
+    widths = {r: max(len(x) for x in t) for r, t in tables.items()}
+    return RowBatch.build(rs, PAGE, widths), [RowBatch.build([r], PAGE, widths) for r in rs]
+
+
+def _dep(x: mx.array, prev: Any) -> mx.array:
+    if prev is None:
+        return x
+    return mx.depends(x, prev if isinstance(prev, mx.array) else list(prev))
+
+
+def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
+    rng = np.random.default_rng(seed)
+    if op == "compressor_rows":
+        ratio, d, coff = 4, D, 2
+        tables, pages = _tables(rng, rows, ctx // ratio, distinct=False)
+        batch, singles = _batch({ratio: tables}, rows, ctx)
+        c = coff * d
+        kv, score = mx.random.normal((rows, c)), mx.random.normal((rows, c))
+        ape, norm = mx.random.normal((ratio, c)), mx.ones((d,))
+        ang = mx.random.uniform(-math.pi, math.pi, (rows, HALF))
+        cos, sin = mx.cos(ang), mx.sin(ang)
+        init = (mx.random.normal((rows, coff * ratio, c)), mx.random.normal((rows, coff * ratio, c)),
+                mx.random.normal((pages, PAGE, d)).astype(mx.bfloat16))  # fmt: skip
+        mx.eval(kv, score, ape, norm, cos, sin, init)
+
+        def call(impl: Callable[..., Any], b: RowBatch, st: Any) -> Any:
+            return impl(b, kv, score, ape, norm, *st, ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)
+
+        nbytes = rows * (2 * coff * ratio * c * 4 * 2 + 2 * c * 4 + d * 2)
+        return Case(op, nbytes, call, batch, singles, init)
+    n = ctx // 4
+    if op == "indexer_rows":
+        tables, pages = _tables(rng, rows, n)
+        batch, singles = _batch({4: tables}, rows, ctx)
+        q = mx.random.normal((rows, NI, DI)).astype(mx.bfloat16)
+        w = mx.random.normal((rows, NI)) * (DI**-0.5 * NI**-0.5)
+        keys = mx.random.normal((pages, PAGE, DI)).astype(mx.bfloat16)
+        mx.eval(q, w, keys)
+
+        def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
+            return impl(b, _dep(q, prev), w, keys, topk=TOPK)
+
+        return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
+    tables, pages = _tables(rng, rows, n)
+    batch, singles = _batch({4: tables}, rows, ctx)
+    q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
+    window = mx.random.normal((rows, W, D)).astype(mx.bfloat16)
+    pool = mx.random.normal((pages, PAGE, D)).astype(mx.bfloat16)
+    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32))
+    sinks = mx.random.normal((NH,))
+    mx.eval(q, window, pool, ind, sinks)
+
+    def call_a(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
+        return impl(b, _dep(q, prev), window, pool, ind, sinks, scale=D**-0.5, ratio=4)
+
+    return Case(op, rows * ((W + TOPK) * D * 2 + 2 * NH * D * 2), call_a, batch, singles, None)
+
+
+@dataclass
+class Chain:
+    ref: Callable[[], Any]
+    fast: Callable[[], Any]
+
+
+def chain43(rows: int, ctx: int) -> Chain:
+    """43 layers (2 sliding, 21 CSA, 20 HCA) of the three ops, chained through q, one eval per step."""
+    rng = np.random.default_rng(1)
+    kinds = [0, 0] + [4, 128] * 20 + [4]
+    t4, p4 = _tables(rng, rows, ctx // 4)
+    t128, p128 = _tables(rng, rows, ctx // 128)
+    batch, _ = _batch({4: t4, 128: t128}, rows, ctx)
+    q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
+    qi = mx.random.normal((rows, NI, DI)).astype(mx.bfloat16)
+    wi = mx.random.normal((rows, NI)) * (DI**-0.5 * NI**-0.5)
+    sinks = mx.random.normal((NH,))
+    ang = mx.random.uniform(-math.pi, math.pi, (rows, HALF))
+    cos, sin = mx.cos(ang), mx.sin(ang)
+    x = {c: (mx.random.normal((rows, c)), mx.random.normal((rows, c))) for c in (2 * D, 2 * DI, D)}
+    apes = {(4, D): mx.random.normal((4, 2 * D)), (4, DI): mx.random.normal((4, 2 * DI)),
+            (128, D): mx.random.normal((128, D))}  # fmt: skip
+    norms = {d: mx.ones((d,)) for d in (D, DI)}
+    cap = len(t128[0]) * PAGE
+    ids = mx.arange(cap, dtype=mx.int32)[None, :]
+    hca_ind = mx.where(ids < (ctx // 128), ids, -1) * mx.ones((rows, 1), mx.int32)
+
+    def fresh() -> list[dict[str, mx.array]]:
+        st = []
+        for k in kinds:
+            s = {"win": mx.random.normal((rows, W, D)).astype(mx.bfloat16)}
+            if k == 4:
+                s |= {"ckv": mx.random.normal((p4, PAGE, D)).astype(mx.bfloat16), "ck": mx.zeros((rows, 8, 2 * D)),
+                      "cs": mx.zeros((rows, 8, 2 * D)), "ik": mx.random.normal((p4, PAGE, DI)).astype(mx.bfloat16),
+                      "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI))}  # fmt: skip
+            elif k == 128:
+                s |= {"ckv": mx.random.normal((p128, PAGE, D)).astype(mx.bfloat16),
+                      "ck": mx.zeros((rows, 128, D)), "cs": mx.zeros((rows, 128, D))}  # fmt: skip
+            st.append(s)
+        mx.eval(st)
+        return st
+
+    def comp(impl: Any, s: dict[str, mx.array], h: Any, kk: str, ks: str, pk: str, ratio: int, d: int) -> None:
+        c = (2 if ratio == 4 else 1) * d
+        kv, sc = x[c]
+        s[kk], s[ks], s[pk] = impl(batch, _dep(kv, h), sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
+                                   ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
+
+    def step_with(ops: dict[str, Any], st: list[dict[str, mx.array]]) -> Callable[[], Any]:
+        def step() -> Any:
+            h: Any = None
+            for k, s in zip(kinds, st, strict=True):
+                attn = ops["sparse_attention_rows"]
+                if k == 0:
+                    h = attn(batch, _dep(q, h), s["win"], None, None, sinks, scale=D**-0.5)
+                elif k == 4:
+                    comp(ops["compressor_rows"], s, h, "ck", "cs", "ckv", 4, D)
+                    comp(ops["compressor_rows"], s, h, "ikv", "is", "ik", 4, DI)
+                    ind = ops["indexer_rows"](batch, _dep(qi, h), wi, s["ik"], topk=TOPK)
+                    h = attn(batch, _dep(q, h), s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4)
+                else:
+                    comp(ops["compressor_rows"], s, h, "ck", "cs", "ckv", 128, D)
+                    h = attn(batch, _dep(q, h), s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
+            return [h] + [v for s in st for v in s.values()]
+
+        return step
+
+    return Chain(ref=step_with(REF, fresh()), fast=step_with(FAST, fresh()))
