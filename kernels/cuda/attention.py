@@ -17,7 +17,7 @@ import math
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, i32_dummy, kernel
+from kernels.cuda.common import check_once, f32_params, i32_dummy, kernel
 from kernels.rows import RowBatch
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
@@ -81,12 +81,23 @@ PARTIAL = r"""
     }
     const int any = __syncthreads_or(tid < CK && koff[tid] >= 0);
     if (!any) continue;
-    for (int i = tid; i < CK * VPR; i += THREADS) {
-      const int e = i / VPR, v = i - e * VPR;
-      const long long off = koff[e];
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (off >= 0) val = reinterpret_cast<const uint4*>((kwin[e] ? window : pool) + off)[v];
-      *reinterpret_cast<uint4*>(Ks + e * LDK + v * 8) = val;
+    {
+      constexpr int LPT = CK * VPR / THREADS;  // every key load in flight before the stores
+      uint4 vals[LPT];
+#pragma unroll
+      for (int u = 0; u < LPT; ++u) {
+        const int i = tid + u * THREADS;
+        const int e = i / VPR, v = i - e * VPR;
+        const long long off = koff[e];
+        vals[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (off >= 0) vals[u] = reinterpret_cast<const uint4*>((kwin[e] ? window : pool) + off)[v];
+      }
+#pragma unroll
+      for (int u = 0; u < LPT; ++u) {
+        const int i = tid + u * THREADS;
+        const int e = i / VPR, v = i - e * VPR;
+        *reinterpret_cast<uint4*>(Ks + e * LDK + v * 8) = vals[u];
+      }
     }
     __syncthreads();
     {
@@ -225,7 +236,8 @@ def sparse_attention_rows_cuda(
     scale: float,
     ratio: int | None = None,
 ) -> mx.array:
-    check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    check_once("sparse_attention_rows", batch, (q, window, pool, indices, sinks), (scale, ratio, type(scale)),
+               lambda: check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio))
     if not supported(q, window, pool):
         return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
     b, page = batch.size, batch.page_size

@@ -38,13 +38,13 @@ CUDA_TYPES = {
     mx.uint32: "uint32_t",
 }
 
-_kernels: dict[tuple[str, int], Any] = {}
+_kernels: dict[tuple[str, int], Any] = {}  # one source per name
 _consts: dict[tuple[Any, ...], mx.array] = {}
 
 
 def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str, shared_memory: int = 0) -> Any:
     """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest."""
-    key = (name + source, shared_memory)
+    key = (name, shared_memory)
     if key not in _kernels:
         digest = hashlib.sha1((HEADER + source).encode()).hexdigest()[:10]
         _kernels[key] = mx.fast.cuda_kernel(
@@ -140,3 +140,22 @@ def install_check_memo() -> None:
 
     for m in (kernels.compressor, kernels.indexer, kernels.sparse_attention):
         m.check_tables = check_tables_memo  # type: ignore[attr-defined]
+
+
+_check_memo: dict[tuple[Any, ...], weakref.ref] = {}
+
+
+def check_once(op: str, batch: RowBatch, arrays: Sequence[Any], scalars: tuple[Any, ...], check: Any) -> None:
+    """Run `check()` (the reference's contract check) unless it already passed for this batch object
+    with arrays of the same shapes and dtypes and the same scalars (the check reads nothing else)."""
+    if not all(a is None or isinstance(a, mx.array) for a in arrays):
+        check()
+        return
+    key = (op, id(batch), scalars) + tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
+    ref = _check_memo.get(key)
+    if ref is not None and ref() is batch:
+        return
+    check()
+    if len(_check_memo) > 512:
+        _check_memo.clear()
+    _check_memo[key] = weakref.ref(batch)

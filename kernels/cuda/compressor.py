@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels.compressor import check_compressor
-from kernels.cuda.common import f32_params, kernel
+from kernels.cuda.common import check_once, f32_params, kernel
 from kernels.rows import RowBatch
 
 THREADS = 256
@@ -133,9 +133,13 @@ def compressor_rows_cuda(
     cos: mx.array,
     sin: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    check_compressor(
-        batch, kv, score, ape, norm, kv_state, score_state, pool,
-        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+    check_once(
+        "compressor_rows", batch, (kv, score, ape, norm, kv_state, score_state, pool, cos, sin),
+        (ratio, head_dim, eps, type(ratio), type(head_dim), type(eps)),
+        lambda: check_compressor(
+            batch, kv, score, ape, norm, kv_state, score_state, pool,
+            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+        ),
     )  # fmt: skip
     coff = 2 if ratio == 4 else 1
     m, d, b, page = ratio, head_dim, batch.size, batch.page_size

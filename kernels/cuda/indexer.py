@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.cuda.common import kernel, next_pow2
+from kernels.cuda.common import check_once, kernel, next_pow2
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch
 
@@ -47,15 +47,24 @@ SCORE = r"""
     *reinterpret_cast<uint4*>(Qs + h * LDQ + v * 8) = qsrc[i];
   }
   for (int i = tid; i < NI; i += blockDim.x) Ws[i] = weights[(size_t)qr * NI + i];
-  for (int i = tid; i < CH * VPR; i += blockDim.x) {
+  constexpr int LPT = CH * VPR / 128;  // 128 threads; every key load in flight before the stores
+  uint4 vals[LPT];
+#pragma unroll
+  for (int u = 0; u < LPT; ++u) {
+    const int i = tid + u * 128;
     const int e = i / VPR, v = i - e * VPR;
     const int idx = e0 + e;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    vals[u] = make_uint4(0u, 0u, 0u, 0u);
     if (idx < n) {
       const int pg = table[b * tw + idx / PAGE];
-      val = reinterpret_cast<const uint4*>(keys + ((size_t)pg * PAGE + idx % PAGE) * DI)[v];
+      vals[u] = reinterpret_cast<const uint4*>(keys + ((size_t)pg * PAGE + idx % PAGE) * DI)[v];
     }
-    *reinterpret_cast<uint4*>(Ks + e * LDQ + v * 8) = val;
+  }
+#pragma unroll
+  for (int u = 0; u < LPT; ++u) {
+    const int i = tid + u * 128;
+    const int e = i / VPR, v = i - e * VPR;
+    *reinterpret_cast<uint4*>(Ks + e * LDQ + v * 8) = vals[u];
   }
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
@@ -232,7 +241,8 @@ def smem_bytes(ni: int, di: int) -> int:
 
 
 def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
-    check_indexer(batch, q, weights, keys, topk=topk)
+    check_once("indexer_rows", batch, (q, weights, keys), (topk, type(topk)),
+               lambda: check_indexer(batch, q, weights, keys, topk=topk))  # fmt: skip
     if not supported(q, keys, topk):
         return indexer_rows_reference(batch, q, weights, keys, topk=topk)
     b, page = batch.size, batch.page_size
