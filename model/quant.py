@@ -30,9 +30,7 @@ def _e4m3_table() -> np.ndarray:
 
 E4M3_LUT = _e4m3_table()
 # UE8M0: byte b is 2^(b-127); 0xFF is NaN. np.ldexp keeps 2^-127 exact (an f32 subnormal).
-UE8M0_LUT = np.where(np.arange(256) == 255, np.nan, np.ldexp(np.float32(1), np.arange(256) - 127)).astype(
-    np.float32
-)
+UE8M0_LUT = np.append(np.ldexp(np.float32(1), np.arange(255) - 127), np.nan).astype(np.float32)
 # FP4 nibble -> value; bit 3 is the sign.
 E2M1_LUT = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 # Byte -> (low nibble value, high nibble value): element 2j is the low nibble of byte j.

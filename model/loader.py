@@ -1,0 +1,246 @@
+"""Load a release-layout checkpoint into DeepseekV4, and build the embedded tiny model.
+
+One tensor at a time: shards are opened lazily with mx.load, each model parameter is converted
+(FP8/FP4 decoded, or repacked for MLX mxfp8/mxfp4) and evaluated before the next, so peak memory stays
+near the final model size. Everything is validated against config.json: a missing, mis-shaped,
+wrong-dtype or surplus tensor is an error naming it; nothing is zero-filled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer
+
+from model.checkpoint import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    TensorInfo,
+    expert_param,
+    is_f32_param,
+    read_layout,
+    scale_names,
+)
+from model.config import ModelArgs
+from model.deepseek_v4 import DeepseekV4
+from model.quant import (
+    QuantizedExperts,
+    dequant_fp4,
+    dequant_fp8,
+    fp4_grid,
+    fp4_to_mxfp4,
+    fp8_grid,
+    fp8_to_mxfp8,
+    mxfp8_linear,
+)
+from model.tokenizer import build_tiny_tokenizer
+
+log = logging.getLogger("dsv4.loader")
+# nn.Linear modules only ever called (never read through .weight): safe to swap for mxfp8 QuantizedLinear.
+_QLINEAR = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
+            "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
+class _Reader:
+    """Lazy per-shard tensors plus the header facts mx.load loses (F8 dtypes)."""
+
+    def __init__(self, model_dir: Path, args: ModelArgs):
+        self.layout = read_layout(model_dir)
+        self.args, self.used = args, set()
+        self._shards: dict[Path, dict[str, mx.array]] = {}
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.layout:
+            raise ValueError(f"tensor {name} is missing from the checkpoint")
+        return self.layout[name]
+
+    def get(self, name: str) -> mx.array:
+        info = self.info(name)
+        if info.file not in self._shards:
+            try:
+                self._shards[info.file] = mx.load(str(info.file))
+            except Exception as e:  # noqa: BLE001 - mx.load's errors do not name the tensor
+                raise ValueError(f"tensor {name}: cannot read shard {info.file.name}: {e}") from None
+        self.used.add(name)
+        return self._shards[info.file][name]
+
+    def shape_error(self, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ValueError:
+        # Point at the config keys that produced the expected sizes (config contradicting the weights).
+        ints = {f.name: getattr(self.args, f.name) for f in fields(self.args)
+                if isinstance(getattr(self.args, f.name), int) and not isinstance(getattr(self.args, f.name), bool)}
+        keys = sorted({k for w, g in zip(want, got, strict=False) if w != g for k, v in ints.items() if v == w})
+        hint = f" (config.json: {', '.join(f'{k}={ints[k]}' for k in keys)})" if keys else ""
+        return ValueError(f"tensor {name}: shape {list(got)} in the checkpoint, expected {list(want)}{hint}")
+
+    def scale_of(self, weight: str, want: tuple[int, int]) -> tuple[str, mx.array]:
+        for cand in scale_names(weight):
+            if cand in self.layout:
+                info = self.layout[cand]
+                if info.dtype not in ("F8_E8M0", "U8", "F32"):
+                    raise ValueError(f"tensor {cand}: dtype {info.dtype}, expected F8_E8M0 (UE8M0 scales)")
+                if info.shape != want:
+                    raise ValueError(f"tensor {cand}: scale grid {list(info.shape)} does not match weight "
+                                     f"{weight} (expected {list(want)})")
+                s = self.get(cand)
+                if s.dtype == mx.uint8 and bool(mx.any(s == 255)):
+                    raise ValueError(f"tensor {cand}: UE8M0 byte 0xFF (NaN scale)")
+                return cand, s
+        raise ValueError(f"tensor {scale_names(weight)[0]} (scale of {weight}) is missing from the checkpoint")
+
+    def matrix(self, name: str, want: tuple[int, ...], dtype: mx.Dtype, quant: bool):
+        """A float/FP8/FP4 2-D weight -> array in `dtype`, or ('mxfp8'|'mxfp4', weight, scales) if quant."""
+        info = self.info(name)
+        if info.dtype in FLOAT_DTYPES:
+            if info.shape != want:
+                raise self.shape_error(name, info.shape, want)
+            return self.get(name).astype(dtype)
+        if info.dtype in ("F8_E4M3", "U8"):
+            if info.shape != want:
+                raise self.shape_error(name, info.shape, want)
+            sname, s = self.scale_of(name, fp8_grid(want))
+            if quant and s.dtype == mx.uint8 and want[1] % 32 == 0:
+                return ("mxfp8", *fp8_to_mxfp8(self.get(name), s))
+            return dequant_fp8(self.get(name), s, dtype)
+        if info.dtype == "I8" and len(want) == 2:  # FP4 e2m1, two per byte
+            if want[1] % 32 or info.shape != (want[0], want[1] // 2):
+                raise self.shape_error(name, info.shape, (want[0], want[1] // 2))
+            sname, s = self.scale_of(name, fp4_grid(want))
+            if s.dtype != mx.uint8:
+                raise ValueError(f"tensor {sname}: FP4 scales must be F8_E8M0, got {self.layout[sname].dtype}")
+            if quant:
+                return ("mxfp4", *fp4_to_mxfp4(self.get(name), s))
+            return dequant_fp4(self.get(name), s, dtype)
+        raise ValueError(f"tensor {name}: dtype {info.dtype} is not a weight dtype (F32/BF16/F16/FP8/FP4)")
+
+
+def _tid2eid(r: _Reader, name: str, want: tuple[int, ...]) -> mx.array:
+    info = r.info(name)
+    if info.dtype not in INT_DTYPES:
+        raise ValueError(f"tensor {name}: dtype {info.dtype}, expected an integer type (I32/I64)")
+    if info.shape != want:
+        raise r.shape_error(name, info.shape, want)
+    t = r.get(name).astype(mx.int32)
+    lo, hi = int(mx.min(t)), int(mx.max(t))
+    if lo < 0 or hi >= r.args.n_routed_experts:
+        raise ValueError(f"tensor {name}: expert ids in [{lo}, {hi}], need 0..{r.args.n_routed_experts - 1}")
+    return t
+
+
+def _set_module(model: DeepseekV4, path: str, module) -> None:
+    *parents, last = path.split(".")
+    obj = model
+    for p in parents:
+        obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
+    setattr(obj, last, module)
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: mx.Dtype | None = None, clamp_shared_expert: bool = False,
+    quantize: bool = False,
+) -> tuple[DeepseekV4, ModelArgs]:
+    """config.json + release-named safetensors -> (model, args).
+
+    dtype: model dtype (default f32 for an F32 checkpoint, else bf16); hc_*, sinks, APE and the router
+    bias stay f32 as released. quantize: keep FP8 projections as mxfp8 and FP4 experts as mxfp4 MLX
+    quantized weights instead of decoding them (wo_a is always decoded: it is read as a matrix)."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_file(model_dir / "config.json")
+    args.clamp_shared_expert = clamp_shared_expert
+    r = _Reader(model_dir, args)
+    if dtype is None:
+        embed = r.layout.get("embed.weight")
+        dtype = mx.float32 if embed is not None and embed.dtype == "F32" else mx.bfloat16
+    model = DeepseekV4(args)  # lazy zeros: replaced before anything is evaluated
+    weights: list[tuple[str, mx.array]] = []
+    for name, p in tree_flatten(model.parameters()):
+        want, pdt = tuple(p.shape), (mx.float32 if is_f32_param(name) else dtype)
+        ex = expert_param(name)
+        if name.endswith("tid2eid"):
+            arr = _tid2eid(r, name, want)
+        elif ex:
+            stem, w = ex
+            parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(want[0])]
+            if all(isinstance(x, tuple) and x[0] == "mxfp4" for x in parts):
+                mods = model.layers[int(stem.split(".")[1])].ffn
+                if not isinstance(mods.experts, QuantizedExperts):
+                    mods.experts = QuantizedExperts({}, args.swiglu_limit)
+                setattr(mods.experts, w, mx.stack([x[1] for x in parts]))
+                setattr(mods.experts, f"{w}_scales", mx.stack([x[2] for x in parts]))
+                mx.eval(getattr(mods.experts, w), getattr(mods.experts, f"{w}_scales"))
+                continue
+            parts = [x if not isinstance(x, tuple) else r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, False)
+                     for e, x in enumerate(parts)]
+            arr = mx.stack(parts)
+        elif p.ndim == 2 and name.endswith(".weight"):
+            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in _QLINEAR)
+            if isinstance(arr, tuple):
+                lin = mxfp8_linear(arr[1], arr[2])
+                mx.eval(lin.parameters())
+                _set_module(model, name[: -len(".weight")], lin)
+                continue
+        else:
+            info = r.info(name)
+            if info.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"tensor {name}: dtype {info.dtype}, expected a float type (F32/BF16/F16)")
+            if info.shape != want:
+                raise r.shape_error(name, info.shape, want)
+            arr = r.get(name).astype(pdt)
+        mx.eval(arr)
+        weights.append((name, arr))
+    mtp = [n for n in r.layout if n.startswith("mtp.")]
+    if mtp:
+        log.info("skipping %d mtp.* tensors (the MTP block is not used)", len(mtp))
+    extra = sorted(set(r.layout) - r.used - set(mtp))
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"unexpected tensors in the checkpoint (not in the model for config.json with "
+                         f"num_hidden_layers={args.num_hidden_layers}): {', '.join(extra[:5])}{more}")
+    model.load_weights(weights, strict=False)
+    for mods in (m.ffn for m in model.layers):
+        if isinstance(mods.experts, QuantizedExperts) and len(mods.experts.parameters()) != 6:
+            raise ValueError("experts: some projections are FP4 and others not; cannot mix in one layer")
+    mx.eval(model.parameters())
+    return model, args
+
+
+# ---- the embedded tiny model ---------------------------------------------------------------------
+def randomize(model: DeepseekV4, args: ModelArgs, seed: int) -> list[tuple[str, mx.array]]:
+    """Every parameter drawn from a fixed NumPy seed, scaled so that activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("tid2eid"):  # distinct experts per token
+            v = np.argsort(rng.random((shape[0], args.n_routed_experts)), axis=1)[:, : shape[1]]
+            out.append((name, mx.array(v.astype(np.int32))))
+            continue
+        if name.endswith("norm.weight"):
+            v = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(("_scale", "hc_head_scale")):
+            v = rng.uniform(0.5, 1.5, shape)
+        elif name.endswith(("_base", "attn_sink", "ape")):
+            v = 0.5 * rng.standard_normal(shape)
+        elif name.endswith("gate.bias"):
+            v = 0.1 * rng.standard_normal(shape)
+        elif name == "embed.weight":
+            v = rng.standard_normal(shape)
+        else:  # projections (incl. stacked experts [E, out, in] and hc *_fn): std 1/sqrt(fan_in)
+            v = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        out.append((name, mx.array(v.astype(np.float32))))
+    return out
+
+
+def tiny_model(seed: int = 0, dtype: mx.Dtype = mx.float32) -> tuple[DeepseekV4, ModelArgs, Tokenizer]:
+    """The embedded default: ModelArgs.tiny() with random weights from `seed`, plus the tiny tokenizer."""
+    args = ModelArgs.tiny()
+    model = DeepseekV4(args)
+    weights = randomize(model, args, seed)
+    weights = [(n, w if w.dtype == mx.int32 or is_f32_param(n) else w.astype(dtype)) for n, w in weights]
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+    return model, args, build_tiny_tokenizer(args.vocab_size)
