@@ -64,7 +64,7 @@ class _Reader:
         if info.file not in self._shards:
             try:
                 self._shards[info.file] = mx.load(str(info.file))
-            except Exception as e:  # noqa: BLE001 - mx.load's errors do not name the tensor
+            except Exception as e:  # mx.load errors do not name the tensor
                 raise ValueError(f"tensor {name}: cannot read shard {info.file.name}: {e}") from None
         self.used.add(name)
         return self._shards[info.file][name]
