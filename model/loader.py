@@ -67,7 +67,8 @@ class _Reader:
             except Exception as e:  # mx.load errors do not name the tensor
                 raise ValueError(f"tensor {name}: cannot read shard {info.file.name}: {e}") from None
         self.used.add(name)
-        return self._shards[info.file][name]
+        # Hand the only reference over: once converted and evaluated, the source buffer is freed.
+        return self._shards[info.file].pop(name)
 
     def shape_error(self, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ValueError:
         # Point at the config keys that produced the expected sizes (config contradicting the weights).
@@ -156,6 +157,15 @@ def load_model(
         embed = r.layout.get("embed.weight")
         dtype = mx.float32 if embed is not None and embed.dtype == "F32" else mx.bfloat16
     model = DeepseekV4(args)  # lazy zeros: replaced before anything is evaluated
+    cache_limit = mx.set_cache_limit(0)  # freed source buffers go back to the OS, not MLX's cache
+    try:
+        _fill(model, args, r, dtype, quantize)
+    finally:
+        mx.set_cache_limit(cache_limit)
+    return model, args
+
+
+def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool) -> None:
     weights: list[tuple[str, mx.array]] = []
     for name, p in tree_flatten(model.parameters()):
         want, pdt = tuple(p.shape), (mx.float32 if is_f32_param(name) else dtype)
@@ -205,7 +215,6 @@ def load_model(
         if isinstance(mods.experts, QuantizedExperts) and len(mods.experts.parameters()) != 6:
             raise ValueError("experts: some projections are FP4 and others not; cannot mix in one layer")
     mx.eval(model.parameters())
-    return model, args
 
 
 # ---- the embedded tiny model ---------------------------------------------------------------------

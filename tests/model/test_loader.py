@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from model.checkpoint import SINGLE, is_f32_param, release_tensors, write_checkpoint, write_safetensors
+from model.config import ModelArgs
 from model.loader import load_model, tiny_model
 from model.quant import dequant_fp4, dequant_fp8
 from model.state import StatePools
@@ -187,3 +188,77 @@ def test_config_error_names_tensor_and_key(tiny, tmp_path) -> None:
     _config("hidden_size", 128)(model, args, tmp_path)
     with pytest.raises(ValueError, match=r"tensor \S+: shape .*hidden_size=128"):
         load_model(tmp_path)
+
+
+# ---- peak memory while loading a ~350 MB release-format checkpoint (issue 5) ------------------------
+def _write_big_release(d: Path) -> int:
+    """Random release bytes written directly (no encoding): FP4 experts dominate, 4 shards of ~100 MB."""
+    from dataclasses import replace
+
+    from model.checkpoint import expert_param, is_fp8_weight, scale_names
+    from model.deepseek_v4 import DeepseekV4
+    from model.quant import fp8_grid
+
+    args = replace(ModelArgs.tiny(), vocab_size=4096, hidden_size=1024, moe_intermediate_size=1024,
+                   n_routed_experts=64, num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1)
+    rng = np.random.default_rng(0)
+    ts: Tensors = []
+    for name, p in tree_flatten(DeepseekV4(args).parameters()):  # shapes only; never evaluated
+        shape, ex = tuple(p.shape), expert_param(name)
+        if name.endswith("tid2eid"):
+            ts.append((name, "I64", rng.integers(0, args.n_routed_experts, shape).astype(np.int64)))
+        elif ex:
+            for k in range(shape[0]):
+                stem = f"{ex[0]}.{k}.{ex[1]}"
+                ts.append((f"{stem}.weight", "I8", rng.integers(-128, 128, (shape[1], shape[2] // 2), dtype=np.int8)))
+                ts.append((f"{stem}.scale", "F8_E8M0", rng.integers(118, 124, (shape[1], shape[2] // 32), np.uint8)))
+        elif is_fp8_weight(name):
+            q = rng.integers(0, 256, shape, dtype=np.uint8)
+            q[(q & 0x7F) == 0x7F] = 0
+            s = rng.integers(118, 124, fp8_grid(shape), np.uint8)
+            ts += [(name, "F8_E4M3", q), (scale_names(name)[0], "F8_E8M0", s)]
+        elif is_f32_param(name):
+            ts.append((name, "F32", rng.standard_normal(shape, dtype=np.float32) * 0.05))
+        else:
+            ts.append((name, "BF16", ((rng.standard_normal(shape, dtype=np.float32) * 0.05).view(np.uint32) >> 16)
+                       .astype(np.uint16)))
+    (d / "config.json").write_text(json.dumps(args.to_config_json()))
+    total, weight_map, groups, cur = sum(t[2].nbytes for t in ts), {}, [], []
+    for t in ts:
+        cur.append(t)
+        if sum(x[2].nbytes for x in cur) >= 100 << 20:
+            groups.append(cur)
+            cur = []
+    groups.append(cur)
+    for i, g in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(d / file, g)
+        weight_map.update({n: file for n, _, _ in g})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+_MEASURE = """
+import json, resource, sys, mlx.core as mx
+from mlx.utils import tree_flatten
+from model.loader import load_model
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+m, _ = load_model(sys.argv[1], quantize=True, dtype=mx.bfloat16)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak": peak, "bytes": sum(v.nbytes for _, v in tree_flatten(m.parameters()))}))
+"""
+
+
+def test_quantized_load_peak_rss_within_1_2x(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    size = _write_big_release(tmp_path)
+    assert size > 300e6
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)
+    assert m["bytes"] > 0.95 * size  # kept quantized: about the size on disk
+    assert m["peak"] - m["base"] <= 1.2 * m["bytes"], m
