@@ -146,7 +146,7 @@ def load_model(
 ) -> tuple[DeepseekV4, ModelArgs]:
     """config.json + release-named safetensors -> (model, args).
 
-    dtype: model dtype (default f32 for an F32 checkpoint, else bf16); hc_*, sinks, APE and the router
+    dtype: model dtype (default: f32 for an F32 checkpoint or on the CPU, else bf16); hc_*, sinks, APE, router
     bias stay f32 as released. quantize: keep FP8 projections as mxfp8 and FP4 experts as mxfp4 MLX
     quantized weights instead of decoding them (wo_a is always decoded: it is read as a matrix)."""
     model_dir = Path(model_dir)
@@ -154,8 +154,10 @@ def load_model(
     args.clamp_shared_expert = clamp_shared_expert
     r = _Reader(model_dir, args)
     if dtype is None:
+        # MLX's CPU gather_mm (the routed experts) is float32-only, so a CPU model is f32 whatever the storage.
         embed = r.layout.get("embed.weight")
-        dtype = mx.float32 if embed is not None and embed.dtype == "F32" else mx.bfloat16
+        f32 = (embed is not None and embed.dtype == "F32") or mx.default_device() == mx.cpu
+        dtype = mx.float32 if f32 else mx.bfloat16
     model = DeepseekV4(args)  # lazy zeros: replaced before anything is evaluated
     cache_limit = mx.set_cache_limit(0)  # freed source buffers go back to the OS, not MLX's cache
     try:

@@ -51,9 +51,9 @@ def test_round_trip_identical(tiny, tmp_path, dtype: str, shards: int) -> None:
     assert (tmp_path / "model.safetensors.index.json").is_file() == (shards > 1)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["compress_ratios"] == args.compress_ratios + [0]
-    loaded, args2 = load_model(tmp_path)
-    assert args2.compress_ratios == args.compress_ratios and args2.vocab_size == args.vocab_size
     want_dt = mx.float32 if dtype == "float32" else mx.bfloat16
+    loaded, args2 = load_model(tmp_path, dtype=want_dt)
+    assert args2.compress_ratios == args.compress_ratios and args2.vocab_size == args.vocab_size
     ref = dict(tree_flatten(model.parameters()))
     for k, v in tree_flatten(loaded.parameters()):
         exp = ref[k] if ref[k].dtype == mx.int32 or is_f32_param(k) else ref[k].astype(want_dt)
