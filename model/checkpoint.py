@@ -187,6 +187,7 @@ def write_checkpoint(
     tensors = list(release_tensors(model, args, dtype))
     cfg = args.to_config_json()
     cfg["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
+    cfg.pop("quantization_config", None)  # float weights: a stale FP8 config would mislead transformers
     if dtype == "release":
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

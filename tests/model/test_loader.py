@@ -262,3 +262,24 @@ def test_quantized_load_peak_rss_within_1_2x(tmp_path) -> None:
     m = json.loads(r.stdout)
     assert m["bytes"] > 0.95 * size  # kept quantized: about the size on disk
     assert m["peak"] - m["base"] <= 1.2 * m["bytes"], m
+
+
+def test_release_quantized_matches_transformers_on_dequantized(tiny, tmp_path) -> None:
+    """Issue 5: mxfp8/mxfp4 weights vs transformers on the decoded fp32 weights, 262-token prompt + 32 steps."""
+    from tests.oracle import hf_greedy, hf_load
+
+    model, args, _ = tiny
+    write_checkpoint(model, args, tmp_path / "rel", dtype="release")
+    qm, _ = load_model(tmp_path / "rel", quantize=True, clamp_shared_expert=True)
+    write_checkpoint(load_model(tmp_path / "rel", dtype=mx.float32)[0], args, tmp_path / "deq")
+    prompt = [int(t) for t in np.random.default_rng(7).integers(2, args.vocab_size, 262)]
+    hf_ids, hf_logits = hf_greedy(hf_load(tmp_path / "deq"), prompt, 32)
+    pools = StatePools(args, max_slots=1, max_positions=len(prompt) + 32, page_size=16)
+    h = pools.alloc(len(prompt) + 32)
+    logits = [np.array(qm.prefill(pools, h, prompt, 0))]
+    ids = [int(np.argmax(logits[0]))]
+    for i in range(31):
+        logits.append(np.array(qm.decode(pools, [h], [ids[-1]], [len(prompt) + i])[0]))
+        ids.append(int(np.argmax(logits[-1])))
+    assert ids == hf_ids[:32]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits, hf_logits, strict=False)) <= 1e-3
