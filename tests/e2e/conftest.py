@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "deepseek-v4-tiny"
 
 
-def _command() -> list[str]:
+def server_command() -> list[str]:
     script = Path(sys.executable).parent / "dsv4-serve"  # the pyproject entry point, when installed
     return [str(script)] if script.exists() else [sys.executable, "-m", "service"]
 
@@ -39,7 +39,7 @@ class Server:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_") or k == "DSV4_KERNELS"}
         full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
         full_env.update(env or {})
-        cmd = [*_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [*server_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def log_tail(self, n: int = 4000) -> str:

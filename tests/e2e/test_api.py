@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import subprocess
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e.conftest import MODEL, ROOT, Server, server_command
 
 
 def metric(srv: Server, name: str, labels: str = "") -> float:
@@ -129,6 +130,19 @@ def test_eight_concurrent_greedy_streams(server: Server) -> None:
         server, "dsv4_decode_rows_per_step_bucket", '{le="7.0"}'
     )
     assert after > before, "no engine step ran 8 rows"
+
+
+@pytest.mark.parametrize("prompt", [[10, 20, 30, 40], [0, 7, 7, 7, 300, 12]])
+def test_server_greedy_equals_cli_generate(server: Server, prompt: list[int]) -> None:
+    """`dsv4-serve generate` (one row, no server) and the batched engine agree token for token."""
+    ids = ",".join(map(str, prompt))
+    cmd = [*server_command(), "generate", "--prompt-ids", ids, "--max-tokens", "16"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
+    want = json.loads(out.strip().splitlines()[-1])
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 0}
+    got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert got["usage"]["completion_tokens"] == len(want["ids"])
+    assert got["choices"][0]["text"] == want["text"].removesuffix("<｜end▁of▁sentence｜>")
 
 
 def test_disconnect_frees_the_row(server: Server) -> None:
