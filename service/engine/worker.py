@@ -154,7 +154,8 @@ class EngineWorker:
                 raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
             self._undrained += 1
             self._streams[rid] = stream
-        self._inbox.put(("add", Request(rid, list(prompt_ids), params)))
+            # Under the lock: a stop() can't slip between the check above and this put.
+            self._inbox.put(("add", Request(rid, list(prompt_ids), params)))
         return self._iterate(rid, stream)
 
     async def _iterate(self, rid: str, stream: _Stream) -> AsyncIterator[TokenEvent]:
@@ -229,6 +230,17 @@ class EngineWorker:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX wants a thread's streams destroyed before it exits, else the process may abort at
+            # exit ("terminate called without an active exception"); the engine is gone by now.
+            import mlx.core as mx
+
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             engine, sched = self._start_engine()
             from service.engine.sampler import sample  # mlx is imported on this thread only
         except BaseException as e:  # noqa: BLE001 - reported through start_error / EngineNotReady
@@ -250,9 +262,7 @@ class EngineWorker:
             except Exception as e:  # noqa: BLE001 - never let one step kill the thread
                 log.exception("engine iteration failed")
                 events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
-            with self._lock:
-                self._sched_waiting = sched.num_waiting
-                self._running = sched.num_running
+            self._sync_counts(sched)
             self._publish(events)
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
@@ -261,6 +271,11 @@ class EngineWorker:
         with self._lock:
             self._sched_waiting = self._running = 0
         self._publish([e for e in events if e is not None])
+
+    def _sync_counts(self, sched: Scheduler) -> None:
+        with self._lock:
+            self._sched_waiting = sched.num_waiting
+            self._running = sched.num_running
 
     def _drain_inbox(self, sched: Scheduler, block: bool) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -293,6 +308,7 @@ class EngineWorker:
             return sched.fail(
                 [sched.waiting[0].request_id] if sched.waiting else [], f"admission failed: {e}"
             )
+        self._sync_counts(sched)  # admission changed them; stats() and submit() see it now
         if not plan:
             if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
                 head = sched.waiting[0].request_id
