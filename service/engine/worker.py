@@ -253,7 +253,8 @@ class EngineWorker:
         self._ready.set()
         self._started.set()
         while True:
-            events = self._drain_inbox(sched, block=not sched.has_work())
+            idle = not sched.has_work() and self._stop_deadline is None
+            events = self._drain_inbox(sched, block=idle)  # blocks only when idle: no busy spin
             deadline = self._stop_deadline
             if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
                 break
