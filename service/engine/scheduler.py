@@ -86,6 +86,8 @@ class Scheduler:
             raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
         if not request.prompt_ids:
             raise ValueError("empty prompt")
+        if self._find(request.request_id) is not None:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 

@@ -231,6 +231,13 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._serve()
+        except BaseException as e:  # the thread is dying: no stream may hang on it
+            log.exception("engine thread died")
+            with self._lock:
+                self._accepting = False
+                ids = list(self._streams)
+            self._publish([TokenEvent(rid, error=f"engine thread died: {e!r}") for rid in ids])
+            raise
         finally:
             # MLX wants a thread's streams destroyed before it exits, else the process may abort at
             # exit ("terminate called without an active exception"); the engine is gone by now.

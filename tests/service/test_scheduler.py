@@ -102,6 +102,8 @@ def test_queue_full() -> None:
         s.add(req("c"))
     s.plan()  # both admitted: room again
     s.add(req("c"))
+    with pytest.raises(ValueError, match="in flight"):
+        s.add(req("a"))
 
 
 def test_max_prefill_rows_keeps_decode_rows_flowing() -> None:
