@@ -163,7 +163,9 @@ def sample(
     else:
         token = greedy_tok
 
-    outs = [token, mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0]]
+    outs = [token]
+    if any(p.logprobs is not None for p in params):  # lp stays lazy (never computed) otherwise
+        outs.append(mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0])
     k = max((p.logprobs or 0) for p in params)
     if k > 0:
         k = min(k, v)
