@@ -162,11 +162,13 @@ class Experts(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
-        xe = x[:, None, None, :]  # [B, 1, 1, H]: broadcast against idx [B, k]
-        g = mx.gather_mm(xe, self.w1.swapaxes(-1, -2), rhs_indices=idx)
-        u = mx.gather_mm(xe, self.w3.swapaxes(-1, -2), rhs_indices=idx)
-        hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(x.dtype)
-        out = mx.gather_mm(hdn, self.w2.swapaxes(-1, -2), rhs_indices=idx)[:, :, 0, :]  # [B, k, H]
+        # MLX's CPU gather_mm is f32-only: there, run a bf16 model's experts in f32.
+        ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
+        xe = x[:, None, None, :].astype(ct)  # [B, 1, 1, H]: broadcast against idx [B, k]
+        g = mx.gather_mm(xe, self.w1.astype(ct).swapaxes(-1, -2), rhs_indices=idx)
+        u = mx.gather_mm(xe, self.w3.astype(ct).swapaxes(-1, -2), rhs_indices=idx)
+        hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(ct)
+        out = mx.gather_mm(hdn, self.w2.astype(ct).swapaxes(-1, -2), rhs_indices=idx)[:, :, 0, :]  # [B, k, H]
         return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
 
 

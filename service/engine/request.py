@@ -34,7 +34,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, or (API side) a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client gone or server draining

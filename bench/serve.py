@@ -1,0 +1,205 @@
+"""Serving load test with `vllm bench serve` semantics, against a dsv4-serve on 127.0.0.1.
+
+Fixed input/output lengths (random token ids), ignore_eos, temperature 0, streamed completions with
+usage; concurrency sweep (default 1, 2, 4, 8, 16) with warm-up requests at each concurrency and at
+least 10 x concurrency prompts per cell. TTFT = first chunk with non-empty choices - send time;
+ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
+A greedy correctness check rides along: a fixed subset of prompts must give identical outputs at
+concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given.
+
+    python bench/serve.py --out bench-serve.json [--concurrency 1,2,4,8,16] [--input-len 32 --output-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server not ready within 120 s")
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> dict:
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": out_len, "logprobs": None, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+    }
+    t0 = time.perf_counter()
+    ttft, stamps, text, usage = None, [], [], None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    ttft = ttft if ttft is not None else now - t0
+                    stamps.append(now)
+                    text.append(chunk["choices"][0].get("text", ""))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as e:
+        return {"ok": False, "error": repr(e)}
+    latency = time.perf_counter() - t0
+    n = (usage or {}).get("completion_tokens", len(stamps))
+    return {
+        "ok": True, "ttft": ttft or latency, "latency": latency, "output_tokens": n,
+        "input_tokens": (usage or {}).get("prompt_tokens", len(prompt)),
+        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "text": "".join(text),
+    }
+
+
+async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit) -> tuple[dict, list[dict]]:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        await asyncio.gather(*(one(client, url, model, p, out_len) for p in prompts[:warmups]))
+
+        async def guarded(p):
+            async with sem:
+                return await one(client, url, model, p, out_len)
+
+        t0 = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(guarded(p) for p in prompts)), time_limit)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, concurrency), results
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(results: list[dict], duration: float, concurrency: int) -> dict:
+    ok = [r for r in results if r["ok"]]
+    out = {"concurrency": concurrency, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok)}
+    out["total_input_tokens"] = sum(r["input_tokens"] for r in ok)
+    out["total_output_tokens"] = sum(r["output_tokens"] for r in ok)
+    out["request_throughput"] = len(ok) / duration
+    out["output_throughput"] = out["total_output_tokens"] / duration
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
+    series = {
+        "ttft": [r["ttft"] for r in ok],
+        "tpot": [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
+        "itl": [x for r in ok for x in r["itl"]],
+        "e2el": [r["latency"] for r in ok],
+    }
+    for name, xs in series.items():
+        out[f"mean_{name}_ms"] = statistics.fmean(xs) * 1e3 if xs else 0.0
+        out[f"median_{name}_ms"] = statistics.median(xs) * 1e3 if xs else 0.0
+        for q in (90, 99):
+            out[f"p{q}_{name}_ms"] = pct(xs, q) * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", default=None, help="a running server; default: start one (embedded tiny model)")
+    ap.add_argument("--model", default=None, help="served model id (default: the first of /v1/models)")
+    ap.add_argument("--server-args", default="", help="extra args for the server we start")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts-per-concurrency", type=int, default=10)
+    ap.add_argument("--max-prompts", type=int, default=160)
+    ap.add_argument("--time-limit", type=float, default=600, help="seconds per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
+    opt = ap.parse_args()
+    proc = None
+    url = opt.url
+    if url is None:
+        port = free_port()
+        proc = start_server(port, opt.server_args.split())
+        url = f"http://127.0.0.1:{port}"
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        model = opt.model or models[0]["id"]
+        vocab_hi = 500  # token ids of the tiny vocab; real tokenizers have far more
+        rng = random.Random(opt.seed)
+        cells, check = [], {}
+        for c in (int(x) for x in opt.concurrency.split(",")):
+            n = min(opt.max_prompts, max(opt.prompts_per_concurrency * c, c))
+            prompts = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(n)]
+            fixed = [[(7 * i + 3 * j) % vocab_hi + 2 for j in range(opt.input_len)] for i in range(8)]
+            summary, results = asyncio.run(
+                cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit)
+            )
+            check[c] = [r.get("text") for r in results[:8]]
+            cells.append(summary)
+            print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
+                  f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms",
+                  flush=True)
+        same = None
+        if 1 in check and 8 in check:  # the same 8 fixed prompts open every cell
+            same = check[1] == check[8]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    base = next((c["output_throughput"] for c in cells if c["concurrency"] == 1), None)
+    meta = {
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ROOT).stdout.strip(),
+        "model": model, "input_len": opt.input_len, "output_len": opt.output_len,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "greedy_c1_equals_c8": same,
+    }
+    try:
+        import mlx.core as mx
+
+        meta["mlx"] = mx.__version__
+    except ImportError:
+        pass
+    Path(opt.out).write_text(json.dumps({"meta": meta, "results": cells}, indent=1))
+    print(json.dumps(meta))
+    print(f"{'conc':>4} {'req/s':>6} {'out tok/s':>9} {'x c=1':>6} {'TTFT med':>8} {'TPOT med':>8} "
+          f"{'ITL p99':>8} {'E2E med':>8} {'failed':>6}")
+    for c in cells:
+        ratio = c["output_throughput"] / base if base else float("nan")
+        print(f"{c['concurrency']:>4} {c['request_throughput']:>6.2f} {c['output_throughput']:>9.1f} {ratio:>6.2f} "
+              f"{c['median_ttft_ms']:>8.1f} {c['median_tpot_ms']:>8.2f} {c['p99_itl_ms']:>8.2f} "
+              f"{c['median_e2el_ms']:>8.1f} {c['failed']:>6}")
+
+
+if __name__ == "__main__":
+    main()
