@@ -20,24 +20,44 @@ Handle = StateHandle
 def pools_for_budget(
     args: ModelArgs, *, max_rows: int, max_model_len: int, budget_bytes: int | None, dtype: mx.Dtype, page_size: int
 ) -> StatePools:
-    """Size the page pools: by default every row can reach max_model_len; with a byte budget, fewer pages
-    (admission then waits for pages instead of failing)."""
+    """Size the page pools: by default every row can reach max_model_len. A byte budget buys whole
+    max_model_len requests' worth of pages (admission then waits for pages instead of failing; shorter
+    requests fit more); what is left over goes to more CSA pages."""
     probe = StatePools(args, max_slots=1, max_positions=1, page_size=page_size, dtype=dtype, pages={4: 0, 128: 0})
     pages = None
     if budget_bytes is not None:
         left = budget_bytes - max_rows * probe.slot_bytes()
-        if left <= 0:
+        per_req = {r: probe.pages_for(max_model_len, r) for r in probe.ratios}
+        req_bytes = sum(n * probe.page_bytes(r) for r, n in per_req.items())
+        if left < req_bytes:
             raise ValueError(
-                f"state budget {budget_bytes} B is below the fixed state of {max_rows} rows "
-                f"({max_rows * probe.slot_bytes()} B)"
+                f"state budget of {budget_bytes} B does not hold {max_rows} rows' fixed state "
+                f"({max_rows * probe.slot_bytes()} B) plus one request of max_model_len {max_model_len} "
+                f"({req_bytes} B): raise the budget or lower max_model_len / max_rows"
             )
-        # Positions of growing state the budget holds, shared out over the ratios in step.
-        per_pos = sum(probe.page_bytes(r) / (r * page_size) for r in probe.ratios) or 1.0
-        positions = int(left / per_pos)
-        pages = {r: positions // (r * page_size) for r in probe.ratios}
+        k = left // max(req_bytes, 1)
+        pages = {r: k * n for r, n in per_req.items()}
+        if 4 in pages:
+            pages[4] += (left - k * req_bytes) // probe.page_bytes(4)
     return StatePools(
         args, max_slots=max_rows, max_positions=max_model_len, page_size=page_size, dtype=dtype, pages=pages
     )
+
+
+def free_device_bytes() -> int:
+    """Memory still free for decode state after the weights are loaded: the accelerator's, or the host's."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    total = info.get("memory_size") or info.get("total_memory")
+    if mx.default_device() != mx.cpu and total:
+        return max(0, int(total) - mx.get_active_memory())
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: no limit beyond the pools' own size
 
 
 class Engine:
@@ -61,10 +81,20 @@ class Engine:
         self.max_model_len = max_model_len or limit
         self.vocab_size = args.vocab_size
         self.eos_token_id = args.eos_token_id
+        if state_budget_bytes is None:
+            # Default: what every row reaching max_model_len needs, but never more than 90% of free memory.
+            full = pools_for_budget(args, max_rows=max_rows, max_model_len=1, budget_bytes=None,
+                                    dtype=model.dtype, page_size=page_size)
+            need = max_rows * full.bytes_for(self.max_model_len)
+            spare = int(0.9 * free_device_bytes())
+            state_budget_bytes = None if need <= spare else spare
+            del full
         self.pools = pools_for_budget(
             args, max_rows=max_rows, max_model_len=self.max_model_len, budget_bytes=state_budget_bytes,
             dtype=model.dtype, page_size=page_size,
         )
+        log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
+                 "budget" if state_budget_bytes is not None else "every row at max_model_len")
 
     # ---- state accounting ----------------------------------------------------------------------
     def state_bytes_for(self, n_tokens: int) -> int:
@@ -108,6 +138,12 @@ class Engine:
     def warmup(self) -> None:
         """Run full-width steps once so every kernel variant is compiled before /ready says yes."""
         t0 = time.perf_counter()
+        from kernels import backend
+
+        if backend.name() == "cuda":  # NVRTC compiles each variant once per process: do it before /ready
+            from kernels.cuda import precompile_model
+
+            precompile_model(self.args, self.model.dtype, self.pools.page_size)
         handles = [self.admit(2) for _ in range(self.max_rows)]
         try:
             for width in sorted({1, self.max_rows}):
