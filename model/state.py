@@ -99,7 +99,8 @@ class StatePools:
         return self.slot_bytes() + sum(self.pages_for(positions, r) * self.page_bytes(r) for r in self.ratios)
 
     def bytes_in_use(self) -> int:
-        return sum(self.bytes_for(h.capacity) for h in self._live.values())
+        # list(): the metrics scrape reads this from the event-loop thread while the engine admits.
+        return sum(self.bytes_for(h.capacity) for h in list(self._live.values()))
 
     def bytes_total(self) -> int:
         return self.max_slots * self.slot_bytes() + sum((self.pages[r] - 1) * self.page_bytes(r) for r in self.ratios)

@@ -31,9 +31,6 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
     from service.engine.engine import build_engine
     from service.engine.worker import EngineWorker
 
-    if settings.prefill_chunk is not None:
-        log.warning("prefill_chunk=%d is not used by this engine yet", settings.prefill_chunk)
-
     def factory() -> tuple[Any, Any]:
         engine, tokenizer = build_engine(
             settings.model,
@@ -48,6 +45,9 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         factory,
         max_rows=settings.max_rows,
         max_queue=settings.max_queue,
+        # Prefill is token-serial (one prompt token per row per step), so the per-step prefill token
+        # budget is the number of rows that may be prefilling in one step.
+        max_prefill_rows=settings.prefill_chunk,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
     )
 
