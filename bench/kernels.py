@@ -7,6 +7,10 @@ call come from a chain of N dependent calls (`mx.depends`) with one eval, median
 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step.
 
+Host time: every arm also records the time to build its graph (python + MLX graph construction,
+no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor runs a
+third fast arm with the slot-pool scatters forced (`scatter`) and checks that form too.
+
     python bench/kernels.py [--out DIR] [--reps 15] [--quick]
 Writes DIR/kernels.json ($OUT by default) and prints a table last.
 """
@@ -30,6 +34,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels.cuda as kc  # noqa: E402
+import kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, chain43, make_case  # noqa: E402
 from kernels.cuda.common import kernel  # noqa: E402
 
@@ -39,10 +44,13 @@ COPY = r"""
 """
 
 
-def timed(fn: Callable[[], Any]) -> float:
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(graph build time, build + eval time) of one call of `fn`."""
     t = time.perf_counter()
-    mx.eval(fn())
-    return time.perf_counter() - t
+    out = fn()
+    b = time.perf_counter()
+    mx.eval(out)
+    return b - t, time.perf_counter() - t
 
 
 def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int]) -> dict[str, dict[str, float]]:
@@ -50,14 +58,31 @@ def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int
     for f in arms.values():  # warm-up (compile, allocate)
         timed(f)
     samples: dict[str, list[float]] = {k: [] for k in arms}
+    builds: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(reps):
         for k, f in arms.items():
-            samples[k].append(timed(f) * 1e6 / per[k])
+            b, t = timed(f)
+            samples[k].append(t * 1e6 / per[k])
+            builds[k].append(b * 1e6 / per[k])
     out = {}
     for k, s in samples.items():
         q = np.percentile(s, [10, 90])
-        out[k] = {"median_us": statistics.median(s), "p10_us": float(q[0]), "p90_us": float(q[1])}
+        out[k] = {"median_us": statistics.median(s), "p10_us": float(q[0]), "p90_us": float(q[1]),
+                  "build_us": statistics.median(builds[k])}  # fmt: skip
     return out
+
+
+def forced(fn: Callable[[], Any], full: bool) -> Callable[[], Any]:
+    """`fn` with the compressor's state-update form forced (the graph is built inside)."""
+
+    def run() -> Any:
+        kcomp.FORCE_FULL = full
+        try:
+            return fn()
+        finally:
+            kcomp.FORCE_FULL = None
+
+    return run
 
 
 def floors(reps: int) -> dict[str, float]:
@@ -95,8 +120,27 @@ def check(case: Case) -> dict[str, float]:
     a = ref if isinstance(ref, mx.array) else ref[2]
     b = fast if isinstance(fast, mx.array) else fast[2]
     a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return {"max_abs": float(mx.abs(a - b).max()),
-            "rel": float(mx.sqrt(((a - b) ** 2).sum()) / mx.sqrt((a * a).sum()))}  # fmt: skip
+    out = {"max_abs": float(mx.abs(a - b).max()),
+           "rel": float(mx.sqrt(((a - b) ** 2).sum()) / mx.sqrt((a * a).sum()))}  # fmt: skip
+    if case.op == "compressor_rows":  # both state-update forms: states exact, pools alike
+        for full in (True, False):
+            got = forced(case.fast, full)()
+            mx.eval(got)
+            same = all(bool(mx.array_equal(g, w, equal_nan=True)) for g, w in zip(got[:2], ref[:2], strict=True))
+            g2 = got[2].astype(mx.float32)
+            rel = float(mx.sqrt(((a - g2) ** 2).sum()) / mx.sqrt((a * a).sum()))
+            out[f"{'full' if full else 'scatter'}_states_equal"] = float(same)
+            out[f"{'full' if full else 'scatter'}_rel"] = rel
+    return out
+
+
+def save(out_dir: str, meta: dict[str, Any], fl: dict[str, float], rows: list[dict[str, Any]],
+         step: dict[str, Any] | None) -> None:  # fmt: skip
+    """Write (or rewrite, after every case: a run cut short keeps what it measured) kernels.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps({"meta": meta, "floors": fl, "rows": rows, "chain43": step},
+                                                 indent=1))  # fmt: skip
 
 
 def main() -> None:
@@ -123,38 +167,50 @@ def main() -> None:
                 err = check(case)
                 arms = {"ref": case.chain(case.ref, a.chain), "fast": case.chain(case.fast, a.chain),
                         "single": case.chain(case.single, a.chain)}  # fmt: skip
-                r = interleave(arms, a.reps, {"ref": a.chain, "fast": a.chain, "single": a.chain})
+                if op == "compressor_rows":
+                    arms["scatter"] = forced(case.chain(case.fast, a.chain), False)
+                r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
                 floor_us = case.bytes / fl["copy_bytes_per_s"] * 1e6
                 row = {"op": op, "rows": nr, "ctx": ctx, "bytes": case.bytes, "byte_floor_us": floor_us,
                        "launch_floor_us": fl["launch_us"], "eval_floor_us": fl["eval_us"], **err,
                        **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
                 rows_out.append(row)
+                extra = f" scatter {row['scatter_median_us']:7.1f}" if "scatter_median_us" in row else ""
                 print(f"{op:22s} rows {nr} ctx {ctx:>7}: ref {row['ref_median_us']:8.1f} fast "
-                      f"{row['fast_median_us']:7.1f} single {row['single_median_us']:7.1f} us", flush=True)  # fmt: skip
+                      f"{row['fast_median_us']:7.1f} (host {row['fast_build_us']:5.1f}) single "
+                      f"{row['single_median_us']:7.1f}{extra} us  err {err}", flush=True)  # fmt: skip
+                save(a.out, meta, fl, rows_out, None)
                 del case, arms
     chain = chain43(8, 8192)
-    r = interleave({"ref": chain.ref, "fast": chain.fast}, a.reps, {"ref": 1, "fast": 1})
+    arms = {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False)}
+    r = interleave(arms, a.reps, dict.fromkeys(arms, 1))
     step = {"op": "chain43", "rows": 8, "ctx": 8192, **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.json").write_text(json.dumps({"meta": meta, "floors": fl, "rows": rows_out, "chain43": step},
-                                                 indent=1))  # fmt: skip
+    save(a.out, meta, fl, rows_out, step)
     print(f"\nbench/kernels.py  {meta['device']}  mlx {meta['mlx']}  ({time.perf_counter() - t0:.0f} s)")
     print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s | launch {fl['launch_us']:.1f} us | "
           f"eval {fl['eval_us']:.1f} us")  # fmt: skip
-    hdr = f"{'op':22s} {'rows':>4} {'ctx':>8} {'ref us':>9} {'fast us':>8} {'spread':>13} {'1-row x n':>9} " \
-          f"{'ref/fast':>8} {'n1/fast':>7} {'floor us':>8} {'GB/s':>7} {'err':>9}"
+    hdr = f"{'op':22s} {'rows':>4} {'ctx':>8} {'ref us':>9} {'fast us':>8} {'spread':>13} {'host us':>7} " \
+          f"{'1-row x n':>9} {'ref/fast':>8} {'n1/fast':>7} {'floor us':>8} {'GB/s':>7} {'err':>9}"
     print(hdr)
     for x in rows_out:
         e = x.get("same_ids", x.get("rel", 0.0))
         print(f"{x['op']:22s} {x['rows']:>4} {x['ctx']:>8} {x['ref_median_us']:9.1f} {x['fast_median_us']:8.1f} "
-              f"{x['fast_p10_us']:6.1f}-{x['fast_p90_us']:<6.1f} {x['single_median_us']:9.1f} "
+              f"{x['fast_p10_us']:6.1f}-{x['fast_p90_us']:<6.1f} {x['fast_build_us']:7.1f} "
+              f"{x['single_median_us']:9.1f} "
               f"{x['ref_median_us'] / x['fast_median_us']:8.1f} {x['single_median_us'] / x['fast_median_us']:7.1f} "
               f"{x['byte_floor_us']:8.2f} {x['bytes'] / x['fast_median_us'] / 1e3:7.0f} {e:9.2e}")  # fmt: skip
     ms = {k: v / 1e3 for k, v in step.items() if k.endswith("_us")}
     print(f"chain43 (2 sliding, 21 CSA, 20 HCA), 8 rows, 8K: ref {ms['ref_median_us']:.2f} ms "
           f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} ms "
-          f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}) per step")  # fmt: skip
+          f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}), "
+          f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step")  # fmt: skip
+    cs = [x for x in rows_out if "scatter_median_us" in x]
+    if cs:
+        print("compressor state update, full copy vs scatters (us): " + ", ".join(
+            f"{x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs {x['scatter_median_us']:.1f}" for x in cs))
+        bad = [x for x in cs if x.get("full_states_equal") != 1.0 or x.get("scatter_states_equal") != 1.0
+               or x.get("full_rel", 1) > 1e-2 or x.get("scatter_rel", 1) > 1e-2]  # fmt: skip
+        print(f"compressor forms checked against the reference: {'ALL OK' if not bad else f'{len(bad)} BAD'}")
 
 
 if __name__ == "__main__":

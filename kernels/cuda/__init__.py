@@ -13,8 +13,10 @@ NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the fir
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
 start-up, before the server says it is ready.
 
-Importing this package also memoizes the block-table checks per RowBatch object
-(`common.install_check_memo`): they walk every page in python and would cost ~1 ms per op.
+Host cost per call: each op validates the row contract once per RowBatch object and argument
+shapes (`kernels.rows.checked`; every layer of a step shares the batch) and keeps its launch
+parameters per shape (`common.plan_cached`), so a call after the first is a tuple, a dict lookup
+and its kernel launches (compressor: 1 launch + 1 pool scatter while the slot pools are small).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import mlx.core as mx
 
 from kernels import backend
 from kernels.cuda.attention import sparse_attention_rows_cuda
-from kernels.cuda.common import install_check_memo
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.rows import Row, RowBatch
@@ -40,7 +41,6 @@ __all__ = [
     "sparse_attention_rows_cuda",
 ]
 
-install_check_memo()
 backend.register("compressor_rows", compressor_rows_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
@@ -64,8 +64,12 @@ def precompile(
     topk: int,
     window: int = 128,
     ratios: Iterable[int] = (4, 128),
+    slots: int = 1,
 ) -> int:
-    """Compile (and run once) every kernel variant the model uses; returns the number of op calls."""
+    """Compile (and run once) every kernel variant the model uses; returns the number of op calls.
+
+    `slots`: the size of the slot pools; the compressor copies small slot pools whole and
+    scatters into large ones (`compressor.FULL_BYTES`), two kernel variants."""
     ratios = tuple(sorted(set(r for r in ratios if r)))
     batch = _batch(page_size, ratios or (4,))
     calls: list[Any] = []
@@ -76,7 +80,7 @@ def precompile(
     for ratio, d in comp:
         coff = 2 if ratio == 4 else 1
         pool = mx.zeros((pages[ratio], page_size, d), dtype)
-        st = mx.zeros((1, coff * ratio, coff * d), mx.float32)
+        st = mx.zeros((max(1, slots), coff * ratio, coff * d), mx.float32)
         x = mx.random.normal((1, coff * d))
         calls.append(compressor_rows_cuda(
             batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool,
@@ -99,8 +103,8 @@ def precompile(
     return len(calls)
 
 
-def precompile_model(args: Any, dtype: mx.Dtype, page_size: int) -> int:
-    """`precompile` with the dims of a `model.config.ModelArgs`."""
+def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1) -> int:
+    """`precompile` with the dims of a `model.config.ModelArgs` (and `slots` slot-pool rows)."""
     return precompile(
         dtype=dtype,
         page_size=page_size,
@@ -112,4 +116,5 @@ def precompile_model(args: Any, dtype: mx.Dtype, page_size: int) -> int:
         topk=args.index_topk,
         window=args.sliding_window,
         ratios=tuple(args.compress_ratios),
+        slots=slots,
     )

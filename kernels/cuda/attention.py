@@ -14,11 +14,12 @@ Fast path: q, window, pool of one 16-bit dtype, heads and D multiples of 16; els
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import check_once, f32_params, i32_dummy, kernel
-from kernels.rows import RowBatch
+from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
+from kernels.rows import RowBatch, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
@@ -225,6 +226,39 @@ def splits(b: int, groups: int, nchunk: int) -> int:
     return math.ceil(nchunk / per)  # no empty split
 
 
+class Plan:
+    """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
+
+    __slots__ = ("comb", "comb_grid", "fast", "fparams", "part", "part_grid", "part_shapes", "part_tmpl",
+                 "ratio", "comb_tmpl")  # fmt: skip
+
+    def __init__(self, batch: RowBatch, q: mx.array, window: mx.array, pool: mx.array | None,
+                 indices: mx.array | None, scale: float, ratio: int | None) -> None:  # fmt: skip
+        self.fast = supported(q, window, pool)
+        if not self.fast:
+            return
+        b, page = batch.size, batch.page_size
+        bq, nh, d = q.shape
+        if pool is None:
+            self.ratio, ki = 0, 0
+        else:
+            assert ratio is not None
+            self.ratio = ratio
+            ki = indices.shape[1] if indices is not None else batch.tables[ratio].shape[1] * page
+        groups = nh // HG
+        nchunk = -(-(window.shape[1] + ki) // CK)
+        ns = splits(b, groups, nchunk)
+        self.fparams = f32_params(scale)
+        self.part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d))
+        self.part_tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("HG", HG), ("CK", CK),
+                          ("THREADS", THREADS)]  # fmt: skip
+        self.part_grid = (ns * THREADS, groups, b)
+        self.part_shapes = [(b, ns, nh, d), (b, ns, nh, 2)]
+        self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
+        self.comb_tmpl = [("T", q.dtype), ("D", d)]
+        self.comb_grid = (bq * nh * 128, 1, 1)
+
+
 def sparse_attention_rows_cuda(
     batch: RowBatch,
     q: mx.array,
@@ -236,41 +270,49 @@ def sparse_attention_rows_cuda(
     scale: float,
     ratio: int | None = None,
 ) -> mx.array:
-    check_once("sparse_attention_rows", batch, (q, window, pool, indices, sinks), (scale, ratio, type(scale)),
-               lambda: check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio))
-    if not supported(q, window, pool):
+    def check() -> None:
+        check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+
+    try:
+        key: tuple[Any, ...] = (
+            "sparse_attention_rows", type(scale), scale, type(ratio), ratio, q.shape, q.dtype,
+            window.shape, window.dtype, sinks.shape, sinks.dtype,
+            None if pool is None else (pool.shape, pool.dtype),
+            None if indices is None else (indices.shape, indices.dtype),
+        )  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check()
+        raise
+
+    def make() -> Plan:
+        tw = None if ratio is None or ratio not in batch.tables else batch.tables[ratio].shape
+        pk = key + (batch.size, batch.page_size, tw)
+        return plan_cached(pk, lambda: Plan(batch, q, window, pool, indices, scale, ratio))
+
+    plan: Plan = checked(batch, key, check, make)
+    if not plan.fast:
         return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
-    b, page = batch.size, batch.page_size
-    bq, nh, d = q.shape
     if pool is None:
-        r, table, pool_in, ind, ki = 0, i32_dummy((b, 1)), window, i32_dummy((1, 1)), 0
+        table, pool_in, ind = i32_dummy((batch.size, 1)), window, i32_dummy((1, 1))
     else:
-        assert ratio is not None
-        r, table, pool_in = ratio, batch.tables[ratio], pool
+        table, pool_in = batch.tables[plan.ratio], pool
         if indices is None:
-            cap = table.shape[1] * page
-            indices = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (bq, cap))
-        ind, ki = indices, indices.shape[1]
-    groups = nh // HG
-    nchunk = -(-(window.shape[1] + ki) // CK)
-    ns = splits(b, groups, nchunk)
-    part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d))
-    opart, ml = part(
-        inputs=[batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, f32_params(scale)],
-        template=[("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", r), ("HG", HG), ("CK", CK),
-                  ("THREADS", THREADS)],
-        grid=(ns * THREADS, groups, b),
+            indices = arange_rows(q.shape[0], table.shape[1] * batch.page_size)
+        ind = indices
+    opart, ml = plan.part(
+        inputs=[batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams],
+        template=plan.part_tmpl,
+        grid=plan.part_grid,
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, ns, nh, d), (b, ns, nh, 2)],
+        output_shapes=plan.part_shapes,
         output_dtypes=[mx.float32, mx.float32],
-    )  # fmt: skip
-    comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
-    (out,) = comb(
+    )
+    (out,) = plan.comb(
         inputs=[batch.q_rows, opart, ml, sinks],
-        template=[("T", q.dtype), ("D", d)],
-        grid=(bq * nh * 128, 1, 1),
+        template=plan.comb_tmpl,
+        grid=plan.comb_grid,
         threadgroup=(128, 1, 1),
-        output_shapes=[(bq, nh, d)],
+        output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )
     return out

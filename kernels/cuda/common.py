@@ -9,14 +9,10 @@ every kernel takes its element types as template arguments (`T`, ...).
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-
-from kernels.rows import RowBatch
-from kernels.rows import check_tables as _check_tables
 
 # Type conversions shared by every kernel (T is float, __nv_bfloat16 or __half).
 HEADER = r"""
@@ -114,48 +110,28 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
     return "\n".join(lines)
 
 
-# ---- memoized block-table checks ---------------------------------------------------------------
-# `check_tables` walks every page of every row in python: about 1 ms per call at 128K context and
-# 8 rows, paid by each op of each layer. A step's RowBatch is immutable and shared by all layers,
-# so a successful check is remembered per (op, batch object, ratio, pool pages, entries).
-_memo: dict[tuple[Any, ...], weakref.ref] = {}
+# ---- contract checks once per batch ---------------------------------------------------------
+# The checks live in `kernels.rows` (shared with the references); `rows.checked` runs an op's
+# check once per RowBatch object and argument shapes / dtypes / scalars, and keeps the op's
+# per-shape launch plan (kernel object, template, grid, output shapes) beside it, so a layer's
+# call after the first costs one tuple and one dict lookup. Plans are also kept across batches.
+_plans: dict[tuple[Any, ...], Any] = {}
 
 
-def check_tables_memo(op: str, batch: RowBatch, ratio: int, pages: int, entries: Sequence[int]) -> None:
-    key = (op, id(batch), ratio, pages, tuple(entries))
-    ref = _memo.get(key)
-    if ref is not None and ref() is batch:
-        return
-    _check_tables(op, batch, ratio, pages, entries)
-    if len(_memo) > 512:
-        _memo.clear()
-    _memo[key] = weakref.ref(batch)
+def plan_cached(key: tuple[Any, ...], make: Any) -> Any:
+    """A launch plan per shape key, shared by every batch (a few dozen entries in a model)."""
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = make()
+    return plan
 
 
-def install_check_memo() -> None:
-    """Route the three ops' table checks (reference and fast: they share them) through the memo."""
-    import kernels.compressor
-    import kernels.indexer
-    import kernels.sparse_attention
-
-    for m in (kernels.compressor, kernels.indexer, kernels.sparse_attention):
-        m.check_tables = check_tables_memo  # type: ignore[attr-defined]
-
-
-_check_memo: dict[tuple[Any, ...], weakref.ref] = {}
-
-
-def check_once(op: str, batch: RowBatch, arrays: Sequence[Any], scalars: tuple[Any, ...], check: Any) -> None:
-    """Run `check()` (the reference's contract check) unless it already passed for this batch object
-    with arrays of the same shapes and dtypes and the same scalars (the check reads nothing else)."""
-    if not all(a is None or isinstance(a, mx.array) for a in arrays):
-        check()
-        return
-    key = (op, id(batch), scalars) + tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
-    ref = _check_memo.get(key)
-    if ref is not None and ref() is batch:
-        return
-    check()
-    if len(_check_memo) > 512:
-        _check_memo.clear()
-    _check_memo[key] = weakref.ref(batch)
+def arange_rows(rows: int, cap: int) -> mx.array:
+    """A cached `[rows, cap]` int32 array whose every row is 0..cap-1 (HCA: attend to the whole table)."""
+    key = ("arange_rows", rows, cap)
+    if key not in _consts:
+        a = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (rows, cap))
+        _consts[key] = mx.contiguous(a)  # materialized by its first eval, then kept
+    return _consts[key]

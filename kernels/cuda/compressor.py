@@ -1,34 +1,78 @@
-"""compressor_rows on CUDA: one block per row (state write + pooling + RMSNorm + RoPE), then 3 scatters.
+"""compressor_rows on CUDA: one launch (state write + pooling + RMSNorm + RoPE) and one pool scatter.
 
-The kernel reads each row's state from the slot pool through its slot id (no gathered copy) and
-emits: the row's new state rows (CSA: all 2m rows after the write and the overlap roll; HCA: only
-the written row), the new entry in the pool dtype (zeros for rows that do not emit) and the flat
-destinations. `put_along_axis` then writes them into the slot and page pools (in place when MLX
-can donate the buffers). Rows that do not emit skip the pooling and write to the trash page 0.
+Blocks `0..B-1` take one row each: they read the row's state from the slot pool through its slot
+id (no gathered copy), pool the window when the row emits, and write the new entry in the pool
+dtype (zeros for rows that do not emit) with its flat pool row (`page * PAGE + offset`, the trash
+page 0 for rows that do not emit), broadcast over the entry so that `put_along_axis` needs no
+extra op. The state update has two forms, picked by the size of the slot pools:
+- `FULL` (slot pools of at most `FULL_BYTES` together, the usual case: a few slots): blocks
+  `B..` copy the whole `kv_state` / `score_state` into the kernel's outputs with every batch row's
+  write (and the CSA overlap roll) applied on the way. No scatter: 1 launch + 1 pool scatter.
+- otherwise: the row blocks emit only the rows that change (CSA: the slot's 2m rows after the
+  write and the roll; HCA: the written row) and two `put_along_axis` write them (in place when MLX
+  can donate the buffers): 1 launch + 3 scatters.
 All float dtypes are supported (the arithmetic is f32 as in the reference).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from kernels.compressor import check_compressor
-from kernels.cuda.common import check_once, f32_params, kernel
-from kernels.rows import RowBatch
+from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.rows import RowBatch, checked
 
 THREADS = 256
+CHUNK = THREADS * 8  # state floats per copy block
+FULL_BYTES = 16 << 20  # kv_state + score_state at most this: copy them whole instead of scattering
+FORCE_FULL: bool | None = None  # bench / tests: True or False forces one state-update form
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
           "kv_state", "score_state", "rcos", "rsin", "fparams")  # fmt: skip
-OUTPUTS = ("rows_kv", "rows_s", "entry", "dest")
+OUTPUTS = ("st_kv", "st_s", "entry", "dest", "sidx")
 
 SOURCE = r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
   constexpr int C = COFF * D;
   constexpr int R = COFF * M;
+  constexpr int RC = R * C;
   __shared__ float xs[D];
   __shared__ float red[32];
-  const int b = blockIdx.x;
+  const int NB = slots_shape[0];
   const int tid = threadIdx.x, nt = blockDim.x;
+  if (FULL && (int)blockIdx.x >= NB) {
+    // copy block: elements [e0, e1) of slot s, with the batch row's write applied if s is in the batch
+    constexpr int CPS = (RC + CHUNK - 1) / CHUNK;
+    const int k = blockIdx.x - NB;
+    const int s = k / CPS, e0 = (k - s * CPS) * CHUNK;
+    const int e1 = min(RC, e0 + CHUNK);
+    int kb = -1;
+    for (int i = 0; i < NB; ++i) if (slots[i] == s) kb = i;
+    const float* ksrc = kv_state + (size_t)s * RC;
+    const float* ssrc = score_state + (size_t)s * RC;
+    float* kdst = st_kv + (size_t)s * RC;
+    float* sdst = st_s + (size_t)s * RC;
+    if (kb < 0) {
+      for (int e = e0 + tid; e < e1; e += nt) { kdst[e] = ksrc[e]; sdst[e] = ssrc[e]; }
+      return;
+    }
+    const int p = positions[kb], qr = q_rows[kb];
+    const int pm = p % M;
+    const bool emit = pm == M - 1;
+    const int newrow = (COFF - 1) * M + pm;
+    const float* kvq = kv + (size_t)qr * C;
+    const float* scq = score + (size_t)qr * C;
+    const float* apr = ape + (size_t)pm * C;
+    for (int e = e0 + tid; e < e1; e += nt) {
+      const int r = e / C, c = e - r * C;
+      const int src = (COFF == 2 && emit && r < M) ? r + M : r;
+      if (src == newrow) { kdst[e] = kvq[c]; sdst[e] = scq[c] + apr[c]; }
+      else { kdst[e] = ksrc[src * C + c]; sdst[e] = ssrc[src * C + c]; }
+    }
+    return;
+  }
+  const int b = blockIdx.x;
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int pm = p % M;
   const bool emit = pm == M - 1;
@@ -36,49 +80,57 @@ SOURCE = r"""
   const float* kvq = kv + (size_t)qr * C;
   const float* scq = score + (size_t)qr * C;
   const float* apr = ape + (size_t)pm * C;
-  const float* kst = kv_state + (size_t)slot * R * C;
-  const float* sst = score_state + (size_t)slot * R * C;
-  if (COFF == 2) {
-    float* okv = rows_kv + (size_t)b * R * C;
-    float* os = rows_s + (size_t)b * R * C;
-    for (int e = tid; e < R * C; e += nt) {
-      const int r = e / C, c = e - r * C;
-      const int src = (emit && r < M) ? r + M : r;
-      float v, g;
-      if (src == newrow) { v = kvq[c]; g = scq[c] + apr[c]; }
-      else { v = kst[src * C + c]; g = sst[src * C + c]; }
-      okv[e] = v;
-      os[e] = g;
+  const float* kst = kv_state + (size_t)slot * RC;
+  const float* sst = score_state + (size_t)slot * RC;
+  if (!FULL) {
+    if (COFF == 2) {  // the slot's 2m rows after the write and the roll
+      float* okv = st_kv + (size_t)b * RC;
+      float* os = st_s + (size_t)b * RC;
+      for (int e = tid; e < RC; e += nt) {
+        const int r = e / C, c = e - r * C;
+        const int src = (emit && r < M) ? r + M : r;
+        if (src == newrow) { okv[e] = kvq[c]; os[e] = scq[c] + apr[c]; }
+        else { okv[e] = kst[src * C + c]; os[e] = sst[src * C + c]; }
+      }
+    } else {  // the written row only
+      for (int c = tid; c < C; c += nt) {
+        st_kv[(size_t)b * C + c] = kvq[c];
+        st_s[(size_t)b * C + c] = scq[c] + apr[c];
+      }
     }
-  } else {
-    for (int c = tid; c < C; c += nt) {
-      rows_kv[(size_t)b * C + c] = kvq[c];
-      rows_s[(size_t)b * C + c] = scq[c] + apr[c];
-    }
+    if (tid == 0) sidx[b] = (COFF == 2) ? slot : slot * M + pm;
   }
-  if (tid == 0) {
+  {
     const int tw = table_shape[1];
     const int w = p / M;
     const int col = min(w / PAGE, tw - 1);
     const int pg = emit ? table[b * tw + col] : 0;
-    dest[2 * b] = (COFF == 2) ? slot : slot * M + pm;
-    dest[2 * b + 1] = pg * PAGE + (emit ? w % PAGE : 0);
+    const int flat = pg * PAGE + (emit ? w % PAGE : 0);
+    for (int f = tid; f < D; f += nt) dest[(size_t)b * D + f] = flat;
   }
   T* ent = entry + (size_t)b * D;
   if (!emit) {
     for (int f = tid; f < D; f += nt) ent[f] = dsv4_t<T>(0.f);
     return;
   }
+  // Pool: softmax over the window's rows per feature (two passes: max, then sum / weighted sum;
+  // every row's loads are independent, so they pipeline), as mx.softmax(precise=True).
   float ssq = 0.f;
   for (int f = tid; f < D; f += nt) {
-    float mx_ = -INFINITY, sum = 0.f, acc = 0.f;
+    float mx_ = -INFINITY;
+#pragma unroll 8
+    for (int j = 0; j < R; ++j) {
+      const int col = (COFF == 2 && j >= M) ? D + f : f;
+      const float g = (j == newrow) ? scq[col] + apr[col] : sst[j * C + col];
+      mx_ = fmaxf(mx_, g);
+    }
+    float sum = 0.f, acc = 0.f;
+#pragma unroll 8
     for (int j = 0; j < R; ++j) {
       const int col = (COFF == 2 && j >= M) ? D + f : f;
       float v, g;
       if (j == newrow) { v = kvq[col]; g = scq[col] + apr[col]; }
       else { v = kst[j * C + col]; g = sst[j * C + col]; }
-      if (g == -INFINITY) continue;
-      if (g > mx_) { const float s = expf(mx_ - g); sum *= s; acc *= s; mx_ = g; }
       const float e = expf(g - mx_);
       sum += e;
       acc += e * v;
@@ -97,7 +149,7 @@ SOURCE = r"""
   }
   __syncthreads();
   const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
-  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * norm[f]));
+  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * dsv4_f(norm[f])));
   __syncthreads();
   constexpr int BASE = D - 2 * HALF;
   for (int f = tid; f < D; f += nt) {
@@ -113,8 +165,39 @@ SOURCE = r"""
 """
 
 
-def template(pool: mx.array, ratio: int, head_dim: int, half: int, page: int) -> list:
-    return [("T", pool.dtype), ("M", ratio), ("D", head_dim), ("HALF", half), ("PAGE", page)]
+def template(pool_dtype: mx.Dtype, norm_dtype: mx.Dtype, ratio: int, head_dim: int, half: int, page: int,
+             full: bool) -> list[tuple[str, Any]]:  # fmt: skip
+    return [("T", pool_dtype), ("N", norm_dtype), ("M", ratio), ("D", head_dim), ("HALF", half), ("PAGE", page),
+            ("FULL", full), ("CHUNK", CHUNK)]  # fmt: skip
+
+
+def use_full(slots: int, ratio: int, head_dim: int) -> bool:
+    coff = 2 if ratio == 4 else 1
+    return 2 * slots * (coff * ratio) * (coff * head_dim) * 4 <= FULL_BYTES
+
+
+class Plan:
+    """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
+
+    __slots__ = ("fparams", "full", "grid", "kernel", "out_dtypes", "out_shapes", "template")
+
+    def __init__(self, b: int, s: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int,
+                 page: int, eps: float, full: bool) -> None:  # fmt: skip
+        coff = 2 if ratio == 4 else 1
+        r, c, d = coff * ratio, coff * head_dim, head_dim
+        self.full = full
+        self.fparams = f32_params(eps)
+        self.kernel = kernel("compressor", INPUTS, OUTPUTS, SOURCE)
+        self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, self.full)
+        if self.full:
+            blocks = b + s * (-(-(r * c) // CHUNK))
+            st = [(s, r, c), (s, r, c)]
+        else:
+            blocks = b
+            st = [(b, r, c), (b, r, c)] if coff == 2 else [(b, c), (b, c)]
+        self.grid = (blocks * THREADS, 1, 1)
+        self.out_shapes = st + [(b, d), (b, d), (b, 1)]
+        self.out_dtypes = [mx.float32, mx.float32, pool.dtype, mx.int32, mx.int32]
 
 
 def compressor_rows_cuda(
@@ -133,38 +216,52 @@ def compressor_rows_cuda(
     cos: mx.array,
     sin: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    check_once(
-        "compressor_rows", batch, (kv, score, ape, norm, kv_state, score_state, pool, cos, sin),
-        (ratio, head_dim, eps, type(ratio), type(head_dim), type(eps)),
-        lambda: check_compressor(
+    def check() -> None:
+        check_compressor(
             batch, kv, score, ape, norm, kv_state, score_state, pool,
             ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
-        ),
-    )  # fmt: skip
-    coff = 2 if ratio == 4 else 1
-    m, d, b, page = ratio, head_dim, batch.size, batch.page_size
-    c = coff * d
-    ro = coff * m if coff == 2 else 1
-    k = kernel("compressor", INPUTS, OUTPUTS, SOURCE)
-    rows_kv, rows_s, entry, dest = k(
-        inputs=[batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], kv, score, ape,
-                norm.astype(mx.float32), kv_state, score_state, cos, sin, f32_params(eps)],
-        template=template(pool, ratio, head_dim, cos.shape[1], page),
-        grid=(b * THREADS, 1, 1),
+        )  # fmt: skip
+
+    try:
+        key: tuple[Any, ...] = (
+            "compressor_rows", type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
+            kv.shape, kv.dtype, score.shape, score.dtype, ape.shape, ape.dtype, norm.shape, norm.dtype,
+            kv_state.shape, kv_state.dtype, score_state.shape, score_state.dtype, pool.shape, pool.dtype,
+            cos.shape, cos.dtype, sin.shape, sin.dtype,
+        )  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check()
+        raise
+
+    def make(full: bool | None = None) -> Plan:
+        if full is None:
+            full = use_full(kv_state.shape[0], ratio, head_dim)
+        pk = key + (batch.size, batch.page_size, batch.tables[ratio].shape, full)
+        return plan_cached(pk, lambda: Plan(batch.size, kv_state.shape[0], pool, norm, ratio, head_dim,
+                                            cos.shape[1], batch.page_size, eps, full))  # fmt: skip
+
+    plan: Plan = checked(batch, key, check, make)
+    if FORCE_FULL is not None and plan.full != FORCE_FULL:
+        plan = make(FORCE_FULL)
+    st_kv, st_s, entry, dest, sidx = plan.kernel(
+        inputs=[batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], kv, score, ape, norm,
+                kv_state, score_state, cos, sin, plan.fparams],
+        template=plan.template,
+        grid=plan.grid,
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, ro, c), (b, ro, c), (b, d), (b, 2)],
-        output_dtypes=[mx.float32, mx.float32, pool.dtype, mx.int32],
+        output_shapes=plan.out_shapes,
+        output_dtypes=plan.out_dtypes,
     )  # fmt: skip
-    if coff == 2:
-        where = batch.slots[:, None, None]
-        new_kv = mx.put_along_axis(kv_state, where, rows_kv, axis=0)
-        new_s = mx.put_along_axis(score_state, where, rows_s, axis=0)
+    if plan.full:
+        new_kv, new_s = st_kv, st_s
+    elif ratio == 4:
+        where = batch.once(("slots3",), lambda: batch.slots[:, None, None])
+        new_kv = mx.put_along_axis(kv_state, where, st_kv, axis=0)
+        new_s = mx.put_along_axis(score_state, where, st_s, axis=0)
     else:
-        s = kv_state.shape[0]
-        row = dest[:, 0:1]
-        new_kv = mx.put_along_axis(kv_state.reshape(s * m, c), row, rows_kv.reshape(b, c), axis=0)
-        new_s = mx.put_along_axis(score_state.reshape(s * m, c), row, rows_s.reshape(b, c), axis=0)
-        new_kv, new_s = new_kv.reshape(kv_state.shape), new_s.reshape(score_state.shape)
-    flat = pool.reshape(pool.shape[0] * page, d)
-    new_pool = mx.put_along_axis(flat, dest[:, 1:2], entry, axis=0).reshape(pool.shape)
+        s, c = kv_state.shape[0] * ratio, kv_state.shape[2]
+        new_kv = mx.put_along_axis(kv_state.reshape(s, c), sidx, st_kv, axis=0).reshape(kv_state.shape)
+        new_s = mx.put_along_axis(score_state.reshape(s, c), sidx, st_s, axis=0).reshape(score_state.shape)
+    p = pool.shape
+    new_pool = mx.put_along_axis(pool.reshape(p[0] * p[1], p[2]), dest, entry, axis=0).reshape(p)
     return new_kv, new_s, new_pool

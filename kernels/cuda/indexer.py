@@ -14,11 +14,13 @@ the reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
-from kernels.cuda.common import check_once, kernel, next_pow2
+from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.indexer import check_indexer, indexer_rows_reference
-from kernels.rows import RowBatch
+from kernels.rows import RowBatch, checked
 
 CH = 128  # entries per score block (4 warps)
 MAX_TOPK = 2048
@@ -139,7 +141,12 @@ SELECT = r"""
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int idx = (j < 4) ? 4 * i + j : 4 * (i + NT) + j - 4;
-        if (idx < n && (va[j] & mask) == prefix) atomicAdd(&hist[(va[j] >> shift) & (nbins - 1)], 1u);
+        // warp-aggregated: the lanes that hit one bin add their count once (the top bits of
+        // similar scores fall in a few bins, and one-by-one shared atomics there serialize)
+        const bool ok = idx < n && (va[j] & mask) == prefix;
+        const unsigned int bin = ok ? ((va[j] >> shift) & (nbins - 1)) : 0xffffffffu;
+        const unsigned int peers = __match_any_sync(__activemask(), bin);
+        if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
       }
     }
     __syncthreads();
@@ -240,33 +247,63 @@ def smem_bytes(ni: int, di: int) -> int:
     return (ni + CH) * (di + 8) * 2 + ni * 4 + 4 * 256 * 4
 
 
+class Plan:
+    """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
+
+    __slots__ = ("fast", "score", "score_grid", "score_shapes", "score_tmpl", "select", "select_grid",
+                 "select_shapes", "select_tmpl")  # fmt: skip
+
+    def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
+        self.fast = supported(q, keys, topk)
+        if not self.fast:
+            return
+        b, page = batch.size, batch.page_size
+        ni, di = q.shape[1], q.shape[2]
+        cap = batch.tables[4].shape[1] * page
+        ld = -(-cap // 4) * 4  # 16-byte rows for the vector loads of the select pass
+        chunks = -(-cap // CH)
+        self.score = kernel("idx_score", SCORE_IN, ("skeys",), SCORE, smem_bytes(ni, di))
+        self.score_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page)]
+        self.score_grid = (chunks * 128, b, 1)
+        self.score_shapes = [(b, ld)]
+        self.select = kernel("idx_select", SELECT_IN, ("out",), SELECT)
+        self.select_tmpl = [("TOPK", topk), ("P2", next_pow2(topk))]
+        self.select_grid = (q.shape[0] * 1024, 1, 1)
+        self.select_shapes = [(q.shape[0], topk)]
+
+
 def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
-    check_once("indexer_rows", batch, (q, weights, keys), (topk, type(topk)),
-               lambda: check_indexer(batch, q, weights, keys, topk=topk))  # fmt: skip
-    if not supported(q, keys, topk):
+    def check() -> None:
+        check_indexer(batch, q, weights, keys, topk=topk)
+
+    try:
+        key: tuple[Any, ...] = ("indexer_rows", type(topk), topk, q.shape, q.dtype, weights.shape, weights.dtype,
+                                keys.shape, keys.dtype)  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check()
+        raise
+
+    def make() -> Plan:
+        pk = key + (batch.size, batch.page_size, batch.tables[4].shape)
+        return plan_cached(pk, lambda: Plan(batch, q, keys, topk))
+
+    plan: Plan = checked(batch, key, check, make)
+    if not plan.fast:
         return indexer_rows_reference(batch, q, weights, keys, topk=topk)
-    b, page = batch.size, batch.page_size
-    ni, di = q.shape[1], q.shape[2]
-    table = batch.tables[4]
-    cap = table.shape[1] * page
-    ld = -(-cap // 4) * 4  # 16-byte rows for the vector loads of the select pass
-    chunks = -(-cap // CH)
-    score = kernel("idx_score", SCORE_IN, ("skeys",), SCORE, smem_bytes(ni, di))
-    (skeys,) = score(
-        inputs=[batch.positions, batch.q_rows, table, q, weights, keys],
-        template=[("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page)],
-        grid=(chunks * 128, b, 1),
+    (skeys,) = plan.score(
+        inputs=[batch.positions, batch.q_rows, batch.tables[4], q, weights, keys],
+        template=plan.score_tmpl,
+        grid=plan.score_grid,
         threadgroup=(128, 1, 1),
-        output_shapes=[(b, ld)],
+        output_shapes=plan.score_shapes,
         output_dtypes=[mx.uint32],
     )
-    select = kernel("idx_select", SELECT_IN, ("out",), SELECT)
-    (out,) = select(
+    (out,) = plan.select(
         inputs=[batch.positions, batch.q_rows, skeys],
-        template=[("TOPK", topk), ("P2", next_pow2(topk))],
-        grid=(q.shape[0] * 1024, 1, 1),
+        template=plan.select_tmpl,
+        grid=plan.select_grid,
         threadgroup=(1024, 1, 1),
-        output_shapes=[(q.shape[0], topk)],
+        output_shapes=plan.select_shapes,
         output_dtypes=[mx.int32],
     )
     return out
