@@ -1,0 +1,59 @@
+"""One rank of the 2-rank test (or the single-process reference when imported): greedy decode of 8 rows.
+
+    mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import mlx.core as mx  # noqa: E402
+
+from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.state import StatePools  # noqa: E402
+
+PROMPT_LENS = (1, 2, 3, 5, 7, 9, 11, 12)
+STEPS = 20
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j + 3) % 500 + 2 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+
+
+def greedy(model: DeepseekV4) -> tuple[list[list[int]], list[list[float]]]:
+    """8 rows decoded together: each step every row feeds its next prompt token or its last output.
+    Returns the generated ids per row and the last step's logits."""
+    pools = StatePools(model.args, max_slots=8, max_positions=64, page_size=4, dtype=model.dtype)
+    ps = prompts()
+    handles = [pools.alloc(64) for _ in ps]
+    out: list[list[int]] = [[] for _ in ps]
+    for pos in range(STEPS):
+        toks = [p[pos] if pos < len(p) else out[i][-1] for i, p in enumerate(ps)]
+        logits = model.decode(pools, handles, toks, [pos] * len(ps))
+        best = mx.argmax(logits, axis=-1).tolist()
+        for i, p in enumerate(ps):
+            if pos >= len(p) - 1:
+                out[i].append(int(best[i]))
+    return out, logits.tolist()
+
+
+def main() -> None:
+    from model.distributed import shard_model
+    from model.loader import tiny_model
+
+    group = mx.distributed.init(strict=True)
+    model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
+    shard_model(model, group)
+    n_experts = model.layers[0].ffn.experts.w1.shape[0]
+    ids, logits = greedy(model)
+    if group.rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps({"size": group.size(), "experts": n_experts, "ids": ids,
+                                                 "logits": logits}))
+
+
+if __name__ == "__main__":
+    main()

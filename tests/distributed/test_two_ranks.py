@@ -1,0 +1,150 @@
+"""2 ranks on the CPU (ring backend, 127.0.0.1) under mlx.launch: sharded greedy == single-process greedy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from model.loader import tiny_model
+from tests.distributed.run_rank import greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to python")
+
+
+def _free_port(n: int = 1) -> int:
+    """A port p with p..p+n-1 free (the ring backend listens on consecutive ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def _launch(*cmd: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_", "MLX_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    launch = [str(LAUNCH), "-n", "2", "-p", str(_free_port(2)), "--", *cmd]
+    with log.open("wb") as f:  # own session: the whole job can be killed as one process group
+        return subprocess.Popen(launch, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
+
+
+def test_two_ranks_greedy_matches_single_process(tmp_path: Path) -> None:
+    out, log = tmp_path / "ids.json", tmp_path / "launch.log"
+    proc = _launch(sys.executable, "tests/distributed/run_rank.py", str(out), log=log)
+    try:
+        model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
+        want_ids, want_logits = greedy(model)
+        rc = proc.wait(90)
+    finally:
+        _kill(proc)
+    assert rc == 0, log.read_text(errors="replace")[-4000:]
+    got = json.loads(out.read_text())
+    assert got["size"] == 2 and got["experts"] == model.args.n_routed_experts // 2
+    assert got["ids"] == want_ids
+    np.testing.assert_allclose(np.array(got["logits"]), np.array(want_logits), rtol=1e-4, atol=1e-4)
+
+
+def _generate_single(prompt: list[int], n: int) -> list[int]:
+    """Greedy ids from the single-process tiny model (what `dsv4-serve generate` computes)."""
+    from model.state import StatePools
+
+    model, args, _tok = tiny_model()
+    pools = StatePools(args, max_slots=1, max_positions=len(prompt) + n, page_size=64)
+    h = pools.alloc(len(prompt) + n)
+    logits = model.prefill(pools, h, prompt, 0)
+    out = [int(mx.argmax(logits))]
+    while len(out) < n:
+        logits = model.decode(pools, [h], [out[-1]], [len(prompt) + len(out) - 1])
+        out.append(int(mx.argmax(logits[0])))
+    return out
+
+
+def test_serve_distributed_http(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    port = _free_port()
+    script = Path(sys.executable).parent / "dsv4-serve"
+    serve = [str(script)] if script.exists() else [sys.executable, "-m", "service"]
+    proc = _launch(*serve, "serve", "--distributed", "--host", "127.0.0.1", "--port", str(port),
+                   "--max-model-len", "256", "--drain-timeout", "5", log=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "not ready:\n" + log.read_text(errors="replace")[-4000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        prompt = [5, 17, 42, 99, 3, 250, 7]
+        body = {"model": "deepseek-v4-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        ranks = {_rank_of(p): p for p in _children(proc.pid)}
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[0], signal.SIGTERM)  # rank 0 drains, then tells rank 1 to stop
+        rc = proc.wait(60)
+        assert rc == 0, log.read_text(errors="replace")[-4000:]
+        assert all(not Path(f"/proc/{p}").exists() for p in ranks.values())
+    finally:
+        _kill(proc)
+    want = _generate_single(prompt, 12)
+    _model, _args, tok = tiny_model()
+    assert got["usage"]["completion_tokens"] == 12
+    assert got["choices"][0]["text"] == tok.decode(want, skip_special_tokens=False)
