@@ -1,6 +1,6 @@
 """One rank of the 2-rank test (or the single-process reference when imported): greedy decode of 8 rows.
 
-    mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json
+    mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json [CHECKPOINT_DIR]
 """
 
 from __future__ import annotations
@@ -46,8 +46,13 @@ def main() -> None:
     from model.loader import tiny_model
 
     group = mx.distributed.init(strict=True)
-    model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
-    shard_model(model, group)
+    if len(sys.argv) > 2:  # a checkpoint directory: read only this rank's shard of it
+        from model.distributed import load_sharded
+
+        model, _args = load_sharded(sys.argv[2], group, dtype=mx.float32)
+    else:
+        model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
+        shard_model(model, group)
     n_experts = model.layers[0].ffn.experts.w1.shape[0]
     ids, logits = greedy(model)
     if group.rank() == 0:

@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
+from model.checkpoint import write_checkpoint
+from model.loader import load_model, tiny_model
 from tests.distributed.run_rank import greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,11 +81,20 @@ def _rank_of(pid: int) -> int | None:
     return next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
 
 
-def test_two_ranks_greedy_matches_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["tiny", "checkpoint"])
+def test_two_ranks_greedy_matches_single_process(tmp_path: Path, source: str) -> None:
+    """8 concurrent rows, greedy: ids identical, logits equal to fp32 rounding. `checkpoint`: each rank
+    reads its shard of a release-format (FP8/FP4) checkpoint, compared with the full load."""
     out, log = tmp_path / "ids.json", tmp_path / "launch.log"
-    proc = _launch(sys.executable, "tests/distributed/run_rank.py", str(out), log=log)
+    model, args, tok = tiny_model(seed=0, dtype=mx.float32)
+    extra = []
+    if source == "checkpoint":
+        ckpt = tmp_path / "ckpt"
+        write_checkpoint(model, args, ckpt, dtype="release", shards=2, tokenizer=tok)
+        model, args = load_model(ckpt, dtype=mx.float32)
+        extra = [str(ckpt)]
+    proc = _launch(sys.executable, "tests/distributed/run_rank.py", str(out), *extra, log=log)
     try:
-        model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
         want_ids, want_logits = greedy(model)
         rc = proc.wait(90)
     finally:
