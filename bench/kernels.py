@@ -34,6 +34,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels.cuda as kc  # noqa: E402
+import kernels.cuda.common as kcommon  # noqa: E402
 import kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, chain43, make_case  # noqa: E402
 from kernels.cuda.common import kernel  # noqa: E402
@@ -70,6 +71,19 @@ def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int
         out[k] = {"median_us": statistics.median(s), "p10_us": float(q[0]), "p90_us": float(q[1]),
                   "build_us": statistics.median(builds[k])}  # fmt: skip
     return out
+
+
+def other_compile(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` with `kernels.cuda.common.COMPILE` (mx.compile around each op's launches) flipped."""
+
+    def run() -> Any:
+        kcommon.COMPILE = not kcommon.COMPILE
+        try:
+            return fn()
+        finally:
+            kcommon.COMPILE = not kcommon.COMPILE
+
+    return run
 
 
 def forced(fn: Callable[[], Any], full: bool) -> Callable[[], Any]:
@@ -151,7 +165,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": "cuda",
+    meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": "cuda", "compile": kcommon.COMPILE,
             "date": datetime.datetime.now(datetime.UTC).isoformat()}  # fmt: skip
     kc.precompile(dtype=mx.bfloat16, page_size=64, n_heads=64, head_dim=512, rope_dim=64,
                   index_heads=64, index_dim=128, topk=512)  # fmt: skip
@@ -167,6 +181,7 @@ def main() -> None:
                 err = check(case)
                 arms = {"ref": case.chain(case.ref, a.chain), "fast": case.chain(case.fast, a.chain),
                         "single": case.chain(case.single, a.chain)}  # fmt: skip
+                arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
                 if op == "compressor_rows":
                     arms["scatter"] = forced(case.chain(case.fast, a.chain), False)
                 r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
@@ -176,13 +191,16 @@ def main() -> None:
                        **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
                 rows_out.append(row)
                 extra = f" scatter {row['scatter_median_us']:7.1f}" if "scatter_median_us" in row else ""
+                extra += f" | compile {'off' if kcommon.COMPILE else 'on'}: {row['other_median_us']:7.1f} " \
+                         f"(host {row['other_build_us']:5.1f})"
                 print(f"{op:22s} rows {nr} ctx {ctx:>7}: ref {row['ref_median_us']:8.1f} fast "
                       f"{row['fast_median_us']:7.1f} (host {row['fast_build_us']:5.1f}) single "
                       f"{row['single_median_us']:7.1f}{extra} us  err {err}", flush=True)  # fmt: skip
                 save(a.out, meta, fl, rows_out, None)
                 del case, arms
     chain = chain43(8, 8192)
-    arms = {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False)}
+    arms = {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False),
+            "other": other_compile(chain.fast)}  # fmt: skip
     r = interleave(arms, a.reps, dict.fromkeys(arms, 1))
     step = {"op": "chain43", "rows": 8, "ctx": 8192, **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}
     save(a.out, meta, fl, rows_out, step)
@@ -204,6 +222,10 @@ def main() -> None:
           f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} ms "
           f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}), "
           f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step")  # fmt: skip
+    print(f"fast = mx.compile {'on' if kcommon.COMPILE else 'off'}; with it {'off' if kcommon.COMPILE else 'on'}: "
+          f"chain43 {ms['other_median_us']:.3f} ms (host {ms['other_build_us']:.3f}); per op (us, fast vs other): "
+          + ", ".join(f"{x['op'][:4]} {x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs "
+                      f"{x['other_median_us']:.1f}" for x in rows_out if x["rows"] in (1, 8)))  # fmt: skip
     cs = [x for x in rows_out if "scatter_median_us" in x]
     if cs:
         print("compressor state update, full copy vs scatters (us): " + ", ".join(

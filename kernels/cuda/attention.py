@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kernels.cuda import common
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
@@ -229,7 +230,7 @@ def splits(b: int, groups: int, nchunk: int) -> int:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("comb", "comb_grid", "fast", "fparams", "part", "part_grid", "part_shapes", "part_tmpl",
+    __slots__ = ("compiled", "comb", "comb_grid", "fast", "fparams", "part", "part_grid", "part_shapes", "part_tmpl",
                  "ratio", "comb_tmpl")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, window: mx.array, pool: mx.array | None,
@@ -257,6 +258,28 @@ class Plan:
         self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
         self.comb_tmpl = [("T", q.dtype), ("D", d)]
         self.comb_grid = (bq * nh * 128, 1, 1)
+        self.compiled = mx.compile(self.launch)
+
+    def launch(self, slots: mx.array, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array,
+               window: mx.array, pool: mx.array, ind: mx.array, fparams: mx.array,
+               sinks: mx.array) -> mx.array:  # fmt: skip
+        opart, ml = self.part(
+            inputs=[slots, positions, q_rows, table, q, window, pool, ind, fparams],
+            template=self.part_tmpl,
+            grid=self.part_grid,
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=self.part_shapes,
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        (out,) = self.comb(
+            inputs=[q_rows, opart, ml, sinks],
+            template=self.comb_tmpl,
+            grid=self.comb_grid,
+            threadgroup=(128, 1, 1),
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+        )
+        return out
 
 
 def sparse_attention_rows_cuda(
@@ -299,20 +322,5 @@ def sparse_attention_rows_cuda(
         if indices is None:
             indices = arange_rows(q.shape[0], table.shape[1] * batch.page_size)
         ind = indices
-    opart, ml = plan.part(
-        inputs=[batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams],
-        template=plan.part_tmpl,
-        grid=plan.part_grid,
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=plan.part_shapes,
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = plan.comb(
-        inputs=[batch.q_rows, opart, ml, sinks],
-        template=plan.comb_tmpl,
-        grid=plan.comb_grid,
-        threadgroup=(128, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    run = plan.compiled if common.COMPILE else plan.launch
+    return run(batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks)

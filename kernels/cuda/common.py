@@ -9,6 +9,7 @@ every kernel takes its element types as template arguments (`T`, ...).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,11 @@ CUDA_TYPES = {
     mx.int32: "int32_t",
     mx.uint32: "uint32_t",
 }
+
+# `mx.compile` around each op's launches (per launch plan): a call after the first replays the traced
+# graph instead of rebuilding each `cuda_kernel` node (MLX rebuilds the kernel's source string per
+# call). `DSV4_CUDA_COMPILE=0` turns it off; bench/kernels.py times both.
+COMPILE = os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
 
 _kernels: dict[tuple[str, int], Any] = {}  # one source per name
 _consts: dict[tuple[Any, ...], mx.array] = {}

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.compressor import check_compressor
+from kernels.cuda import common
 from kernels.cuda.common import f32_params, kernel, plan_cached
 from kernels.rows import RowBatch, checked
 
@@ -179,14 +180,16 @@ def use_full(slots: int, ratio: int, head_dim: int) -> bool:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("fparams", "full", "grid", "kernel", "out_dtypes", "out_shapes", "template")
+    __slots__ = ("compiled", "fparams", "full", "grid", "kernel", "out_dtypes", "out_shapes", "ratio", "template")
 
     def __init__(self, b: int, s: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int,
                  page: int, eps: float, full: bool) -> None:  # fmt: skip
         coff = 2 if ratio == 4 else 1
         r, c, d = coff * ratio, coff * head_dim, head_dim
         self.full = full
+        self.ratio = ratio
         self.fparams = f32_params(eps)
+        self.compiled = mx.compile(self.launch)
         self.kernel = kernel("compressor", INPUTS, OUTPUTS, SOURCE)
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, self.full)
         if self.full:
@@ -198,6 +201,31 @@ class Plan:
         self.grid = (blocks * THREADS, 1, 1)
         self.out_shapes = st + [(b, d), (b, d), (b, 1)]
         self.out_dtypes = [mx.float32, mx.float32, pool.dtype, mx.int32, mx.int32]
+
+    def launch(self, slots: mx.array, positions: mx.array, q_rows: mx.array, table: mx.array, kv: mx.array,
+               score: mx.array, ape: mx.array, norm: mx.array, kv_state: mx.array, score_state: mx.array,
+               pool: mx.array, cos: mx.array, sin: mx.array, fparams: mx.array) -> tuple[mx.array, ...]:  # fmt: skip
+        st_kv, st_s, entry, dest, sidx = self.kernel(
+            inputs=[slots, positions, q_rows, table, kv, score, ape, norm, kv_state, score_state, cos, sin, fparams],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=self.out_shapes,
+            output_dtypes=self.out_dtypes,
+        )
+        if self.full:
+            new_kv, new_s = st_kv, st_s
+        elif self.ratio == 4:
+            where = slots[:, None, None]
+            new_kv = mx.put_along_axis(kv_state, where, st_kv, axis=0)
+            new_s = mx.put_along_axis(score_state, where, st_s, axis=0)
+        else:
+            s, c = kv_state.shape[0] * self.ratio, kv_state.shape[2]
+            new_kv = mx.put_along_axis(kv_state.reshape(s, c), sidx, st_kv, axis=0).reshape(kv_state.shape)
+            new_s = mx.put_along_axis(score_state.reshape(s, c), sidx, st_s, axis=0).reshape(score_state.shape)
+        p = pool.shape
+        new_pool = mx.put_along_axis(pool.reshape(p[0] * p[1], p[2]), dest, entry, axis=0).reshape(p)
+        return new_kv, new_s, new_pool
 
 
 def compressor_rows_cuda(
@@ -243,25 +271,6 @@ def compressor_rows_cuda(
     plan: Plan = checked(batch, key, check, make)
     if FORCE_FULL is not None and plan.full != FORCE_FULL:
         plan = make(FORCE_FULL)
-    st_kv, st_s, entry, dest, sidx = plan.kernel(
-        inputs=[batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], kv, score, ape, norm,
-                kv_state, score_state, cos, sin, plan.fparams],
-        template=plan.template,
-        grid=plan.grid,
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=plan.out_shapes,
-        output_dtypes=plan.out_dtypes,
-    )  # fmt: skip
-    if plan.full:
-        new_kv, new_s = st_kv, st_s
-    elif ratio == 4:
-        where = batch.once(("slots3",), lambda: batch.slots[:, None, None])
-        new_kv = mx.put_along_axis(kv_state, where, st_kv, axis=0)
-        new_s = mx.put_along_axis(score_state, where, st_s, axis=0)
-    else:
-        s, c = kv_state.shape[0] * ratio, kv_state.shape[2]
-        new_kv = mx.put_along_axis(kv_state.reshape(s, c), sidx, st_kv, axis=0).reshape(kv_state.shape)
-        new_s = mx.put_along_axis(score_state.reshape(s, c), sidx, st_s, axis=0).reshape(score_state.shape)
-    p = pool.shape
-    new_pool = mx.put_along_axis(pool.reshape(p[0] * p[1], p[2]), dest, entry, axis=0).reshape(p)
-    return new_kv, new_s, new_pool
+    run = plan.compiled if common.COMPILE else plan.launch
+    return run(batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], kv, score, ape, norm,
+               kv_state, score_state, pool, cos, sin, plan.fparams)  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kernels.cuda import common
 from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
@@ -250,7 +251,7 @@ def smem_bytes(ni: int, di: int) -> int:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("fast", "score", "score_grid", "score_shapes", "score_tmpl", "select", "select_grid",
+    __slots__ = ("compiled", "fast", "score", "score_grid", "score_shapes", "score_tmpl", "select", "select_grid",
                  "select_shapes", "select_tmpl")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
@@ -270,6 +271,27 @@ class Plan:
         self.select_tmpl = [("TOPK", topk), ("P2", next_pow2(topk))]
         self.select_grid = (q.shape[0] * 1024, 1, 1)
         self.select_shapes = [(q.shape[0], topk)]
+        self.compiled = mx.compile(self.launch)
+
+    def launch(self, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array, weights: mx.array,
+               keys: mx.array) -> mx.array:  # fmt: skip
+        (skeys,) = self.score(
+            inputs=[positions, q_rows, table, q, weights, keys],
+            template=self.score_tmpl,
+            grid=self.score_grid,
+            threadgroup=(128, 1, 1),
+            output_shapes=self.score_shapes,
+            output_dtypes=[mx.uint32],
+        )
+        (out,) = self.select(
+            inputs=[positions, q_rows, skeys],
+            template=self.select_tmpl,
+            grid=self.select_grid,
+            threadgroup=(1024, 1, 1),
+            output_shapes=self.select_shapes,
+            output_dtypes=[mx.int32],
+        )
+        return out
 
 
 def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
@@ -290,20 +312,5 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
         return indexer_rows_reference(batch, q, weights, keys, topk=topk)
-    (skeys,) = plan.score(
-        inputs=[batch.positions, batch.q_rows, batch.tables[4], q, weights, keys],
-        template=plan.score_tmpl,
-        grid=plan.score_grid,
-        threadgroup=(128, 1, 1),
-        output_shapes=plan.score_shapes,
-        output_dtypes=[mx.uint32],
-    )
-    (out,) = plan.select(
-        inputs=[batch.positions, batch.q_rows, skeys],
-        template=plan.select_tmpl,
-        grid=plan.select_grid,
-        threadgroup=(1024, 1, 1),
-        output_shapes=plan.select_shapes,
-        output_dtypes=[mx.int32],
-    )
-    return out
+    run = plan.compiled if common.COMPILE else plan.launch
+    return run(batch.positions, batch.q_rows, batch.tables[4], q, weights, keys)
