@@ -162,3 +162,25 @@ def encode_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = np.where(w < 0, codes | 0x8, codes).astype(np.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.view(np.int8), sb
+
+
+# ---- in-memory quantization (benchmarks on random weights; the loader keeps released FP8/FP4 as is) ------
+def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
+    """The release's storage formats on an in-memory float model: the FP8 projections (`_QLINEAR` of the
+    loader) as mxfp8 QuantizedLinear, the routed experts as mxfp4 QuantizedExperts; the rest unchanged."""
+    from model.loader import _QLINEAR  # the one list of which projections the release stores as FP8
+
+    if mode != "mxfp":
+        raise ValueError(f"quantize_model: mode must be 'mxfp', got {mode!r}")
+    nn.quantize(
+        model, group_size=32, bits=8, mode="mxfp8",
+        class_predicate=lambda path, m: isinstance(m, nn.Linear) and path.split(".", 2)[-1] in _QLINEAR,
+    )
+    for block in model.layers:
+        ex = block.ffn.experts
+        w = {}
+        for name in ("w1", "w2", "w3"):
+            w[name], w[f"{name}_scales"] = mx.quantize(getattr(ex, name), group_size=FP4_GROUP, bits=4, mode="mxfp4")
+        block.ffn.experts = QuantizedExperts(w, ex.limit)
+        mx.eval(block.ffn.experts.parameters())
+    return model
