@@ -60,6 +60,9 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, h, bias=False)
         self.attn_sink = mx.zeros((nh,))
         self.ratio = args.layer_ratio(layer)
+        # Local head/group counts and the tensor-parallel group: model/distributed.py shrinks the first
+        # two and sets the group (the partial wo_b outputs are summed over ranks); None: one process.
+        self.n_heads, self.n_groups, self.group = nh, args.o_groups, None
         if self.ratio:
             self.compressor = Compressor(args, self.ratio, d)
         if self.ratio == 4:
@@ -68,7 +71,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
         a, layer, r = self.args, self.layer, self.ratio
-        b, nh, d, eps = x.shape[0], a.num_attention_heads, a.head_dim, a.rms_norm_eps
+        b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
         kv = self.kv_norm(self.wkv(x))
@@ -96,11 +99,12 @@ class Attention(nn.Module):
         ).astype(x.dtype)
         o = apply_rope(o, cos, -sin)  # V = K carries RoPE: de-rotate by -p
         # Grouped output projection: group k (contiguous heads) through its own rows of wo_a.
-        g = a.o_groups
+        g = self.n_groups
         u = o.reshape(b, g, nh * d // g)
         wa = self.wo_a.weight.reshape(g, a.o_lora_rank, nh * d // g)
         z = mx.einsum("bgi,gri->bgr", u, wa).reshape(b, g * a.o_lora_rank)
-        return self.wo_b(z)
+        out = self.wo_b(z)
+        return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
     def _select(self, x, qr, batch, pools, freqs, cos, sin) -> mx.array:
         ix, layer, a = self.indexer, self.layer, self.args

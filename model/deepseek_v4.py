@@ -66,13 +66,17 @@ class DeepseekV4(nn.Module):
         """One decode step for the rows of `batch` (row i reads token_ids[i]); logits [B, vocab] f32.
 
         Updates the rows' state in `pools` (lazily: the caller evaluates logits and pools together)."""
+        y = self.hidden(batch, token_ids, pools)
+        return y.astype(mx.float32) @ self.head.weight.astype(mx.float32).T
+
+    def hidden(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
+        """The step up to the final norm [B, H] (follower ranks of a distributed model skip the head)."""
         a = self.args
         x = self.embed(token_ids)
         hs = mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1]))
         for i, block in enumerate(self.layers):
             hs = block(hs, token_ids, batch, pools, self._freqs[a.layer_ratio(i) != 0])
-        y = self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a))
-        return y.astype(mx.float32) @ self.head.weight.astype(mx.float32).T
+        return self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a))
 
     def make_batch(self, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int]) -> RowBatch:
         rows = [

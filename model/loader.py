@@ -9,6 +9,7 @@ wrong-dtype or surplus tensor is an error naming it; nothing is zero-filled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -142,13 +143,15 @@ def _set_module(model: DeepseekV4, path: str, module) -> None:
 
 def load_model(
     model_dir: str | Path, *, dtype: mx.Dtype | None = None, clamp_shared_expert: bool = False,
-    quantize: bool = False,
+    quantize: bool = False, shard: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> tuple[DeepseekV4, ModelArgs]:
     """config.json + release-named safetensors -> (model, args).
 
     dtype: model dtype (default: f32 for an F32 checkpoint or on the CPU, else bf16); hc_*, sinks, APE, router
     bias stay f32 as released. quantize: keep FP8 projections as mxfp8 and FP4 experts as mxfp4 MLX
-    quantized weights instead of decoding them (wo_a is always decoded: it is read as a matrix)."""
+    quantized weights instead of decoding them (wo_a is always decoded: it is read as a matrix).
+    shard: parameter name -> (axis, lo, hi) of its full shape to keep (model/distributed.py); routed experts
+    outside [lo, hi) are never read, other slices are cut before evaluation. The caller marks the modules."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_file(model_dir / "config.json")
     args.clamp_shared_expert = clamp_shared_expert
@@ -161,22 +164,38 @@ def load_model(
     model = DeepseekV4(args)  # lazy zeros: replaced before anything is evaluated
     cache_limit = mx.set_cache_limit(0)  # freed source buffers go back to the OS, not MLX's cache
     try:
-        _fill(model, args, r, dtype, quantize)
+        _fill(model, args, r, dtype, quantize, shard)
     finally:
         mx.set_cache_limit(cache_limit)
     return model, args
 
 
-def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool) -> None:
+def _cut(x, sl: tuple[int, int, int] | None, full: int):
+    """This rank's slice of an array or of a quantized (mode, weight, scales) triple; a copy, not a view."""
+    if sl is None:
+        return x
+    from model.distributed import take
+
+    if isinstance(x, tuple):
+        return (x[0], take(x[1], sl, full), take(x[2], sl, full))
+    return take(x, sl, full)
+
+
+def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool, shard=None) -> None:
     weights: list[tuple[str, mx.array]] = []
     for name, p in tree_flatten(model.parameters()):
         want, pdt = tuple(p.shape), (mx.float32 if is_f32_param(name) else dtype)
         ex = expert_param(name)
+        sl = shard(name) if shard else None
         if name.endswith("tid2eid"):
             arr = _tid2eid(r, name, want)
         elif ex:
             stem, w = ex
-            parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(want[0])]
+            lo, hi = (sl[1], sl[2]) if sl else (0, want[0])
+            for e in (*range(lo), *range(hi, want[0])):  # other ranks' experts: never read
+                r.used.add(f"{stem}.{e}.{w}.weight")
+                r.used.update(n for n in scale_names(f"{stem}.{e}.{w}.weight") if n in r.layout)
+            parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(lo, hi)]
             if all(isinstance(x, tuple) and x[0] == "mxfp4" for x in parts):
                 mods = model.layers[int(stem.split(".")[1])].ffn
                 if not isinstance(mods.experts, QuantizedExperts):
@@ -186,10 +205,11 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                 mx.eval(getattr(mods.experts, w), getattr(mods.experts, f"{w}_scales"))
                 continue
             parts = [x if not isinstance(x, tuple) else r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, False)
-                     for e, x in enumerate(parts)]
+                     for e, x in zip(range(lo, hi), parts, strict=True)]
             arr = mx.stack(parts)
         elif p.ndim == 2 and name.endswith(".weight"):
             arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in _QLINEAR)
+            arr = _cut(arr, sl, want[sl[0]]) if sl else arr
             if isinstance(arr, tuple):
                 lin = mxfp8_linear(arr[1], arr[2])
                 mx.eval(lin.parameters())
@@ -201,7 +221,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                 raise ValueError(f"tensor {name}: dtype {info.dtype}, expected a float type (F32/BF16/F16)")
             if info.shape != want:
                 raise r.shape_error(name, info.shape, want)
-            arr = r.get(name).astype(pdt)
+            arr = _cut(r.get(name).astype(pdt), sl, want[sl[0]] if sl else 0)
         mx.eval(arr)
         weights.append((name, arr))
     mtp = [n for n in r.layout if n.startswith("mtp.")]

@@ -35,6 +35,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--drain-timeout", type=float, help="SIGTERM drain seconds (default 30)  [DSV4_DRAIN_TIMEOUT]"
     )
     p.add_argument("--log-level", help="uvicorn/app log level (default info)  [DSV4_LOG_LEVEL]")
+    p.add_argument(
+        "--distributed", action="store_true", default=None,
+        help="run as one rank of `mlx.launch -n N -- dsv4-serve serve --distributed`: rank 0 serves HTTP, "
+        "the others follow its steps  [DSV4_DISTRIBUTED]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def follow(settings: Settings) -> int | None:
+    """--distributed on a rank > 0: no HTTP, replay rank 0's steps until it stops. None on rank 0."""
+    import logging
+
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() == 1 or group.rank() == 0:
+        return None
+    from service.engine.engine import build_engine
+    from service.engine.follower import follow as follow_loop
+
+    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+                        format=f"rank {group.rank()} %(levelname)s %(name)s: %(message)s")
+    engine, _ = build_engine(settings.model, max_rows=settings.max_rows, max_model_len=settings.max_model_len,
+                             state_budget_bytes=settings.state_budget_bytes, group=group)
+    steps = follow_loop(engine, group)
+    logging.getLogger("dsv4.follower").info("rank %d: stop after %d steps", group.rank(), steps)
+    return 0
+
+
 def serve(settings: Settings) -> int:
+    if settings.distributed:
+        rc = follow(settings)
+        if rc is not None:
+            return rc
     import uvicorn
 
     from service.api.app import create_app

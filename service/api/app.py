@@ -37,6 +37,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
             max_rows=settings.max_rows,
             max_model_len=settings.max_model_len,
             state_budget_bytes=settings.state_budget_bytes,
+            group=_group() if settings.distributed else None,
         )
         ctl.engine = engine  # for bytes_in_use() at scrape time (plain Python accounting)
         return engine, tokenizer
@@ -50,6 +51,13 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         max_prefill_rows=settings.prefill_chunk,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
     )
+
+
+def _group() -> Any:
+    """This process' mx.distributed group (rank 0 of `serve --distributed`); called on the engine thread."""
+    import mlx.core as mx
+
+    return mx.distributed.init()
 
 
 @dataclass

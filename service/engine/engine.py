@@ -160,17 +160,33 @@ def build_engine(
     max_rows: int = 8,
     max_model_len: int | None = None,
     state_budget_bytes: int | None = None,
+    group: object | None = None,
 ):
-    """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer."""
+    """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer.
+
+    group: an mx.distributed group of > 1 ranks: this rank's shard of the model (model/distributed.py);
+    rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`."""
     from model.loader import load_model, tiny_model
     from model.tokenizer import load_tokenizer
 
+    sharded = group is not None and group.size() > 1  # type: ignore[attr-defined]
     if model_dir is None:
         model, _args, tokenizer = tiny_model()
+        if sharded:
+            from model.distributed import shard_model
+
+            shard_model(model, group)
     else:
-        model, _args = load_model(model_dir)
+        if sharded:
+            from model.distributed import load_sharded
+
+            model, _args = load_sharded(model_dir, group)
+        else:
+            model, _args = load_model(model_dir)
         tokenizer = load_tokenizer(model_dir)
-    engine = Engine(
-        model, max_rows=max_rows, max_model_len=max_model_len, state_budget_bytes=state_budget_bytes
-    )
-    return engine, tokenizer
+    kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes}
+    if sharded and group.rank() == 0:  # type: ignore[attr-defined]
+        from service.engine.follower import LeaderEngine
+
+        return LeaderEngine(model, group, **kw), tokenizer
+    return Engine(model, **kw), tokenizer

@@ -206,6 +206,7 @@ class EngineWorker:
 
     def _start_engine(self) -> tuple[Any, Scheduler]:
         engine, self.tokenizer = self._factory()
+        self._engine = engine  # for close() at thread exit
         engine.warmup()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -239,6 +240,13 @@ class EngineWorker:
             self._publish([TokenEvent(rid, error=f"engine thread died: {e!r}") for rid in ids])
             raise
         finally:
+            # A distributed LeaderEngine tells its follower ranks to exit (they wait on every step).
+            close = getattr(getattr(self, "_engine", None), "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    log.exception("engine close failed")
             # MLX wants a thread's streams destroyed before it exits, else the process may abort at
             # exit ("terminate called without an active exception"); the engine is gone by now.
             import mlx.core as mx
