@@ -1,84 +1,113 @@
 """EngineWorker: the thread, the asyncio bridge, admission limits, abort, errors, drain.
 
-Most tests drive the worker with ToyEngine, a ~30-line stand-in for the Engine interface whose
-next greedy token is (token * 7 + 3) % V: the worker's job (threading, queues, event order, error
-isolation) is independent of the model, and only a stand-in can fail a step on demand. The
-last tests run the real tiny model through build_engine(None).
+Every test runs the real Engine (service/engine/engine.py) around the embedded tiny model, built
+once per module. Two controls the real engine does not offer come from `ControlledEngine`, a
+subclass that adds only them and otherwise runs the real model, pools and accounting:
+  * `gate`: a threading.Event that step() waits on, to hold a step so requests stay waiting or
+    outlive a drain deadline;
+  * `fail_token`: step() raises when that token id is fed, to fail a step on demand.
+One more: the real Engine always sizes its pools to hold a whole max_model_len request, so the
+worker's "never fits the decode state" rejection can only be reached by giving a real engine real
+pools (pools_for_budget) smaller than its context limit; test_never_fits_the_decode_state does that.
+
+Expected tokens are never hard-coded: they come from the same model run independently, one token at
+a time on fresh StatePools (`reference`), or from the same request submitted alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 
 import mlx.core as mx
 import pytest
 
+from model.loader import tiny_model
+from model.state import StatePools
+from service.engine.engine import Engine, pools_for_budget
 from service.engine.request import FinishReason, SamplingParams, TokenEvent
+from service.engine.sampler import sample
 from service.engine.worker import EngineNotReady, EngineWorker, QueueFull
 
-V = 64
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+MAX_LEN = 128
+PAGE = 64
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def nxt(t: int) -> int:
-    return (t * 7 + 3) % V
+@pytest.fixture(scope="module")
+def tiny():
+    model, args, _ = tiny_model(seed=0)
+    return model, args
 
 
-class ToyEngine:
-    def __init__(self, max_rows: int = 8, max_model_len: int = 100, fail_token: int = -1) -> None:
-        self.max_rows, self.max_model_len, self.vocab_size, self.eos_token_id = max_rows, max_model_len, V, 1
+class ControlledEngine(Engine):
+    """The real Engine plus a gate on step() and an optional token id whose feeding fails the step."""
+
+    def __init__(self, model, *, fail_token: int | None = None, **kw) -> None:
+        super().__init__(model, **kw)
         self.fail_token = fail_token
-        self.live: set[int] = set()
-        self.released: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
-        self._next = 0
 
-    def state_bytes_for(self, n: int) -> int:
-        return 10 * n
-
-    def bytes_in_use(self) -> int:
-        return 0
-
-    def bytes_budget(self) -> int:
-        return 10 * 80  # at most 80 positions for one request
-
-    def can_admit(self, n: int) -> bool:
-        return len(self.live) < self.max_rows
-
-    def admit(self, n: int) -> int:
-        self._next += 1
-        self.live.add(self._next)
-        return self._next
-
-    def release(self, h: int) -> None:
-        self.live.remove(h)
-        self.released.append(h)
-
-    def step(self, feeds: list[tuple[int, int, int]]) -> mx.array:
+    def step(self, feeds):
         self.gate.wait()
-        if any(tok == self.fail_token for _, tok, _ in feeds):
-            raise RuntimeError("toy step failed")
-        target = mx.array([nxt(tok) for _, tok, _ in feeds])[:, None]
-        return -mx.abs(mx.arange(V)[None, :] - target).astype(mx.float32)
-
-    def warmup(self) -> None:
-        pass
+        if self.fail_token is not None and any(tok == self.fail_token for _, tok, _ in feeds):
+            raise RuntimeError(f"step fed token {self.fail_token}")
+        return super().step(feeds)
 
 
-def run(coro_fn, engine: ToyEngine | None = None, **kw):
+def make_engine(tiny, max_rows: int = 8, max_model_len: int = MAX_LEN, **kw) -> ControlledEngine:
+    return ControlledEngine(tiny[0], max_rows=max_rows, max_model_len=max_model_len, page_size=PAGE, **kw)
+
+
+_refs: dict[tuple, tuple[list[int], FinishReason]] = {}
+
+
+def reference(tiny, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], FinishReason]:
+    """The model alone: token-serial prefill + decode of one request on fresh pools, sampled with the
+    real sampler (greedy: plain argmax). Run on the calling thread, before any worker starts."""
+    key = (tuple(prompt), params)
+    if key in _refs:
+        return _refs[key]
+    model, args = tiny
+    pools = StatePools(args, max_slots=1, max_positions=MAX_LEN, page_size=PAGE, dtype=model.dtype)
+    h = pools.alloc(len(prompt) + params.max_tokens)
+    logits = model.prefill(pools, h, list(prompt), 0)[None]
+    out: list[int] = []
+    reason = FinishReason.LENGTH
+    for i in range(params.max_tokens):
+        if i:
+            logits = model.decode(pools, [h], [out[-1]], [len(prompt) + i - 1])
+        if params.greedy:
+            tok = int(mx.argmax(logits[0]).item())
+        else:
+            tok = sample(logits, [params], [[]], [i], eos_token_id=args.eos_token_id)[0][0]
+        if tok == args.eos_token_id and not params.ignore_eos:
+            reason = FinishReason.STOP
+            break
+        out.append(tok)
+    pools.free(h)
+    _refs[key] = (out, reason)
+    return out, reason
+
+
+def tokens(events: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def run(coro_fn, engine: Engine, **kw):
     """Start a worker on `engine`, run coro_fn(worker, engine) in a fresh loop, always stop it."""
-    engine = engine or ToyEngine()
     w = EngineWorker(lambda: (engine, None), **kw)
     w.start()
 
     async def main():
-        assert await w.wait_ready(10)
+        assert await w.wait_ready(30), w.start_error
         try:
             return await coro_fn(w, engine)
         finally:
-            engine.gate.set()
+            if isinstance(engine, ControlledEngine):
+                engine.gate.set()
             await w.drain(0)
 
     return asyncio.run(main())
@@ -88,100 +117,163 @@ async def collect(w: EngineWorker, prompt: list[int], params: SamplingParams = G
     return [ev async for ev in await w.submit(prompt, params)]
 
 
-def test_greedy_stream_and_final_event() -> None:
+async def wait_for(cond, tries: int = 400) -> bool:
+    for _ in range(tries):
+        if cond():
+            return True
+        await asyncio.sleep(0.005)
+    return cond()
+
+
+def test_greedy_stream_and_final_event(tiny) -> None:
+    want, _ = reference(tiny, [5, 6, 7], GREEDY)
+
     async def body(w, eng):
         return await collect(w, [5, 6, 7])
 
-    events = run(body)
-    want = [nxt(7)]
-    for _ in range(3):
-        want.append(nxt(want[-1]))
+    events = run(body, make_engine(tiny))
     assert [e.token_id for e in events] == want + [None]
     assert events[-1].finish_reason is FinishReason.LENGTH
+    assert len({e.request_id for e in events}) == 1
 
 
-def test_eight_concurrent_requests_share_steps() -> None:
+def test_eight_concurrent_requests_share_steps(tiny) -> None:
+    want = [reference(tiny, [i + 2], GREEDY)[0] for i in range(8)]
     rows_seen: list[int] = []
 
     async def body(w, eng):
         res = await asyncio.gather(*[collect(w, [i + 2]) for i in range(8)])
-        return res, w.stats()
+        return res, w.stats(), eng.bytes_in_use()
 
-    res, stats = run(body, on_step_metrics=lambda rows, dt: rows_seen.append(rows))
+    res, stats, in_use = run(body, make_engine(tiny), on_step_metrics=lambda rows, dt: rows_seen.append(rows))
     for i, events in enumerate(res):
-        assert events[0].token_id == nxt(i + 2) and events[-1].finish_reason is FinishReason.LENGTH
+        assert tokens(events) == want[i] and events[-1].finish_reason is FinishReason.LENGTH
     assert max(rows_seen) == 8 and stats["rows_per_step"][8] >= 1
     assert stats["steps_total"] == len(rows_seen) and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["tokens_total"] == 8 * GREEDY.max_tokens and in_use == 0
 
 
-def test_queue_full_and_validation() -> None:
+def test_queue_full_and_validation(tiny) -> None:
+    first_params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want_first, _ = reference(tiny, [3], first_params)
+    want, _ = reference(tiny, [3], GREEDY)
+
     async def body(w, eng):
+        assert w.max_model_len == 100 and w.max_fit_tokens == 100  # the real pools hold a full request
         eng.gate.clear()  # hold the first step so the next requests stay waiting
-        first = await w.submit([3], SamplingParams(max_tokens=3))
-        while w.stats()["running"] == 0:
-            await asyncio.sleep(0.005)
+        first = await w.submit([3], first_params)
+        assert await wait_for(lambda: w.stats()["running"] == 1)
         waiting = [await w.submit([3], GREEDY) for _ in range(2)]
+        assert w.stats()["waiting"] == 2
         with pytest.raises(QueueFull):
             await w.submit([3], GREEDY)
         with pytest.raises(ValueError, match="max_model_len 100"):
             await w.submit([3] * 90, SamplingParams(max_tokens=20))
+        with pytest.raises(ValueError, match="max_model_len 100"):
+            await w.submit([3] * 101, SamplingParams(max_tokens=1))
+        with pytest.raises(ValueError, match="empty"):
+            await w.submit([], GREEDY)
+        with pytest.raises(ValueError, match="max_tokens"):
+            await w.submit([3], SamplingParams(max_tokens=0))
+        eng.gate.set()
+        return [[e async for e in it] for it in [first, *waiting]], eng.bytes_in_use()
+
+    res, in_use = run(body, make_engine(tiny, max_rows=1, max_model_len=100), max_rows=1, max_queue=2)
+    assert [r[-1].finish_reason for r in res] == [FinishReason.LENGTH] * 3
+    assert [tokens(r) for r in res] == [want_first, want, want] and in_use == 0
+
+
+def test_never_fits_the_decode_state(tiny) -> None:
+    model, args = tiny
+    eng = make_engine(tiny, max_rows=1, max_model_len=100)
+    # Real pools for 60 positions, page size 4: 4 pages of ratio 4 (16 positions each) fit 67 positions.
+    eng.pools = pools_for_budget(args, max_rows=1, max_model_len=60, budget_bytes=None, dtype=model.dtype,
+                                 page_size=4)
+    want, _ = reference(tiny, [3, 4], GREEDY)
+
+    async def body(w, eng):
+        assert w.max_model_len == 100 and w.max_fit_tokens == 67
         with pytest.raises(ValueError, match="decode state"):
             await w.submit([3] * 50, SamplingParams(max_tokens=35))
-        with pytest.raises(ValueError):
-            await w.submit([], GREEDY)
-        eng.gate.set()
-        return [[e async for e in it] for it in [first, *waiting]]
+        return await collect(w, [3, 4])  # what fits still runs on the smaller pools
 
-    res = run(body, max_rows=1, max_queue=2)
-    assert [r[-1].finish_reason for r in res] == [FinishReason.LENGTH] * 3
+    events = run(body, eng, max_rows=1)
+    assert tokens(events) == want and events[-1].finish_reason is FinishReason.LENGTH
 
 
-def test_abort_running_request_frees_its_row() -> None:
+def test_engine_not_ready_before_start(tiny) -> None:
+    w = EngineWorker(lambda: (make_engine(tiny), None))
+
+    async def main():
+        with pytest.raises(EngineNotReady, match="not ready"):
+            await w.submit([3], GREEDY)
+
+    asyncio.run(main())
+
+
+def test_abort_running_request_frees_its_row(tiny) -> None:
+    long = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    want_long, _ = reference(tiny, [3], long)
+    want_after, _ = reference(tiny, [4], GREEDY)
+
     async def body(w, eng):
-        it = await w.submit([3], SamplingParams(max_tokens=70, temperature=0.0))
-        events = []
+        it = await w.submit([3], long)
+        events, in_use = [], []
         async for ev in it:
             events.append(ev)
+            in_use.append(eng.bytes_in_use())
             if len(events) == 2:
                 w.abort(ev.request_id)
         # the freed row is reusable at once
         after = await collect(w, [4])
-        return events, after, list(eng.released)
+        return events, in_use, after, eng.bytes_in_use()
 
-    events, after, released = run(body, max_rows=1)
+    events, in_use, after, in_use_end = run(body, make_engine(tiny, max_rows=1), max_rows=1)
     assert events[-1].finish_reason is FinishReason.ABORT and len(events) < 10
-    assert after[-1].finish_reason is FinishReason.LENGTH and released == [1, 2]
+    assert tokens(events) == want_long[: len(events) - 1]
+    assert in_use[0] > 0 and in_use[-1] == 0  # released by the time the ABORT event arrives
+    assert tokens(after) == want_after and after[-1].finish_reason is FinishReason.LENGTH and in_use_end == 0
 
 
-def test_closing_the_stream_aborts() -> None:
+def test_closing_the_stream_aborts(tiny) -> None:
+    long = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+
     async def body(w, eng):
-        it = await w.submit([3], SamplingParams(max_tokens=70))
+        it = await w.submit([3], long)
         await it.__anext__()
+        held = eng.bytes_in_use()
         await it.aclose()  # what a disconnected client does
-        for _ in range(200):
-            if eng.released:
-                break
-            await asyncio.sleep(0.005)
-        return list(eng.released), w.stats()
+        assert await wait_for(lambda: eng.bytes_in_use() == 0 and w.stats()["running"] == 0)
+        return held, w.stats()
 
-    released, stats = run(body)
-    assert released == [1] and stats["running"] == 0
+    held, stats = run(body, make_engine(tiny))
+    assert held > 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["tokens_total"] < long.max_tokens
 
 
-def test_step_error_fails_the_rows_and_serving_goes_on() -> None:
+def test_step_error_fails_the_rows_and_serving_goes_on(tiny) -> None:
+    want, _ = reference(tiny, [5, 6], GREEDY)
+    # A token id nobody else feeds: not warm-up's 0, not the good request's prompt or outputs.
+    fail = next(t for t in range(tiny[1].vocab_size) if t not in {0, 5, 6, *want})
+
     async def body(w, eng):
-        bad = await collect(w, [5, 13, 6])
+        bad = await collect(w, [5, fail, 6])
+        in_use = eng.bytes_in_use()
         good = await collect(w, [5, 6])
-        return bad, good
+        return bad, in_use, good, w.stats()
 
-    bad, good = run(body, engine=ToyEngine(fail_token=13))
-    assert len(bad) == 1 and "toy step failed" in bad[0].error
-    assert good[-1].finish_reason is FinishReason.LENGTH and len(good) == 5
+    bad, in_use, good, stats = run(body, make_engine(tiny, fail_token=fail))
+    assert len(bad) == 1 and f"step fed token {fail}" in bad[0].error and in_use == 0
+    assert tokens(good) == want and good[-1].finish_reason is FinishReason.LENGTH and len(good) == 5
+    assert stats["running"] == 0 and stats["waiting"] == 0
 
 
-def test_drain_lets_in_flight_requests_finish() -> None:
+def test_drain_lets_in_flight_requests_finish(tiny) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want, _ = reference(tiny, [3], params)
+
     async def body(w, eng):
-        it = await w.submit([3], SamplingParams(max_tokens=5, temperature=0.0))
+        it = await w.submit([3], params)
         drain = asyncio.create_task(w.drain(5.0))
         await asyncio.sleep(0)
         with pytest.raises(EngineNotReady):
@@ -191,76 +283,59 @@ def test_drain_lets_in_flight_requests_finish() -> None:
         await drain  # the thread stops as soon as nothing is left, not at the deadline
         return events, w.ready, asyncio.get_running_loop().time() - t0
 
-    events, ready, dt = run(body)
-    assert events[-1].finish_reason is FinishReason.LENGTH and len(events) == 6 and not ready
+    events, ready, dt = run(body, make_engine(tiny))
+    assert events[-1].finish_reason is FinishReason.LENGTH and tokens(events) == want and not ready
     assert dt < 2.0
 
 
-def test_drain_aborts_what_outlives_the_timeout() -> None:
+def test_drain_aborts_what_outlives_the_timeout(tiny) -> None:
+    long = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+
     async def body(w, eng):
         eng.gate.clear()  # the first step hangs past the drain deadline
-        it = await w.submit([3], SamplingParams(max_tokens=70, temperature=0.0))
+        it = await w.submit([3], long)
+        assert await wait_for(lambda: w.stats()["running"] == 1)
+        held = eng.bytes_in_use()
         drain = asyncio.create_task(w.drain(0.1))
         await asyncio.sleep(0.3)
         eng.gate.set()
         events = [e async for e in it]
         await drain
-        return events, list(eng.released)
+        return events, held, eng.bytes_in_use()
 
-    events, released = run(body)
-    assert events[-1].finish_reason is FinishReason.ABORT and len(events) <= 2 and released == [1]
+    events, held, in_use = run(body, make_engine(tiny))
+    assert events[-1].finish_reason is FinishReason.ABORT and len(events) <= 2
+    assert held > 0 and in_use == 0
 
 
-def test_start_failure_is_reported() -> None:
-    def factory():
-        raise OSError("no weights here")
-
-    w = EngineWorker(factory)
+def test_start_failure_is_reported(tiny) -> None:
+    # A real start-up failure: a state budget too small for one request of max_model_len.
+    w = EngineWorker(lambda: (Engine(tiny[0], max_model_len=MAX_LEN, state_budget_bytes=1024), None))
     w.start()
 
     async def main():
-        assert not await w.wait_ready(10)
-        with pytest.raises(EngineNotReady, match="no weights"):
+        assert not await w.wait_ready(30)
+        with pytest.raises(EngineNotReady, match="state budget"):
             await w.submit([1], GREEDY)
 
     asyncio.run(main())
-    assert isinstance(w.start_error, OSError)
+    assert isinstance(w.start_error, ValueError) and not w.ready
 
 
-# ---- the real tiny model ------------------------------------------------------------------------
-def _tiny_factory():
-    try:
-        import model.loader  # noqa: F401  (build_engine(None) needs the tiny model builder)
-        from service.engine.engine import build_engine
-    except ImportError as e:
-        pytest.skip(f"real engine not available yet: {e}")
-    return lambda: build_engine(None, max_model_len=256)
-
-
-def _run_real(body):
-    w = EngineWorker(_tiny_factory())
-    w.start()
-
-    async def main():
-        assert await w.wait_ready(300), w.start_error
-        try:
-            return await body(w)
-        finally:
-            await w.drain(0)
-
-    return asyncio.run(main())
-
-
-def test_real_engine_batched_equals_alone() -> None:
+def test_batched_equals_alone(tiny) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=42)
+    want = [reference(tiny, [3, 4, 5], greedy), reference(tiny, [7, 8], seeded)]
 
-    async def body(w):
+    async def body(w, eng):
         alone = [await collect(w, [3, 4, 5], greedy), await collect(w, [7, 8], seeded)]
-        others = [collect(w, list(range(2, 2 + i)), SamplingParams(max_tokens=8)) for i in range(1, 7)]
+        others = [collect(w, list(range(2, 2 + i)), SamplingParams(max_tokens=8, seed=i)) for i in range(1, 7)]
         batched = await asyncio.gather(collect(w, [3, 4, 5], greedy), collect(w, [7, 8], seeded), *others)
         return alone, batched[:2]
 
-    alone, batched = _run_real(body)
-    assert [[e.token_id for e in r] for r in alone] == [[e.token_id for e in r] for r in batched]
-    assert alone[0][-1].finish_reason is FinishReason.LENGTH
+    rows_seen: list[int] = []
+    alone, batched = run(body, make_engine(tiny), on_step_metrics=lambda rows, dt: rows_seen.append(rows))
+    assert max(rows_seen) == 8
+    for a, b, (toks, reason) in zip(alone, batched, want, strict=True):
+        assert tokens(a) == tokens(b) == toks
+        assert a[-1].finish_reason is b[-1].finish_reason is reason
