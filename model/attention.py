@@ -26,12 +26,17 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, args.rms_norm_eps)
         self.ratio, self.dim = ratio, dim
 
-    def __call__(self, batch, x, kv_state, score_state, pool, freqs, eps):
-        # Projections and pooling in f32 (REF): the weights are upcast, not the other way round.
+    def project(self, x: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
+        """Pure part: kv / score projections in f32 (REF: the weights are upcast, not the other way round)
+        and the RoPE angles of the entry a row would emit this step (its window's first token)."""
         xf = x.astype(mx.float32)
         kv = xf @ self.wkv.weight.astype(mx.float32).T
         score = xf @ self.wgate.weight.astype(mx.float32).T
-        cos, sin = rope_cos_sin(freqs, mx.maximum(batch.positions + 1 - self.ratio, 0))
+        cos, sin = rope_cos_sin(freqs, mx.maximum(positions + 1 - self.ratio, 0))
+        return kv, score, cos, sin
+
+    def apply(self, batch, proj, kv_state, score_state, pool, eps):
+        kv, score, cos, sin = proj
         return kernels.compressor_rows(
             batch, kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state, pool,
             ratio=self.ratio, head_dim=self.dim, eps=eps, cos=cos, sin=sin,
@@ -69,49 +74,65 @@ class Attention(nn.Module):
             self.indexer = Indexer(args)
         self.layer, self.args = layer, args
 
-    def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
-        a, layer, r = self.args, self.layer, self.ratio
+    def project(self, x: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
+        """Everything before the kernels, a pure function of (x, positions): q, the new window kv, the
+        compressors' projections and, in CSA layers, the indexer's q and head weights."""
+        a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
         kv = self.kv_norm(self.wkv(x))
-        cos, sin = rope_cos_sin(freqs, batch.positions)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(kv, cos, sin)
+        cos, sin = rope_cos_sin(freqs, positions)
+        out = (apply_rope(q, cos, sin), apply_rope(kv, cos, sin), cos, sin)
+        if r:
+            out += self.compressor.project(x, positions, freqs)
+        if r == 4:
+            ix = self.indexer
+            q_i = apply_rope(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), cos, sin)
+            w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
+            out += (q_i, w, *ix.compressor.project(x, positions, freqs))
+        return out
+
+    def attend(self, proj: tuple[mx.array, ...], batch: kernels.RowBatch, pools: StatePools) -> mx.array:
+        """The kernel part: window write, compressor(s), indexer, sparse attention; o [B, nh, D]."""
+        a, layer, r = self.args, self.layer, self.ratio
+        q, kv = proj[0], proj[1]
         # Window ring: row p % W, written before attention (the current token is one of the W keys).
         pools.window[layer][batch.slots, batch.positions % a.sliding_window] = kv.astype(pools.dtype)
-
         pool, indices = None, None
         if r:
-            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = self.compressor(
-                batch, x, pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], freqs, eps
+            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = self.compressor.apply(
+                batch, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], a.rms_norm_eps
             )
             pool = pools.ckv[layer]
         if r == 4:
-            indices = self._select(x, qr, batch, pools, freqs, cos, sin)
+            ix = self.indexer
+            pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = ix.compressor.apply(
+                batch, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], a.rms_norm_eps
+            )
+            indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
+                                           topk=ix.topk)
         elif r == 128:
             cap = pools.table_width(128) * pools.page_size
             ids = mx.arange(cap, dtype=mx.int32)[None, :]
             indices = mx.where(ids < ((batch.positions + 1) // 128)[:, None], ids, -1)
-        o = kernels.sparse_attention_rows(
+        return kernels.sparse_attention_rows(
             batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
-            self.attn_sink.astype(mx.float32), scale=d**-0.5, ratio=r,
-        ).astype(x.dtype)
-        o = apply_rope(o, cos, -sin)  # V = K carries RoPE: de-rotate by -p
-        # Grouped output projection: group k (contiguous heads) through its own rows of wo_a.
+            self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r,
+        )
+
+    def output(self, o: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.array:
+        """After the kernels: de-rotate (V = K carries RoPE: rotate by -p), grouped output projection."""
+        a, b, d = self.args, o.shape[0], self.args.head_dim
+        o = apply_rope(o.astype(dtype), cos, -sin)
+        # Group k (contiguous heads) goes through its own rows of wo_a.
         g = self.n_groups
-        u = o.reshape(b, g, nh * d // g)
-        wa = self.wo_a.weight.reshape(g, a.o_lora_rank, nh * d // g)
+        u = o.reshape(b, g, self.n_heads * d // g)
+        wa = self.wo_a.weight.reshape(g, a.o_lora_rank, self.n_heads * d // g)
         z = mx.einsum("bgi,gri->bgr", u, wa).reshape(b, g * a.o_lora_rank)
         out = self.wo_b(z)
         return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
-    def _select(self, x, qr, batch, pools, freqs, cos, sin) -> mx.array:
-        ix, layer, a = self.indexer, self.layer, self.args
-        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = ix.compressor(
-            batch, x, pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], freqs, a.rms_norm_eps
-        )
-        b = x.shape[0]
-        q_i = apply_rope(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), cos, sin)
-        w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
-        return kernels.indexer_rows(batch, q_i.astype(pools.dtype), w, pools.ikeys[layer], topk=ix.topk)
+    def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
+        proj = self.project(x, batch.positions, freqs)
+        return self.output(self.attend(proj, batch, pools), proj[2], proj[3], x.dtype)

@@ -7,6 +7,7 @@ chunks of any size leaves exactly the state of token-by-token decoding.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -33,13 +34,42 @@ class Block(nn.Module):
             setattr(self, f"hc_{unit}_scale", mx.zeros((3,)))
         self.args = args
 
-    def __call__(self, h, token_ids, batch, pools, freqs):
+    def before(self, h: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
+        """Pure: attention mHC-pre + norm + every projection the kernels need."""
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
+        return (post, comb, *self.attn.project(self.attn_norm(x), positions, freqs))
+
+    def after(self, o, h, post, comb, cos, sin, token_ids) -> mx.array:
+        """Pure: attention output + mHC-post, then the whole MoE half of the block."""
         a = self.args
-        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a)
-        h = hc_post(self.attn(self.attn_norm(x), batch, pools, freqs), h, post, comb)
+        h = hc_post(self.attn.output(o, cos, sin, h.dtype), h, post, comb)
         # The ffn unit's weights come from the post-attention streams.
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
         return hc_post(self.ffn(self.ffn_norm(x), token_ids), h, post, comb)
+
+    def __call__(self, h, token_ids, batch, pools, freqs):
+        before, after = self._segments()
+        post, comb, *proj = before(h, batch.positions, freqs)
+        o = self.attn.attend(tuple(proj), batch, pools)
+        return after(o, h, post, comb, proj[2], proj[3], token_ids)
+
+    def _segments(self):
+        """The pure parts around the kernels, compiled: a layer is then ~2 fused graphs + its kernel calls
+        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size.
+        Not compiled when sharded (all_sum inside) or with DSV4_COMPILE=0."""
+        seg = self.__dict__.get("_compiled")
+        if seg is None:
+            sharded = self.attn.group is not None or getattr(self.ffn, "group", None) is not None
+            if sharded or os.environ.get("DSV4_COMPILE", "1") == "0":
+                seg = (self.before, self.after)
+            else:
+                seg = (mx.compile(self.before), mx.compile(self.after))
+            self.__dict__["_compiled"] = seg
+        return seg
+
+    def reset_compiled(self) -> None:
+        """Forget traced segments (they captured the weights): call after replacing modules or weights."""
+        self.__dict__.pop("_compiled", None)
 
 
 class DeepseekV4(nn.Module):
@@ -57,6 +87,10 @@ class DeepseekV4(nn.Module):
         self.args = args
         # RoPE tables are config, not weights: keep them out of parameters().
         self._freqs = {False: inv_freq(args, False), True: inv_freq(args, True)}
+
+    def reset_compiled(self) -> None:
+        for block in self.layers:
+            block.reset_compiled()
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -123,6 +123,7 @@ def mark_sharded(model: DeepseekV4, group: Any) -> None:
         block.attn.group = group
         block.ffn.__class__ = ShardedMoE  # same parameters, the sharded __call__
         block.ffn.lo, block.ffn.hi, block.ffn.group = rank * e, (rank + 1) * e, group
+    model.reset_compiled()  # sharded blocks run uncompiled (all_sum inside); drop any traced segments
 
 
 def shard_model(model: DeepseekV4, group: Any) -> DeepseekV4:

@@ -183,4 +183,5 @@ def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
             w[name], w[f"{name}_scales"] = mx.quantize(getattr(ex, name), group_size=FP4_GROUP, bits=4, mode="mxfp4")
         block.ffn.experts = QuantizedExperts(w, ex.limit)
         mx.eval(block.ffn.experts.parameters())
+    model.reset_compiled()  # compiled segments captured the float modules
     return model
