@@ -136,7 +136,7 @@ class Engine:
         return logits
 
     def warmup(self) -> None:
-        """Run full-width steps once so every kernel variant is compiled before /ready says yes."""
+        """Run a step at every batch size so kernels and compiled segments are built before /ready says yes."""
         t0 = time.perf_counter()
         from kernels import backend
 
@@ -146,7 +146,8 @@ class Engine:
             precompile_model(self.args, self.model.dtype, self.pools.page_size)
         handles = [self.admit(2) for _ in range(self.max_rows)]
         try:
-            for width in sorted({1, self.max_rows}):
+            # Every batch size once: the compiled layer segments are traced per batch size.
+            for width in range(1, self.max_rows + 1):
                 mx.eval(self.step([(h, 0, 0) for h in handles[:width]]))
         finally:
             for h in handles:
