@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model.loader import tiny_model
 
+from model.loader import tiny_model
 from model.state import StatePools
 
 
