@@ -36,6 +36,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", help="uvicorn/app log level (default info)  [DSV4_LOG_LEVEL]")
     p.add_argument(
+        "--dequantize", action="store_true", default=None,
+        help="decode FP8/FP4 release weights to bf16 instead of keeping them as mxfp8/mxfp4  [DSV4_DEQUANTIZE]",
+    )
+    p.add_argument(
         "--distributed", action="store_true", default=None,
         help="run as one rank of `mlx.launch -n N -- dsv4-serve serve --distributed`: rank 0 serves HTTP, "
         "the others follow its steps  [DSV4_DISTRIBUTED]",
@@ -66,7 +70,8 @@ def follow(settings: Settings) -> int | None:
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format=f"rank {group.rank()} %(levelname)s %(name)s: %(message)s")
     engine, _ = build_engine(settings.model, max_rows=settings.max_rows, max_model_len=settings.max_model_len,
-                             state_budget_bytes=settings.state_budget_bytes, group=group)
+                             state_budget_bytes=settings.state_budget_bytes, group=group,
+                             dequantize=settings.dequantize)
     steps = follow_loop(engine, group)
     logging.getLogger("dsv4.follower").info("rank %d: stop after %d steps", group.rank(), steps)
     return 0

@@ -38,6 +38,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
             max_model_len=settings.max_model_len,
             state_budget_bytes=settings.state_budget_bytes,
             group=_group() if settings.distributed else None,
+            dequantize=settings.dequantize,
         )
         ctl.engine = engine  # for bytes_in_use() at scrape time (plain Python accounting)
         return engine, tokenizer

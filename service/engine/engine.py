@@ -162,6 +162,7 @@ def build_engine(
     max_model_len: int | None = None,
     state_budget_bytes: int | None = None,
     group: object | None = None,
+    dequantize: bool = False,
 ):
     """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer.
 
@@ -181,9 +182,10 @@ def build_engine(
         if sharded:
             from model.distributed import load_sharded
 
-            model, _args = load_sharded(model_dir, group)
+            model, _args = load_sharded(model_dir, group, quantize=not dequantize)
         else:
-            model, _args = load_model(model_dir)
+            # Release FP8/FP4 weights stay quantized (mxfp8 / mxfp4) unless asked to decode them.
+            model, _args = load_model(model_dir, quantize=not dequantize)
         tokenizer = load_tokenizer(model_dir)
     kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes}
     if sharded and group.rank() == 0:  # type: ignore[attr-defined]
