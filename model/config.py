@@ -62,10 +62,6 @@ class ModelArgs:
     clamp_shared_expert: bool = False
 
     # ---- derived ----------------------------------------------------------------------------
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
     def layer_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
