@@ -44,14 +44,17 @@ class Case:
             x = self.call(FAST[self.op], b, x)
         return x
 
-    def chain(self, link: Callable[[Any], Any], n: int) -> Callable[[], Any]:
+    def chain(self, link: Callable[[Any], Any], n: int, compiled: bool = False) -> Callable[[], Any]:
+        """n dependent calls of `link`; `compiled`: the whole chain under one `mx.compile` (traced once,
+        then replayed: the Python and graph-building cost per call goes, the kernels' launches stay)."""
+
         def run() -> Any:
             x = None
             for _ in range(n):
                 x = link(x)
             return x
 
-        return run
+        return mx.compile(run) if compiled else run
 
 
 def _tables(rng: np.random.Generator, rows: int, entries: int, distinct: bool = True) -> tuple[list[list[int]], int]:
@@ -126,6 +129,19 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
 class Chain:
     ref: Callable[[], Any]
     fast: Callable[[], Any]
+    ref_c: Callable[[], Any]  # the step under mx.compile
+    fast_c: Callable[[], Any]
+
+
+class _Runner:
+    """Runs a functional step `(state) -> (h, state)` on its own state, one call per step."""
+
+    def __init__(self, step: Callable[[Any], Any], state: list[dict[str, mx.array]]) -> None:
+        self.step, self.state = step, state
+
+    def __call__(self) -> Any:
+        h, self.state = self.step(self.state)  # the old state is dropped before the eval: donatable
+        return [h] + [v for s in self.state for v in s.values()]
 
 
 def chain43(rows: int, ctx: int) -> Chain:
@@ -148,6 +164,7 @@ def chain43(rows: int, ctx: int) -> Chain:
     cap = len(t128[0]) * PAGE
     ids = mx.arange(cap, dtype=mx.int32)[None, :]
     hca_ind = mx.where(ids < (ctx // 128), ids, -1) * mx.ones((rows, 1), mx.int32)
+    mx.eval(q, qi, wi, sinks, cos, sin, x, apes, norms, hca_ind)
 
     def fresh() -> list[dict[str, mx.array]]:
         st = []
@@ -170,10 +187,12 @@ def chain43(rows: int, ctx: int) -> Chain:
         s[kk], s[ks], s[pk] = impl(batch, _dep(kv, h), sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
                                    ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
 
-    def step_with(ops: dict[str, Any], st: list[dict[str, mx.array]]) -> Callable[[], Any]:
-        def step() -> Any:
+    def step_with(ops: dict[str, Any]) -> Callable[[Any], Any]:
+        def step(state: list[dict[str, mx.array]]) -> Any:
             h: Any = None
-            for k, s in zip(kinds, st, strict=True):
+            new = []
+            for k, s in zip(kinds, state, strict=True):
+                s = dict(s)
                 attn = ops["sparse_attention_rows"]
                 if k == 0:
                     h = attn(batch, _dep(q, h), s["win"], None, None, sinks, scale=D**-0.5)
@@ -185,8 +204,11 @@ def chain43(rows: int, ctx: int) -> Chain:
                 else:
                     comp(ops["compressor_rows"], s, h, "ck", "cs", "ckv", 128, D)
                     h = attn(batch, _dep(q, h), s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
-            return [h] + [v for s in st for v in s.values()]
+                new.append(s)
+            return h, new
 
         return step
 
-    return Chain(ref=step_with(REF, fresh()), fast=step_with(FAST, fresh()))
+    return Chain(ref=_Runner(step_with(REF), fresh()), fast=_Runner(step_with(FAST), fresh()),
+                 ref_c=_Runner(mx.compile(step_with(REF)), fresh()),
+                 fast_c=_Runner(mx.compile(step_with(FAST)), fresh()))  # fmt: skip

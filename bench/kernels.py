@@ -181,6 +181,8 @@ def main() -> None:
                 err = check(case)
                 arms = {"ref": case.chain(case.ref, a.chain), "fast": case.chain(case.fast, a.chain),
                         "single": case.chain(case.single, a.chain)}  # fmt: skip
+                for k in ("ref", "fast", "single"):  # the same chains under one mx.compile each
+                    arms[f"{k}_c"] = case.chain(getattr(case, k), a.chain, compiled=True)
                 arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
                 if op == "compressor_rows":
                     arms["scatter"] = forced(case.chain(case.fast, a.chain), False)
@@ -195,33 +197,41 @@ def main() -> None:
                          f"(host {row['other_build_us']:5.1f})"
                 print(f"{op:22s} rows {nr} ctx {ctx:>7}: ref {row['ref_median_us']:8.1f} fast "
                       f"{row['fast_median_us']:7.1f} (host {row['fast_build_us']:5.1f}) single "
-                      f"{row['single_median_us']:7.1f}{extra} us  err {err}", flush=True)  # fmt: skip
+                      f"{row['single_median_us']:7.1f}{extra} | compiled chain: ref {row['ref_c_median_us']:8.1f} "
+                      f"fast {row['fast_c_median_us']:7.1f} single {row['single_c_median_us']:7.1f} us  err {err}",
+                      flush=True)  # fmt: skip
                 save(a.out, meta, fl, rows_out, None)
                 del case, arms
     chain = chain43(8, 8192)
     arms = {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False),
-            "other": other_compile(chain.fast)}  # fmt: skip
+            "other": other_compile(chain.fast), "ref_c": chain.ref_c, "fast_c": chain.fast_c}  # fmt: skip
     r = interleave(arms, a.reps, dict.fromkeys(arms, 1))
     step = {"op": "chain43", "rows": 8, "ctx": 8192, **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}
     save(a.out, meta, fl, rows_out, step)
     print(f"\nbench/kernels.py  {meta['device']}  mlx {meta['mlx']}  ({time.perf_counter() - t0:.0f} s)")
     print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s | launch {fl['launch_us']:.1f} us | "
           f"eval {fl['eval_us']:.1f} us")  # fmt: skip
+    print("eager: every call built by Python; compiled: the chain of calls under one mx.compile")
     hdr = f"{'op':22s} {'rows':>4} {'ctx':>8} {'ref us':>9} {'fast us':>8} {'spread':>13} {'host us':>7} " \
-          f"{'1-row x n':>9} {'ref/fast':>8} {'n1/fast':>7} {'floor us':>8} {'GB/s':>7} {'err':>9}"
+          f"{'1-row x n':>9} {'ref/fast':>8} {'n1/fast':>7} | {'ref_c us':>9} {'fast_c':>7} {'ref/fast':>8} " \
+          f"{'n1/fast':>7} | {'floor us':>8} {'GB/s':>7} {'err':>9}"
     print(hdr)
     for x in rows_out:
         e = x.get("same_ids", x.get("rel", 0.0))
-        print(f"{x['op']:22s} {x['rows']:>4} {x['ctx']:>8} {x['ref_median_us']:9.1f} {x['fast_median_us']:8.1f} "
+        f, fc = x["fast_median_us"], x["fast_c_median_us"]
+        print(f"{x['op']:22s} {x['rows']:>4} {x['ctx']:>8} {x['ref_median_us']:9.1f} {f:8.1f} "
               f"{x['fast_p10_us']:6.1f}-{x['fast_p90_us']:<6.1f} {x['fast_build_us']:7.1f} "
-              f"{x['single_median_us']:9.1f} "
-              f"{x['ref_median_us'] / x['fast_median_us']:8.1f} {x['single_median_us'] / x['fast_median_us']:7.1f} "
-              f"{x['byte_floor_us']:8.2f} {x['bytes'] / x['fast_median_us'] / 1e3:7.0f} {e:9.2e}")  # fmt: skip
+              f"{x['single_median_us']:9.1f} {x['ref_median_us'] / f:8.1f} {x['single_median_us'] / f:7.1f} | "
+              f"{x['ref_c_median_us']:9.1f} {fc:7.1f} {x['ref_c_median_us'] / fc:8.1f} "
+              f"{x['single_c_median_us'] / fc:7.1f} | "
+              f"{x['byte_floor_us']:8.2f} {x['bytes'] / fc / 1e3:7.0f} {e:9.2e}")  # fmt: skip
     ms = {k: v / 1e3 for k, v in step.items() if k.endswith("_us")}
     print(f"chain43 (2 sliding, 21 CSA, 20 HCA), 8 rows, 8K: ref {ms['ref_median_us']:.2f} ms "
           f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} ms "
           f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}), "
-          f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step")  # fmt: skip
+          f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step; compiled step: ref "
+          f"{ms['ref_c_median_us']:.2f} ms, fast {ms['fast_c_median_us']:.3f} ms "
+          f"({ms['fast_c_p10_us']:.3f}-{ms['fast_c_p90_us']:.3f})")  # fmt: skip
     print(f"fast = mx.compile {'on' if kcommon.COMPILE else 'off'}; with it {'off' if kcommon.COMPILE else 'on'}: "
           f"chain43 {ms['other_median_us']:.3f} ms (host {ms['other_build_us']:.3f}); per op (us, fast vs other): "
           + ", ".join(f"{x['op'][:4]} {x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs "

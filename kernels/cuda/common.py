@@ -25,6 +25,33 @@ template <typename U> __device__ __forceinline__ U dsv4_t(float x);
 template <> __device__ __forceinline__ float dsv4_t<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 dsv4_t<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half dsv4_t<__half>(float x) { return __float2half(x); }
+// mma.sync m16n8k16, f32 accumulation (Ampere+ layouts; g = lane / 4, c = 2 * (lane % 4)):
+// a: 4 regs of A rows {g, g+8} x cols {c, c+8}; b: 2 regs of B(k, n), k {c, c+8}, n = g;
+// acc: rows {g, g+8} x cols {c, c+1}.
+__device__ __forceinline__ void dsv4_mma(float* acc, const uint32_t* a, uint32_t b0, uint32_t b1, __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void dsv4_mma(float* acc, const uint32_t* a, uint32_t b0, uint32_t b1, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16-byte global -> shared copy that bypasses registers; `bytes` 0 zero-fills the destination.
+__device__ __forceinline__ void dsv4_cp16(void* smem, const void* gmem, int bytes) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void dsv4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void dsv4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// Order-preserving uint32 of a float score (-0 -> +0, so equal scores give equal keys).
+__device__ __forceinline__ unsigned int dsv4_okey(float s) {
+  const unsigned int bits = __float_as_uint(s == 0.f ? 0.f : s);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
 """
 
 CUDA_TYPES = {
@@ -44,17 +71,20 @@ _kernels: dict[tuple[str, int], Any] = {}  # one source per name
 _consts: dict[tuple[Any, ...], mx.array] = {}
 
 
-def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str, shared_memory: int = 0) -> Any:
-    """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest."""
+def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str, shared_memory: int = 0,
+           header: str = "") -> Any:  # fmt: skip
+    """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest.
+
+    `header`: device functions of this kernel, after the shared `HEADER`."""
     key = (name, shared_memory)
     if key not in _kernels:
-        digest = hashlib.sha1((HEADER + source).encode()).hexdigest()[:10]
+        digest = hashlib.sha1((HEADER + header + source).encode()).hexdigest()[:10]
         _kernels[key] = mx.fast.cuda_kernel(
             name=f"dsv4_{name}_{digest}",
             input_names=list(inputs),
             output_names=list(outputs),
             source=source,
-            header=HEADER,
+            header=HEADER + header,
             ensure_row_contiguous=True,
             shared_memory=shared_memory,
         )
@@ -84,7 +114,7 @@ def next_pow2(n: int) -> int:
 
 
 def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs: Sequence[tuple[str, mx.Dtype]],
-               template: Sequence[tuple[str, Any]], source: str, shared_memory: int = 0) -> str:
+               template: Sequence[tuple[str, Any]], source: str, shared_memory: int = 0, header: str = "") -> str:
     """The translation unit MLX would build (for an offline `nvcc` syntax check; no MLX headers needed).
 
     `inputs`: (name, dtype, uses_shape). Mirrors mlx/backend/cuda/custom_kernel.cpp's layout.
@@ -94,7 +124,7 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
         "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
         "#include <cooperative_groups.h>", "#include <cuda/std/limits>",
         "struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };",
-        HEADER, "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
+        HEADER, header, "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
         f"__global__ void {name}(",
     ]
     params = []

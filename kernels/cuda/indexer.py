@@ -1,19 +1,25 @@
-"""indexer_rows on CUDA: a tensor-core score kernel + a radix-select top-k kernel (2 launches).
+"""indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches).
 
-1. `score`: grid (chunks of 128 entries, rows). Each block gathers its entries' keys through the
-   row's block table into shared memory and computes `sum_h w_h relu(q_h . k)` with wmma bf16/f16
-   16x16x16 (f32 accumulation), writing an order-preserving uint32 key per entry (-0 -> +0).
-   Blocks past the row's visible entries exit at once.
-2. `select`: one block per q-buffer row. Radix select (11+11+10 bits) finds the k-th largest key,
-   then one ordered pass collects every larger key and the lowest-index entries equal to it, and
-   a bitonic sort of the (~key << 32 | id) pairs gives the reference order: descending score,
-   ties to the lowest id. Rows no batch row names get -1.
-Fast path: q and keys bf16/f16, heads and dim multiples of 16, topk <= 2048; anything else runs
-the reference.
+1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
+   through the row's block table into shared memory (cp.async, double-buffered 64-entry chunks)
+   and scores them with mma.sync m16n8k16 (bf16/f16 in, f32 accumulation): warp w holds the
+   q fragments of head tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)`
+   is summed over its 16 heads in registers (shuffles) before the head tiles are added. The
+   segment's order-preserving uint32 score keys stay in shared memory; a radix select (11+11+10
+   bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
+   candidates (key, id) in id order, padded with key 0 (below every score).
+2. `merge`: one block per q-buffer row. The same radix select over the row's segments'
+   candidates (in id order, so "ties to the lowest id" is "first in the list"), then a bitonic
+   sort of (~key << 32 | position): descending score, ties to the lowest id. Rows no batch row
+   names get -1.
+The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
+Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
+topk <= 2048; anything else runs the reference.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -23,196 +29,219 @@ from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
 
-CH = 128  # entries per score block (4 warps)
+CH, NT = 64, 256  # entries per pipelined chunk, threads per segment block
 MAX_TOPK = 2048
-SCORE_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
-SELECT_IN = ("positions", "q_rows", "skeys")
+MAX_SEG = 16384
+SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
+MERGE_IN = ("positions", "q_rows", "ckeys", "cids")
 
-SCORE = r"""
-  using namespace nvcuda;
-  constexpr int CH = 128, NWARP = 4, LDQ = DI + 8, VPR = DI / 8;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + NI * LDQ;
-  float* Ws = reinterpret_cast<float*>(Ks + CH * LDQ);
-  float* Sc = Ws + NI;
-  const int b = blockIdx.y, tid = threadIdx.x;
-  const int p = positions[b];
-  const int n = p / 4 + ((p % 4) == 3 ? 1 : 0);
-  const int e0 = blockIdx.x * CH;
-  if (e0 >= n) return;
-  const int qr = q_rows[b];
-  const int tw = table_shape[1];
-  const size_t ldk = (size_t)((tw * PAGE + 3) / 4) * 4;
-  const uint4* qsrc = reinterpret_cast<const uint4*>(q + (size_t)qr * NI * DI);
-  for (int i = tid; i < NI * VPR; i += blockDim.x) {
-    const int h = i / VPR, v = i - h * VPR;
-    *reinterpret_cast<uint4*>(Qs + h * LDQ + v * 8) = qsrc[i];
+# Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
+HELPERS = r"""
+template <int NT>
+__device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
   }
-  for (int i = tid; i < NI; i += blockDim.x) Ws[i] = weights[(size_t)qr * NI + i];
-  constexpr int LPT = CH * VPR / 128;  // 128 threads; every key load in flight before the stores
-  uint4 vals[LPT];
-#pragma unroll
-  for (int u = 0; u < LPT; ++u) {
-    const int i = tid + u * 128;
-    const int e = i / VPR, v = i - e * VPR;
-    const int idx = e0 + e;
-    vals[u] = make_uint4(0u, 0u, 0u, 0u);
-    if (idx < n) {
-      const int pg = table[b * tw + idx / PAGE];
-      vals[u] = reinterpret_cast<const uint4*>(keys + ((size_t)pg * PAGE + idx % PAGE) * DI)[v];
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < LPT; ++u) {
-    const int i = tid + u * 128;
-    const int e = i / VPR, v = i - e * VPR;
-    *reinterpret_cast<uint4*>(Ks + e * LDQ + v * 8) = vals[u];
-  }
+  __syncthreads();  // wsum may still be read by the previous scan
+  if (lane == 31) wsum[warp] = incl;
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  float* sc = Sc + warp * 256;
-  for (int kt = warp; kt < CH / 16; kt += NWARP) {
-    if (e0 + kt * 16 >= n) break;
-    float part = 0.f;
-    for (int ht = 0; ht < NI / 16; ++ht) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int ks = 0; ks < DI / 16; ++ks) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, Qs + ht * 16 * LDQ + ks * 16, LDQ);
-        wmma::load_matrix_sync(fb, Ks + kt * 16 * LDQ + ks * 16, LDQ);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      wmma::store_matrix_sync(sc, acc, 16, wmma::mem_row_major);
-      __syncwarp();
-      const int col = lane & 15, hb = (lane >> 4) * 8;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) part += Ws[ht * 16 + hb + i] * fmaxf(sc[(hb + i) * 16 + col], 0.f);
-      __syncwarp();
-    }
-    part += __shfl_xor_sync(0xffffffffu, part, 16);
-    const int idx = e0 + kt * 16 + lane;
-    if (lane < 16 && idx < n) {
-      const float s = (part == 0.f) ? 0.f : part;
-      const uint32_t bits = __float_as_uint(s);
-      skeys[(size_t)b * ldk + idx] = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    }
-  }
-"""
+  int ofs = 0;
+  for (int j = 0; j < warp; ++j) ofs += wsum[j];
+  return ofs + incl - v;
+}
 
-SELECT = r"""
-  constexpr int NT = 1024;
-  __shared__ unsigned int hist[2048];
-  __shared__ unsigned long long cand[P2];
-  __shared__ int wsum[32];
-  __shared__ int s_digit, s_rem, s_cnt;
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int nb = positions_shape[0];
-  int b = -1;
-  for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
-  int* o = out + (size_t)r * TOPK;
-  int K = 0, n = 0;
-  if (b >= 0) {
-    const int p = positions[b];
-    n = p / 4 + ((p % 4) == 3 ? 1 : 0);
-    K = min(TOPK, n);
-  }
-  if (K == 0) {
-    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
-    return;
-  }
-  const int ldk = skeys_shape[1];
-  const unsigned int* keys = skeys + (size_t)b * ldk;
-  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
-  const int n4 = (n + 3) / 4;
+// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
+// equal to it belong to the top k (need_eq). 1 <= k <= n.
+template <int NT>
+__device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
+                               unsigned int& thr, int& need_eq) {
+  const int tid = threadIdx.x, lane = tid & 31;
   unsigned int prefix = 0u, mask = 0u;
-  int rem = K;
+  int rem = k;
   for (int pass = 0; pass < 3; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nbins = pass == 2 ? 1024 : 2048;
     for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
     __syncthreads();
-    for (int i = tid; i < n4; i += 2 * NT) {
-      uint4 a = k4[i];
-      uint4 c = (i + NT < n4) ? k4[i + NT] : make_uint4(0u, 0u, 0u, 0u);
-      const unsigned int va[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int idx = (j < 4) ? 4 * i + j : 4 * (i + NT) + j - 4;
-        // warp-aggregated: the lanes that hit one bin add their count once (the top bits of
-        // similar scores fall in a few bins, and one-by-one shared atomics there serialize)
-        const bool ok = idx < n && (va[j] & mask) == prefix;
-        const unsigned int bin = ok ? ((va[j] >> shift) & (nbins - 1)) : 0xffffffffu;
-        const unsigned int peers = __match_any_sync(__activemask(), bin);
-        if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-      }
+    for (int base = 0; base < n; base += NT) {
+      const int i = base + tid;
+      bool ok = false;
+      unsigned int v = 0u;
+      if (i < n) { v = keys[i]; ok = (v & mask) == prefix; }
+      // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
+      const unsigned int bin = ok ? ((v >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
     }
     __syncthreads();
-    // thread t owns bins nbins-1-t*bpt ... (descending); exclusive scan of the per-thread sums
-    const int bpt = nbins / NT;
+    const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)
     const int top = nbins - 1 - tid * bpt;
     int local = 0;
-    for (int j = 0; j < bpt; ++j) local += (int)hist[top - j];
-    int incl = local;
-    for (int ofs = 1; ofs < 32; ofs <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, ofs);
-      if (lane >= ofs) incl += v;
-    }
-    if (lane == 31) wsum[warp] = incl;
-    __syncthreads();
-    int wofs = 0;
-    for (int j = 0; j < warp; ++j) wofs += wsum[j];
-    int cum = wofs + incl - local;
+    for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
+    int cum = dsv4_block_excl<NT>(local, wsum);
     for (int j = 0; j < bpt; ++j) {
+      if (top - j < 0) break;
       const int h = (int)hist[top - j];
-      if (cum < rem && cum + h >= rem) { s_digit = top - j; s_rem = rem - cum; }
+      if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
       cum += h;
     }
     __syncthreads();
-    rem = s_rem;
-    prefix |= ((unsigned int)s_digit) << shift;
+    rem = sh[1];
+    prefix |= ((unsigned int)sh[0]) << shift;
     mask |= ((unsigned int)(nbins - 1)) << shift;
     __syncthreads();
   }
-  const unsigned int thr = prefix;
-  const int need_eq = rem;
-  if (tid == 0) s_cnt = 0;
-  int eq_base = 0;
-  __syncthreads();
-  for (int base = 0; base < n4; base += NT) {
-    const int i = base + tid;
-    uint4 a = (i < n4) ? k4[i] : make_uint4(0u, 0u, 0u, 0u);
-    const unsigned int va[4] = {a.x, a.y, a.z, a.w};
-    int mine = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) mine += (4 * i + j < n && va[j] == thr) ? 1 : 0;
-    int incl = mine;
-    for (int ofs = 1; ofs < 32; ofs <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, ofs);
-      if (lane >= ofs) incl += v;
-    }
-    if (lane == 31) wsum[warp] = incl;
-    __syncthreads();
-    int wofs = 0, tot = 0;
-    for (int j = 0; j < 32; ++j) { const int v = wsum[j]; if (j < warp) wofs += v; tot += v; }
-    int rank = eq_base + wofs + incl - mine;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int idx = 4 * i + j;
-      if (idx >= n) continue;
-      bool take = va[j] > thr;
-      if (va[j] == thr) { take = rank < need_eq; ++rank; }
-      if (take) {
-        const int pos = atomicAdd(&s_cnt, 1);
-        cand[pos] = (((unsigned long long)(~va[j])) << 32) | (unsigned int)idx;
-      }
-    }
-    eq_base += tot;
-    __syncthreads();
+  thr = prefix;
+  need_eq = rem;
+}
+
+// Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
+// order; emit(position, index, key). Thread t takes a contiguous run of indices.
+template <int NT, typename F>
+__device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, F emit) {
+  const int per = (n + NT - 1) / NT;
+  const int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);
+  int eq = 0, gt = 0;
+  for (int i = i0; i < i1; ++i) { const unsigned int v = keys[i]; eq += v == thr; gt += v > thr; }
+  const int eq_before = dsv4_block_excl<NT>(eq, wsum);
+  const int take_eq = max(0, min(eq, need_eq - eq_before));
+  int pos = dsv4_block_excl<NT>(gt + take_eq, wsum);
+  int r = eq_before;
+  for (int i = i0; i < i1; ++i) {
+    const unsigned int v = keys[i];
+    bool take = v > thr;
+    if (v == thr) { take = r < need_eq; ++r; }
+    if (take) emit(pos++, i, v);
   }
+}
+"""
+
+SEGMENT = r"""
+  constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);                               // [2][CH][LDK]
+  float* part = reinterpret_cast<float*>(Ks + 2 * CH * LDK);            // [HT][CH]
+  unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]
+  unsigned int* hist = skey + SEG;                                       // [2048]
+  __shared__ int wsum[NWARP];
+  __shared__ int sh[2];
+  const int seg = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int p = positions[b];
+  const int n = p / 4 + ((p % 4) == 3 ? 1 : 0);
+  const int s0 = seg * SEG;
+  const int nv = max(0, min(SEG, n - s0));
+  const size_t obase = (size_t)b * LDC + (size_t)seg * TOPK;
+  unsigned int* ok = ckeys + obase;
+  int* oi = cids + obase;
+  if (nv == 0) {
+    for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+    return;
+  }
+  const int tw = table_shape[1];
+  const int qr = q_rows[b];
+  const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
+  uint32_t qa[KS][4];
+  {
+    const T* qb = q + ((size_t)qr * NI + ht * 16) * DI;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      qa[ks][0] = *reinterpret_cast<const uint32_t*>(qb + g * DI + ks * 16 + c2);
+      qa[ks][1] = *reinterpret_cast<const uint32_t*>(qb + (g + 8) * DI + ks * 16 + c2);
+      qa[ks][2] = *reinterpret_cast<const uint32_t*>(qb + g * DI + ks * 16 + c2 + 8);
+      qa[ks][3] = *reinterpret_cast<const uint32_t*>(qb + (g + 8) * DI + ks * 16 + c2 + 8);
+    }
+  }
+  const float w0 = weights[(size_t)qr * NI + ht * 16 + g], w1 = weights[(size_t)qr * NI + ht * 16 + g + 8];
+  const int nch = (nv + CH - 1) / CH;
+  auto load = [&](int c) {
+    T* dst = Ks + (c & 1) * CH * LDK;
+    for (int i = tid; i < CH * VPR; i += NT) {
+      const int e = i / VPR, v = i - e * VPR;
+      const int idx = s0 + c * CH + e;
+      const T* src = keys;
+      int bytes = 0;
+      if (c * CH + e < nv) {
+        const int pg = table[(size_t)b * tw + idx / PAGE];
+        src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
+        bytes = 16;
+      }
+      dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
+    }
+    dsv4_cp_commit();
+  };
+  load(0);
+  for (int c = 0; c < nch; ++c) {
+    if (c + 1 < nch) { load(c + 1); dsv4_cp_wait<1>(); } else { dsv4_cp_wait<0>(); }
+    __syncthreads();
+    const T* kb = Ks + (c & 1) * CH * LDK;
+    for (int kt = kg; kt < CH / 8; kt += KG) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      const T* kr = kb + (kt * 8 + g) * LDK + c2;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
+        dsv4_mma(acc, qa[ks], b0, b1, T());
+      }
+      // acc: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
+      float sa = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);
+      float sb = w0 * fmaxf(acc[1], 0.f) + w1 * fmaxf(acc[3], 0.f);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        sa += __shfl_xor_sync(0xffffffffu, sa, o);
+        sb += __shfl_xor_sync(0xffffffffu, sb, o);
+      }
+      if (lane < 4) { part[ht * CH + kt * 8 + c2] = sa; part[ht * CH + kt * 8 + c2 + 1] = sb; }
+    }
+    __syncthreads();  // every warp is done with this buffer (the next load overwrites it) and part is full
+    if (tid < CH && c * CH + tid < nv) {
+      float s = 0.f;
+#pragma unroll
+      for (int h = 0; h < HT; ++h) s += part[h * CH + tid];
+      skey[c * CH + tid] = dsv4_okey(s);
+    }
+  }
+  __syncthreads();
+  const int K = min(TOPK, nv);
+  unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
+  int need_eq = nv;
+  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
+  for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+"""
+
+MERGE = r"""
+  constexpr int NT = 1024;
+  __shared__ unsigned int hist[2048];
+  __shared__ unsigned long long cand[P2];
+  __shared__ int wsum[32];
+  __shared__ int sh[2];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const int nb = positions_shape[0];
+  int b = -1;
+  for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
+  int* o = out + (size_t)r * TOPK;
+  int K = 0;
+  if (b >= 0) {
+    const int p = positions[b];
+    K = min(TOPK, p / 4 + ((p % 4) == 3 ? 1 : 0));
+  }
+  if (K == 0) {
+    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
+    return;
+  }
+  const int ld = ckeys_shape[1];
+  const unsigned int* keys = ckeys + (size_t)b * ld;
+  const int* ids = cids + (size_t)b * ld;
+  unsigned int thr;
+  int need_eq;
+  dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
+  dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) {
+    cand[pos] = (((unsigned long long)(~v)) << 32) | (unsigned int)i;
+  });
   for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
   __syncthreads();
   for (int size = 2; size <= P2; size <<= 1) {
@@ -228,8 +257,19 @@ SELECT = r"""
       __syncthreads();
     }
   }
-  for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? (int)(cand[i] & 0xffffffffull) : -1;
+  for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? ids[cand[i] & 0xffffffffull] : -1;
 """
+
+
+def segment_size(cap: int, topk: int) -> int:
+    """Entries per segment block: at most ~32 segments per row (the merge reads 32 x topk
+    candidates), at least twice the top-k (else a segment keeps nearly all it scored)."""
+    lo = max(1024, 2 * next_pow2(topk))
+    return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
+
+
+def smem_bytes(ni: int, di: int, seg: int) -> int:
+    return 2 * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
 
 
 def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
@@ -237,22 +277,18 @@ def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
     return (
         q.dtype in (mx.bfloat16, mx.float16)
         and keys.dtype == q.dtype
-        and ni % 16 == 0
+        and ni in (16, 32, 64, 128)
         and di % 16 == 0
+        and 16 <= di <= 256
         and topk <= MAX_TOPK
-        and smem_bytes(ni, di) <= 200_000
     )
-
-
-def smem_bytes(ni: int, di: int) -> int:
-    return (ni + CH) * (di + 8) * 2 + ni * 4 + 4 * 256 * 4
 
 
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("compiled", "fast", "score", "score_grid", "score_shapes", "score_tmpl", "select", "select_grid",
-                 "select_shapes", "select_tmpl")  # fmt: skip
+    __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "out_shape", "seg", "seg_grid",
+                 "seg_shapes", "seg_tmpl")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
         self.fast = supported(q, keys, topk)
@@ -261,34 +297,37 @@ class Plan:
         b, page = batch.size, batch.page_size
         ni, di = q.shape[1], q.shape[2]
         cap = batch.tables[4].shape[1] * page
-        ld = -(-cap // 4) * 4  # 16-byte rows for the vector loads of the select pass
-        chunks = -(-cap // CH)
-        self.score = kernel("idx_score", SCORE_IN, ("skeys",), SCORE, smem_bytes(ni, di))
-        self.score_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page)]
-        self.score_grid = (chunks * 128, b, 1)
-        self.score_shapes = [(b, ld)]
-        self.select = kernel("idx_select", SELECT_IN, ("out",), SELECT)
-        self.select_tmpl = [("TOPK", topk), ("P2", next_pow2(topk))]
-        self.select_grid = (q.shape[0] * 1024, 1, 1)
-        self.select_shapes = [(q.shape[0], topk)]
+        seg = segment_size(cap, topk)
+        nseg = -(-cap // seg)
+        cand = nseg * topk
+        ld = -(-cand // 4) * 4
+        self.seg = kernel("idx_segment", SEG_IN, ("ckeys", "cids"), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
+        self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
+                         ("CH", CH), ("LDC", ld)]  # fmt: skip
+        self.seg_grid = (nseg * NT, b, 1)
+        self.seg_shapes = [(b, ld), (b, ld)]
+        self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 0, HELPERS)
+        self.merge_tmpl = [("TOPK", topk), ("P2", next_pow2(topk)), ("L", cand)]
+        self.merge_grid = (q.shape[0] * 1024, 1, 1)
+        self.out_shape = (q.shape[0], topk)
         self.compiled = mx.compile(self.launch)
 
     def launch(self, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array, weights: mx.array,
                keys: mx.array) -> mx.array:  # fmt: skip
-        (skeys,) = self.score(
+        ckeys, cids = self.seg(
             inputs=[positions, q_rows, table, q, weights, keys],
-            template=self.score_tmpl,
-            grid=self.score_grid,
-            threadgroup=(128, 1, 1),
-            output_shapes=self.score_shapes,
-            output_dtypes=[mx.uint32],
+            template=self.seg_tmpl,
+            grid=self.seg_grid,
+            threadgroup=(NT, 1, 1),
+            output_shapes=self.seg_shapes,
+            output_dtypes=[mx.uint32, mx.int32],
         )
-        (out,) = self.select(
-            inputs=[positions, q_rows, skeys],
-            template=self.select_tmpl,
-            grid=self.select_grid,
+        (out,) = self.merge(
+            inputs=[positions, q_rows, ckeys, cids],
+            template=self.merge_tmpl,
+            grid=self.merge_grid,
             threadgroup=(1024, 1, 1),
-            output_shapes=self.select_shapes,
+            output_shapes=[self.out_shape],
             output_dtypes=[mx.int32],
         )
         return out
