@@ -136,18 +136,20 @@ class Chain:
 class _Runner:
     """Runs a functional step `(state) -> (h, state)` on its own state, one call per step."""
 
-    def __init__(self, step: Callable[[Any], Any], state: list[dict[str, mx.array]]) -> None:
-        self.step, self.state = step, state
+    def __init__(self, step: Callable[..., Any], consts: dict[str, Any], state: list[dict[str, mx.array]]) -> None:
+        self.step, self.consts, self.state = step, consts, state
 
     def __call__(self) -> Any:
-        h, self.state = self.step(self.state)  # the old state is dropped before the eval: donatable
+        # inputs, not captured constants (mx.compile rejects depends() between the two);
+        # the old state is dropped before the eval: donatable
+        h, self.state = self.step(self.consts, self.state)
         return [h] + [v for s in self.state for v in s.values()]
 
 
-def chain43(rows: int, ctx: int) -> Chain:
+def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
     """43 layers (2 sliding, 21 CSA, 20 HCA) of the three ops, chained through q, one eval per step."""
     rng = np.random.default_rng(1)
-    kinds = [0, 0] + [4, 128] * 20 + [4]
+    kinds = kinds or [0, 0] + [4, 128] * 20 + [4]
     t4, p4 = _tables(rng, rows, ctx // 4)
     t128, p128 = _tables(rng, rows, ctx // 128)
     batch, _ = _batch({4: t4, 128: t128}, rows, ctx)
@@ -164,6 +166,7 @@ def chain43(rows: int, ctx: int) -> Chain:
     cap = len(t128[0]) * PAGE
     ids = mx.arange(cap, dtype=mx.int32)[None, :]
     hca_ind = mx.where(ids < (ctx // 128), ids, -1) * mx.ones((rows, 1), mx.int32)
+    consts = {"q": q, "qi": qi, "x": {str(c): v for c, v in x.items()}}
     mx.eval(q, qi, wi, sinks, cos, sin, x, apes, norms, hca_ind)
 
     def fresh() -> list[dict[str, mx.array]]:
@@ -181,15 +184,16 @@ def chain43(rows: int, ctx: int) -> Chain:
         mx.eval(st)
         return st
 
-    def comp(impl: Any, s: dict[str, mx.array], h: Any, kk: str, ks: str, pk: str, ratio: int, d: int) -> None:
-        c = (2 if ratio == 4 else 1) * d
-        kv, sc = x[c]
+    def comp(impl: Any, cs: Any, s: dict[str, mx.array], h: Any, kk: str, ks: str, pk: str, ratio: int,
+             d: int) -> None:  # fmt: skip
+        kv, sc = cs["x"][str((2 if ratio == 4 else 1) * d)]
         s[kk], s[ks], s[pk] = impl(batch, _dep(kv, h), sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
                                    ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
 
     def step_with(ops: dict[str, Any]) -> Callable[[Any], Any]:
-        def step(state: list[dict[str, mx.array]]) -> Any:
+        def step(cs: dict[str, Any], state: list[dict[str, mx.array]]) -> Any:
             h: Any = None
+            q, qi = cs["q"], cs["qi"]
             new = []
             for k, s in zip(kinds, state, strict=True):
                 s = dict(s)
@@ -197,18 +201,18 @@ def chain43(rows: int, ctx: int) -> Chain:
                 if k == 0:
                     h = attn(batch, _dep(q, h), s["win"], None, None, sinks, scale=D**-0.5)
                 elif k == 4:
-                    comp(ops["compressor_rows"], s, h, "ck", "cs", "ckv", 4, D)
-                    comp(ops["compressor_rows"], s, h, "ikv", "is", "ik", 4, DI)
+                    comp(ops["compressor_rows"], cs, s, h, "ck", "cs", "ckv", 4, D)
+                    comp(ops["compressor_rows"], cs, s, h, "ikv", "is", "ik", 4, DI)
                     ind = ops["indexer_rows"](batch, _dep(qi, h), wi, s["ik"], topk=TOPK)
                     h = attn(batch, _dep(q, h), s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4)
                 else:
-                    comp(ops["compressor_rows"], s, h, "ck", "cs", "ckv", 128, D)
+                    comp(ops["compressor_rows"], cs, s, h, "ck", "cs", "ckv", 128, D)
                     h = attn(batch, _dep(q, h), s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
                 new.append(s)
             return h, new
 
         return step
 
-    return Chain(ref=_Runner(step_with(REF), fresh()), fast=_Runner(step_with(FAST), fresh()),
-                 ref_c=_Runner(mx.compile(step_with(REF)), fresh()),
-                 fast_c=_Runner(mx.compile(step_with(FAST)), fresh()))  # fmt: skip
+    return Chain(ref=_Runner(step_with(REF), consts, fresh()), fast=_Runner(step_with(FAST), consts, fresh()),
+                 ref_c=_Runner(mx.compile(step_with(REF)), consts, fresh()),
+                 fast_c=_Runner(mx.compile(step_with(FAST)), consts, fresh()))  # fmt: skip

@@ -56,8 +56,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int]) -> dict[str, dict[str, float]]:
     """Median / spread of each arm's time per call (us), arms interleaved A, B, C, A, B, C, ..."""
-    for f in arms.values():  # warm-up (compile, allocate)
-        timed(f)
+    for k, f in list(arms.items()):  # warm-up (compile, allocate); an arm MLX cannot run is reported, not timed
+        try:
+            timed(f)
+        except (RuntimeError, IndexError, ValueError) as e:
+            print(f"arm {k}: {type(e).__name__}: {e}", flush=True)
+            del arms[k]
     samples: dict[str, list[float]] = {k: [] for k in arms}
     builds: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(reps):
@@ -119,10 +123,11 @@ def floors(reps: int) -> dict[str, float]:
                      output_shapes=[y.shape], output_dtypes=[y.dtype])[0]  # fmt: skip
         return y
 
-    arms = {"copy": cp, "launch": launches, "eval": lambda: tiny + 1}
-    r = interleave(arms, reps, {"copy": 1, "launch": 50, "eval": 1})
+    arms = {"copy": cp, "launch": launches, "launch_c": mx.compile(launches), "eval": lambda: tiny + 1}
+    r = interleave(arms, reps, {"copy": 1, "launch": 50, "launch_c": 50, "eval": 1})
     bw = 2 * x.nbytes / (r["copy"]["median_us"] * 1e-6)
-    return {"copy_bytes_per_s": bw, "launch_us": r["launch"]["median_us"], "eval_us": r["eval"]["median_us"]}
+    return {"copy_bytes_per_s": bw, "launch_us": r["launch"]["median_us"],
+            "launch_compiled_us": r["launch_c"]["median_us"], "eval_us": r["eval"]["median_us"]}  # fmt: skip
 
 
 def check(case: Case) -> dict[str, float]:
@@ -163,9 +168,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--chain", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ops", default="compressor_rows,indexer_rows,sparse_attention_rows")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--ctxs", default="8192,131072,1048576")
+    ap.add_argument("--no-chain43", action="store_true")
     a = ap.parse_args()
     t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DSV4_"))}
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": "cuda", "compile": kcommon.COMPILE,
+            "env": env,
             "date": datetime.datetime.now(datetime.UTC).isoformat()}  # fmt: skip
     kc.precompile(dtype=mx.bfloat16, page_size=64, n_heads=64, head_dim=512, rope_dim=64,
                   index_heads=64, index_dim=128, topk=512)  # fmt: skip
@@ -173,10 +184,10 @@ def main() -> None:
     print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s, launch {fl['launch_us']:.1f} us, "
           f"eval {fl['eval_us']:.1f} us", flush=True)  # fmt: skip
     rows_out: list[dict[str, Any]] = []
-    ctxs = (8192, 131072) if a.quick else (8192, 131072, 1048576)
-    for op in ("compressor_rows", "indexer_rows", "sparse_attention_rows"):
+    ctxs = [int(c) for c in a.ctxs.split(",")][: 2 if a.quick else None]
+    for op in a.ops.split(","):
         for ctx in ctxs:
-            for nr in (1, 2, 4, 8):
+            for nr in (int(r) for r in a.rows.split(",")):
                 case = make_case(op, nr, ctx)
                 err = check(case)
                 arms = {"ref": case.chain(case.ref, a.chain), "fast": case.chain(case.fast, a.chain),
@@ -202,15 +213,16 @@ def main() -> None:
                       flush=True)  # fmt: skip
                 save(a.out, meta, fl, rows_out, None)
                 del case, arms
-    chain = chain43(8, 8192)
-    arms = {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False),
+    chain = None if a.no_chain43 else chain43(8, 8192)
+    arms = {} if chain is None else {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False),
             "other": other_compile(chain.fast), "ref_c": chain.ref_c, "fast_c": chain.fast_c}  # fmt: skip
-    r = interleave(arms, a.reps, dict.fromkeys(arms, 1))
-    step = {"op": "chain43", "rows": 8, "ctx": 8192, **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}
+    r = interleave(arms, a.reps, dict.fromkeys(arms, 1)) if arms else {}
+    step = None if not r else {"op": "chain43", "rows": 8, "ctx": 8192,
+                               **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
     save(a.out, meta, fl, rows_out, step)
     print(f"\nbench/kernels.py  {meta['device']}  mlx {meta['mlx']}  ({time.perf_counter() - t0:.0f} s)")
-    print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s | launch {fl['launch_us']:.1f} us | "
-          f"eval {fl['eval_us']:.1f} us")  # fmt: skip
+    print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s | launch {fl['launch_us']:.1f} us "
+          f"(compiled chain {fl['launch_compiled_us']:.1f}) | eval {fl['eval_us']:.1f} us | env {env}")  # fmt: skip
     print("eager: every call built by Python; compiled: the chain of calls under one mx.compile")
     hdr = f"{'op':22s} {'rows':>4} {'ctx':>8} {'ref us':>9} {'fast us':>8} {'spread':>13} {'host us':>7} " \
           f"{'1-row x n':>9} {'ref/fast':>8} {'n1/fast':>7} | {'ref_c us':>9} {'fast_c':>7} {'ref/fast':>8} " \
@@ -225,13 +237,15 @@ def main() -> None:
               f"{x['ref_c_median_us']:9.1f} {fc:7.1f} {x['ref_c_median_us'] / fc:8.1f} "
               f"{x['single_c_median_us'] / fc:7.1f} | "
               f"{x['byte_floor_us']:8.2f} {x['bytes'] / fc / 1e3:7.0f} {e:9.2e}")  # fmt: skip
+    if step is None:
+        return
     ms = {k: v / 1e3 for k, v in step.items() if k.endswith("_us")}
     print(f"chain43 (2 sliding, 21 CSA, 20 HCA), 8 rows, 8K: ref {ms['ref_median_us']:.2f} ms "
           f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} ms "
           f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}), "
           f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step; compiled step: ref "
-          f"{ms['ref_c_median_us']:.2f} ms, fast {ms['fast_c_median_us']:.3f} ms "
-          f"({ms['fast_c_p10_us']:.3f}-{ms['fast_c_p90_us']:.3f})")  # fmt: skip
+          f"{ms.get('ref_c_median_us', float('nan')):.2f} ms, fast {ms.get('fast_c_median_us', float('nan')):.3f} ms "
+          f"({ms.get('fast_c_p10_us', float('nan')):.3f}-{ms.get('fast_c_p90_us', float('nan')):.3f})")  # fmt: skip
     print(f"fast = mx.compile {'on' if kcommon.COMPILE else 'off'}; with it {'off' if kcommon.COMPILE else 'on'}: "
           f"chain43 {ms['other_median_us']:.3f} ms (host {ms['other_build_us']:.3f}); per op (us, fast vs other): "
           + ", ".join(f"{x['op'][:4]} {x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs "

@@ -1,7 +1,7 @@
 """indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches).
 
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
-   through the row's block table into shared memory (cp.async, double-buffered 64-entry chunks)
+   through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight)
    and scores them with mma.sync m16n8k16 (bf16/f16 in, f32 accumulation): warp w holds the
    q fragments of head tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)`
    is summed over its 16 heads in registers (shuffles) before the head tiles are added. The
@@ -29,7 +29,7 @@ from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
 
-CH, NT = 64, 256  # entries per pipelined chunk, threads per segment block
+CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048
 MAX_SEG = 16384
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
@@ -122,8 +122,8 @@ __device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int
 SEGMENT = r"""
   constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Ks = reinterpret_cast<T*>(smem_raw);                               // [2][CH][LDK]
-  float* part = reinterpret_cast<float*>(Ks + 2 * CH * LDK);            // [HT][CH]
+  T* Ks = reinterpret_cast<T*>(smem_raw);                               // [ST][CH][LDK]: ST-stage pipeline
+  float* part = reinterpret_cast<float*>(Ks + ST * CH * LDK);           // [HT][CH]
   unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]
   unsigned int* hist = skey + SEG;                                       // [2048]
   __shared__ int wsum[NWARP];
@@ -156,27 +156,31 @@ SEGMENT = r"""
   }
   const float w0 = weights[(size_t)qr * NI + ht * 16 + g], w1 = weights[(size_t)qr * NI + ht * 16 + g + 8];
   const int nch = (nv + CH - 1) / CH;
-  auto load = [&](int c) {
-    T* dst = Ks + (c & 1) * CH * LDK;
-    for (int i = tid; i < CH * VPR; i += NT) {
-      const int e = i / VPR, v = i - e * VPR;
-      const int idx = s0 + c * CH + e;
-      const T* src = keys;
-      int bytes = 0;
-      if (c * CH + e < nv) {
-        const int pg = table[(size_t)b * tw + idx / PAGE];
-        src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
-        bytes = 16;
+  auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
+    if (c < nch) {
+      T* dst = Ks + (c % ST) * CH * LDK;
+      for (int i = tid; i < CH * VPR; i += NT) {
+        const int e = i / VPR, v = i - e * VPR;
+        const int idx = s0 + c * CH + e;
+        const T* src = keys;
+        int bytes = 0;
+        if (c * CH + e < nv) {
+          const int pg = table[(size_t)b * tw + idx / PAGE];
+          src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
+          bytes = 16;
+        }
+        dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
       }
-      dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
     }
     dsv4_cp_commit();
   };
-  load(0);
+#pragma unroll
+  for (int c = 0; c < ST - 1; ++c) load(c);
   for (int c = 0; c < nch; ++c) {
-    if (c + 1 < nch) { load(c + 1); dsv4_cp_wait<1>(); } else { dsv4_cp_wait<0>(); }
-    __syncthreads();
-    const T* kb = Ks + (c & 1) * CH * LDK;
+    dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)
+    __syncthreads();         // ... everyone's; and everyone is done with chunk c - 1's buffer
+    load(c + ST - 1);
+    const T* kb = Ks + (c % ST) * CH * LDK;
     for (int kt = kg; kt < CH / 8; kt += KG) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       const T* kr = kb + (kt * 8 + g) * LDK + c2;
@@ -196,7 +200,7 @@ SEGMENT = r"""
       }
       if (lane < 4) { part[ht * CH + kt * 8 + c2] = sa; part[ht * CH + kt * 8 + c2 + 1] = sb; }
     }
-    __syncthreads();  // every warp is done with this buffer (the next load overwrites it) and part is full
+    __syncthreads();  // part is full
     if (tid < CH && c * CH + tid < nv) {
       float s = 0.f;
 #pragma unroll
@@ -244,8 +248,22 @@ MERGE = r"""
   });
   for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
   __syncthreads();
+  // bitonic sort; strides below 32 stay in registers (partners are in the same warp)
   for (int size = 2; size <= P2; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (P2 >= 32 && stride < 32) {
+        for (int i = tid; i < P2; i += NT) {  // P2 % 32 == 0: whole warps
+          unsigned long long x = cand[i];
+          const bool up = (i & size) == 0;
+          for (int st = stride; st > 0; st >>= 1) {
+            const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, st);
+            x = (((i & st) == 0) == up) ? (x < y ? x : y) : (x < y ? y : x);
+          }
+          cand[i] = x;
+        }
+        __syncthreads();
+        break;
+      }
       for (int i = tid; i < P2; i += NT) {
         const int j = i ^ stride;
         if (j > i) {
@@ -269,7 +287,7 @@ def segment_size(cap: int, topk: int) -> int:
 
 
 def smem_bytes(ni: int, di: int, seg: int) -> int:
-    return 2 * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
+    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
 
 
 def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
@@ -303,7 +321,7 @@ class Plan:
         ld = -(-cand // 4) * 4
         self.seg = kernel("idx_segment", SEG_IN, ("ckeys", "cids"), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
         self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
-                         ("CH", CH), ("LDC", ld)]  # fmt: skip
+                         ("CH", CH), ("LDC", ld), ("ST", STAGES)]  # fmt: skip
         self.seg_grid = (nseg * NT, b, 1)
         self.seg_shapes = [(b, ld), (b, ld)]
         self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 0, HELPERS)
