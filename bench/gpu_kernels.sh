@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# Kernel iteration on the H200 (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite): the kernels' gpu
-# tests, then bench/kernels.py and the 4-layer step with MLX's CUDA graphs on (default) and off, and
-# with small graphs (MLX_MAX_OPS_PER_BUFFER). Writes under $OUT.   Usage: bash bench/gpu_kernels.sh
+# Kernel figures on the H200 in one device call (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite):
+# the kernels' gpu tests, bench/kernels.py (every op, rows 1/2/4/8, 8K/128K/1M, chain43), and the
+# 4-layer step (fast vs reference vs fast with per-op mx.compile). Writes under $OUT.
+# Usage on the device machine:  bash bench/gpu_kernels.sh      (env: TESTS=-k expr, REPS, ROWS)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TESTS=${TESTS:-}
-ROWS=${ROWS:-1,8}
 {
-  which nsys ncu nvcc 2>/dev/null; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
-  echo "== gpu tests"; timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -6
-  for g in 1 0; do
-    echo "== kernels, MLX_USE_CUDA_GRAPHS=$g"
-    MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 bench/kernels.py --rows "$ROWS" --out "$OUT/graphs$g" 2>&1 | tail -27
-  done
-  echo "== kernels, MLX_MAX_OPS_PER_BUFFER=16"
-  MLX_MAX_OPS_PER_BUFFER=16 timeout 100 python3 bench/kernels.py --rows 8 --ctxs 131072 --out "$OUT/ops16" 2>&1 | tail -8
-  for g in 1 0; do
-    echo "== step, MLX_USE_CUDA_GRAPHS=$g"
-    MLX_USE_CUDA_GRAPHS=$g timeout 100 python3 bench/step.py --rows 1,8 --contexts 4096 --out "$OUT/step_graphs$g.json" 2>&1 | tail -6
-  done
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
+  echo "== gpu tests"
+  timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -8
+  echo "== kernels"
+  timeout 280 python3 bench/kernels.py --reps "${REPS:-10}" --rows "${ROWS:-1,2,4,8}" --out "$OUT" 2>&1
+  echo "== step"
+  timeout 120 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference,fast_opc \
+    --out "$OUT/step.json" 2>&1 | tail -16
 } 2>&1 | tee "$OUT/gpu_kernels.log"

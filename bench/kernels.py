@@ -9,7 +9,9 @@ interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA,
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
 no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor runs a
-third fast arm with the slot-pool scatters forced (`scatter`) and checks that form too.
+check of each case covers both state-update forms (full copy / slot-pool scatters); `--extra-arms` also
+times the scatter form and the per-op `mx.compile` flipped. Every arm is timed twice: as built by
+Python per call (eager) and with the whole chain under one `mx.compile` (compiled).
 
     python bench/kernels.py [--out DIR] [--reps 15] [--quick]
 Writes DIR/kernels.json ($OUT by default) and prints a table last.
@@ -172,6 +174,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--ctxs", default="8192,131072,1048576")
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--extra-arms", action="store_true", help="also: per-op mx.compile flipped, forced scatters")
     a = ap.parse_args()
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DSV4_"))}
@@ -194,8 +197,9 @@ def main() -> None:
                         "single": case.chain(case.single, a.chain)}  # fmt: skip
                 for k in ("ref", "fast", "single"):  # the same chains under one mx.compile each
                     arms[f"{k}_c"] = case.chain(getattr(case, k), a.chain, compiled=True)
-                arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
-                if op == "compressor_rows":
+                if a.extra_arms:
+                    arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
+                if a.extra_arms and op == "compressor_rows":
                     arms["scatter"] = forced(case.chain(case.fast, a.chain), False)
                 r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
                 floor_us = case.bytes / fl["copy_bytes_per_s"] * 1e6
@@ -204,8 +208,9 @@ def main() -> None:
                        **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
                 rows_out.append(row)
                 extra = f" scatter {row['scatter_median_us']:7.1f}" if "scatter_median_us" in row else ""
-                extra += f" | compile {'off' if kcommon.COMPILE else 'on'}: {row['other_median_us']:7.1f} " \
-                         f"(host {row['other_build_us']:5.1f})"
+                if "other_median_us" in row:
+                    extra += f" | compile {'off' if kcommon.COMPILE else 'on'}: {row['other_median_us']:7.1f} " \
+                             f"(host {row['other_build_us']:5.1f})"
                 print(f"{op:22s} rows {nr} ctx {ctx:>7}: ref {row['ref_median_us']:8.1f} fast "
                       f"{row['fast_median_us']:7.1f} (host {row['fast_build_us']:5.1f}) single "
                       f"{row['single_median_us']:7.1f}{extra} | compiled chain: ref {row['ref_c_median_us']:8.1f} "
@@ -214,8 +219,9 @@ def main() -> None:
                 save(a.out, meta, fl, rows_out, None)
                 del case, arms
     chain = None if a.no_chain43 else chain43(8, 8192)
-    arms = {} if chain is None else {"ref": chain.ref, "fast": chain.fast, "scatter": forced(chain.fast, False),
-            "other": other_compile(chain.fast), "ref_c": chain.ref_c, "fast_c": chain.fast_c}  # fmt: skip
+    arms = {} if chain is None else {"ref": chain.ref, "fast": chain.fast, "ref_c": chain.ref_c, "fast_c": chain.fast_c}
+    if chain is not None and a.extra_arms:
+        arms |= {"scatter": forced(chain.fast, False), "other": other_compile(chain.fast)}
     r = interleave(arms, a.reps, dict.fromkeys(arms, 1)) if arms else {}
     step = None if not r else {"op": "chain43", "rows": 8, "ctx": 8192,
                                **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
@@ -240,20 +246,17 @@ def main() -> None:
     if step is None:
         return
     ms = {k: v / 1e3 for k, v in step.items() if k.endswith("_us")}
-    print(f"chain43 (2 sliding, 21 CSA, 20 HCA), 8 rows, 8K: ref {ms['ref_median_us']:.2f} ms "
-          f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} ms "
-          f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}), "
-          f"fast with slot-pool scatters {ms['scatter_median_us']:.3f} ms per step; compiled step: ref "
-          f"{ms.get('ref_c_median_us', float('nan')):.2f} ms, fast {ms.get('fast_c_median_us', float('nan')):.3f} ms "
-          f"({ms.get('fast_c_p10_us', float('nan')):.3f}-{ms.get('fast_c_p90_us', float('nan')):.3f})")  # fmt: skip
-    print(f"fast = mx.compile {'on' if kcommon.COMPILE else 'off'}; with it {'off' if kcommon.COMPILE else 'on'}: "
-          f"chain43 {ms['other_median_us']:.3f} ms (host {ms['other_build_us']:.3f}); per op (us, fast vs other): "
-          + ", ".join(f"{x['op'][:4]} {x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs "
-                      f"{x['other_median_us']:.1f}" for x in rows_out if x["rows"] in (1, 8)))  # fmt: skip
-    cs = [x for x in rows_out if "scatter_median_us" in x]
+    nan = float("nan")
+    print(f"chain43 (2 sliding, 21 CSA, 20 HCA), 8 rows, 8K, ms per step: eager ref {ms['ref_median_us']:.2f} "
+          f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} "
+          f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}) | compiled step: ref "
+          f"{ms.get('ref_c_median_us', nan):.2f}, fast {ms.get('fast_c_median_us', nan):.3f} "
+          f"({ms.get('fast_c_p10_us', nan):.3f}-{ms.get('fast_c_p90_us', nan):.3f})")  # fmt: skip
+    if "other_median_us" in ms:
+        print(f"chain43 with per-op mx.compile flipped: {ms['other_median_us']:.3f} ms; forced slot-pool scatters: "
+              f"{ms['scatter_median_us']:.3f} ms")  # fmt: skip
+    cs = [x for x in rows_out if x["op"] == "compressor_rows"]
     if cs:
-        print("compressor state update, full copy vs scatters (us): " + ", ".join(
-            f"{x['rows']}r/{x['ctx'] // 1024}K {x['fast_median_us']:.1f} vs {x['scatter_median_us']:.1f}" for x in cs))
         bad = [x for x in cs if x.get("full_states_equal") != 1.0 or x.get("scatter_states_equal") != 1.0
                or x.get("full_rel", 1) > 1e-2 or x.get("scatter_rel", 1) > 1e-2]  # fmt: skip
         print(f"compressor forms checked against the reference: {'ALL OK' if not bad else f'{len(bad)} BAD'}")

@@ -112,6 +112,14 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / statistics.median(ts)
 
 
+def set_op_compile(on: bool) -> None:
+    """kernels.cuda's per-op mx.compile switch (DSV4_CUDA_COMPILE), flipped in-process for an A/B arm."""
+    if on or "kernels.cuda.common" in sys.modules:
+        import kernels.cuda.common as kc
+
+        kc.COMPILE = on or os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
+
+
 def time_steps(model, pools, handles, ctx, reps) -> list[float]:
     ts = []
     for i in range(reps):
@@ -129,6 +137,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--quantize", default="", help="'' (bf16 weights) or 'mxfp' (mxfp8 dense + mxfp4 experts)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
+    ap.add_argument("--arms", default="fast,reference",
+                    help="of fast, reference, fast_opc (fast with mx.compile around each op's launches)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -144,10 +154,12 @@ def main() -> None:
         fill_state(pools, handles, ctx)
         for rows in rows_list:
             arm = {}
-            for mode in ("fast", "reference", "fast", "reference"):  # interleaved arms
-                os.environ["DSV4_KERNELS"] = "auto" if mode == "fast" else "reference"
+            for mode in opt.arms.split(",") * 2:  # interleaved arms
+                os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
+                set_op_compile(mode == "fast_opc")
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
                 arm.setdefault(mode, []).extend(time_steps(model, pools, handles[:rows], ctx, opt.reps))
+            set_op_compile(False)
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
             for mode, ts in arm.items():

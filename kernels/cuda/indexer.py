@@ -1,4 +1,4 @@
-"""indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches).
+"""indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches; 1 up to 4,096 entries).
 
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
    through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight)
@@ -13,6 +13,8 @@
    sort of (~key << 32 | position): descending score, ties to the lowest id. Rows no batch row
    names get -1.
 The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
+Rows of at most SINGLE_MAX entries (8K context) take one launch: `single` is the segment kernel
+over the whole row, sorting its top-k itself (grid over the q rows).
 Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
 topk <= 2048; anything else runs the reference.
 """
@@ -26,100 +28,18 @@ import mlx.core as mx
 
 from kernels.cuda import common
 from kernels.cuda.common import kernel, next_pow2, plan_cached
+from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
 
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048
 MAX_SEG = 16384
+SINGLE_MAX = 4096  # a row's entries up to this: one segment block scores, selects and sorts (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "ckeys", "cids")
 
-# Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
-HELPERS = r"""
-template <int NT>
-__device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int t = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += t;
-  }
-  __syncthreads();  // wsum may still be read by the previous scan
-  if (lane == 31) wsum[warp] = incl;
-  __syncthreads();
-  int ofs = 0;
-  for (int j = 0; j < warp; ++j) ofs += wsum[j];
-  return ofs + incl - v;
-}
-
-// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
-// equal to it belong to the top k (need_eq). 1 <= k <= n.
-template <int NT>
-__device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
-                               unsigned int& thr, int& need_eq) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  unsigned int prefix = 0u, mask = 0u;
-  int rem = k;
-  for (int pass = 0; pass < 3; ++pass) {
-    const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-    const int nbins = pass == 2 ? 1024 : 2048;
-    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
-    __syncthreads();
-    for (int base = 0; base < n; base += NT) {
-      const int i = base + tid;
-      bool ok = false;
-      unsigned int v = 0u;
-      if (i < n) { v = keys[i]; ok = (v & mask) == prefix; }
-      // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
-      const unsigned int bin = ok ? ((v >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
-      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-    }
-    __syncthreads();
-    const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)
-    const int top = nbins - 1 - tid * bpt;
-    int local = 0;
-    for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
-    int cum = dsv4_block_excl<NT>(local, wsum);
-    for (int j = 0; j < bpt; ++j) {
-      if (top - j < 0) break;
-      const int h = (int)hist[top - j];
-      if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
-      cum += h;
-    }
-    __syncthreads();
-    rem = sh[1];
-    prefix |= ((unsigned int)sh[0]) << shift;
-    mask |= ((unsigned int)(nbins - 1)) << shift;
-    __syncthreads();
-  }
-  thr = prefix;
-  need_eq = rem;
-}
-
-// Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
-// order; emit(position, index, key). Thread t takes a contiguous run of indices.
-template <int NT, typename F>
-__device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, F emit) {
-  const int per = (n + NT - 1) / NT;
-  const int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);
-  int eq = 0, gt = 0;
-  for (int i = i0; i < i1; ++i) { const unsigned int v = keys[i]; eq += v == thr; gt += v > thr; }
-  const int eq_before = dsv4_block_excl<NT>(eq, wsum);
-  const int take_eq = max(0, min(eq, need_eq - eq_before));
-  int pos = dsv4_block_excl<NT>(gt + take_eq, wsum);
-  int r = eq_before;
-  for (int i = i0; i < i1; ++i) {
-    const unsigned int v = keys[i];
-    bool take = v > thr;
-    if (v == thr) { take = r < need_eq; ++r; }
-    if (take) emit(pos++, i, v);
-  }
-}
-"""
-
-SEGMENT = r"""
+PRE = r"""
   constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw);                               // [ST][CH][LDK]: ST-stage pipeline
@@ -128,7 +48,9 @@ SEGMENT = r"""
   unsigned int* hist = skey + SEG;                                       // [2048]
   __shared__ int wsum[NWARP];
   __shared__ int sh[2];
-  const int seg = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+"""
+HEAD_SEG = r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = p / 4 + ((p % 4) == 3 ? 1 : 0);
   const int s0 = seg * SEG;
@@ -140,7 +62,21 @@ SEGMENT = r"""
     for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
     return;
   }
-  const int tw = table_shape[1];
+"""
+HEAD_FINAL = r"""  // one segment holds the row: z runs over the q rows, rows no batch row names get -1
+  const int r = blockIdx.y;
+  int b = -1;
+  for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == r) b = i;
+  int* o = out + (size_t)r * TOPK;
+  int n = 0;
+  if (b >= 0) { const int p = positions[b]; n = p / 4 + ((p % 4) == 3 ? 1 : 0); }
+  const int s0 = 0, nv = min(SEG, n);
+  if (nv == 0) {
+    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
+    return;
+  }
+"""
+SCORE = r"""  const int tw = table_shape[1];
   const int qr = q_rows[b];
   const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
   uint32_t qa[KS][4];
@@ -209,13 +145,29 @@ SEGMENT = r"""
     }
   }
   __syncthreads();
-  const int K = min(TOPK, nv);
+"""
+TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
+TAIL_FINAL = r"""  const int K = min(TOPK, nv);
+  unsigned int thr = 0u;
+  int need_eq = nv;
+  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
+  unsigned long long* cand = reinterpret_cast<unsigned long long*>(hist + 2048);  // [P2]
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) {
+    cand[pos] = (((unsigned long long)(~v)) << 32) | (unsigned int)i;
+  });
+  for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
+  __syncthreads();
+  dsv4_bitonic<NT, P2>(cand);
+  for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? (int)(cand[i] & 0xffffffffull) : -1;
+"""
+SEGMENT = PRE + HEAD_SEG + SCORE + TAIL_SEG
+SINGLE = PRE + HEAD_FINAL + SCORE + TAIL_FINAL
 
 MERGE = r"""
   constexpr int NT = 1024;
@@ -248,46 +200,24 @@ MERGE = r"""
   });
   for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
   __syncthreads();
-  // bitonic sort; strides below 32 stay in registers (partners are in the same warp)
-  for (int size = 2; size <= P2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      if (P2 >= 32 && stride < 32) {
-        for (int i = tid; i < P2; i += NT) {  // P2 % 32 == 0: whole warps
-          unsigned long long x = cand[i];
-          const bool up = (i & size) == 0;
-          for (int st = stride; st > 0; st >>= 1) {
-            const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, st);
-            x = (((i & st) == 0) == up) ? (x < y ? x : y) : (x < y ? y : x);
-          }
-          cand[i] = x;
-        }
-        __syncthreads();
-        break;
-      }
-      for (int i = tid; i < P2; i += NT) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const unsigned long long x = cand[i], y = cand[j];
-          const bool up = (i & size) == 0;
-          if ((x > y) == up) { cand[i] = y; cand[j] = x; }
-        }
-      }
-      __syncthreads();
-    }
-  }
+  dsv4_bitonic<NT, P2>(cand);
   for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? ids[cand[i] & 0xffffffffull] : -1;
 """
 
 
 def segment_size(cap: int, topk: int) -> int:
-    """Entries per segment block: at most ~32 segments per row (the merge reads 32 x topk
-    candidates), at least twice the top-k (else a segment keeps nearly all it scored)."""
+    """Entries per segment block: one segment (no merge launch) up to SINGLE_MAX entries; else at most
+    ~32 segments per row (the merge reads 32 x topk candidates), at least twice the top-k (else a
+    segment keeps nearly all it scored)."""
     lo = max(1024, 2 * next_pow2(topk))
+    if cap <= SINGLE_MAX:
+        return max(lo, next_pow2(cap))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
 
-def smem_bytes(ni: int, di: int, seg: int) -> int:
-    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
+def smem_bytes(ni: int, di: int, seg: int, p2: int = 0) -> int:
+    """Pipeline buffers, per-head-tile partial scores, segment keys, histogram (+ sort buffer: single)."""
+    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4 + p2 * 8
 
 
 def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
@@ -306,7 +236,7 @@ class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
     __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "out_shape", "seg", "seg_grid",
-                 "seg_shapes", "seg_tmpl")  # fmt: skip
+                 "seg_shapes", "seg_tmpl", "single")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
         self.fast = supported(q, keys, topk)
@@ -317,31 +247,42 @@ class Plan:
         cap = batch.tables[4].shape[1] * page
         seg = segment_size(cap, topk)
         nseg = -(-cap // seg)
-        cand = nseg * topk
-        ld = -(-cand // 4) * 4
-        self.seg = kernel("idx_segment", SEG_IN, ("ckeys", "cids"), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
-        self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
-                         ("CH", CH), ("LDC", ld), ("ST", STAGES)]  # fmt: skip
-        self.seg_grid = (nseg * NT, b, 1)
-        self.seg_shapes = [(b, ld), (b, ld)]
-        self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 0, HELPERS)
-        self.merge_tmpl = [("TOPK", topk), ("P2", next_pow2(topk)), ("L", cand)]
-        self.merge_grid = (q.shape[0] * 1024, 1, 1)
+        p2 = next_pow2(topk)
         self.out_shape = (q.shape[0], topk)
+        self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
+                         ("CH", CH), ("ST", STAGES)]  # fmt: skip
+        self.single = nseg == 1
+        if self.single:  # z over the q rows, the sorted top-k straight to the output
+            self.seg = kernel("idx_single", SEG_IN, ("out",), SINGLE, smem_bytes(ni, di, seg, p2), HELPERS)
+            self.seg_tmpl += [("P2", p2)]
+            self.seg_grid = (NT, q.shape[0], 1)
+            self.seg_shapes = [self.out_shape]
+        else:
+            cand = nseg * topk
+            ld = -(-cand // 4) * 4
+            self.seg = kernel("idx_segment", SEG_IN, ("ckeys", "cids"), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
+            self.seg_tmpl += [("LDC", ld)]
+            self.seg_grid = (nseg * NT, b, 1)
+            self.seg_shapes = [(b, ld), (b, ld)]
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 0, HELPERS)
+            self.merge_tmpl = [("TOPK", topk), ("P2", p2), ("L", cand)]
+            self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 
     def launch(self, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array, weights: mx.array,
                keys: mx.array) -> mx.array:  # fmt: skip
-        ckeys, cids = self.seg(
+        outs = self.seg(
             inputs=[positions, q_rows, table, q, weights, keys],
             template=self.seg_tmpl,
             grid=self.seg_grid,
             threadgroup=(NT, 1, 1),
             output_shapes=self.seg_shapes,
-            output_dtypes=[mx.uint32, mx.int32],
+            output_dtypes=[mx.int32] if self.single else [mx.uint32, mx.int32],
         )
+        if self.single:
+            return outs[0]
         (out,) = self.merge(
-            inputs=[positions, q_rows, ckeys, cids],
+            inputs=[positions, q_rows, *outs],
             template=self.merge_tmpl,
             grid=self.merge_grid,
             threadgroup=(1024, 1, 1),

@@ -150,6 +150,28 @@ def test_indexer_ties_exact(n_rows: int) -> None:
     np.testing.assert_array_equal(got0, np.array(indexer_rows_reference(batch, q, w0, keys, topk=512)))
 
 
+@pytest.mark.parametrize("n_rows", [1, 2, 5, 8])
+def test_indexer_single_segment(n_rows: int) -> None:
+    """Short rows (<= 4,096 entries): one launch scores, selects and sorts (no merge)."""
+    rng = np.random.default_rng(90 + n_rows)
+    positions = [int(x) for x in rng.choice([0, 3, 6, 2050, 4099, 9000, 16_383, 777], n_rows, replace=False)]
+    rows, pages, bq, _ = rows_for(rng, positions, (4,))
+    batch = RowBatch.build(rows, PAGE, {4: 64})  # 4,096 entries of capacity
+    q = mx.random.normal((bq, 64, 128)).astype(mx.bfloat16)
+    w = mx.random.normal((bq, 64))
+    keys = mx.random.normal((pages[4], PAGE, 128)).astype(mx.bfloat16)
+    for topk in (512, 100):
+        want = np.array(indexer_rows_reference(batch, q, w, keys, topk=topk))
+        got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=topk))
+        assert_topk_equal(got, want, rows, q, w, keys, exact=False)
+    qi = mx.array(rng.integers(-1, 2, size=(bq, 32, 64)).astype(np.float32)).astype(mx.bfloat16)
+    wi = mx.array(rng.choice(np.array([-1.0, 0.0, 0.5, 1.0, 2.0], np.float32), size=(bq, 32)))
+    ki = mx.array(rng.integers(-1, 3, size=(pages[4], PAGE, 64)).astype(np.float32)).astype(mx.bfloat16)
+    want = np.array(indexer_rows_reference(batch, qi, wi, ki, topk=512))
+    got = np.array(fast().indexer_rows_cuda(batch, qi, wi, ki, topk=512))
+    assert_topk_equal(got, want, rows, qi, wi, ki, exact=True)
+
+
 # ---- sparse attention ---------------------------------------------------------------------
 
 

@@ -1,0 +1,126 @@
+"""Block-wide top-k building blocks (CUDA device code) for the indexer's kernels.
+
+- `dsv4_block_excl`: exclusive prefix sum over the block (warp shuffles + one word per warp).
+- `dsv4_radix_kth`: the k-th largest of n uint32 keys (radix select, 11 + 11 + 10 bits, warp-aggregated
+  shared-memory histograms) and how many keys equal to it belong to the top k.
+- `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
+  equal to it: ties go to the lowest index), in index order.
+- `dsv4_bitonic`: ascending bitonic sort of 64-bit (~key << 32 | index) pairs in shared memory.
+"""
+
+# Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
+HELPERS = r"""
+template <int NT>
+__device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
+  }
+  __syncthreads();  // wsum may still be read by the previous scan
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  int ofs = 0;
+  for (int j = 0; j < warp; ++j) ofs += wsum[j];
+  return ofs + incl - v;
+}
+
+// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
+// equal to it belong to the top k (need_eq). 1 <= k <= n.
+template <int NT>
+__device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
+                               unsigned int& thr, int& need_eq) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  unsigned int prefix = 0u, mask = 0u;
+  int rem = k;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+    const int nbins = pass == 2 ? 1024 : 2048;
+    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
+    __syncthreads();
+    for (int base = 0; base < n; base += NT) {
+      const int i = base + tid;
+      bool ok = false;
+      unsigned int v = 0u;
+      if (i < n) { v = keys[i]; ok = (v & mask) == prefix; }
+      // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
+      const unsigned int bin = ok ? ((v >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+    }
+    __syncthreads();
+    const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)
+    const int top = nbins - 1 - tid * bpt;
+    int local = 0;
+    for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
+    int cum = dsv4_block_excl<NT>(local, wsum);
+    for (int j = 0; j < bpt; ++j) {
+      if (top - j < 0) break;
+      const int h = (int)hist[top - j];
+      if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
+      cum += h;
+    }
+    __syncthreads();
+    rem = sh[1];
+    prefix |= ((unsigned int)sh[0]) << shift;
+    mask |= ((unsigned int)(nbins - 1)) << shift;
+    __syncthreads();
+  }
+  thr = prefix;
+  need_eq = rem;
+}
+
+// Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
+// order; emit(position, index, key). Thread t takes a contiguous run of indices.
+template <int NT, typename F>
+__device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, F emit) {
+  const int per = (n + NT - 1) / NT;
+  const int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);
+  int eq = 0, gt = 0;
+  for (int i = i0; i < i1; ++i) { const unsigned int v = keys[i]; eq += v == thr; gt += v > thr; }
+  const int eq_before = dsv4_block_excl<NT>(eq, wsum);
+  const int take_eq = max(0, min(eq, need_eq - eq_before));
+  int pos = dsv4_block_excl<NT>(gt + take_eq, wsum);
+  int r = eq_before;
+  for (int i = i0; i < i1; ++i) {
+    const unsigned int v = keys[i];
+    bool take = v > thr;
+    if (v == thr) { take = r < need_eq; ++r; }
+    if (take) emit(pos++, i, v);
+  }
+}
+
+// Bitonic sort of cand[0..P2) ascending (P2 a power of two); strides below 32 stay in registers
+// (partners are in the same warp).
+template <int NT, int P2>
+__device__ void dsv4_bitonic(unsigned long long* cand) {
+  const int tid = threadIdx.x;
+  for (int size = 2; size <= P2; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (P2 >= 32 && stride < 32) {
+        for (int i = tid; i < P2; i += NT) {  // P2 % 32 == 0: whole warps
+          unsigned long long x = cand[i];
+          const bool up = (i & size) == 0;
+          for (int st = stride; st > 0; st >>= 1) {
+            const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, st);
+            x = (((i & st) == 0) == up) ? (x < y ? x : y) : (x < y ? y : x);
+          }
+          cand[i] = x;
+        }
+        __syncthreads();
+        break;
+      }
+      for (int i = tid; i < P2; i += NT) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long x = cand[i], y = cand[j];
+          const bool up = (i & size) == 0;
+          if ((x > y) == up) { cand[i] = y; cand[j] = x; }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+"""
