@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for every GPU figure of the closing note (after gpu-wheels.sh staged MLX CUDA in
-# /tmp/mlxsite): gpu tests, the decode step (bf16 fast vs reference; mxfp8/mxfp4), 1 vs 2 GPUs, kernels.
+# /tmp/mlxsite): gpu tests, the decode step (bf16 fast vs reference; mxfp8/mxfp4), 1 vs 2 GPUs.
+# The kernel benchmark has its own call (about 6 minutes): bench/gpu_kernels.sh.
 # Usage on the device machine (nvidia-h200-x2):  bash bench/gpu_all.sh   (writes under $OUT)
 set -u
 cd "$(dirname "$0")/.."
@@ -18,5 +19,4 @@ launch=(python3 -c "import sys; from mlx._distributed_utils.launch import main; 
       --out "$OUT/step_mxfp.json" 2>&1 | tail -8
   echo "== distributed"; timeout 150 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
       python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20
-  echo "== kernels"; timeout 70 python3 bench/kernels.py --out "$OUT" 2>&1 | tail -45
 } 2>&1 | tee "$log"

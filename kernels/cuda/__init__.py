@@ -4,10 +4,13 @@
 `DSV4_KERNELS` is not `reference`). Each fast op has the reference's signature, runs the same
 row-contract checks before launching, and falls back to the reference for dtypes or shapes its
 kernels do not cover:
-- compressor_rows: every float dtype (1 kernel + 3 scatters into the slot / page pools);
-- indexer_rows: q / keys bf16 or f16, heads and dim multiples of 16, topk <= 2048 (2 kernels);
+- compressor_rows: every float dtype (1 kernel + 1 scatter into the page pool; + 2 slot-pool
+  scatters when the slot pools are large);
+- indexer_rows: q / keys bf16 or f16, 16/32/64/128 heads, dim a multiple of 16 up to 256, topk <= 2048
+  (1 kernel up to 4,096 entries per row, else segment + merge);
 - sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
-  of 32 (2 kernels). float32 (the tiny test model) runs the reference for these two.
+  of 32 (1 kernel up to 3 chunks of 64 keys per row, else partial + combine). float32 (the tiny
+  test model) runs the reference for these two.
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -16,7 +19,7 @@ start-up, before the server says it is ready.
 Host cost per call: each op validates the row contract once per RowBatch object and argument
 shapes (`kernels.rows.checked`; every layer of a step shares the batch) and keeps its launch
 parameters per shape (`common.plan_cached`), so a call after the first is a tuple, a dict lookup
-and its kernel launches (compressor: 1 launch + 1 pool scatter while the slot pools are small).
+and its kernel launches.
 """
 
 from __future__ import annotations
