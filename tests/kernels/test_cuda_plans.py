@@ -1,0 +1,51 @@
+"""Launch-plan arithmetic of the CUDA fast path (pure Python: runs without a GPU).
+
+The kernels assume things of their plans that no GPU test would show as a clean failure: a
+segment size the pipeline chunk divides, shared memory within the H200's 227 KB per block, no
+empty split, one split exactly when the combine launch is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kernels.cuda import attention as at
+from kernels.cuda import indexer as ix
+
+SMEM_MAX = 227 * 1024  # per block on sm_90
+
+
+@pytest.mark.parametrize("topk", [1, 100, 512, 1024, 2048])
+@pytest.mark.parametrize("cap", [64, 2048, 4096, 4160, 32_768, 262_144, 1 << 20, 1 << 22])
+def test_indexer_segment_size(cap: int, topk: int) -> None:
+    seg = ix.segment_size(cap, topk)
+    nseg = math.ceil(cap / seg)
+    assert seg & (seg - 1) == 0 and seg % ix.CH == 0  # whole pipeline chunks
+    assert seg >= 2 * ix.next_pow2(topk)  # a segment keeps at most half of what it scores
+    assert (nseg == 1) == (cap <= ix.SINGLE_MAX or seg >= cap)
+    assert nseg <= 32 or seg == ix.MAX_SEG  # the merge reads nseg * topk candidates per row
+    p2 = ix.next_pow2(topk) if nseg == 1 else 0
+    for ni, di in ((16, 16), (64, 128), (128, 256)):
+        assert ix.smem_bytes(ni, di, seg, p2) <= SMEM_MAX
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("nchunk", [1, 2, 3, 4, 10, 18, 130, 4097])
+def test_attention_splits(rows: int, nchunk: int) -> None:
+    groups = 4  # 64 heads / 16 per block
+    ns = at.splits(rows, groups, nchunk)
+    per = math.ceil(nchunk / ns)
+    assert 1 <= ns <= nchunk
+    assert (ns - 1) * per < nchunk  # every split has a chunk
+    assert (ns == 1) == (nchunk <= at.FINAL_CHUNKS)  # one launch exactly for short rows
+    if ns == nchunk and ns > 1:  # one chunk per block: those blocks hold no O buffer
+        assert rows * groups * nchunk <= 2 * at.TARGET_BLOCKS
+
+
+def test_attention_shared_memory() -> None:
+    for d in (64, 128, 512):
+        assert at.smem_bytes(d) <= SMEM_MAX
+        assert at.smem_bytes(d, one=True) < at.smem_bytes(d)
+    assert 2 * at.smem_bytes(512, one=True) <= 228 * 1024  # two one-chunk blocks per multiprocessor
