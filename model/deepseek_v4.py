@@ -1,8 +1,8 @@
 """DeepSeek-V4: embed -> mHC streams -> layers (attention + MoE) -> HyperHead -> norm -> head.
 
 `decode()` runs one step for a batch of 1..8 rows, each at its own position with its own state slot and
-pages. A prompt is prefilled through the same step, one token per row per step, so a prompt fed in
-chunks of any size leaves exactly the state of token-by-token decoding.
+pages. `prefill()` feeds a prompt chunk of one request through every layer at once (`model/prefill.py`):
+the same state and last-token logits as token-by-token decoding, up to f32 summation order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from kernels import Row, RowBatch
 from model.attention import Attention
 from model.config import ModelArgs
 from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq
+from model.prefill import prefill_chunk
 from model.state import StateHandle, StatePools
+
+PREFILL_CHUNK = 256  # prompt tokens per parallel prefill pass
 
 
 class Block(nn.Module):
@@ -132,14 +135,21 @@ class DeepseekV4(nn.Module):
         mx.eval(logits, pools.arrays())
         return logits
 
-    def prefill(self, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int) -> mx.array:
-        """Feed a chunk of one request's prompt; returns the logits of its last token [vocab]."""
+    def prefill(self, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
+                chunk: int = PREFILL_CHUNK) -> mx.array:  # fmt: skip
+        """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab].
+
+        Parallel over the tokens, `chunk` at a time (its attention holds [chunk, topk, D] gathered keys)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
+        if chunk < 1:
+            raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
+        if start < 0 or start + len(token_ids) > handle.capacity:
+            raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
+                             f"request's capacity {handle.capacity}")  # fmt: skip
         logits = None
-        for i, t in enumerate(token_ids):
-            batch = self.make_batch(pools, [handle], [start + i])
-            logits = self.step(batch, mx.array([int(t)], dtype=mx.int32), pools)
+        for i in range(0, len(token_ids), chunk):
+            logits = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i)
             mx.async_eval(logits, pools.arrays())
         mx.eval(logits)
-        return logits[0]
+        return logits

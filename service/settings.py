@@ -23,7 +23,7 @@ class Settings(BaseModel):
     max_rows: int = Field(8, ge=1, le=8)  # decode rows per step (the kernels' row contract caps it at 8)
     max_queue: int = Field(64, ge=1)  # waiting requests beyond the running rows; more -> 429
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
-    prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens fed per step (= prefilling rows); None: no cap
+    prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 256
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them

@@ -47,9 +47,8 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         factory,
         max_rows=settings.max_rows,
         max_queue=settings.max_queue,
-        # Prefill is token-serial (one prompt token per row per step), so the per-step prefill token
-        # budget is the number of rows that may be prefilling in one step.
-        max_prefill_rows=settings.prefill_chunk,
+        # Prompt tokens per step through the parallel prefill (token-serial engines: prefilling rows).
+        prefill_chunk=settings.prefill_chunk,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
     )
 

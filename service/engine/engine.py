@@ -135,6 +135,15 @@ class Engine:
         mx.async_eval(logits, self.pools.arrays())
         return logits
 
+    # Prompts go through `prefill` (all tokens of a chunk at once); the distributed leader turns this off
+    # (its followers replay decode steps only), and the worker then feeds prompts token by token.
+    parallel_prefill = True
+
+    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
+        """Feed prompt tokens of one request at positions start.. in one parallel pass (no logits kept)."""
+        self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)))
+        mx.eval(self.pools.arrays())
+
     def warmup(self) -> None:
         """Run a step at every batch size so kernels and compiled segments are built before /ready says yes."""
         t0 = time.perf_counter()

@@ -35,6 +35,8 @@ def _size(max_rows: int) -> int:
 class LeaderEngine(Engine):
     """Engine on rank 0: the same API, every state change mirrored to the followers."""
 
+    parallel_prefill = False  # the followers replay decode steps: prompts go token by token
+
     def __init__(self, model: Any, group: Any, **kw: Any):
         super().__init__(model, **kw)
         self.group = group

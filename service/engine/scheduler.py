@@ -1,9 +1,10 @@
 """Admission and per-step planning for the engine thread: pure Python, no mlx.
 
-Prefill is token-serial through the batched decode step: each step every planned request feeds
-exactly one token, its next prompt token while prefilling, else its last generated token, at
-position `request.fed`. Logits are sampled only for rows whose fed token is the last prompt token
-or a generated one (`needs_sample`).
+Each step every planned request feeds exactly one token through the batched decode step: its next
+prompt token while prefilling, else its last generated token, at position `request.fed`. Logits
+are sampled only for rows whose fed token is the last prompt token or a generated one
+(`needs_sample`). Before the step, `prefill_work` hands out prompt tokens (all but the last) for
+the engine's parallel prefill, up to a per-step token budget, oldest request first.
 """
 
 from __future__ import annotations
@@ -152,6 +153,21 @@ class Scheduler:
             plan.append(r)
         self._last_plan = plan
         return plan
+
+    def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
+        """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
+        tokens in all; a prompt's last token is left for the step (its logits are sampled)."""
+        work = []
+        for r in plan:
+            n = min(budget, len(r.prompt_ids) - 1 - r.fed)
+            if n > 0:
+                work.append((r, self.handles[r.request_id], r.prompt_ids[r.fed : r.fed + n], r.fed))
+                budget -= n
+        return work
+
+    def prefilled(self, request: Request, n: int) -> None:
+        """`n` prompt tokens of `request` were fed by a parallel prefill."""
+        request.fed += n
 
     def feeds(self, plan: list[Request]) -> list[tuple[Any, int, int]]:
         """(handle, token_id, position) per planned request, in plan order."""

@@ -18,12 +18,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.request import Request, SamplingParams, TokenEvent
+from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
 from service.engine.scheduler import QueueFull, Scheduler, needs_sample
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
+
+
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step through the parallel prefill
 
 
 class EngineNotReady(RuntimeError):
@@ -47,13 +50,16 @@ class EngineWorker:
         *,
         max_rows: int = 8,
         max_queue: int = 64,
-        max_prefill_rows: int | None = None,
+        prefill_chunk: int | None = None,
         on_step_metrics: Callable[[int, float], None] | None = None,
     ) -> None:
         self._factory = engine_factory
         self.max_rows = max_rows
         self.max_queue = max_queue
-        self.max_prefill_rows = max_prefill_rows
+        # Prompt tokens per step through the engine's parallel prefill (None: PREFILL_CHUNK). An engine
+        # without one (distributed) feeds prompts token by token and this caps the prefilling rows.
+        self.prefill_chunk = prefill_chunk
+        self._prefill_budget = 0
         # Called on the engine thread after every step: (rows in the step, step seconds).
         self.on_step_metrics = on_step_metrics
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -219,13 +225,15 @@ class EngineWorker:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         self.max_fit_tokens = lo
+        parallel = bool(getattr(engine, "parallel_prefill", False))
+        self._prefill_budget = (self.prefill_chunk or DEFAULT_PREFILL_CHUNK) if parallel else 0
         sched = Scheduler(
             engine,
             max_rows=min(self.max_rows, engine.max_rows),
             max_queue=self.max_queue,
             eos_token_id=engine.eos_token_id,
             max_model_len=engine.max_model_len,
-            max_prefill_rows=self.max_prefill_rows,
+            max_prefill_rows=None if parallel else self.prefill_chunk,
         )
         return engine, sched
 
@@ -332,6 +340,10 @@ class EngineWorker:
             return []
         import mlx.core as mx
 
+        events = self._prefill(engine, sched, plan)
+        plan = [r for r in plan if r.status is RequestStatus.RUNNING]
+        if not plan:
+            return events + sched.on_step({})
         t0 = time.perf_counter()
         try:
             logits = engine.step(sched.feeds(plan))
@@ -352,10 +364,10 @@ class EngineWorker:
                 mx.eval(logits)  # a prefill-only step still has to run
         except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
             log.exception("engine step failed (%d rows)", len(plan))
-            events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
+            events += sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
             return events + sched.on_step({})
         dt = time.perf_counter() - t0
-        events = sched.on_step(sampled)
+        events += sched.on_step(sampled)
         with self._lock:
             self._steps += 1
             self._last_rows = len(plan)
@@ -367,6 +379,21 @@ class EngineWorker:
                 self.on_step_metrics(len(plan), dt)
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("on_step_metrics failed")
+        return events
+
+
+    def _prefill(self, engine: Any, sched: Scheduler, plan: list[Request]) -> list[TokenEvent]:
+        """Parallel prefill of the planned prompts (the step's token budget, oldest first); a failure
+        ends that request only."""
+        events: list[TokenEvent] = []
+        for r, handle, tokens, start in sched.prefill_work(plan, self._prefill_budget):
+            try:
+                engine.prefill(handle, tokens, start)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
+                log.exception("prefill failed (%d tokens)", len(tokens))
+                events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            sched.prefilled(r, len(tokens))
         return events
 
 

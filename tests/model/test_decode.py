@@ -56,16 +56,17 @@ def test_chunked_prefill_equals_token_by_token(tiny, chunk):
         last_a = model.decode(pools, [a], [t], [i])[0]
     for s in range(0, len(prompt), chunk):
         last_b = model.prefill(pools, b, prompt[s : s + chunk], s)
-    assert np.max(np.abs(np.array(last_a) - np.array(last_b))) <= 1e-6
+    # The parallel prefill sums in another order: equal to f32 rounding.
+    assert np.max(np.abs(np.array(last_a) - np.array(last_b))) <= 1e-5
     # The whole state of the two slots is the same.
     for arr in pools.window:
-        assert np.array_equal(np.array(arr[a.slot]), np.array(arr[b.slot]))
+        np.testing.assert_allclose(np.array(arr[a.slot]), np.array(arr[b.slot]), atol=1e-5, rtol=0)
     for layer, pool in pools.ckv.items():
         r = args.compress_ratios[layer]
         n = len(prompt) // r
         ea = np.concatenate([np.array(pool[p]) for p in a.tables[r]])[:n]
         eb = np.concatenate([np.array(pool[p]) for p in b.tables[r]])[:n]
-        assert np.array_equal(ea, eb)
+        np.testing.assert_allclose(ea, eb, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

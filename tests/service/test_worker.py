@@ -5,7 +5,7 @@ once per module. Two controls the real engine does not offer come from `Controll
 subclass that adds only them and otherwise runs the real model, pools and accounting:
   * `gate`: a threading.Event that step() waits on, to hold a step so requests stay waiting or
     outlive a drain deadline;
-  * `fail_token`: step() raises when that token id is fed, to fail a step on demand.
+  * `fail_token`: step() (and prefill()) raises when that token id is fed, to fail a step on demand.
 One more: the real Engine always sizes its pools to hold a whole max_model_len request, so the
 worker's "never fits the decode state" rejection can only be reached by giving a real engine real
 pools (pools_for_budget) smaller than its context limit; test_never_fits_the_decode_state does that.
@@ -55,6 +55,12 @@ class ControlledEngine(Engine):
         if self.fail_token is not None and any(tok == self.fail_token for _, tok, _ in feeds):
             raise RuntimeError(f"step fed token {self.fail_token}")
         return super().step(feeds)
+
+    def prefill(self, handle, token_ids, start):  # prompts reach the model here first
+        self.gate.wait()
+        if self.fail_token is not None and self.fail_token in token_ids:
+            raise RuntimeError(f"step fed token {self.fail_token}")
+        return super().prefill(handle, token_ids, start)
 
 
 def make_engine(tiny, max_rows: int = 8, max_model_len: int = MAX_LEN, **kw) -> ControlledEngine:

@@ -1,0 +1,172 @@
+"""Parallel prefill: T prompt tokens of one request through every layer at once.
+
+The same math as T decode steps (`DeepseekV4.step` one token at a time): it leaves the same state
+(window ring, compressor windows, compressed KV, indexer keys) and the same last-token logits, up
+to f32 summation order. Each layer runs its projections and MoE for the T tokens together and
+attends with causal masks in plain MLX ops: the window (W keys before the chunk + the chunk), the
+entries each token's indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
+Entries a window emits inside the chunk are pooled together (`_compress`) before anything reads
+them, and each token only sees those emitted at or before its position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from kernels.indexer import _order_key
+from kernels.rope import rope
+from model.attention import Attention, Compressor
+from model.layers import hc_head
+from model.state import StateHandle, StatePools
+
+
+def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
+              pool: mx.array, slot: int, table: Sequence[int], start: int, page: int,
+              eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """`compressor_rows` for positions start..start+T-1 of one slot: every window that ends in the
+    chunk emits its entry; the slot's state ends as T single steps would leave it (stale rows too)."""
+    kv, score, cos, sin = proj
+    m, d, t = comp.ratio, comp.dim, kv.shape[0]
+    coff = 2 if m == 4 else 1
+    pos = list(range(start, start + t))
+    pm0 = start % m
+    # The rows of positions base..start-1 still in the state, then the chunk's rows: row i <-> base + i.
+    base = (start // m) * m - (coff - 1) * m
+    old = list(range(m)) + [m + j for j in range(pm0)] if coff == 2 else list(range(pm0))
+    idx = mx.array(old, dtype=mx.int32)
+    seq_kv = mx.concatenate([kv_state[slot][idx], kv], axis=0)
+    ape = comp.ape.astype(mx.float32)[mx.array([p % m for p in pos])]  # APE by absolute position
+    seq_s = mx.concatenate([score_state[slot][idx], score + ape])
+    ends = [i for i, p in enumerate(pos) if p % m == m - 1]
+    if ends:
+        cur = mx.array([[pos[i] - (m - 1) - base + j for j in range(m)] for i in ends], dtype=mx.int32)  # [E, m]
+        if coff == 1:
+            vals, gates = seq_kv[cur], seq_s[cur]
+        else:  # CSA: previous window's first half + this window's second half
+            vals = mx.concatenate([seq_kv[cur - m][..., :d], seq_kv[cur][..., d:]], axis=1)
+            gates = mx.concatenate([seq_s[cur - m][..., :d], seq_s[cur][..., d:]], axis=1)
+        c = (mx.softmax(gates, axis=1, precise=True) * vals).sum(axis=1)  # [E, d]
+        x = c.astype(pool.dtype).astype(mx.float32)
+        x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * comp.norm.weight.astype(mx.float32)
+        sel = mx.array(ends, dtype=mx.int32)
+        x = rope(x.astype(pool.dtype), cos[sel], sin[sel])
+        ws = [pos[i] // m for i in ends]
+        dest = mx.array([table[w // page] * page + w % page for w in ws], dtype=mx.int32)
+        flat = pool.reshape(pool.shape[0] * page, d)
+        pool = mx.put_along_axis(flat, dest[:, None], x, axis=0).reshape(pool.shape)
+    # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each
+    # later position p overwrites row (coff-1)*m + p%m (the last write wins).
+    if coff == 2 and ends:
+        win = seq_kv[cur[-1]], seq_s[cur[-1]]
+        new_kv, new_s = mx.concatenate([win[0], win[0]]), mx.concatenate([win[1], win[1]])
+        later = pos[ends[-1] + 1 :]
+    else:
+        new_kv, new_s = kv_state[slot], score_state[slot]
+        later = pos
+    rows = {(coff - 1) * m + p % m: p - base for p in later}
+    if rows:
+        r = mx.array(list(rows), dtype=mx.int32)
+        src = mx.array(list(rows.values()), dtype=mx.int32)
+        new_kv[r] = seq_kv[src]
+        new_s[r] = seq_s[src]
+    kv_state[slot] = new_kv
+    score_state[slot] = new_s
+    return kv_state, score_state, pool
+
+
+def _entries(pool: mx.array, table: Sequence[int], n: int, page: int) -> mx.array:
+    """The first n compressed entries of a request, [n, d] f32."""
+    ids = mx.arange(n, dtype=mx.int32)
+    pages = mx.array(list(table), dtype=mx.int32)[ids // page]
+    return pool[pages, ids % page].astype(mx.float32)
+
+
+def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) -> mx.array:
+    """`indexer_rows` for T queries of one request over its n entries: [T, topk] ids, -1 padded."""
+    t, n = q.shape[0], keys.shape[0]
+    dots = q.astype(mx.float32) @ keys.T  # [T, nI, n]
+    score = (w[:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)
+    vis = (pos + 1) // 4  # entries each query can see
+    key = _order_key(score, mx.arange(n)[None, :] < vis[:, None])
+    k = min(topk, n)
+    if k < n:
+        key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
+    ids = (mx.sort(key, axis=-1)[:, :k] & 0xFFFFFFFF).astype(mx.int32)
+    ids = mx.where(mx.arange(k)[None, :] < vis[:, None], ids, -1)
+    return ids if k == topk else mx.concatenate([ids, mx.full((t, topk - k), -1, mx.int32)], axis=1)
+
+
+def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
+            start: int) -> mx.array:  # fmt: skip
+    """The kernel part of `Attention.attend` for T tokens of one request; o [T, nh, D] in the pool dtype."""
+    a, layer, r = attn.args, attn.layer, attn.ratio
+    q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
+    t, wl, page, slot, tables = q.shape[0], a.sliding_window, pools.page_size, handle.slot, handle.tables
+    scale = a.head_dim**-0.5
+    pos_py = list(range(start, start + t))
+    pos = mx.array(pos_py, dtype=mx.int32)
+    # Window keys: the ring before the chunk (ring row j holds the latest position = j mod W), then the chunk.
+    ring_pos = mx.array([start - 1 - ((start - 1 - j) % wl) for j in range(wl)], dtype=mx.int32)
+    keys_w = mx.concatenate([pools.window[layer][slot], kv]).astype(mx.float32)  # [W+T, D]
+    kpos = mx.concatenate([ring_pos, pos])
+    ok_w = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - wl)
+    tail = pos_py[-min(t, wl) :]
+    pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
+    qf = q.astype(mx.float32)
+    # (logits [T, nh, L_i], values): masked logits are -inf, so their (finite) values weigh exactly 0
+    parts = [(mx.where(ok_w[:, None, :], (qf @ keys_w.T) * scale, -math.inf), keys_w)]
+    if r:
+        pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = _compress(
+            attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], slot,
+            tables[r], start, page, a.rms_norm_eps,
+        )  # fmt: skip
+    if r == 4:
+        ix = attn.indexer
+        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = _compress(
+            ix.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
+            slot, tables[4], start, page, a.rms_norm_eps,
+        )  # fmt: skip
+    n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
+    if n:
+        comp = _entries(pools.ckv[layer], tables[r], n, page)  # [n, D]
+        vis = (pos + 1) // r  # entries each token can see
+        if r == 4:
+            ikeys = _entries(pools.ikeys[layer], tables[4], n, page)
+            ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, pos, attn.indexer.topk)  # [T, topk]
+            ok = (ids >= 0) & (ids < vis[:, None])
+            keys_c = comp[mx.where(ok, ids, 0)]  # [T, topk, D]
+            parts.append((mx.where(ok[:, None, :], (qf @ keys_c.transpose(0, 2, 1)) * scale, -math.inf), keys_c))
+        else:  # HCA: every entry emitted at or before the token
+            ok = mx.arange(n)[None, :] < vis[:, None]
+            parts.append((mx.where(ok[:, None, :], (qf @ comp.T) * scale, -math.inf), comp))
+    sink = attn.attn_sink.astype(mx.float32)[None, :, None]
+    top = sink
+    for lg, _ in parts:
+        top = mx.maximum(top, lg.max(axis=-1, keepdims=True))
+    num, den = 0.0, mx.exp(sink - top)
+    for lg, v in parts:
+        e = mx.exp(lg - top)
+        num = num + e @ v
+        den = den + e.sum(axis=-1, keepdims=True)
+    return (num / den).astype(q.dtype)
+
+
+def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int) -> mx.array:
+    """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32.
+
+    The state update is lazy: evaluate the logits and `pools.arrays()` together."""
+    a = model.args
+    ids = mx.array([int(x) for x in token_ids], dtype=mx.int32)
+    t = ids.shape[0]
+    pos = mx.arange(start, start + t, dtype=mx.int32)
+    x = model.embed(ids)
+    hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
+    for i, block in enumerate(model.layers):
+        post, comb, *proj = block.before(hs, pos, model._freqs[a.layer_ratio(i) != 0])
+        o = _attend(block.attn, proj, pools, handle, start)
+        hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
+    y = model.norm(hc_head(hs[-1:], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
+    return (y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T)[0]
