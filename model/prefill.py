@@ -22,6 +22,8 @@ from model.attention import Attention, Compressor
 from model.layers import hc_head
 from model.state import StateHandle, StatePools
 
+SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
+
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
               pool: mx.array, slot: int, table: Sequence[int], start: int, page: int,
@@ -87,8 +89,13 @@ def _entries(pool: mx.array, table: Sequence[int], n: int, page: int) -> mx.arra
 def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) -> mx.array:
     """`indexer_rows` for T queries of one request over its n entries: [T, topk] ids, -1 padded."""
     t, n = q.shape[0], keys.shape[0]
-    dots = q.astype(mx.float32) @ keys.T  # [T, nI, n]
-    score = (w[:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)
+    qf = q.astype(mx.float32)
+    step = max(1, SCORE_BYTES // (q.shape[1] * n * 4))  # queries per block: [block, nI, n] f32 stays bounded
+    parts = []
+    for i in range(0, t, step):
+        dots = qf[i : i + step] @ keys.T  # [block, nI, n]
+        parts.append((w[i : i + step, :, None] * mx.maximum(dots, 0.0)).sum(axis=1))
+    score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     vis = (pos + 1) // 4  # entries each query can see
     key = _order_key(score, mx.arange(n)[None, :] < vis[:, None])
     k = min(topk, n)

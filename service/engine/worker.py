@@ -1,8 +1,9 @@
 """The engine thread and its bridge to asyncio: submit()/abort() in, TokenEvents out.
 
 One thread owns the Engine (every MLX call). Its loop: drain the inbox -> scheduler.plan() ->
-engine.step(feeds) -> sample the rows that need a token -> scheduler.on_step() -> publish events
-with loop.call_soon_threadsafe (one call per step per event loop). It blocks on the inbox when
+the planned prompts' parallel prefill and engine.step(feeds) + sampling (`stepping.py`) ->
+scheduler.on_step() -> publish events with loop.call_soon_threadsafe (one call per step per event
+loop). It blocks on the inbox when
 idle. This module imports no mlx at import time, so the API side may import it.
 """
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
-from service.engine.scheduler import QueueFull, Scheduler, needs_sample
+from service.engine.scheduler import QueueFull, Scheduler
+from service.engine.stepping import decode_step, prefill
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +39,6 @@ class EngineNotReady(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenEvent]
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
 class EngineWorker:
@@ -338,62 +336,25 @@ class EngineWorker:
                 head = sched.waiting[0].request_id
                 return sched.fail([head], "request cannot be admitted: not enough free decode state")
             return []
-        import mlx.core as mx
-
-        events = self._prefill(engine, sched, plan)
+        events = prefill(engine, sched, plan, self._prefill_budget)
         plan = [r for r in plan if r.status is RequestStatus.RUNNING]
         if not plan:
             return events + sched.on_step({})
-        t0 = time.perf_counter()
-        try:
-            logits = engine.step(sched.feeds(plan))
-            idx = [i for i, r in enumerate(plan) if needs_sample(r)]
-            sampled = {}
-            if idx:
-                rows = logits if len(idx) == len(plan) else logits[mx.array(idx)]
-                reqs = [plan[i] for i in idx]
-                res = sample(
-                    rows,
-                    [r.params for r in reqs],
-                    [r.prompt_ids + r.output_ids if _has_penalty(r.params) else [] for r in reqs],
-                    [len(r.output_ids) for r in reqs],
-                    eos_token_id=engine.eos_token_id,
-                )
-                sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
-            else:
-                mx.eval(logits)  # a prefill-only step still has to run
-        except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
-            log.exception("engine step failed (%d rows)", len(plan))
-            events += sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
-            return events + sched.on_step({})
-        dt = time.perf_counter() - t0
-        events += sched.on_step(sampled)
+        step_events, sampled, dt = decode_step(engine, sched, plan, sample)
+        events += step_events
+        if dt is None:  # the step failed: its rows were failed
+            return events
         with self._lock:
             self._steps += 1
             self._last_rows = len(plan)
             self._rows_hist[min(len(plan), 8)] += 1
-            self._tokens += len(sampled)
+            self._tokens += sampled
             self._step_seconds += dt
         if self.on_step_metrics is not None:
             try:
                 self.on_step_metrics(len(plan), dt)
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("on_step_metrics failed")
-        return events
-
-
-    def _prefill(self, engine: Any, sched: Scheduler, plan: list[Request]) -> list[TokenEvent]:
-        """Parallel prefill of the planned prompts (the step's token budget, oldest first); a failure
-        ends that request only."""
-        events: list[TokenEvent] = []
-        for r, handle, tokens, start in sched.prefill_work(plan, self._prefill_budget):
-            try:
-                engine.prefill(handle, tokens, start)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
-                log.exception("prefill failed (%d tokens)", len(tokens))
-                events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
-                continue
-            sched.prefilled(r, len(tokens))
         return events
 
 

@@ -83,6 +83,19 @@ def test_prefill_chunks_equal_token_by_token(tiny, serial, chunks) -> None:
         assert np.array_equal(before[k], after[k]), k
 
 
+def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
+    """Long contexts score the indexer's queries in blocks (bounded memory): same ids, same logits."""
+    import model.prefill as prefill
+
+    model, args = tiny
+    prompt, _, _, ref_last = serial
+    monkeypatch.setattr(prefill, "SCORE_BYTES", args.index_n_heads * 4 * 80 * 7)  # ~7 queries per block
+    pools = StatePools(args, max_slots=1, max_positions=LEN + 8, page_size=PAGE)
+    h = pools.alloc(LEN + 8)
+    last = model.prefill(pools, h, prompt, 0, chunk=LEN)
+    assert np.max(np.abs(np.array(last) - ref_last)) <= 1e-5
+
+
 def test_prefill_after_decode_steps_then_decode(tiny) -> None:
     """Decode a few tokens, prefill a chunk from there (start not window-aligned), decode on: the ids
     and logits are those of token-by-token decoding all along."""

@@ -211,3 +211,30 @@ def test_fail_emits_error_and_releases() -> None:
     assert led.released == [1]
     _, _, _ = run_step(s)
     assert [r.request_id for r in s.running] == ["b"]
+
+
+def test_prefill_work_budget_oldest_first_leaves_the_last_prompt_token() -> None:
+    s, _ = make()
+    a, b, c = req("a", n_prompt=10), req("b", n_prompt=6), req("c", n_prompt=1)
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.plan()
+    work = s.prefill_work(plan, budget=12)
+    # a gets its 9 non-last tokens, b the 3 left in the budget, c (a 1-token prompt) nothing
+    assert [(r.request_id, toks, start) for r, _, toks, start in work] == [
+        ("a", a.prompt_ids[:9], 0), ("b", b.prompt_ids[:3], 0),
+    ]  # fmt: skip
+    assert [h for _, h, _, _ in work] == [s.handles["a"], s.handles["b"]]
+    for r, _, toks, _ in work:
+        s.prefilled(r, len(toks))
+    # the step then feeds a's last prompt token (sampled) and b's next prompt token (not sampled)
+    feeds = s.feeds(plan)
+    assert [(tok, pos) for _, tok, pos in feeds] == [(a.prompt_ids[9], 9), (b.prompt_ids[3], 3), (c.prompt_ids[0], 0)]
+    assert [needs_sample(r) for r in plan] == [True, False, True]
+    s.on_step({"a": (7, None, ()), "c": (7, None, ())})
+    assert (a.fed, b.fed, c.fed) == (10, 4, 1) and a.output_ids == [7] and c.output_ids == [7]
+    # next step: b's one remaining non-last token, a and c are decoding
+    plan = s.plan()
+    assert [(r.request_id, toks, start) for r, _, toks, start in s.prefill_work(plan, budget=100)] == [
+        ("b", [b.prompt_ids[4]], 4),
+    ]  # fmt: skip
