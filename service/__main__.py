@@ -36,6 +36,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", help="uvicorn/app log level (default info)  [DSV4_LOG_LEVEL]")
     p.add_argument(
+        "--serial-prefill", action="store_true", default=None,
+        help="feed prompts token by token through the decode step instead of the parallel prefill  "
+        "[DSV4_SERIAL_PREFILL]",
+    )
+    p.add_argument(
         "--dequantize", action="store_true", default=None,
         help="decode FP8/FP4 release weights to bf16 instead of keeping them as mxfp8/mxfp4  [DSV4_DEQUANTIZE]",
     )

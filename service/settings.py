@@ -28,6 +28,7 @@ class Settings(BaseModel):
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them
     log_level: str = "info"
+    serial_prefill: bool = False  # prompts token by token through the decode step (no parallel prefill)
     dequantize: bool = False  # decode release FP8/FP4 weights to the model dtype instead of mxfp8/mxfp4
     distributed: bool = False  # one rank of an mlx.launch job (see service/engine/follower.py)
 

@@ -49,6 +49,7 @@ class EngineWorker:
         max_rows: int = 8,
         max_queue: int = 64,
         prefill_chunk: int | None = None,
+        serial_prefill: bool = False,
         on_step_metrics: Callable[[int, float], None] | None = None,
     ) -> None:
         self._factory = engine_factory
@@ -57,6 +58,7 @@ class EngineWorker:
         # Prompt tokens per step through the engine's parallel prefill (None: PREFILL_CHUNK). An engine
         # without one (distributed) feeds prompts token by token and this caps the prefilling rows.
         self.prefill_chunk = prefill_chunk
+        self.serial_prefill = serial_prefill  # token by token even when the engine has a parallel prefill
         self._prefill_budget = 0
         # Called on the engine thread after every step: (rows in the step, step seconds).
         self.on_step_metrics = on_step_metrics
@@ -223,7 +225,7 @@ class EngineWorker:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         self.max_fit_tokens = lo
-        parallel = bool(getattr(engine, "parallel_prefill", False))
+        parallel = bool(getattr(engine, "parallel_prefill", False)) and not self.serial_prefill
         self._prefill_budget = (self.prefill_chunk or DEFAULT_PREFILL_CHUNK) if parallel else 0
         sched = Scheduler(
             engine,

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from model.loader import tiny_model
@@ -79,7 +80,8 @@ def reference(tiny, prompt: Sequence[int], params: SamplingParams) -> tuple[list
     model, args = tiny
     pools = StatePools(args, max_slots=1, max_positions=MAX_LEN, page_size=PAGE, dtype=model.dtype)
     h = pools.alloc(len(prompt) + params.max_tokens)
-    logits = model.prefill(pools, h, list(prompt), 0)[None]
+    for i, t in enumerate(prompt):  # token by token: independent of the parallel prefill under test
+        logits = model.decode(pools, [h], [t], [i])
     out: list[int] = []
     reason = FinishReason.LENGTH
     for i in range(params.max_tokens):
@@ -345,3 +347,21 @@ def test_batched_equals_alone(tiny) -> None:
     for a, b, (toks, reason) in zip(alone, batched, want, strict=True):
         assert tokens(a) == tokens(b) == toks
         assert a[-1].finish_reason is b[-1].finish_reason is reason
+
+
+@pytest.mark.parametrize("serial_prefill", [False, True])
+def test_long_prompts_prefill_in_chunks_beside_a_stream(tiny, serial_prefill) -> None:
+    """Two 90-token prompts prefilled 16 tokens per step (parallel) or token by token (serial),
+    while a short request streams: every output is what the model gives each request alone."""
+    rng = np.random.default_rng(4)
+    longs = [[int(t) for t in rng.integers(3, tiny[1].vocab_size, 90)] for _ in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [reference(tiny, p, params)[0] for p in longs]
+    want_short, _ = reference(tiny, [5, 6], GREEDY)
+
+    async def body(w, eng):
+        return await asyncio.gather(collect(w, [5, 6]), *(collect(w, p, params) for p in longs))
+
+    short, *outs = run(body, make_engine(tiny), prefill_chunk=16, serial_prefill=serial_prefill)
+    assert tokens(short) == want_short
+    assert [tokens(o) for o in outs] == want
