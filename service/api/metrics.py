@@ -6,6 +6,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   waiting, running: int             requests queued / holding a row now
   rows_per_step: list[int]          rows_per_step[r] = engine steps with r rows so far (cumulative)
   bytes_in_use, bytes_budget: int   decode state bytes (slots + pages) reserved / total
+  prefill_tokens_total, prefill_seconds_total   the parallel prefill's prompt tokens / engine time
 Step durations come through the worker's on_step_metrics hook (observe_step).
 Missing keys are simply not exported."""
 
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,13 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
             yield g
+        for key, name, doc in (
+            ("prefill_tokens_total", "prefill_tokens", "Prompt tokens fed by the parallel prefill"),
+            ("prefill_seconds_total", "prefill_seconds", "Engine time spent in the parallel prefill"),
+        ):
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            c.add_metric([], float(s.get(key) or 0))
+            yield c
         by_rows = dict(enumerate(int(n) for n in s.get("rows_per_step") or ()))
         buckets, acc = [], 0
         for rows in range(1, self.max_rows + 1):

@@ -20,9 +20,12 @@ def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-def prefill(engine: Any, sched: Scheduler, plan: list[Request], budget: int) -> list[TokenEvent]:
-    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first."""
+def prefill(engine: Any, sched: Scheduler, plan: list[Request],
+            budget: int) -> tuple[list[TokenEvent], int, float]:  # fmt: skip
+    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first;
+    (events, tokens prefilled, seconds)."""
     events: list[TokenEvent] = []
+    done, t0 = 0, time.perf_counter()
     for r, handle, tokens, start in sched.prefill_work(plan, budget):
         try:
             engine.prefill(handle, tokens, start)
@@ -31,7 +34,8 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request], budget: int) -> 
             events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
             continue
         sched.prefilled(r, len(tokens))
-    return events
+        done += len(tokens)
+    return events, done, time.perf_counter() - t0 if done else 0.0
 
 
 def decode_step(engine: Any, sched: Scheduler, plan: list[Request],

@@ -86,6 +86,8 @@ class EngineWorker:
         self._steps = 0
         self._tokens = 0
         self._step_seconds = 0.0
+        self._prefill_tokens = 0  # prompt tokens fed by the parallel prefill
+        self._prefill_seconds = 0.0
         self._rows_hist = [0] * 9  # index = rows in a step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -193,6 +195,8 @@ class EngineWorker:
                 "steps_total": self._steps,
                 "tokens_total": self._tokens,
                 "step_seconds_total": self._step_seconds,
+                "prefill_tokens_total": self._prefill_tokens,
+                "prefill_seconds_total": self._prefill_seconds,
                 "rows_per_step": list(self._rows_hist),  # rows_per_step[r] = steps with r rows
             }
 
@@ -338,7 +342,11 @@ class EngineWorker:
                 head = sched.waiting[0].request_id
                 return sched.fail([head], "request cannot be admitted: not enough free decode state")
             return []
-        events = prefill(engine, sched, plan, self._prefill_budget)
+        events, n_pre, t_pre = prefill(engine, sched, plan, self._prefill_budget)
+        if n_pre:
+            with self._lock:
+                self._prefill_tokens += n_pre
+                self._prefill_seconds += t_pre
         plan = [r for r in plan if r.status is RequestStatus.RUNNING]
         if not plan:
             return events + sched.on_step({})

@@ -145,6 +145,16 @@ def test_server_greedy_equals_cli_generate(server: Server, prompt: list[int]) ->
     assert got["choices"][0]["text"] == want["text"].removesuffix("<｜end▁of▁sentence｜>")
 
 
+def test_long_prompt_goes_through_the_parallel_prefill(server: Server) -> None:
+    """A 120-token prompt: all but its last token are counted by the prefill metrics."""
+    before = metric(server, "dsv4_prefill_tokens_total"), metric(server, "dsv4_prefill_seconds_total")
+    body = {"prompt": list(range(5, 125)), "max_tokens": 2, "temperature": 0}
+    got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert (got["usage"]["prompt_tokens"], got["usage"]["completion_tokens"]) == (120, 2)
+    after = metric(server, "dsv4_prefill_tokens_total"), metric(server, "dsv4_prefill_seconds_total")
+    assert after[0] - before[0] == 119 and after[1] > before[1]
+
+
 def test_disconnect_frees_the_row(server: Server) -> None:
     body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
