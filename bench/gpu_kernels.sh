@@ -14,6 +14,8 @@ TESTS=${TESTS:-}
   timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -8
   echo "== kernels"
   timeout 280 python3 bench/kernels.py --reps "${REPS:-10}" --rows "${ROWS:-1,2,4,8}" --out "$OUT" 2>&1
+  echo "== prefill (parallel vs token-serial, 4-layer V4-Flash dims)"
+  timeout 150 python3 bench/prefill.py --tokens 512 --chunk 256 --out "$OUT/prefill.json" 2>&1 | tail -2
   echo "== step"
   timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,fast_opc \
     --out "$OUT/step.json" 2>&1 | tail -16
