@@ -48,7 +48,7 @@ def check_indexer(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.arra
     check_tables(OP, batch, RATIO, keys.shape[0], row_entries(batch, RATIO))
 
 
-def _order_key(score: mx.array, valid: mx.array) -> mx.array:
+def order_key(score: mx.array, valid: mx.array) -> mx.array:
     """uint64 keys, ascending = (score descending, id ascending); invalid entries last."""
     cap = score.shape[-1]
     score = mx.where(score == 0, 0.0, score)  # -0.0 == +0.0: make them one key so the id decides
@@ -74,7 +74,7 @@ def indexer_rows_reference(
 
     n = emitted(batch.positions, RATIO)[:, None]  # [B, 1]
     valid = mx.arange(cap)[None, :] < n
-    key = _order_key(score, valid)
+    key = order_key(score, valid)
     k = min(topk, cap)
     if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
         key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kernels.indexer import _order_key
+from kernels.indexer import order_key
 from kernels.rope import rope
 from model.attention import Attention, Compressor
 from model.layers import hc_head
@@ -97,7 +97,7 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) 
         parts.append((w[i : i + step, :, None] * mx.maximum(dots, 0.0)).sum(axis=1))
     score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     vis = (pos + 1) // 4  # entries each query can see
-    key = _order_key(score, mx.arange(n)[None, :] < vis[:, None])
+    key = order_key(score, mx.arange(n)[None, :] < vis[:, None])
     k = min(topk, n)
     if k < n:
         key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
