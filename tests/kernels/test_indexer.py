@@ -103,11 +103,11 @@ def test_indexer_batched_equals_single_rows() -> None:
 
 def test_indexer_order_key_signed_zero_and_infinities() -> None:
     """The sort key alone: -0.0 ties +0.0 (id decides), +-inf order, masked entries go last."""
-    from kernels.indexer import _order_key
+    from kernels.indexer import order_key
 
     scores = np.array([0.0, -0.0, 1.0, -1.0, -0.0, np.inf, -np.inf, 1.0, 5.0, 0.0], np.float32)
     valid = np.array([True] * 8 + [False, True])
-    key = _order_key(mx.array(scores)[None], mx.array(valid)[None])
+    key = order_key(mx.array(scores)[None], mx.array(valid)[None])
     ids = np.array((mx.sort(key, axis=-1) & 0xFFFFFFFF).astype(mx.int32))[0].tolist()
     want = sorted(range(10), key=lambda s: (not valid[s], -float(scores[s]), s))
     assert ids == want == [5, 2, 7, 0, 1, 4, 9, 3, 6, 8]
