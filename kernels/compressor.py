@@ -77,6 +77,16 @@ def check_compressor(
     check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
 
 
+def pooled_entry(vals: mx.array, gates: mx.array, norm: mx.array, eps: float, cos: mx.array, sin: mx.array,
+                 dtype: mx.Dtype) -> mx.array:  # fmt: skip
+    """Entries from windows' rows `vals`, `gates [E, rows, d]` f32: softmax over the rows per feature,
+    then (REF) cast to the pool dtype, RMSNorm * norm in f32, back to the pool dtype, RoPE."""
+    c = (mx.softmax(gates, axis=1, precise=True) * vals).sum(axis=1)  # [E, d] f32
+    x = c.astype(dtype).astype(mx.float32)
+    x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * norm.astype(mx.float32)
+    return rope(x.astype(dtype), cos, sin)
+
+
 def compressor_rows_reference(
     batch: RowBatch,
     kv: mx.array,
@@ -116,12 +126,7 @@ def compressor_rows_reference(
     else:  # CSA: previous window's first half (Ca) + this window's second half (Cb), 2m rows
         vals = mx.concatenate([st_kv[:, :m, :d], st_kv[:, m:, d:]], axis=1)
         gates = mx.concatenate([st_s[:, :m, :d], st_s[:, m:, d:]], axis=1)
-    c = (mx.softmax(gates, axis=1, precise=True) * vals).sum(axis=1)  # [B, d] f32
-
-    # REF: cast to the pool dtype before the norm; RMSNorm in f32, back to the pool dtype; RoPE.
-    x = c.astype(pool.dtype).astype(mx.float32)
-    x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * norm.astype(mx.float32)
-    x = rope(x.astype(pool.dtype), cos[qr], sin[qr])
+    x = pooled_entry(vals, gates, norm, eps, cos[qr], sin[qr], pool.dtype)
 
     page = batch.page_size
     table = batch.tables[ratio]  # [B, width], padded with the trash page 0

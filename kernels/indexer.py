@@ -59,6 +59,22 @@ def order_key(score: mx.array, valid: mx.array) -> mx.array:
     return (desc.astype(mx.uint64) << 32) | ids
 
 
+def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
+    """Per row of `score [R, cap]`: the ids of the top `min(topk, n)` of its first `n [R, 1]` entries,
+    descending score, ties to the lowest id, -1 padded to `[R, topk]`."""
+    r, cap = score.shape
+    key = order_key(score, mx.arange(cap)[None, :] < n)
+    k = min(topk, cap)
+    if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
+        key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
+    key = mx.sort(key, axis=-1)[:, :k]
+    ids = (key & 0xFFFFFFFF).astype(mx.int32)
+    ids = mx.where(mx.arange(k)[None, :] < n, ids, -1)
+    if k < topk:
+        ids = mx.concatenate([ids, mx.full((r, topk - k), -1, dtype=mx.int32)], axis=1)
+    return ids
+
+
 def indexer_rows_reference(
     batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int
 ) -> mx.array:
@@ -72,16 +88,6 @@ def indexer_rows_reference(
     dots = qq @ k_all.transpose(0, 2, 1)  # [B, nI, cap]
     score = (weights[qr][:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)  # ReLU before the weights
 
-    n = emitted(batch.positions, RATIO)[:, None]  # [B, 1]
-    valid = mx.arange(cap)[None, :] < n
-    key = order_key(score, valid)
-    k = min(topk, cap)
-    if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
-        key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
-    key = mx.sort(key, axis=-1)[:, :k]
-    ids = (key & 0xFFFFFFFF).astype(mx.int32)
-    ids = mx.where(mx.arange(k)[None, :] < n, ids, -1)
-    if k < topk:
-        ids = mx.concatenate([ids, mx.full((b, topk - k), -1, dtype=mx.int32)], axis=1)
+    ids = topk_ids(score, emitted(batch.positions, RATIO)[:, None], topk)
     out = mx.full((q.shape[0], topk), -1, dtype=mx.int32)
     return mx.put_along_axis(out, qr[:, None], ids, axis=0)

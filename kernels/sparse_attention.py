@@ -69,6 +69,22 @@ def check_sparse_attention(
     check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
 
 
+def sink_softmax(parts: list[tuple[mx.array, mx.array]], sinks: mx.array) -> mx.array:
+    """Attention output over key sets given as (masked logits [.., nh, L_i] f32, values [.., L_i, D]):
+    one softmax across all parts with each head's sink in the denominator only."""
+    sink = sinks.astype(mx.float32)[None, :, None]
+    top = sink
+    for lg, _ in parts:
+        top = mx.maximum(lg.max(axis=-1, keepdims=True), top)
+    num, den = None, None
+    for lg, v in parts:
+        e = mx.exp(lg - top)
+        num = e @ v if num is None else num + e @ v
+        den = e.sum(axis=-1, keepdims=True) if den is None else den + e.sum(axis=-1, keepdims=True)
+    assert num is not None and den is not None, "sink_softmax: no key set"
+    return num / (den + mx.exp(sink - top))
+
+
 def sparse_attention_rows_reference(
     batch: RowBatch,
     q: mx.array,
@@ -105,11 +121,7 @@ def sparse_attention_rows_reference(
     keys = mx.where(valid[:, :, None], keys, 0.0)  # masked keys are also values: zero them
 
     logits = (q[qr].astype(mx.float32) @ keys.transpose(0, 2, 1)) * scale  # [B, nh, L]
-    logits = mx.where(valid[:, None, :], logits, -math.inf)
-    sink = sinks[None, :, None]
-    top = mx.maximum(logits.max(axis=-1, keepdims=True), sink)  # window row 0 is always valid
-    e = mx.exp(logits - top)
-    o = (e @ keys) / (e.sum(axis=-1, keepdims=True) + mx.exp(sink - top))  # [B, nh, D]
+    o = sink_softmax([(mx.where(valid[:, None, :], logits, -math.inf), keys)], sinks)  # [B, nh, D]
 
     out = mx.zeros((q.shape[0],) + tuple(q.shape[1:]), dtype=q.dtype)
     return mx.put_along_axis(out, qr[:, None, None], o.astype(q.dtype), axis=0)

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kernels.indexer import order_key
-from kernels.rope import rope
+from kernels.compressor import pooled_entry
+from kernels.indexer import topk_ids
+from kernels.sparse_attention import sink_softmax
 from model.attention import Attention, Compressor
 from model.layers import hc_head
 from model.state import StateHandle, StatePools
@@ -50,11 +51,8 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
         else:  # CSA: previous window's first half + this window's second half
             vals = mx.concatenate([seq_kv[cur - m][..., :d], seq_kv[cur][..., d:]], axis=1)
             gates = mx.concatenate([seq_s[cur - m][..., :d], seq_s[cur][..., d:]], axis=1)
-        c = (mx.softmax(gates, axis=1, precise=True) * vals).sum(axis=1)  # [E, d]
-        x = c.astype(pool.dtype).astype(mx.float32)
-        x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * comp.norm.weight.astype(mx.float32)
         sel = mx.array(ends, dtype=mx.int32)
-        x = rope(x.astype(pool.dtype), cos[sel], sin[sel])
+        x = pooled_entry(vals, gates, comp.norm.weight, eps, cos[sel], sin[sel], pool.dtype)
         ws = [pos[i] // m for i in ends]
         dest = mx.array([table[w // page] * page + w % page for w in ws], dtype=mx.int32)
         flat = pool.reshape(pool.shape[0] * page, d)
@@ -96,14 +94,7 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) 
         dots = qf[i : i + step] @ keys.T  # [block, nI, n]
         parts.append((w[i : i + step, :, None] * mx.maximum(dots, 0.0)).sum(axis=1))
     score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    vis = (pos + 1) // 4  # entries each query can see
-    key = order_key(score, mx.arange(n)[None, :] < vis[:, None])
-    k = min(topk, n)
-    if k < n:
-        key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
-    ids = (mx.sort(key, axis=-1)[:, :k] & 0xFFFFFFFF).astype(mx.int32)
-    ids = mx.where(mx.arange(k)[None, :] < vis[:, None], ids, -1)
-    return ids if k == topk else mx.concatenate([ids, mx.full((t, topk - k), -1, mx.int32)], axis=1)
+    return topk_ids(score, ((pos + 1) // 4)[:, None], topk)  # each query sees the entries emitted by then
 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
@@ -149,16 +140,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
         else:  # HCA: every entry emitted at or before the token
             ok = mx.arange(n)[None, :] < vis[:, None]
             parts.append((mx.where(ok[:, None, :], (qf @ comp.T) * scale, -math.inf), comp))
-    sink = attn.attn_sink.astype(mx.float32)[None, :, None]
-    top = sink
-    for lg, _ in parts:
-        top = mx.maximum(top, lg.max(axis=-1, keepdims=True))
-    num, den = 0.0, mx.exp(sink - top)
-    for lg, v in parts:
-        e = mx.exp(lg - top)
-        num = num + e @ v
-        den = den + e.sum(axis=-1, keepdims=True)
-    return (num / den).astype(q.dtype)
+    return sink_softmax(parts, attn.attn_sink).astype(q.dtype)
 
 
 def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int) -> mx.array:
