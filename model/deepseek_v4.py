@@ -136,10 +136,10 @@ class DeepseekV4(nn.Module):
         return logits
 
     def prefill(self, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
-                chunk: int = PREFILL_CHUNK) -> mx.array:  # fmt: skip
-        """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab].
-
-        Parallel over the tokens, `chunk` at a time (its attention holds [chunk, topk, D] gathered keys)."""
+                chunk: int = PREFILL_CHUNK, logits: bool = True) -> mx.array | None:  # fmt: skip
+        """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab]
+        (None with `logits=False`: the state only, no head). Parallel over the tokens, `chunk` at a time
+        (its attention holds [chunk, topk, D] gathered keys)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if chunk < 1:
@@ -147,9 +147,10 @@ class DeepseekV4(nn.Module):
         if start < 0 or start + len(token_ids) > handle.capacity:
             raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
                              f"request's capacity {handle.capacity}")  # fmt: skip
-        logits = None
+        out = None
         for i in range(0, len(token_ids), chunk):
-            logits = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i)
-            mx.async_eval(logits, pools.arrays())
-        mx.eval(logits)
-        return logits
+            last = logits and i + chunk >= len(token_ids)
+            out = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i, logits=last)
+            mx.async_eval(pools.arrays() if out is None else [out, *pools.arrays()])
+        mx.eval(pools.arrays() if out is None else out)
+        return out

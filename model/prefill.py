@@ -143,8 +143,10 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     return sink_softmax(parts, attn.attn_sink).astype(q.dtype)
 
 
-def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int) -> mx.array:
-    """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32.
+def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
+                  logits: bool = True) -> mx.array | None:  # fmt: skip
+    """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32
+    (None with `logits=False`: the head is skipped).
 
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     a = model.args
@@ -157,5 +159,7 @@ def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequ
         post, comb, *proj = block.before(hs, pos, model._freqs[a.layer_ratio(i) != 0])
         o = _attend(block.attn, proj, pools, handle, start)
         hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
+    if not logits:
+        return None
     y = model.norm(hc_head(hs[-1:], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
     return (y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T)[0]

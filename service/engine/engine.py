@@ -141,8 +141,7 @@ class Engine:
 
     def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
         """Feed prompt tokens of one request at positions start.. in one parallel pass (no logits kept)."""
-        self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)))
-        mx.eval(self.pools.arrays())
+        self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)), logits=False)
 
     def warmup(self) -> None:
         """Run a step at every batch size so kernels and compiled segments are built before /ready says yes."""
