@@ -84,8 +84,9 @@ def _entries(pool: mx.array, table: Sequence[int], n: int, page: int) -> mx.arra
     return pool[pages, ids % page].astype(mx.float32)
 
 
-def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) -> mx.array:
-    """`indexer_rows` for T queries of one request over its n entries: [T, topk] ids, -1 padded."""
+def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
+    """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
+    [T, topk] ids, -1 padded."""
     t, n = q.shape[0], keys.shape[0]
     qf = q.astype(mx.float32)
     step = max(1, SCORE_BYTES // (q.shape[1] * n * 4))  # queries per block: [block, nI, n] f32 stays bounded
@@ -94,7 +95,7 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, pos: mx.array, topk: int) 
         dots = qf[i : i + step] @ keys.T  # [block, nI, n]
         parts.append((w[i : i + step, :, None] * mx.maximum(dots, 0.0)).sum(axis=1))
     score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    return topk_ids(score, ((pos + 1) // 4)[:, None], topk)  # each query sees the entries emitted by then
+    return topk_ids(score, vis[:, None], topk)
 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
@@ -133,8 +134,8 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
         vis = (pos + 1) // r  # entries each token can see
         if r == 4:
             ikeys = _entries(pools.ikeys[layer], tables[4], n, page)
-            ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, pos, attn.indexer.topk)  # [T, topk]
-            ok = (ids >= 0) & (ids < vis[:, None])
+            ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
+            ok = ids >= 0  # topk_ids leaves -1 past each token's visible entries
             keys_c = comp[mx.where(ok, ids, 0)]  # [T, topk, D]
             parts.append((mx.where(ok[:, None, :], (qf @ keys_c.transpose(0, 2, 1)) * scale, -math.inf), keys_c))
         else:  # HCA: every entry emitted at or before the token
