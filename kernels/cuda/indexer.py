@@ -8,7 +8,8 @@
    segment's order-preserving uint32 score keys stay in shared memory; a radix select (11+11+10
    bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
    candidates (key, id) in id order, padded with key 0 (below every score).
-2. `merge`: one block per q-buffer row. The same radix select over the row's segments'
+2. `merge`: one block per q-buffer row. The row's candidate keys go into shared memory (up to
+   MERGE_SMEM bytes; read from global memory beyond), then the same radix select over the segments'
    candidates (in id order, so "ties to the lowest id" is "first in the list"), then a bitonic
    sort of (~key << 32 | position): descending score, ties to the lowest id. Rows no batch row
    names get -1.
@@ -35,6 +36,7 @@ from kernels.rows import RowBatch, checked
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048
 MAX_SEG = 16384
+MERGE_SMEM = 160 * 1024  # the merge stages up to this many bytes of candidate keys in shared memory
 SINGLE_MAX = 4096  # a row's entries up to this: one segment block scores, selects and sorts (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "ckeys", "cids")
@@ -192,6 +194,15 @@ MERGE = r"""
   const int ld = ckeys_shape[1];
   const unsigned int* keys = ckeys + (size_t)b * ld;
   const int* ids = cids + (size_t)b * ld;
+  if (SMK) {  // the row's candidate keys into shared memory once: the 3 radix passes and the take read them there
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned int* ks = reinterpret_cast<unsigned int*>(smem_raw);
+    const uint4* src = reinterpret_cast<const uint4*>(keys);  // ld % 4 == 0: 16-byte aligned rows
+    for (int i = tid; i < L / 4; i += NT) reinterpret_cast<uint4*>(ks)[i] = src[i];
+    for (int i = (L / 4) * 4 + tid; i < L; i += NT) ks[i] = keys[i];
+    __syncthreads();
+    keys = ks;
+  }
   unsigned int thr;
   int need_eq;
   dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
@@ -264,8 +275,9 @@ class Plan:
             self.seg_tmpl += [("LDC", ld)]
             self.seg_grid = (nseg * NT, b, 1)
             self.seg_shapes = [(b, ld), (b, ld)]
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 0, HELPERS)
-            self.merge_tmpl = [("TOPK", topk), ("P2", p2), ("L", cand)]
+            smk = cand * 4 <= MERGE_SMEM
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, cand * 4 if smk else 0, HELPERS)
+            self.merge_tmpl = [("TOPK", topk), ("P2", p2), ("L", cand), ("SMK", smk)]
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 
