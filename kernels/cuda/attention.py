@@ -1,18 +1,19 @@
-"""sparse_attention_rows on CUDA: split-K flash decoding with tensor cores (1 or 2 launches).
+"""sparse_attention_rows on CUDA: flash decoding with tensor cores (1 launch; 2 for long rows).
 
-1. `partial`: grid (splits, head groups of 16, rows). Heads-as-rows: a block holds its 16 heads'
-   q rows [16, D] in shared memory and walks its range of 64-key chunks of the row's key list
-   (window ring rows `0..W-1`, then the selected ids; invalid ones are never read, their keys are
-   zero and masked). Per chunk: keys gathered through the slot id / block table into shared
-   memory, S = Q K^T (wmma bf16/f16, f32 accumulation), an online softmax update, O += P V
-   (wmma, O kept in shared memory in f32). Writes O [16, D] and (max, sum) per head. With one
-   chunk per block (`ONE`) there is no O buffer: P V goes straight to the split's output, and
-   two blocks fit on a multiprocessor.
-2. `combine`: one block per (q-buffer row, head): merges the splits with the sink in the
-   denominator, writes `q.dtype`; rows no batch row names get 0.
-Rows of at most FINAL_CHUNKS chunks (sliding layers, short HCA) take one split: `final` is the
-partial kernel over the q rows, normalizing with the sink itself (1 launch).
-Fast path: q, window, pool of one 16-bit dtype, heads and D multiples of 16; else the reference.
+Heads-as-rows: a block holds 16 heads' q rows [16, D] in shared memory and walks 64-key chunks of
+its row's key list (window ring rows `0..W-1`, then the selected ids; invalid ones are never read,
+their keys are zero and masked). Per chunk: keys gathered through the slot id / block table into
+shared memory (cp.async), S = Q K^T (wmma bf16/f16, f32 accumulation), an online softmax update,
+O += P V (wmma).
+- Rows of at most DSPLIT_CHUNKS chunks (sliding, CSA with its top-k, HCA up to ~100K context):
+  `dsplit`, grid (D slices, head groups, q rows). Every block walks all the row's chunks (next
+  chunk in flight) and keeps O for its D / DS columns only, normalizing with the sink itself:
+  1 launch, no partial buffers. DS is picked so that the grid has about TARGET_DSPLIT blocks.
+- Longer rows: split-K. `partial`: grid (splits, head groups, rows) writes O [16, D] and (max, sum)
+  per head and split (with one chunk per block, `ONE`, there is no O buffer and two blocks fit on
+  a multiprocessor); `combine`: one block per (q-buffer row, head) merges the splits with the sink
+  in the denominator, writes `q.dtype`; rows no batch row names get 0.
+Fast path: q, window, pool of one 16-bit dtype, heads multiple of 16, D multiple of 32; else the reference.
 """
 
 from __future__ import annotations
@@ -23,22 +24,40 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
-from kernels.cuda.attention_src import COMBINE, PARTIAL, variant
+from kernels.cuda.attention_src import COMBINE, DSPLIT, PARTIAL
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
-FINAL_CHUNKS = 3  # up to this many 64-key chunks per row: one block per (row, head group), no combine
+DSPLIT_CHUNKS = 16  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
+SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
+TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
 PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks")
 COMB_IN = ("q_rows", "opart", "ml", "sinks")
 
 def smem_bytes(d: int, one: bool = False) -> int:
-    """Q, K chunk, P, S, softmax state, key offsets; + the O accumulator unless ONE (one chunk per block)."""
+    """Split-K: Q, K chunk, P, S, softmax state, key offsets; + the O accumulator unless ONE."""
     t = 2 * (HG * (d + 8) + CK * (d + 8) + HG * (CK + 8))
     f = 4 * (2 * HG * CK + 3 * HG + (HG & 1)) + (0 if one else 4 * HG * (d + 4))
     return t + f + 8 * CK + 4 * CK
+
+
+def dsplit_smem(d: int, ds: int) -> int:
+    """dsplit: Q, two K chunks, P, S, softmax state, two chunks' key offsets, O of one D slice."""
+    t = 2 * (HG * (d + 8) + 2 * CK * (d + 8) + HG * (CK + 8))
+    f = 4 * (2 * HG * CK + 3 * HG + (HG & 1)) + 4 * HG * (d // ds + 4)
+    return t + f + 2 * (8 * CK + 4 * CK)
+
+
+def dsplit_slices(bq: int, groups: int, d: int) -> int:
+    """D slices per (row, head group): the fewest (a power of two, slices of >= 32 columns) that give
+    about TARGET_DSPLIT blocks."""
+    ds = 1
+    while bq * groups * ds < TARGET_DSPLIT and d % (2 * ds) == 0 and (d // (2 * ds)) % 16 == 0 and d // (2 * ds) >= 32:
+        ds *= 2
+    return ds
 
 
 def supported(q: mx.array, window: mx.array, pool: mx.array | None) -> bool:
@@ -48,10 +67,9 @@ def supported(q: mx.array, window: mx.array, pool: mx.array | None) -> bool:
 
 
 def splits(b: int, groups: int, nchunk: int) -> int:
-    """Key splits per (row, head group): 1 for a few chunks (no combine launch); one chunk per block while
-    that stays within ~2 blocks per multiprocessor; else about TARGET_BLOCKS blocks."""
-    if nchunk <= FINAL_CHUNKS:
-        return 1
+    """Key splits per (row, head group) of the split-K path (rows of more than DSPLIT_CHUNKS chunks):
+    one chunk per block while that stays within ~2 blocks per multiprocessor; else about
+    TARGET_BLOCKS blocks."""
     if b * groups * nchunk <= 2 * TARGET_BLOCKS:
         return nchunk
     want = max(1, math.ceil(TARGET_BLOCKS / (b * groups)))
@@ -81,18 +99,21 @@ class Plan:
             ki = indices.shape[1] if indices is not None else batch.tables[ratio].shape[1] * page
         groups = nh // HG
         nchunk = -(-(window.shape[1] + ki) // CK)
-        ns = splits(b, groups, nchunk)
-        self.final = ns == 1
-        one = not self.final and ns == nchunk
+        ds = dsplit_slices(bq, groups, d)
+        self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d, ds) <= SMEM_MAX
         self.fparams = f32_params(scale)
         self.part_tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("HG", HG), ("CK", CK),
-                          ("THREADS", THREADS), ("ONE", one)]  # fmt: skip
+                          ("THREADS", THREADS)]  # fmt: skip
         if self.final:  # grid z over the q rows, the normalized output straight from the kernel
-            self.part = kernel("attn_final", PART_IN, ("out",), variant(PARTIAL, True), smem_bytes(d))
-            self.part_grid = (THREADS, groups, bq)
+            self.part = kernel("attn_dsplit", PART_IN, ("out",), DSPLIT, dsplit_smem(d, ds))
+            self.part_tmpl += [("DS", ds)]
+            self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]
         else:
-            self.part = kernel("attn_partial", PART_IN, ("opart", "ml"), variant(PARTIAL, False), smem_bytes(d, one))
+            ns = splits(b, groups, nchunk)
+            one = ns == nchunk
+            self.part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d, one))
+            self.part_tmpl += [("ONE", one)]
             self.part_grid = (ns * THREADS, groups, b)
             self.part_shapes = [(b, ns, nh, d), (b, ns, nh, 2)]
             self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)

@@ -1,12 +1,171 @@
 """CUDA device code of sparse_attention_rows (launch plans: kernels/cuda/attention.py).
 
-`PARTIAL` is the split-K flash-decoding kernel (template constants T, D, PAGE, RATIO, HG, CK,
-THREADS, ONE); its `//@FINAL` / `//@SPLIT` sections make the one-split variant (grid z over the q
-rows, sink normalization in the kernel) and the split variant (partial O and (max, sum) per
-split). `COMBINE` merges the splits with the sink in the denominator.
+- `DSPLIT` (rows of up to DSPLIT_CHUNKS key chunks: sliding, CSA, short HCA; 1 launch): grid
+  (D slices, head groups, q rows). A block walks ALL of its row's keys for its 16 heads (QK over
+  the full D, recomputed by each slice: cheap, the keys come from L2) with the next chunk's key
+  offsets and keys (cp.async, double buffer) in flight, keeps O only for its D / DS output
+  columns, and normalizes with the sink itself: exact softmax, no partial buffers, no combine.
+- `PARTIAL` (long rows: HCA at long context) is the split-K flash-decoding kernel (template
+  constants T, D, PAGE, RATIO, HG, CK, THREADS, ONE): partial O and (max, sum) per split;
+  `COMBINE` merges the splits with the sink in the denominator.
 """
 
 from __future__ import annotations
+
+DSPLIT = r"""
+  using namespace nvcuda;
+  constexpr int LDK = D + 8, LDP = CK + 8, DSL = D / DS, LDO = DSL + 4, VPR = D / 8, NWARP = 8, NT16 = DSL / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);        // [HG][LDK]
+  T* Ks = Qs + HG * LDK;                         // [2][CK][LDK]: double buffer
+  T* Ps = Ks + 2 * CK * LDK;                     // [HG][LDP]
+  float* Ss = reinterpret_cast<float*>(Ps + HG * LDP);  // [2 halves of D][HG][CK]
+  float* mrun = Ss + 2 * HG * CK;
+  float* lrun = mrun + HG;
+  float* alpha = lrun + HG;
+  long long* koff = reinterpret_cast<long long*>(alpha + HG + (HG & 1));  // [2][CK]
+  int* kwin = reinterpret_cast<int*>(koff + 2 * CK);                     // [2][CK]
+  float* Os = reinterpret_cast<float*>(kwin + 2 * CK);                   // [HG][LDO]: this slice's O
+  const int ds = blockIdx.x, g = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NH = q_shape[1], W = window_shape[1];
+  // z runs over the q rows; rows no batch row names get zeros
+  int b = -1;
+  for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == (int)blockIdx.z) b = i;
+  T* o = out + ((size_t)blockIdx.z * NH + g * HG) * D + ds * DSL;
+  if (b < 0) {
+    for (int i = tid; i < HG * DSL; i += THREADS) o[(i / DSL) * D + i % DSL] = dsv4_t<T>(0.f);
+    return;
+  }
+  const int KI = RATIO ? indices_shape[1] : 0;
+  const int tw = table_shape[1];
+  const int slot = slots[b], p = positions[b], qr = q_rows[b];
+  const int nwin = min(p, W - 1) + 1;
+  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const int nchunk = (W + KI + CK - 1) / CK;
+  const float scale = fparams[0];
+  // chunk c's key offsets (window ring rows, then the selected ids; -1: masked) into koff[c & 1]
+  auto offsets = [&](int c) {
+    if (tid < CK) {
+      const int j = c * CK + tid;
+      long long off = -1;
+      int win = 1;
+      if (j < W) {
+        if (j < nwin) off = ((long long)slot * W + j) * D;
+      } else if (j < W + KI) {
+        win = 0;
+        const int id = indices[(size_t)qr * KI + (j - W)];
+        if (id >= 0 && id < ncomp) {
+          const int pg = table[b * tw + id / PAGE];
+          off = ((long long)pg * PAGE + id % PAGE) * D;
+        }
+      }
+      koff[(c & 1) * CK + tid] = off;
+      kwin[(c & 1) * CK + tid] = win;
+    }
+  };
+  // chunk c's keys into Ks[c & 1] by cp.async (masked ones zero-filled); always commits a group
+  auto fetch = [&](int c) {
+    if (c < nchunk) {
+      const long long* ko = koff + (c & 1) * CK;
+      const int* kw = kwin + (c & 1) * CK;
+      T* kd = Ks + (c & 1) * CK * LDK;
+      for (int i = tid; i < CK * VPR; i += THREADS) {
+        const int e = i / VPR, v = i - e * VPR;
+        const long long off = ko[e];
+        const T* src = (kw[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
+        dsv4_cp16(kd + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
+      }
+    }
+    dsv4_cp_commit();
+  };
+  const uint4* qsrc = reinterpret_cast<const uint4*>(q + ((size_t)qr * NH + g * HG) * D);
+  for (int i = tid; i < HG * VPR; i += THREADS) {
+    const int h = i / VPR, v = i - h * VPR;
+    *reinterpret_cast<uint4*>(Qs + h * LDK + v * 8) = qsrc[i];
+  }
+  for (int i = tid; i < HG * LDO; i += THREADS) Os[i] = 0.f;
+  if (tid < HG) { mrun[tid] = -INFINITY; lrun[tid] = 0.f; }
+  offsets(0);
+  __syncthreads();
+  fetch(0);
+  for (int c = 0; c < nchunk; ++c) {
+    if (c + 1 < nchunk) offsets(c + 1);  // its buffer was last read by chunk c - 1 (before the syncs below)
+    __syncthreads();                     // offsets visible; everyone is done with Ks[(c + 1) & 1]
+    fetch(c + 1);
+    dsv4_cp_wait<1>();                   // chunk c has landed (this thread's copies) ...
+    __syncthreads();                     // ... everyone's
+    const T* kb = Ks + (c & 1) * CK * LDK;
+    const long long* ko = koff + (c & 1) * CK;
+    {  // S = Q K^T: warp (key tile kt, half of D)
+      const int kt = warp & 3, half = warp >> 2;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = half * (D / 32); ks < (half + 1) * (D / 32); ++ks) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, Qs + ks * 16, LDK);
+        wmma::load_matrix_sync(fb, kb + kt * 16 * LDK + ks * 16, LDK);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int hh = 0; hh < HG / NWARP; ++hh) {  // online softmax, one warp per head
+      const int h = warp * (HG / NWARP) + hh;
+      const bool v0 = ko[lane] >= 0, v1 = ko[lane + 32] >= 0;
+      const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
+      const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
+      float m = fmaxf(s0, s1);
+      for (int sh = 16; sh > 0; sh >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, sh));
+      const float mold = mrun[h];
+      const float mnew = fmaxf(mold, m);
+      const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
+      float l = p0 + p1;
+      for (int sh = 16; sh > 0; sh >>= 1) l += __shfl_xor_sync(0xffffffffu, l, sh);
+      Ps[h * LDP + lane] = dsv4_t<T>(p0);
+      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+      __syncwarp();
+      if (lane == 0) {
+        const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
+        alpha[h] = a;
+        lrun[h] = lrun[h] * a + l;
+        mrun[h] = mnew;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < HG * DSL; i += THREADS) {
+      const int h = i / DSL, d = i - h * DSL;
+      Os[h * LDO + d] *= alpha[h];
+    }
+    __syncthreads();
+    if (warp < NT16) {  // O[:, slice] += P V[:, slice] (V = K)
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fp[CK / 16];
+#pragma unroll
+      for (int ks = 0; ks < CK / 16; ++ks) wmma::load_matrix_sync(fp[ks], Ps + ks * 16, LDP);
+      for (int nt = warp; nt < NT16; nt += NWARP) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::load_matrix_sync(acc, Os + nt * 16, LDO, wmma::mem_row_major);
+#pragma unroll
+        for (int ks = 0; ks < CK / 16; ++ks) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fv;
+          wmma::load_matrix_sync(fv, kb + ks * 16 * LDK + ds * DSL + nt * 16, LDK);
+          wmma::mma_sync(acc, fp[ks], fv, acc);
+        }
+        wmma::store_matrix_sync(Os + nt * 16, acc, LDO, wmma::mem_row_major);
+      }
+    }
+  }
+  __syncthreads();
+  // the sink joins the denominator here (as `combine` does over splits)
+  for (int i = tid; i < HG * DSL; i += THREADS) {
+    const int h = i / DSL, d = i - h * DSL;
+    const float sink = sinks[g * HG + h], m = mrun[h];
+    const float M = fmaxf(m, sink);
+    const float e = (m == -INFINITY) ? 0.f : __expf(m - M);
+    o[h * D + d] = dsv4_t<T>(Os[h * LDO + d] * e / (lrun[h] * e + __expf(sink - M)));
+  }
+"""
 
 PARTIAL = r"""
   using namespace nvcuda;
@@ -26,18 +185,7 @@ PARTIAL = r"""
   const int nsplit = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NH = q_shape[1], W = window_shape[1];
-  //@FINAL
-  // FINAL (one split): z runs over the q rows; rows no batch row names get zeros
-  int b = -1;
-  for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == (int)blockIdx.z) b = i;
-  if (b < 0) {
-    T* oz = out + ((size_t)blockIdx.z * NH + g * HG) * D;
-    for (int i = tid; i < HG * D; i += THREADS) oz[i] = dsv4_t<T>(0.f);
-    return;
-  }
-  //@SPLIT
   const int b = blockIdx.z;
-  //@END
   const int KI = RATIO ? indices_shape[1] : 0;
   const int tw = table_shape[1];
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
@@ -143,29 +291,16 @@ PARTIAL = r"""
           wmma::load_matrix_sync(fv, Ks + ks * 16 * LDK + nt * 16, LDK);
           wmma::mma_sync(acc, fp[ks], fv, acc);
         }
-        //@SPLIT
         if (ONE) {  // this block's only chunk: straight to its split's partial output
           const size_t ob = ((size_t)b * nsplit + split) * NH + g * HG;
           wmma::store_matrix_sync(opart + ob * D + nt * 16, acc, D, wmma::mem_row_major);
           continue;
         }
-        //@END
         wmma::store_matrix_sync(Os + nt * 16, acc, LDO, wmma::mem_row_major);
       }
     }
   }
   __syncthreads();
-  //@FINAL
-  // the only split: the sink joins the denominator here (as `combine` does over splits)
-  T* o = out + ((size_t)qr * NH + g * HG) * D;
-  for (int i = tid; i < HG * D; i += THREADS) {
-    const int h = i / D, d = i - h * D;
-    const float sink = sinks[g * HG + h], m = mrun[h];
-    const float M = fmaxf(m, sink);
-    const float e = (m == -INFINITY) ? 0.f : __expf(m - M);
-    o[i] = dsv4_t<T>(Os[h * LDO + d] * e / (lrun[h] * e + __expf(sink - M)));
-  }
-  //@SPLIT
   const size_t base = ((size_t)b * nsplit + split) * NH + g * HG;
   if (!ONE) {
     for (int i = tid; i < HG * D / 4; i += THREADS) {
@@ -175,22 +310,8 @@ PARTIAL = r"""
     }
   }
   if (tid < HG) { ml[(base + tid) * 2] = mrun[tid]; ml[(base + tid) * 2 + 1] = lrun[tid]; }
-  //@END
 """
 
-
-def variant(source: str, final: bool) -> str:
-    """The source with the other variant's `//@FINAL` / `//@SPLIT` ... `//@END` sections left out."""
-    out, keep = [], True
-    for line in source.splitlines():
-        tag = line.strip()
-        if tag in ("//@FINAL", "//@SPLIT"):
-            keep = (tag == "//@FINAL") == final
-        elif tag == "//@END":
-            keep = True
-        elif keep:
-            out.append(line)
-    return "\n".join(out) + "\n"
 
 COMBINE = r"""
   const int NH = sinks_shape[0], B = q_rows_shape[0], NS = ml_shape[1];

@@ -1,0 +1,86 @@
+"""Offline compile check of the CUDA kernels with nvcc (no GPU, no MLX CUDA): catches syntax and type
+errors before a device call. Builds each kernel's translation unit as MLX would (`common.standalone`)
+for the model's template values and runs `nvcc -arch=sm_90 -c` on it; prints registers / spills.
+
+    python bench/nvcc_check.py [--only idx_merge,attn_dsplit] [--nvcc nvcc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from kernels.cuda import attention as at  # noqa: E402
+from kernels.cuda import attention_src as asrc  # noqa: E402
+from kernels.cuda import indexer as ix  # noqa: E402
+from kernels.cuda.common import standalone  # noqa: E402
+from kernels.cuda.select import HELPERS  # noqa: E402
+
+I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
+
+
+def units() -> dict[str, str]:
+    seg_in = [("positions", I32, True), ("q_rows", I32, False), ("table", I32, True), ("q", BF, False),
+              ("weights", F32, False), ("keys", BF, False)]  # fmt: skip
+    seg_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.STAGES)]
+    merge_in = [("positions", I32, True), ("q_rows", I32, False), ("ckeys", U32, True), ("cids", I32, False)]
+    part_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, True),
+               ("q", BF, True), ("window", BF, True), ("pool", BF, False), ("indices", I32, True),
+               ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
+    part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
+    out: dict[str, str] = {}
+    out["idx_segment"] = standalone("idx_segment", seg_in, [("ckeys", U32), ("cids", I32)],
+                                    seg_t + [("SEG", 1024), ("LDC", 16384)], ix.SEGMENT, header=HELPERS)  # fmt: skip
+    out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048), ("P2", 512)],
+                                   ix.SINGLE, header=HELPERS)  # fmt: skip
+    for smk in (True, False):
+        out[f"idx_merge_smk{int(smk)}"] = standalone(
+            "idx_merge", merge_in, [("out", I32)], [("TOPK", 512), ("P2", 512), ("L", 16384), ("SMK", smk)],
+            ix.MERGE, header=HELPERS)  # fmt: skip
+    for one in (True, False):
+        out[f"attn_partial_one{int(one)}"] = standalone(
+            "attn_partial", part_in, [("opart", F32), ("ml", F32)], part_t + [("ONE", one)],
+            asrc.PARTIAL)  # fmt: skip
+    if hasattr(asrc, "DSPLIT"):
+        for ds in (1, 4, 8):
+            out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
+                                                 asrc.DSPLIT)  # fmt: skip
+    out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
+                                     ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
+                                     [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    ap.add_argument("--nvcc", default="nvcc")
+    opt = ap.parse_args()
+    only = [s for s in opt.only.split(",") if s]
+    bad = 0
+    with tempfile.TemporaryDirectory() as d:
+        for name, src in units().items():
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            cu = Path(d) / f"{name}.cu"
+            cu.write_text(src)
+            r = subprocess.run([opt.nvcc, "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", "-c", str(cu), "-o",
+                                str(cu.with_suffix(".o"))], capture_output=True, text=True)  # fmt: skip
+            info = [ln.split(": ", 1)[-1] for ln in r.stderr.splitlines()]
+            regs = [ln for ln in info if "registers" in ln or "spill" in ln]
+            print(f"{name:22s} {'OK' if r.returncode == 0 else 'FAIL'}  {' | '.join(regs)[:160]}")
+            if r.returncode:
+                bad += 1
+                print("\n".join(ln for ln in r.stderr.splitlines() if "error" in ln)[:3000])
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
