@@ -37,6 +37,7 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_SMEM = 160 * 1024  # the merge stages up to this many bytes of candidate keys in shared memory
+MERGE_DYN_MIN = 48 * 1024 + 16  # MLX sets the dynamic shared memory attribute above 48,000 bytes only
 SINGLE_MAX = 4096  # a row's entries up to this: one segment block scores, selects and sorts (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "ckeys", "cids")
@@ -276,7 +277,10 @@ class Plan:
             self.seg_grid = (nseg * NT, b, 1)
             self.seg_shapes = [(b, ld), (b, ld)]
             smk = cand * 4 <= MERGE_SMEM
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, cand * 4 if smk else 0, HELPERS)
+            # over 48 KB of dynamic memory: MLX then lifts the per-block limit (static + dynamic), which
+            # otherwise stays at 48 KB with the merge's 12-24 KB of static shared memory counted in
+            dyn = max(cand * 4, MERGE_DYN_MIN) if smk else 0
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, dyn, HELPERS)
             self.merge_tmpl = [("TOPK", topk), ("P2", p2), ("L", cand), ("SMK", smk)]
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
