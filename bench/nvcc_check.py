@@ -52,6 +52,8 @@ def units() -> dict[str, str]:
         for ds in (1, 4, 8):
             out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
                                                  asrc.DSPLIT)  # fmt: skip
+    wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
+    out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE)
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
                                      ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip

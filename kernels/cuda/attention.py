@@ -9,10 +9,13 @@ O += P V (wmma).
   `dsplit`, grid (D slices, head groups, q rows). Every block walks all the row's chunks (next
   chunk in flight) and keeps O for its D / DS columns only, normalizing with the sink itself:
   1 launch, no partial buffers. DS is picked so that the grid has about TARGET_DSPLIT blocks.
-- Longer rows: split-K. `partial`: grid (splits, head groups, rows) writes O [16, D] and (max, sum)
-  per head and split (with one chunk per block, `ONE`, there is no O buffer and two blocks fit on
-  a multiprocessor); `combine`: one block per (q-buffer row, head) merges the splits with the sink
-  in the denominator, writes `q.dtype`; rows no batch row names get 0.
+- Rows of up to WIDE_MAX_BLOCKS chunk-blocks (CSA, HCA to ~128K): `wide`, split-K with one 64-key
+  chunk and all 64 heads per block (each chunk gathered once), then `combine`.
+- Longer rows: split-K over head groups of 16. `partial`: grid (splits, head groups, rows) writes
+  O [16, D] and (max, sum) per head and split (with one chunk per block, `ONE`, there is no O
+  buffer and two blocks fit on a multiprocessor).
+- `combine` (after `wide` / `partial`): one block per (q-buffer row, head) merges the splits with
+  the sink in the denominator, writes `q.dtype`; rows no batch row names get 0.
 Fast path: q, window, pool of one 16-bit dtype, heads multiple of 16, D multiple of 32; else the reference.
 """
 
@@ -24,14 +27,16 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
-from kernels.cuda.attention_src import COMBINE, DSPLIT, PARTIAL
+from kernels.cuda.attention_src import COMBINE, DSPLIT, PARTIAL, WIDE
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
-DSPLIT_CHUNKS = 16  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
+DSPLIT_CHUNKS = 3  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
+WIDE_HG = 64  # heads per `wide` block
+WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
 PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks")
@@ -49,6 +54,12 @@ def dsplit_smem(d: int, ds: int) -> int:
     t = 2 * (HG * (d + 8) + 2 * CK * (d + 8) + HG * (CK + 8))
     f = 4 * (2 * HG * CK + 3 * HG + (HG & 1)) + 4 * HG * (d // ds + 4)
     return t + f + 2 * (8 * CK + 4 * CK)
+
+
+def wide_smem(d: int) -> int:
+    """wide: Q of 64 heads, one K chunk, P, S, softmax state, key offsets."""
+    t = 2 * (WIDE_HG * (d + 8) + CK * (d + 8) + WIDE_HG * (CK + 8))
+    return t + 4 * (WIDE_HG * (CK + 4) + 2 * WIDE_HG) + 12 * CK
 
 
 def dsplit_slices(bq: int, groups: int, d: int) -> int:
@@ -109,6 +120,11 @@ class Plan:
             self.part_tmpl += [("DS", ds)]
             self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]
+        elif nh % WIDE_HG == 0 and wide_smem(d) <= SMEM_MAX and b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:
+            self.part = kernel("attn_wide", PART_IN, ("opart", "ml"), WIDE, wide_smem(d))
+            self.part_tmpl[4] = ("HG", WIDE_HG)
+            self.part_grid = (nchunk * THREADS, nh // WIDE_HG, b)
+            self.part_shapes = [(b, nchunk, nh, d), (b, nchunk, nh, 2)]
         else:
             ns = splits(b, groups, nchunk)
             one = ns == nchunk
@@ -116,6 +132,7 @@ class Plan:
             self.part_tmpl += [("ONE", one)]
             self.part_grid = (ns * THREADS, groups, b)
             self.part_shapes = [(b, ns, nh, d), (b, ns, nh, 2)]
+        if not self.final:
             self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
             self.comb_tmpl = [("T", q.dtype), ("D", d)]
             self.comb_grid = (bq * nh * 128, 1, 1)

@@ -5,7 +5,11 @@
   the full D, recomputed by each slice: cheap, the keys come from L2) with the next chunk's key
   offsets and keys (cp.async, double buffer) in flight, keeps O only for its D / DS output
   columns, and normalizes with the sink itself: exact softmax, no partial buffers, no combine.
-- `PARTIAL` (long rows: HCA at long context) is the split-K flash-decoding kernel (template
+- `WIDE` (rows of up to ~3 waves of chunks: CSA, HCA to ~128K): split-K with one chunk per block and
+  all 64 heads in the block (HG = 64): each key chunk is gathered once for every head, the q rows
+  arrive by cp.async while the key offsets are looked up; partial O and (max, sum) per head and
+  chunk go to `COMBINE`.
+- `PARTIAL` (longer rows: HCA at long context) is the split-K flash-decoding kernel (template
   constants T, D, PAGE, RATIO, HG, CK, THREADS, ONE): partial O and (max, sum) per split;
   `COMBINE` merges the splits with the sink in the denominator.
 """
@@ -164,6 +168,117 @@ DSPLIT = r"""
     const float M = fmaxf(m, sink);
     const float e = (m == -INFINITY) ? 0.f : __expf(m - M);
     o[h * D + d] = dsv4_t<T>(Os[h * LDO + d] * e / (lrun[h] * e + __expf(sink - M)));
+  }
+"""
+
+WIDE = r"""
+  using namespace nvcuda;
+  constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, MT = HG / 16;
+  constexpr int KT = CK / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);               // [HG][LDK]
+  T* Ks = Qs + HG * LDK;                                // [CK][LDK]
+  T* Ps = Ks + CK * LDK;                                // [HG][LDP]
+  float* Ss = reinterpret_cast<float*>(Ps + HG * LDP);  // [HG][LDS]
+  float* mrun = Ss + HG * LDS;
+  float* lrun = mrun + HG;
+  long long* koff = reinterpret_cast<long long*>(lrun + HG);  // [CK]
+  int* kwin = reinterpret_cast<int*>(koff + CK);              // [CK]
+  const int c = blockIdx.x, g = blockIdx.y, b = blockIdx.z;  // one chunk per block
+  const int nsplit = gridDim.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NH = q_shape[1], W = window_shape[1];
+  const int KI = RATIO ? indices_shape[1] : 0;
+  const int tw = table_shape[1];
+  const int slot = slots[b], p = positions[b], qr = q_rows[b];
+  const int nwin = min(p, W - 1) + 1;
+  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const float scale = fparams[0];
+  const size_t ob = ((size_t)b * nsplit + c) * NH + g * HG;  // this split's first head row
+  // q rows in flight (cp.async) while the chunk's key offsets are looked up
+  const T* qb = q + ((size_t)qr * NH + g * HG) * D;
+  for (int i = tid; i < HG * VPR; i += THREADS) {
+    const int h = i / VPR, v = i - h * VPR;
+    dsv4_cp16(Qs + h * LDK + v * 8, qb + (size_t)h * D + v * 8, 16);
+  }
+  dsv4_cp_commit();
+  if (tid < CK) {
+    const int j = c * CK + tid;
+    long long off = -1;
+    int win = 1;
+    if (j < W) {
+      if (j < nwin) off = ((long long)slot * W + j) * D;
+    } else if (j < W + KI) {
+      win = 0;
+      const int id = indices[(size_t)qr * KI + (j - W)];
+      if (id >= 0 && id < ncomp) {
+        const int pg = table[b * tw + id / PAGE];
+        off = ((long long)pg * PAGE + id % PAGE) * D;
+      }
+    }
+    koff[tid] = off;
+    kwin[tid] = win;
+  }
+  const int any = __syncthreads_or(tid < CK && koff[tid] >= 0);
+  if (!any) {  // nothing to attend in this chunk: an empty split (the combine skips m = -inf)
+    if (tid < HG) { ml[(ob + tid) * 2] = -INFINITY; ml[(ob + tid) * 2 + 1] = 0.f; }
+    dsv4_cp_wait<0>();
+    return;
+  }
+  for (int i = tid; i < CK * VPR; i += THREADS) {
+    const int e = i / VPR, v = i - e * VPR;
+    const long long off = koff[e];
+    const T* src = (kwin[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
+    dsv4_cp16(Ks + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
+  }
+  dsv4_cp_commit();
+  dsv4_cp_wait<0>();
+  __syncthreads();
+  for (int t = warp; t < MT * KT; t += NWARP) {  // S = Q K^T, tile (head tile mt, key tile kt)
+    const int mt = t / KT, kt = t - (t / KT) * KT;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+#pragma unroll 4
+    for (int ks = 0; ks < D / 16; ++ks) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, Qs + mt * 16 * LDK + ks * 16, LDK);
+      wmma::load_matrix_sync(fb, Ks + kt * 16 * LDK + ks * 16, LDK);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(Ss + mt * 16 * LDS + kt * 16, acc, LDS, wmma::mem_row_major);
+  }
+  __syncthreads();
+  for (int hh = 0; hh < HG / NWARP; ++hh) {  // this chunk's softmax numerators, one warp per head
+    const int h = warp * (HG / NWARP) + hh;
+    const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
+    const float s0 = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
+    const float s1 = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
+    float m = fmaxf(s0, s1);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float p0 = v0 ? __expf(s0 - m) : 0.f, p1 = v1 ? __expf(s1 - m) : 0.f;
+    float l = p0 + p1;
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    Ps[h * LDP + lane] = dsv4_t<T>(p0);
+    Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+    if (lane == 0) { ml[(ob + h) * 2] = m; ml[(ob + h) * 2 + 1] = l; }
+  }
+  __syncthreads();
+  for (int mt = 0; mt < MT; ++mt) {  // O = P V (V = K) straight to the split's partial output
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fp[KT];
+#pragma unroll
+    for (int ks = 0; ks < KT; ++ks) wmma::load_matrix_sync(fp[ks], Ps + mt * 16 * LDP + ks * 16, LDP);
+    for (int nt = warp; nt < D / 16; nt += NWARP) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int ks = 0; ks < KT; ++ks) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fv;
+        wmma::load_matrix_sync(fv, Ks + ks * 16 * LDK + nt * 16, LDK);
+        wmma::mma_sync(acc, fp[ks], fv, acc);
+      }
+      wmma::store_matrix_sync(opart + (ob + mt * 16) * D + nt * 16, acc, D, wmma::mem_row_major);
+    }
   }
 """
 

@@ -45,6 +45,13 @@ __device__ __forceinline__ void dsv4_cp16(void* smem, const void* gmem, int byte
   const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
+// ldmatrix .x4 (16-bit elements): lanes 8i..8i+7 give the 16-byte row addresses of 8x8 matrix i; each
+// lane gets (row lane / 4, cols 2 * (lane % 4), +1) of every matrix in r[i].
+__device__ __forceinline__ void dsv4_ldsm4(uint32_t* r, const void* smem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
 __device__ __forceinline__ void dsv4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void dsv4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // Order-preserving uint32 of a float score (-0 -> +0, so equal scores give equal keys).

@@ -98,17 +98,27 @@ SCORE = r"""  const int tw = table_shape[1];
   auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
     if (c < nch) {
       T* dst = Ks + (c % ST) * CH * LDK;
-      for (int i = tid; i < CH * VPR; i += NT) {
-        const int e = i / VPR, v = i - e * VPR;
-        const int idx = s0 + c * CH + e;
-        const T* src = keys;
-        int bytes = 0;
-        if (c * CH + e < nv) {
-          const int pg = table[(size_t)b * tw + idx / PAGE];
-          src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
-          bytes = 16;
+      if (PAGE % CH == 0) {  // the chunk lies in one page (chunks start at multiples of CH): one table read
+        const int idx0 = s0 + c * CH;
+        const T* base = keys + ((size_t)table[(size_t)b * tw + idx0 / PAGE] * PAGE + idx0 % PAGE) * DI;
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const bool ok = c * CH + e < nv;
+          dsv4_cp16(dst + e * LDK + v * 8, ok ? base + e * DI + v * 8 : keys, ok ? 16 : 0);
         }
-        dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
+      } else {
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const int idx = s0 + c * CH + e;
+          const T* src = keys;
+          int bytes = 0;
+          if (c * CH + e < nv) {
+            const int pg = table[(size_t)b * tw + idx / PAGE];
+            src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
+            bytes = 16;
+          }
+          dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
+        }
       }
     }
     dsv4_cp_commit();
@@ -122,12 +132,15 @@ SCORE = r"""  const int tw = table_shape[1];
     const T* kb = Ks + (c % ST) * CH * LDK;
     for (int kt = kg; kt < CH / 8; kt += KG) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      const T* kr = kb + (kt * 8 + g) * LDK + c2;
+      // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
+      // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
+      const T* kr = kb + (kt * 8 + (lane & 7)) * LDK + (lane >> 4) * 16 + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + ks * 16);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + ks * 16 + 8);
-        dsv4_mma(acc, qa[ks], b0, b1, T());
+      for (int ks = 0; ks < KS; ks += 2) {
+        uint32_t bf[4];
+        dsv4_ldsm4(bf, kr + ks * 16);
+        dsv4_mma(acc, qa[ks], bf[0], bf[1], T());
+        if (ks + 1 < KS) dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());
       }
       // acc: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
       float sa = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);

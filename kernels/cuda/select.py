@@ -1,6 +1,6 @@
 """Block-wide top-k building blocks (CUDA device code) for the indexer's kernels.
 
-- `dsv4_block_excl`: exclusive prefix sum over the block (warp shuffles + one word per warp).
+- `dsv4_block_excl`: exclusive prefix sum over the block (warp shuffles, then warp 0 over the warp totals).
 - `dsv4_radix_kth`: the k-th largest of n uint32 keys (radix select, 11 + 11 + 10 bits, warp-aggregated
   shared-memory histograms) and how many keys equal to it belong to the top k.
 - `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
@@ -12,6 +12,7 @@
 HELPERS = r"""
 template <int NT>
 __device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
+  // warp scans, then warp 0 scans the warp totals (no serial walk over the warps)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int incl = v;
   for (int o = 1; o < 32; o <<= 1) {
@@ -21,9 +22,17 @@ __device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
   __syncthreads();  // wsum may still be read by the previous scan
   if (lane == 31) wsum[warp] = incl;
   __syncthreads();
-  int ofs = 0;
-  for (int j = 0; j < warp; ++j) ofs += wsum[j];
-  return ofs + incl - v;
+  if (warp == 0) {
+    const int tot = lane < NT / 32 ? wsum[lane] : 0;
+    int x = tot;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += t;
+    }
+    if (lane < NT / 32) wsum[lane] = x - tot;  // exclusive offset of each warp
+  }
+  __syncthreads();
+  return wsum[warp] + incl - v;
 }
 
 // Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
@@ -39,15 +48,23 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
     const int nbins = pass == 2 ? 1024 : 2048;
     for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
     __syncthreads();
-    for (int base = 0; base < n; base += NT) {
-      const int i = base + tid;
-      bool ok = false;
-      unsigned int v = 0u;
-      if (i < n) { v = keys[i]; ok = (v & mask) == prefix; }
-      // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
-      const unsigned int bin = ok ? ((v >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
-      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+    for (int base = 0; base < n; base += 4 * NT) {
+      unsigned int v[4];
+      bool ok[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {  // 4 independent loads in flight
+        const int i = base + u * NT + tid;
+        v[u] = i < n ? keys[i] : 0u;
+        ok[u] = i < n && (v[u] & mask) == prefix;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (!__any_sync(0xffffffffu, ok[u])) continue;  // later passes: most warps hold no key of the bin
+        // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
+        const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+        if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+      }
     }
     __syncthreads();
     const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)

@@ -175,12 +175,16 @@ def test_indexer_single_segment(n_rows: int) -> None:
 # ---- sparse attention ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["sliding", "csa", "hca", "hca_all"])
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca", "hca_all", "hca_long"])
 @pytest.mark.parametrize("n_rows", [1, 3, 8])
 def test_sparse_attention_matches_reference(kind: str, n_rows: int) -> None:
+    """Every launch plan: dsplit (sliding), wide (CSA, HCA; hca_long with 1-3 rows), split-K over head
+    groups (hca_long with 8 rows: 8 x 130 chunks)."""
     rng = np.random.default_rng(300 + n_rows)
-    ratio = {"sliding": 4, "csa": 4, "hca": 128, "hca_all": 128}[kind]
+    ratio = {"sliding": 4, "csa": 4, "hca": 128, "hca_all": 128, "hca_long": 128}[kind]
     positions = [int(x) for x in rng.choice([0, 5, 127, 128, 1000, 20_000, 131_071, 70_000], n_rows, replace=False)]
+    if kind == "hca_long":
+        positions[0] = 4 * 262_144 - 1  # 8,192 HCA entries
     rows, pages, bq, slots = rows_for(rng, positions, (ratio,))
     batch = RowBatch.build(rows, PAGE)
     nh, d, w_len = 64, 512, 128
@@ -198,7 +202,7 @@ def test_sparse_attention_matches_reference(kind: str, n_rows: int) -> None:
             ind[r.q_row, : len(cand)] = cand
             rng.shuffle(ind[r.q_row])
         indices = mx.array(ind)
-    elif kind == "hca":
+    elif kind in ("hca", "hca_long"):
         cap = max(len(r.tables[ratio]) for r in rows) * PAGE
         ids = mx.arange(cap, dtype=mx.int32)[None, :]
         n = mx.array([0] * bq, dtype=mx.int32)

@@ -58,4 +58,5 @@ def test_attention_shared_memory() -> None:
         assert at.smem_bytes(d) <= SMEM_MAX
         assert at.smem_bytes(d, one=True) < at.smem_bytes(d)
         assert at.dsplit_smem(d, 1) <= SMEM_MAX
+        assert at.wide_smem(d) <= SMEM_MAX
     assert 2 * at.smem_bytes(512, one=True) <= 228 * 1024  # two one-chunk blocks per multiprocessor
