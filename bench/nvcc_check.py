@@ -30,20 +30,21 @@ def units() -> dict[str, str]:
     seg_in = [("positions", I32, True), ("q_rows", I32, False), ("table", I32, True), ("q", BF, False),
               ("weights", F32, False), ("keys", BF, False)]  # fmt: skip
     seg_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.STAGES)]
-    merge_in = [("positions", I32, True), ("q_rows", I32, False), ("ckeys", U32, True), ("cids", I32, False)]
+    merge_in = [("positions", I32, True), ("q_rows", I32, False), ("ckeys", U32, True), ("cids", I32, False),
+                ("cbound", U32, False)]  # fmt: skip
     part_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, True),
                ("q", BF, True), ("window", BF, True), ("pool", BF, False), ("indices", I32, True),
                ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
-    out["idx_segment"] = standalone("idx_segment", seg_in, [("ckeys", U32), ("cids", I32)],
-                                    seg_t + [("SEG", 1024), ("LDC", 16384)], ix.SEGMENT, header=HELPERS)  # fmt: skip
-    out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048), ("P2", 512)],
-                                   ix.SINGLE, header=HELPERS)  # fmt: skip
-    for smk in (True, False):
-        out[f"idx_merge_smk{int(smk)}"] = standalone(
-            "idx_merge", merge_in, [("out", I32)], [("TOPK", 512), ("P2", 512), ("L", 16384), ("SMK", smk)],
-            ix.MERGE, header=HELPERS)  # fmt: skip
+    out["idx_segment"] = standalone("idx_segment", seg_in, [("ckeys", U32), ("cids", I32), ("cbound", U32)],
+                                    seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
+                                    header=HELPERS)  # fmt: skip
+    out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048)], ix.SINGLE,
+                                   header=HELPERS)  # fmt: skip
+    out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
+                                  [("TOPK", 512), ("L", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)], ix.MERGE,
+                                  header=HELPERS)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("opart", F32), ("ml", F32)], part_t + [("ONE", one)],

@@ -1,12 +1,14 @@
 """indexer_rows: the lightning indexer's top-k for 1..8 rows (spec 2.6), plain MLX.
 
 Per row at position p: `n = (p+1) // 4` visible entries, `score_s = sum_h w_h relu(q_h . K[s])`
-in f32 over the row's keys (read through its ratio-4 block table), top `min(topk, n)` entry ids
-by descending score, ties to the lowest id, padded with -1.
+in f32 over the row's keys (read through its ratio-4 block table), the ids of the top `min(topk, n)`
+entries (ties to the lowest id) in ascending id order, padded with -1. Ascending ids, not score
+order: attention does not depend on the order, and the fast path's block top-k + merge produce
+position order by ordered compaction with no sort at all.
 
 Determinism: instead of trusting a sort's stability, each entry gets a unique 64-bit key
 `(order-preserving bits of -score) << 32 | id`, so ascending key order is exactly "score
-descending, then id ascending" on every backend.
+descending, then id ascending" on every backend, and the k smallest keys are exactly the top k.
 """
 
 from __future__ import annotations
@@ -60,16 +62,16 @@ def order_key(score: mx.array, valid: mx.array) -> mx.array:
 
 
 def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
-    """Per row of `score [R, cap]`: the ids of the top `min(topk, n)` of its first `n [R, 1]` entries,
-    descending score, ties to the lowest id, -1 padded to `[R, topk]`."""
+    """Per row of `score [R, cap]`: the ids of the top `min(topk, n)` of its first `n [R, 1]` entries
+    (ties to the lowest id) in ascending id order, -1 padded to `[R, topk]`."""
     r, cap = score.shape
     key = order_key(score, mx.arange(cap)[None, :] < n)
     k = min(topk, cap)
     if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
         key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
-    key = mx.sort(key, axis=-1)[:, :k]
-    ids = (key & 0xFFFFFFFF).astype(mx.int32)
-    ids = mx.where(mx.arange(k)[None, :] < n, ids, -1)
+    ids = (key & 0xFFFFFFFF).astype(mx.int32)  # the top k (and, when n < k, k - n masked entries)
+    ids = mx.sort(mx.where(ids < n, ids, cap), axis=-1)  # ascending; masked ones last
+    ids = mx.where(ids < n, ids, -1)
     if k < topk:
         ids = mx.concatenate([ids, mx.full((r, topk - k), -1, dtype=mx.int32)], axis=1)
     return ids

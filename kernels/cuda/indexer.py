@@ -1,21 +1,22 @@
 """indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches; 1 up to 4,096 entries).
 
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
-   through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight)
-   and scores them with mma.sync m16n8k16 (bf16/f16 in, f32 accumulation): warp w holds the
-   q fragments of head tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)`
-   is summed over its 16 heads in registers (shuffles) before the head tiles are added. The
-   segment's order-preserving uint32 score keys stay in shared memory; a radix select (11+11+10
-   bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
-   candidates (key, id) in id order, padded with key 0 (below every score).
-2. `merge`: one block per q-buffer row. The row's candidate keys go into shared memory (up to
-   MERGE_SMEM bytes; read from global memory beyond), then the same radix select over the segments'
-   candidates (in id order, so "ties to the lowest id" is "first in the list"), then a bitonic
-   sort of (~key << 32 | position): descending score, ties to the lowest id. Rows no batch row
-   names get -1.
+   through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight;
+   one table read per chunk when pages hold whole chunks) and scores them with mma.sync m16n8k16
+   (bf16/f16 in, f32 accumulation; B fragments by ldmatrix): warp w holds the q fragments of head
+   tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)` is summed over its 16
+   heads in registers (shuffles) before the head tiles are added. The segment's order-preserving
+   uint32 score keys stay in shared memory; a radix select (11+11+10 bits) finds its k-th
+   largest, and an ordered compaction writes its top min(k, entries) candidates (key, id) in id
+   order, padded with key 0 (below every score). It also writes its m-th largest key, m =
+   ceil(k / the row's segments): the least of those bounds has at least k keys above it.
+2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
+   of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
+   compaction over the kept ones write the ids in ascending order (the list is in id order, so
+   "ties to the lowest id" is "first in the list"). No sort. Rows no batch row names get -1.
 The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
 Rows of at most SINGLE_MAX entries (8K context) take one launch: `single` is the segment kernel
-over the whole row, sorting its top-k itself (grid over the q rows).
+over the whole row, writing its top-k ids itself (grid over the q rows).
 Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
 topk <= 2048; anything else runs the reference.
 """
@@ -36,11 +37,10 @@ from kernels.rows import RowBatch, checked
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048
 MAX_SEG = 16384
-MERGE_SMEM = 160 * 1024  # the merge stages up to this many bytes of candidate keys in shared memory
-MERGE_DYN_MIN = 48 * 1024 + 16  # MLX sets the dynamic shared memory attribute above 48,000 bytes only
+MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
 SINGLE_MAX = 4096  # a row's entries up to this: one segment block scores, selects and sorts (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
-MERGE_IN = ("positions", "q_rows", "ckeys", "cids")
+MERGE_IN = ("positions", "q_rows", "ckeys", "cids", "cbound")
 
 PRE = r"""
   constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
@@ -63,6 +63,7 @@ HEAD_SEG = r"""  const int seg = blockIdx.x, b = blockIdx.y;
   int* oi = cids + obase;
   if (nv == 0) {
     for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+    if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
     return;
   }
 """
@@ -166,6 +167,17 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
+  // the merge's filter bound: this segment's m-th largest key, m = ceil(min(TOPK, n) / the row's
+  // segments), so the row has at least min(TOPK, n) keys >= the least of its segments' bounds
+  // (0, no filtering, if this segment has fewer than m entries)
+  const int nsr = (n + SEG - 1) / SEG;
+  const int m = (min(TOPK, n) + nsr - 1) / nsr;
+  unsigned int bm = 0u;
+  if (nv >= m) {
+    int e2;
+    dsv4_radix_kth<NT>(skey, nv, m, hist, wsum, sh, bm, e2);
+  }
+  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
@@ -173,25 +185,21 @@ TAIL_FINAL = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;
   int need_eq = nv;
   if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
-  unsigned long long* cand = reinterpret_cast<unsigned long long*>(hist + 2048);  // [P2]
-  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) {
-    cand[pos] = (((unsigned long long)(~v)) << 32) | (unsigned int)i;
-  });
-  for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
-  __syncthreads();
-  dsv4_bitonic<NT, P2>(cand);
-  for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? (int)(cand[i] & 0xffffffffull) : -1;
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { o[pos] = i; });  // ascending ids
+  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """
 SEGMENT = PRE + HEAD_SEG + SCORE + TAIL_SEG
 SINGLE = PRE + HEAD_FINAL + SCORE + TAIL_FINAL
 
 MERGE = r"""
-  constexpr int NT = 1024;
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
+  int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
   __shared__ unsigned int hist[2048];
-  __shared__ unsigned long long cand[P2];
   __shared__ int wsum[32];
-  __shared__ int sh[2];
-  const int r = blockIdx.x, tid = threadIdx.x;
+  __shared__ int sh[3];
+  const int r = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = positions_shape[0];
   int b = -1;
   for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
@@ -208,25 +216,47 @@ MERGE = r"""
   const int ld = ckeys_shape[1];
   const unsigned int* keys = ckeys + (size_t)b * ld;
   const int* ids = cids + (size_t)b * ld;
-  if (SMK) {  // the row's candidate keys into shared memory once: the 3 radix passes and the take read them there
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned int* ks = reinterpret_cast<unsigned int*>(smem_raw);
-    const uint4* src = reinterpret_cast<const uint4*>(keys);  // ld % 4 == 0: 16-byte aligned rows
-    for (int i = tid; i < L / 4; i += NT) reinterpret_cast<uint4*>(ks)[i] = src[i];
-    for (int i = (L / 4) * 4 + tid; i < L; i += NT) ks[i] = keys[i];
-    __syncthreads();
-    keys = ks;
+  if (warp == 0) {  // the least of the segments' bounds: at least K candidates are >= it
+    unsigned int v = 0xffffffffu;
+    for (int s = lane; s < NSEG; s += 32) v = min(v, cbound[(size_t)b * NSEG + s]);
+    for (int sft = 16; sft > 0; sft >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, sft));
+    if (lane == 0) sh[2] = (int)v;
   }
+  __syncthreads();
+  const unsigned int bound = (unsigned int)sh[2];
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write)
+  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
+  int cnt = 0;
+  for (int i = w0 + lane; i < w1; i += 32) cnt += keys[i] >= bound ? 1 : 0;
+  for (int sft = 16; sft > 0; sft >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
+  const int off = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? cnt : 0, wsum), 0);
+  if (warp == NW - 1 && lane == 0) sh[2] = off + cnt;
+  __syncthreads();
+  const int n2 = sh[2];
   unsigned int thr;
   int need_eq;
-  dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
-  dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) {
-    cand[pos] = (((unsigned long long)(~v)) << 32) | (unsigned int)i;
-  });
-  for (int i = K + tid; i < P2; i += NT) cand[i] = 0xffffffffffffffffull;
-  __syncthreads();
-  dsv4_bitonic<NT, P2>(cand);
-  for (int i = tid; i < TOPK; i += NT) o[i] = (i < K) ? ids[cand[i] & 0xffffffffull] : -1;
+  if (n2 <= CAPC) {
+    int pos = off;
+    for (int base = w0; base < w1; base += 32) {
+      const int i = base + lane;
+      const unsigned int v = i < w1 ? keys[i] : 0u;
+      const bool t = i < w1 && v >= bound;
+      const unsigned int bal = __ballot_sync(0xffffffffu, t);
+      if (t) {
+        const int q = pos + __popc(bal & ((1u << lane) - 1u));
+        ck[q] = v;
+        cpos[q] = i;
+      }
+      pos += __popc(bal);
+    }
+    __syncthreads();
+    dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
+    dsv4_take<NT>(ck, n2, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[cpos[i]]; });
+  } else {  // the bound filtered too little: select over the whole list in global memory
+    dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
+    dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[i]; });
+  }
+  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """
 
 
@@ -240,9 +270,9 @@ def segment_size(cap: int, topk: int) -> int:
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
 
-def smem_bytes(ni: int, di: int, seg: int, p2: int = 0) -> int:
-    """Pipeline buffers, per-head-tile partial scores, segment keys, histogram (+ sort buffer: single)."""
-    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4 + p2 * 8
+def smem_bytes(ni: int, di: int, seg: int) -> int:
+    """Pipeline buffers, per-head-tile partial scores, segment keys, histogram."""
+    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
 
 
 def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
@@ -272,29 +302,24 @@ class Plan:
         cap = batch.tables[4].shape[1] * page
         seg = segment_size(cap, topk)
         nseg = -(-cap // seg)
-        p2 = next_pow2(topk)
         self.out_shape = (q.shape[0], topk)
         self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
                          ("CH", CH), ("ST", STAGES)]  # fmt: skip
         self.single = nseg == 1
-        if self.single:  # z over the q rows, the sorted top-k straight to the output
-            self.seg = kernel("idx_single", SEG_IN, ("out",), SINGLE, smem_bytes(ni, di, seg, p2), HELPERS)
-            self.seg_tmpl += [("P2", p2)]
+        if self.single:  # z over the q rows, the top-k ids straight to the output
+            self.seg = kernel("idx_single", SEG_IN, ("out",), SINGLE, smem_bytes(ni, di, seg), HELPERS)
             self.seg_grid = (NT, q.shape[0], 1)
             self.seg_shapes = [self.out_shape]
         else:
             cand = nseg * topk
             ld = -(-cand // 4) * 4
-            self.seg = kernel("idx_segment", SEG_IN, ("ckeys", "cids"), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
-            self.seg_tmpl += [("LDC", ld)]
+            outs = ("ckeys", "cids", "cbound")
+            self.seg = kernel("idx_segment", SEG_IN, outs, SEGMENT, smem_bytes(ni, di, seg), HELPERS)
+            self.seg_tmpl += [("LDC", ld), ("NSEG", nseg)]
             self.seg_grid = (nseg * NT, b, 1)
-            self.seg_shapes = [(b, ld), (b, ld)]
-            smk = cand * 4 <= MERGE_SMEM
-            # over 48 KB of dynamic memory: MLX then lifts the per-block limit (static + dynamic), which
-            # otherwise stays at 48 KB with the merge's 12-24 KB of static shared memory counted in
-            dyn = max(cand * 4, MERGE_DYN_MIN) if smk else 0
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, dyn, HELPERS)
-            self.merge_tmpl = [("TOPK", topk), ("P2", p2), ("L", cand), ("SMK", smk)]
+            self.seg_shapes = [(b, ld), (b, ld), (b, nseg)]
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
+            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 
@@ -306,7 +331,7 @@ class Plan:
             grid=self.seg_grid,
             threadgroup=(NT, 1, 1),
             output_shapes=self.seg_shapes,
-            output_dtypes=[mx.int32] if self.single else [mx.uint32, mx.int32],
+            output_dtypes=[mx.int32] if self.single else [mx.uint32, mx.int32, mx.uint32],
         )
         if self.single:
             return outs[0]

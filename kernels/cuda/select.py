@@ -5,7 +5,6 @@
   shared-memory histograms) and how many keys equal to it belong to the top k.
 - `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
   equal to it: ties go to the lowest index), in index order.
-- `dsv4_bitonic`: ascending bitonic sort of 64-bit (~key << 32 | index) pairs in shared memory.
 """
 
 # Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
@@ -105,39 +104,6 @@ __device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int
     bool take = v > thr;
     if (v == thr) { take = r < need_eq; ++r; }
     if (take) emit(pos++, i, v);
-  }
-}
-
-// Bitonic sort of cand[0..P2) ascending (P2 a power of two); strides below 32 stay in registers
-// (partners are in the same warp).
-template <int NT, int P2>
-__device__ void dsv4_bitonic(unsigned long long* cand) {
-  const int tid = threadIdx.x;
-  for (int size = 2; size <= P2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      if (P2 >= 32 && stride < 32) {
-        for (int i = tid; i < P2; i += NT) {  // P2 % 32 == 0: whole warps
-          unsigned long long x = cand[i];
-          const bool up = (i & size) == 0;
-          for (int st = stride; st > 0; st >>= 1) {
-            const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, st);
-            x = (((i & st) == 0) == up) ? (x < y ? x : y) : (x < y ? y : x);
-          }
-          cand[i] = x;
-        }
-        __syncthreads();
-        break;
-      }
-      for (int i = tid; i < P2; i += NT) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const unsigned long long x = cand[i], y = cand[j];
-          const bool up = (i & size) == 0;
-          if ((x > y) == up) { cand[i] = y; cand[j] = x; }
-        }
-      }
-      __syncthreads();
-    }
   }
 }
 """

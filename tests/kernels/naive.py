@@ -57,13 +57,13 @@ class CompressorNp:
 
 
 def indexer_np(q, w, keys, table, page, p, topk) -> list[int]:
-    """q [nI, Di], w [nI], keys [P, page, Di]: top min(topk, n) ids, ties to the lowest id, -1 padded."""
+    """q [nI, Di], w [nI], keys [P, page, Di]: top min(topk, n) ids (ties to the lowest id) ascending, -1 padded."""
     n = (p + 1) // 4
     scores = []
     for s in range(n):
         k = keys[table[s // page], s % page].astype(np.float64)
         scores.append(sum(float(w[h]) * max(float(q[h] @ k), 0.0) for h in range(q.shape[0])))
-    order = sorted(range(n), key=lambda s: (-scores[s], s))[: min(topk, n)]
+    order = sorted(sorted(range(n), key=lambda s: (-scores[s], s))[: min(topk, n)])  # the top k, by id
     return order + [-1] * (topk - len(order))
 
 

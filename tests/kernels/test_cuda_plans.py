@@ -26,9 +26,9 @@ def test_indexer_segment_size(cap: int, topk: int) -> None:
     assert seg >= 2 * ix.next_pow2(topk)  # a segment keeps at most half of what it scores
     assert (nseg == 1) == (cap <= ix.SINGLE_MAX or seg >= cap)
     assert nseg <= 32 or seg == ix.MAX_SEG  # the merge reads nseg * topk candidates per row
-    p2 = ix.next_pow2(topk) if nseg == 1 else 0
     for ni, di in ((16, 16), (64, 128), (128, 256)):
-        assert ix.smem_bytes(ni, di, seg, p2) <= SMEM_MAX
+        assert ix.smem_bytes(ni, di, seg) <= SMEM_MAX
+    assert 8 * ix.MERGE_CAP + 2048 * 4 + 256 <= SMEM_MAX  # the merge's kept candidates + histogram
 
 
 @pytest.mark.parametrize("rows", range(1, 9))

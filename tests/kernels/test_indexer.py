@@ -1,4 +1,4 @@
-"""indexer_rows vs the naive NumPy top-k: same ids in the same order, ties to the lowest id."""
+"""indexer_rows vs the naive NumPy top-k: the same ids (ties to the lowest id), in ascending id order."""
 
 from __future__ import annotations
 
