@@ -9,8 +9,9 @@ O += P V (wmma).
   `dsplit`, grid (D slices, head groups, q rows). Every block walks all the row's chunks (next
   chunk in flight) and keeps O for its D / DS columns only, normalizing with the sink itself:
   1 launch, no partial buffers. DS is picked so that the grid has about TARGET_DSPLIT blocks.
-- Rows of up to WIDE_MAX_BLOCKS chunk-blocks (CSA, HCA to ~128K): `wide`, split-K with one 64-key
-  chunk and all 64 heads per block (each chunk gathered once), then `combine`.
+- Rows of up to WIDE_MAX_BLOCKS chunk-blocks (CSA, HCA to ~128K; D a multiple of 128): `wide`,
+  split-K with one 64-key chunk and all 64 heads per block (each chunk gathered once; mma.sync with
+  ldmatrix fragments, no wmma), then `combine`.
 - Longer rows: split-K over head groups of 16. `partial`: grid (splits, head groups, rows) writes
   O [16, D] and (max, sum) per head and split (with one chunk per block, `ONE`, there is no O
   buffer and two blocks fit on a multiprocessor).
@@ -120,7 +121,8 @@ class Plan:
             self.part_tmpl += [("DS", ds)]
             self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]
-        elif nh % WIDE_HG == 0 and wide_smem(d) <= SMEM_MAX and b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:
+        elif nh % WIDE_HG == 0 and d % 128 == 0 and wide_smem(d) <= SMEM_MAX and \
+                b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
             self.part = kernel("attn_wide", PART_IN, ("opart", "ml"), WIDE, wide_smem(d))
             self.part_tmpl[4] = ("HG", WIDE_HG)
             self.part_grid = (nchunk * THREADS, nh // WIDE_HG, b)

@@ -173,8 +173,8 @@ DSPLIT = r"""
 
 WIDE = r"""
   using namespace nvcuda;
-  constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, MT = HG / 16;
-  constexpr int KT = CK / 16;
+  // mma.sync / ldmatrix layout: 8 warps, HG = 64 (4 head tiles), CK = 64 keys, D a multiple of 128
+  constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, KT = CK / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);               // [HG][LDK]
   T* Ks = Qs + HG * LDK;                                // [CK][LDK]
@@ -234,19 +234,30 @@ WIDE = r"""
   dsv4_cp_commit();
   dsv4_cp_wait<0>();
   __syncthreads();
-  for (int t = warp; t < MT * KT; t += NWARP) {  // S = Q K^T, tile (head tile mt, key tile kt)
-    const int mt = t / KT, kt = t - (t / KT) * KT;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
+  {  // S = Q K^T: warp (head tile w / 2, keys 32 * (w % 2) ..): mma.sync with ldmatrix fragments
+    const int mt = warp >> 1, kh = warp & 1, g = lane >> 2, c2 = (lane & 3) * 2;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const T* qa = Qs + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + (lane >> 4) * 8;
+    const T* kbp = Ks + (kh * 32 + (lane >> 4) * 8 + (lane & 7)) * LDK + ((lane >> 3) & 1) * 8;
 #pragma unroll 4
     for (int ks = 0; ks < D / 16; ++ks) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-      wmma::load_matrix_sync(fa, Qs + mt * 16 * LDK + ks * 16, LDK);
-      wmma::load_matrix_sync(fb, Ks + kt * 16 * LDK + ks * 16, LDK);
-      wmma::mma_sync(acc, fa, fb, acc);
+      uint32_t a[4], b01[4], b23[4];
+      dsv4_ldsm4(a, qa + ks * 16);
+      dsv4_ldsm4(b01, kbp + ks * 16);            // key tiles 0, 1 of this warp
+      dsv4_ldsm4(b23, kbp + 16 * LDK + ks * 16);  // key tiles 2, 3
+      dsv4_mma(acc[0], a, b01[0], b01[1], T());
+      dsv4_mma(acc[1], a, b01[2], b01[3], T());
+      dsv4_mma(acc[2], a, b23[0], b23[1], T());
+      dsv4_mma(acc[3], a, b23[2], b23[3], T());
     }
-    wmma::store_matrix_sync(Ss + mt * 16 * LDS + kt * 16, acc, LDS, wmma::mem_row_major);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float* sr = Ss + (mt * 16 + g) * LDS + kh * 32 + j * 8 + c2;
+      *reinterpret_cast<float2*>(sr) = make_float2(acc[j][0], acc[j][1]);
+      *reinterpret_cast<float2*>(sr + 8 * LDS) = make_float2(acc[j][2], acc[j][3]);
+    }
   }
   __syncthreads();
   for (int hh = 0; hh < HG / NWARP; ++hh) {  // this chunk's softmax numerators, one warp per head
@@ -264,20 +275,34 @@ WIDE = r"""
     if (lane == 0) { ml[(ob + h) * 2] = m; ml[(ob + h) * 2 + 1] = l; }
   }
   __syncthreads();
-  for (int mt = 0; mt < MT; ++mt) {  // O = P V (V = K) straight to the split's partial output
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fp[KT];
+  {  // O = P V (V = K): warp (head tile w / 2, dims 256 * (w % 2) ..) in passes of 64 dims, straight to opart
+    const int mt = warp >> 1, dh = warp & 1, g = lane >> 2, c2 = (lane & 3) * 2;
+    uint32_t pa[KT][4];
 #pragma unroll
-    for (int ks = 0; ks < KT; ++ks) wmma::load_matrix_sync(fp[ks], Ps + mt * 16 * LDP + ks * 16, LDP);
-    for (int nt = warp; nt < D / 16; nt += NWARP) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
+    for (int ks = 0; ks < KT; ++ks)
+      dsv4_ldsm4(pa[ks], Ps + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDP + ks * 16 + (lane >> 4) * 8);
+    // .trans B: lanes 8i..8i+7 address key rows ks*16 + 8 * (i % 2) + (lane % 8) of dim tile 2 * jj + i / 2
+    const T* vb = Ks + (((lane >> 3) & 1) * 8 + (lane & 7)) * LDK + (lane >> 4) * 8;
+    for (int d0 = dh * (D / 2); d0 < (dh + 1) * (D / 2); d0 += 64) {
+      float acc[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KT; ++ks) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fv;
-        wmma::load_matrix_sync(fv, Ks + ks * 16 * LDK + nt * 16, LDK);
-        wmma::mma_sync(acc, fp[ks], fv, acc);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          uint32_t bv[4];
+          dsv4_ldsm4t(bv, vb + ks * 16 * LDK + d0 + jj * 16);
+          dsv4_mma(acc[2 * jj], pa[ks], bv[0], bv[1], T());
+          dsv4_mma(acc[2 * jj + 1], pa[ks], bv[2], bv[3], T());
+        }
       }
-      wmma::store_matrix_sync(opart + (ob + mt * 16) * D + nt * 16, acc, D, wmma::mem_row_major);
+      float* orow = opart + (ob + mt * 16 + g) * D + d0 + c2;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<float2*>(orow + j * 8) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(orow + 8 * D + j * 8) = make_float2(acc[j][2], acc[j][3]);
+      }
     }
   }
 """

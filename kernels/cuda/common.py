@@ -52,6 +52,12 @@ __device__ __forceinline__ void dsv4_ldsm4(uint32_t* r, const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
+// ldmatrix .x4 .trans: lane gets (rows 2 * (lane % 4), +1; col lane / 4) of every matrix (B from a [k][n] tile).
+__device__ __forceinline__ void dsv4_ldsm4t(uint32_t* r, const void* smem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
 __device__ __forceinline__ void dsv4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void dsv4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // Order-preserving uint32 of a float score (-0 -> +0, so equal scores give equal keys).
