@@ -21,7 +21,7 @@ for c in "${cases[@]}"; do
       "/tmp/p_$tag.nsys-rep" >/dev/null 2>&1
   else  # ncu: each kernel's duration (replayed alone), past the warm-up launches
     timeout 120 python3 bench/profile_kernels.py "${a[@]}" | tee -a "$OUT/prof/wall.jsonl"
-    if [ "$c" = chain43 ]; then sk=(--launch-skip 1000 --launch-count 300); else sk=(--launch-skip 150 --launch-count 40); fi
+    if [ "$c" = chain43 ]; then sk=(--launch-skip 1000 --launch-count 300); else sk=(--launch-skip 40 --launch-count 40); fi
     timeout 150 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv --cache-control none \
       --clock-control none "${sk[@]}" python3 bench/profile_kernels.py "${a[@]}" --reps 3 > "$OUT/prof/$tag.csv" 2>&1
   fi
