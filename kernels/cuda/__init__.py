@@ -9,8 +9,8 @@ kernels do not cover:
 - indexer_rows: q / keys bf16 or f16, 16/32/64/128 heads, dim a multiple of 16 up to 256, topk <= 2048
   (1 kernel up to 4,096 entries per row, else segment + merge);
 - sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
-  of 32 (1 kernel up to 3 chunks of 64 keys per row, else partial + combine). float32 (the tiny
-  test model) runs the reference for these two.
+  of 32 (1 kernel up to 3 chunks of 64 keys per row, else wide or partial + combine). float32 (the
+  tiny test model) runs the reference for these two.
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
