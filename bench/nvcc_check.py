@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
+from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
@@ -58,6 +59,13 @@ def units() -> dict[str, str]:
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
                                      ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip
+    comp_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table") else F32, n in ("slots", "table"))
+               for n in cp.INPUTS]  # fmt: skip
+    comp_out = [("st_kv", F32), ("st_s", F32), ("entry", BF), ("dest", I32), ("sidx", I32)]
+    for ratio, d in ((4, 512), (128, 512), (4, 128)):
+        for full in (True, False):
+            out[f"compressor_{ratio}_{d}_full{int(full)}"] = standalone(
+                "compressor", comp_in, comp_out, cp.template(BF, F32, ratio, d, 32, 64, full), cp.SOURCE)
     return out
 
 
