@@ -43,6 +43,9 @@ def units() -> dict[str, str]:
                                     header=HELPERS)  # fmt: skip
     out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048)], ix.SINGLE,
                                    header=HELPERS)  # fmt: skip
+    tiny_seg = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.STAGES)]
+    out["idx_single_tiny"] = standalone("idx_single", seg_in, [("out", I32)], tiny_seg + [("SEG", 1024)], ix.SINGLE,
+                                        header=HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
                                   [("TOPK", 512), ("L", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)], ix.MERGE,
                                   header=HELPERS)  # fmt: skip
@@ -56,6 +59,8 @@ def units() -> dict[str, str]:
                                                  asrc.DSPLIT)  # fmt: skip
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
     out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE)
+    tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
+    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], asrc.DSPLIT)
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
                                      ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip
