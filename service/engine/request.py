@@ -65,3 +65,20 @@ class Request:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def check_admissible(prompt_ids: list[int], params: SamplingParams, max_model_len: int, max_fit_tokens: int,
+                     bytes_budget: int) -> None:  # fmt: skip
+    """ValueError (the API's 400) for a request that can never run: empty prompt, no tokens asked,
+    longer than the model's context or than one request's decode state can ever hold."""
+    n = len(prompt_ids) + params.max_tokens
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    what = f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n}"
+    if n > max_model_len:
+        raise ValueError(f"{what} exceeds max_model_len {max_model_len}")
+    if n > max_fit_tokens:
+        raise ValueError(f"{what} positions exceed the {max_fit_tokens} that fit the decode state "
+                         f"budget of {bytes_budget} bytes")  # fmt: skip

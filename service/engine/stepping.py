@@ -1,6 +1,7 @@
-"""One iteration of the engine thread after planning: the planned prompts' parallel prefill, then
+"""One iteration of the engine thread: plan (admission), the planned prompts' parallel prefill, then
 the batched decode step and the sampling of the rows that need a token. A failure ends only the
-requests it touched (a prefill: its request; a step: its rows); everyone else keeps going.
+requests it touched (admission: the head it admitted; a prefill: its request; a step: its rows);
+everyone else keeps going.
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.request import Request, SamplingParams, TokenEvent
+from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
 from service.engine.scheduler import Scheduler, needs_sample
 
 log = logging.getLogger(__name__)
@@ -68,3 +70,84 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request],
         return events + sched.on_step({}), 0, None
     dt = time.perf_counter() - t0
     return sched.on_step(sampled), len(sampled), dt
+
+
+@dataclass
+class Outcome:
+    """What one iteration did: its events, the prefill work and the decode step (rows 0: none ran)."""
+
+    events: list[TokenEvent]
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    rows: int = 0
+    sampled: int = 0
+    seconds: float = 0.0
+
+
+def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: int,
+            admitted: Callable[[], None]) -> Outcome:  # fmt: skip
+    """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step. `admitted()` runs right
+    after admission (the worker publishes the new queue counts)."""
+    try:
+        plan = sched.plan()
+    except Exception as e:  # noqa: BLE001 - admission failed: the head it was admitting fails
+        log.exception("admission failed")
+        return Outcome(sched.fail([sched.waiting[0].request_id] if sched.waiting else [], f"admission failed: {e}"))
+    admitted()
+    if not plan:
+        if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
+            head = sched.waiting[0].request_id
+            return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state"))
+        return Outcome([])
+    events, n_pre, t_pre = prefill(engine, sched, plan, budget)
+    out = Outcome(events, n_pre, t_pre)
+    plan = [r for r in plan if r.status is RequestStatus.RUNNING]
+    if not plan:
+        out.events += sched.on_step({})
+        return out
+    step_events, sampled, dt = decode_step(engine, sched, plan, sample)
+    out.events += step_events
+    if dt is not None:  # None: the step failed and its rows were failed
+        out.rows, out.sampled, out.seconds = len(plan), sampled, dt
+    return out
+
+
+@dataclass
+class Counters:
+    """The worker's queue and step accounting (read by `stats()`, `/metrics`, admission); both threads
+    touch it under the worker's lock."""
+
+    undrained: int = 0  # submitted, not yet taken from the inbox
+    waiting: int = 0  # in the scheduler's queue
+    running: int = 0
+    last_rows: int = 0
+    steps: int = 0
+    tokens: int = 0
+    step_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens fed by the parallel prefill
+    prefill_seconds: float = 0.0
+    rows_hist: list[int] = field(default_factory=lambda: [0] * 9)  # index = rows in a step
+
+    def record(self, out: Outcome) -> None:
+        self.prefill_tokens += out.prefill_tokens
+        self.prefill_seconds += out.prefill_seconds
+        if out.rows:
+            self.steps += 1
+            self.last_rows = out.rows
+            self.rows_hist[min(out.rows, 8)] += 1
+            self.tokens += out.sampled
+            self.step_seconds += out.seconds
+
+    def snapshot(self, ready: bool) -> dict[str, Any]:
+        return {
+            "ready": ready,
+            "waiting": self.undrained + self.waiting,
+            "running": self.running,
+            "last_step_rows": self.last_rows,
+            "steps_total": self.steps,
+            "tokens_total": self.tokens,
+            "step_seconds_total": self.step_seconds,
+            "prefill_tokens_total": self.prefill_tokens,
+            "prefill_seconds_total": self.prefill_seconds,
+            "rows_per_step": list(self.rows_hist),  # rows_per_step[r] = steps with r rows
+        }

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
+from service.engine.request import Request, SamplingParams, TokenEvent, check_admissible
 from service.engine.scheduler import QueueFull, Scheduler
-from service.engine.stepping import decode_step, prefill
+from service.engine.stepping import Counters, iterate
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,8 @@ class EngineWorker:
         self.eos_token_id: int | None = None
         self.bytes_budget = 0
         self.max_fit_tokens = 0  # the most positions one request's decode state can ever have
-        # Queue accounting shared by both threads (under _lock).
-        self._undrained = 0
-        self._sched_waiting = 0
-        self._running = 0
-        self._last_rows = 0
-        self._steps = 0
-        self._tokens = 0
-        self._step_seconds = 0.0
-        self._prefill_tokens = 0  # prompt tokens fed by the parallel prefill
-        self._prefill_seconds = 0.0
-        self._rows_hist = [0] * 9  # index = rows in a step
+        # Queue and step accounting shared by both threads (under _lock).
+        self._c = Counters()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,22 +125,7 @@ class EngineWorker:
             raise EngineNotReady(
                 f"engine failed to start: {self.start_error!r}" if self.start_error else "engine is not ready"
             )
-        n = len(prompt_ids) + params.max_tokens
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if n > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        if n > self.max_fit_tokens:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n} "
-                f"positions exceed the {self.max_fit_tokens} that fit the decode state "
-                f"budget of {self.bytes_budget} bytes"
-            )
+        check_admissible(prompt_ids, params, self.max_model_len, self.max_fit_tokens, self.bytes_budget)
         rid = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
@@ -158,9 +134,9 @@ class EngineWorker:
                 raise EngineNotReady("engine is draining")
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            if self._undrained + self._sched_waiting >= self.max_queue:
+            if self._c.undrained + self._c.waiting >= self.max_queue:
                 raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
-            self._undrained += 1
+            self._c.undrained += 1
             self._streams[rid] = stream
             # Under the lock: a stop() can't slip between the check above and this put.
             self._inbox.put(("add", Request(rid, list(prompt_ids), params)))
@@ -187,18 +163,7 @@ class EngineWorker:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "ready": self.ready,
-                "waiting": self._undrained + self._sched_waiting,
-                "running": self._running,
-                "last_step_rows": self._last_rows,
-                "steps_total": self._steps,
-                "tokens_total": self._tokens,
-                "step_seconds_total": self._step_seconds,
-                "prefill_tokens_total": self._prefill_tokens,
-                "prefill_seconds_total": self._prefill_seconds,
-                "rows_per_step": list(self._rows_hist),  # rows_per_step[r] = steps with r rows
-            }
+            return self._c.snapshot(self.ready)
 
     # -- the engine thread ----------------------------------------------------------------------
     def _publish(self, events: list[TokenEvent]) -> None:
@@ -297,13 +262,13 @@ class EngineWorker:
         for rid in sched.ids():
             events.append(sched.abort(rid))  # type: ignore[arg-type]
         with self._lock:
-            self._sched_waiting = self._running = 0
+            self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
 
     def _sync_counts(self, sched: Scheduler) -> None:
         with self._lock:
-            self._sched_waiting = sched.num_waiting
-            self._running = sched.num_running
+            self._c.waiting = sched.num_waiting
+            self._c.running = sched.num_running
 
     def _drain_inbox(self, sched: Scheduler, block: bool) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -315,8 +280,8 @@ class EngineWorker:
             block = False
             if kind == "add":
                 with self._lock:  # move it from "undrained" to "waiting" atomically for submit()
-                    self._undrained -= 1
-                    self._sched_waiting += 1
+                    self._c.undrained -= 1
+                    self._c.waiting += 1
                 try:
                     sched.add(arg)
                 except (QueueFull, ValueError) as e:
@@ -329,43 +294,15 @@ class EngineWorker:
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
     def _step(self, engine: Any, sched: Scheduler, sample: Callable[..., Any]) -> list[TokenEvent]:
-        try:
-            plan = sched.plan()
-        except Exception as e:  # noqa: BLE001 - admission failed: the head it was admitting fails
-            log.exception("admission failed")
-            return sched.fail(
-                [sched.waiting[0].request_id] if sched.waiting else [], f"admission failed: {e}"
-            )
-        self._sync_counts(sched)  # admission changed them; stats() and submit() see it now
-        if not plan:
-            if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
-                head = sched.waiting[0].request_id
-                return sched.fail([head], "request cannot be admitted: not enough free decode state")
-            return []
-        events, n_pre, t_pre = prefill(engine, sched, plan, self._prefill_budget)
-        if n_pre:
-            with self._lock:
-                self._prefill_tokens += n_pre
-                self._prefill_seconds += t_pre
-        plan = [r for r in plan if r.status is RequestStatus.RUNNING]
-        if not plan:
-            return events + sched.on_step({})
-        step_events, sampled, dt = decode_step(engine, sched, plan, sample)
-        events += step_events
-        if dt is None:  # the step failed: its rows were failed
-            return events
+        out = iterate(engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched))
         with self._lock:
-            self._steps += 1
-            self._last_rows = len(plan)
-            self._rows_hist[min(len(plan), 8)] += 1
-            self._tokens += sampled
-            self._step_seconds += dt
-        if self.on_step_metrics is not None:
+            self._c.record(out)
+        if out.rows and self.on_step_metrics is not None:
             try:
-                self.on_step_metrics(len(plan), dt)
+                self.on_step_metrics(out.rows, out.seconds)
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("on_step_metrics failed")
-        return events
+        return out.events
 
 
 def _deliver(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
