@@ -11,7 +11,9 @@ TESTS=${TESTS:-}
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
   echo "== gpu tests"
-  timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -8
+  timeout 170 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -8
+  echo "== parallel prefill vs token-by-token decode on the GPU (f32 tiny model, TF32 off: tests/conftest.py)"
+  timeout 120 python3 -m pytest tests/model/test_prefill.py -q -p no:cacheprovider -k "chunks0 or blocks" 2>&1 | tail -4
   echo "== kernels"
   timeout 280 python3 bench/kernels.py --reps "${REPS:-10}" --rows "${ROWS:-1,2,4,8}" --out "$OUT" 2>&1
   echo "== prefill (parallel vs token-serial, 4-layer V4-Flash dims)"

@@ -152,7 +152,7 @@ def test_indexer_ties_exact(n_rows: int) -> None:
 
 @pytest.mark.parametrize("n_rows", [1, 2, 5, 8])
 def test_indexer_single_segment(n_rows: int) -> None:
-    """Short rows (<= 4,096 entries): one launch scores, selects and sorts (no merge)."""
+    """Short rows (<= 4,096 entries): one launch scores and selects (no merge)."""
     rng = np.random.default_rng(90 + n_rows)
     positions = [int(x) for x in rng.choice([0, 3, 6, 2050, 4099, 9000, 16_383, 777], n_rows, replace=False)]
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
@@ -170,6 +170,26 @@ def test_indexer_single_segment(n_rows: int) -> None:
     want = np.array(indexer_rows_reference(batch, qi, wi, ki, topk=512))
     got = np.array(fast().indexer_rows_cuda(batch, qi, wi, ki, topk=512))
     assert_topk_equal(got, want, rows, qi, wi, ki, exact=True)
+
+
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_indexer_merge_without_bound(n_rows: int) -> None:
+    """topk 2048 over 262,144 entries: 32 segments x 2048 candidates. All-equal scores (w = 0) make the
+    segments' bound useless (every candidate passes it), so the merge takes its path over the whole
+    list in global memory; random scores take the filtered path. Both exact: ids 0..2047 for ties."""
+    rng = np.random.default_rng(120 + n_rows)
+    positions = [4 * 262_144 - 1] + [int(x) for x in rng.choice([9000, 70_001, 300_000], n_rows - 1, replace=False)]
+    rows, pages, bq, _ = rows_for(rng, positions, (4,))
+    batch = RowBatch.build(rows, PAGE)
+    q = mx.random.normal((bq, 16, 64)).astype(mx.bfloat16)
+    keys = mx.random.normal((pages[4], PAGE, 64)).astype(mx.bfloat16)
+    w = mx.random.normal((bq, 16))
+    for weights, exact in ((mx.zeros_like(w), True), (w, False)):
+        want = np.array(indexer_rows_reference(batch, q, weights, keys, topk=2048))
+        got = np.array(fast().indexer_rows_cuda(batch, q, weights, keys, topk=2048))
+        assert_topk_equal(got, want, rows, q, weights, keys, exact=exact)
+        if exact:  # every score is 0: the lowest ids, in order
+            np.testing.assert_array_equal(got[rows[0].q_row], np.arange(2048))
 
 
 # ---- sparse attention ---------------------------------------------------------------------
