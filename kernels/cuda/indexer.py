@@ -38,7 +38,7 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
-SINGLE_MAX = 4096  # a row's entries up to this: one segment block scores, selects and sorts (1 launch)
+SINGLE_MAX = 4096  # a row's entries up to this: one block scores and selects (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "ckeys", "cids", "cbound")
 
