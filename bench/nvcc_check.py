@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
+from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
@@ -52,15 +53,14 @@ def units() -> dict[str, str]:
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("opart", F32), ("ml", F32)], part_t + [("ONE", one)],
-            asrc.PARTIAL)  # fmt: skip
-    if hasattr(asrc, "DSPLIT"):
-        for ds in (1, 4, 8):
-            out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
-                                                 asrc.DSPLIT)  # fmt: skip
+            wsrc.PARTIAL)  # fmt: skip
+    for ds in (1, 4, 8):
+        out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
+                                             wsrc.DSPLIT)  # fmt: skip
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
     out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE)
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
-    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], asrc.DSPLIT)
+    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT)
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
                                      ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip

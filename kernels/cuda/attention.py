@@ -28,7 +28,8 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
-from kernels.cuda.attention_src import COMBINE, DSPLIT, PARTIAL, WIDE
+from kernels.cuda.attention_src import COMBINE, WIDE
+from kernels.cuda.attention_wmma_src import DSPLIT, PARTIAL
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference

@@ -1,0 +1,226 @@
+"""CUDA device code of indexer_rows (launch plans: kernels/cuda/indexer.py).
+
+`SEGMENT` (score + top-k of one segment, + its filter bound) and `SINGLE` (a whole short row, ids
+straight to the output) share the scoring body `SCORE`; `MERGE` is the per-row top-k over the
+segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST (+ LDC, NSEG: segment;
+TOPK, L, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
+"""
+
+from __future__ import annotations
+
+PRE = r"""
+  constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);                               // [ST][CH][LDK]: ST-stage pipeline
+  float* part = reinterpret_cast<float*>(Ks + ST * CH * LDK);           // [HT][CH]
+  unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]
+  unsigned int* hist = skey + SEG;                                       // [2048]
+  __shared__ int wsum[NWARP];
+  __shared__ int sh[2];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+"""
+HEAD_SEG = r"""  const int seg = blockIdx.x, b = blockIdx.y;
+  const int p = positions[b];
+  const int n = p / 4 + ((p % 4) == 3 ? 1 : 0);
+  const int s0 = seg * SEG;
+  const int nv = max(0, min(SEG, n - s0));
+  const size_t obase = (size_t)b * LDC + (size_t)seg * TOPK;
+  unsigned int* ok = ckeys + obase;
+  int* oi = cids + obase;
+  if (nv == 0) {
+    for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+    if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
+    return;
+  }
+"""
+HEAD_FINAL = r"""  // one segment holds the row: z runs over the q rows, rows no batch row names get -1
+  const int r = blockIdx.y;
+  int b = -1;
+  for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == r) b = i;
+  int* o = out + (size_t)r * TOPK;
+  int n = 0;
+  if (b >= 0) { const int p = positions[b]; n = p / 4 + ((p % 4) == 3 ? 1 : 0); }
+  const int s0 = 0, nv = min(SEG, n);
+  if (nv == 0) {
+    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
+    return;
+  }
+"""
+SCORE = r"""  const int tw = table_shape[1];
+  const int qr = q_rows[b];
+  const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
+  uint32_t qa[KS][4];
+  {
+    const T* qb = q + ((size_t)qr * NI + ht * 16) * DI;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      qa[ks][0] = *reinterpret_cast<const uint32_t*>(qb + g * DI + ks * 16 + c2);
+      qa[ks][1] = *reinterpret_cast<const uint32_t*>(qb + (g + 8) * DI + ks * 16 + c2);
+      qa[ks][2] = *reinterpret_cast<const uint32_t*>(qb + g * DI + ks * 16 + c2 + 8);
+      qa[ks][3] = *reinterpret_cast<const uint32_t*>(qb + (g + 8) * DI + ks * 16 + c2 + 8);
+    }
+  }
+  const float w0 = weights[(size_t)qr * NI + ht * 16 + g], w1 = weights[(size_t)qr * NI + ht * 16 + g + 8];
+  const int nch = (nv + CH - 1) / CH;
+  auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
+    if (c < nch) {
+      T* dst = Ks + (c % ST) * CH * LDK;
+      if (PAGE % CH == 0) {  // the chunk lies in one page (chunks start at multiples of CH): one table read
+        const int idx0 = s0 + c * CH;
+        const T* base = keys + ((size_t)table[(size_t)b * tw + idx0 / PAGE] * PAGE + idx0 % PAGE) * DI;
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const bool ok = c * CH + e < nv;
+          dsv4_cp16(dst + e * LDK + v * 8, ok ? base + e * DI + v * 8 : keys, ok ? 16 : 0);
+        }
+      } else {
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const int idx = s0 + c * CH + e;
+          const T* src = keys;
+          int bytes = 0;
+          if (c * CH + e < nv) {
+            const int pg = table[(size_t)b * tw + idx / PAGE];
+            src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
+            bytes = 16;
+          }
+          dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
+        }
+      }
+    }
+    dsv4_cp_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < ST - 1; ++c) load(c);
+  for (int c = 0; c < nch; ++c) {
+    dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)
+    __syncthreads();         // ... everyone's; and everyone is done with chunk c - 1's buffer
+    load(c + ST - 1);
+    const T* kb = Ks + (c % ST) * CH * LDK;
+    for (int kt = kg; kt < CH / 8; kt += KG) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
+      // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
+      const T* kr = kb + (kt * 8 + (lane & 7)) * LDK + (lane >> 4) * 16 + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < KS; ks += 2) {
+        uint32_t bf[4];
+        dsv4_ldsm4(bf, kr + ks * 16);
+        dsv4_mma(acc, qa[ks], bf[0], bf[1], T());
+        if (ks + 1 < KS) dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());
+      }
+      // acc: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
+      float sa = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);
+      float sb = w0 * fmaxf(acc[1], 0.f) + w1 * fmaxf(acc[3], 0.f);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        sa += __shfl_xor_sync(0xffffffffu, sa, o);
+        sb += __shfl_xor_sync(0xffffffffu, sb, o);
+      }
+      if (lane < 4) { part[ht * CH + kt * 8 + c2] = sa; part[ht * CH + kt * 8 + c2 + 1] = sb; }
+    }
+    __syncthreads();  // part is full
+    if (tid < CH && c * CH + tid < nv) {
+      float s = 0.f;
+#pragma unroll
+      for (int h = 0; h < HT; ++h) s += part[h * CH + tid];
+      skey[c * CH + tid] = dsv4_okey(s);
+    }
+  }
+  __syncthreads();
+"""
+TAIL_SEG = r"""  const int K = min(TOPK, nv);
+  unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
+  int need_eq = nv;
+  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
+  // the merge's filter bound: this segment's m-th largest key, m = ceil(min(TOPK, n) / the row's
+  // segments), so the row has at least min(TOPK, n) keys >= the least of its segments' bounds
+  // (0, no filtering, if this segment has fewer than m entries)
+  const int nsr = (n + SEG - 1) / SEG;
+  const int m = (min(TOPK, n) + nsr - 1) / nsr;
+  unsigned int bm = 0u;
+  if (nv >= m) {
+    int e2;
+    dsv4_radix_kth<NT>(skey, nv, m, hist, wsum, sh, bm, e2);
+  }
+  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
+  for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+"""
+TAIL_FINAL = r"""  const int K = min(TOPK, nv);
+  unsigned int thr = 0u;
+  int need_eq = nv;
+  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { o[pos] = i; });  // ascending ids
+  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
+"""
+SEGMENT = PRE + HEAD_SEG + SCORE + TAIL_SEG
+SINGLE = PRE + HEAD_FINAL + SCORE + TAIL_FINAL
+
+MERGE = r"""
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
+  int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
+  __shared__ unsigned int hist[2048];
+  __shared__ int wsum[32];
+  __shared__ int sh[3];
+  const int r = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nb = positions_shape[0];
+  int b = -1;
+  for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
+  int* o = out + (size_t)r * TOPK;
+  int K = 0;
+  if (b >= 0) {
+    const int p = positions[b];
+    K = min(TOPK, p / 4 + ((p % 4) == 3 ? 1 : 0));
+  }
+  if (K == 0) {
+    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
+    return;
+  }
+  const int ld = ckeys_shape[1];
+  const unsigned int* keys = ckeys + (size_t)b * ld;
+  const int* ids = cids + (size_t)b * ld;
+  if (warp == 0) {  // the least of the segments' bounds: at least K candidates are >= it
+    unsigned int v = 0xffffffffu;
+    for (int s = lane; s < NSEG; s += 32) v = min(v, cbound[(size_t)b * NSEG + s]);
+    for (int sft = 16; sft > 0; sft >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, sft));
+    if (lane == 0) sh[2] = (int)v;
+  }
+  __syncthreads();
+  const unsigned int bound = (unsigned int)sh[2];
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write)
+  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
+  int cnt = 0;
+  for (int i = w0 + lane; i < w1; i += 32) cnt += keys[i] >= bound ? 1 : 0;
+  for (int sft = 16; sft > 0; sft >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
+  const int off = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? cnt : 0, wsum), 0);
+  if (warp == NW - 1 && lane == 0) sh[2] = off + cnt;
+  __syncthreads();
+  const int n2 = sh[2];
+  unsigned int thr;
+  int need_eq;
+  if (n2 <= CAPC) {
+    int pos = off;
+    for (int base = w0; base < w1; base += 32) {
+      const int i = base + lane;
+      const unsigned int v = i < w1 ? keys[i] : 0u;
+      const bool t = i < w1 && v >= bound;
+      const unsigned int bal = __ballot_sync(0xffffffffu, t);
+      if (t) {
+        const int q = pos + __popc(bal & ((1u << lane) - 1u));
+        ck[q] = v;
+        cpos[q] = i;
+      }
+      pos += __popc(bal);
+    }
+    __syncthreads();
+    dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
+    dsv4_take<NT>(ck, n2, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[cpos[i]]; });
+  } else {  // the bound filtered too little: select over the whole list in global memory
+    dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
+    dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[i]; });
+  }
+  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
+"""
