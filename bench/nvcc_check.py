@@ -53,14 +53,16 @@ def units() -> dict[str, str]:
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("opart", F32), ("ml", F32)], part_t + [("ONE", one)],
-            wsrc.PARTIAL)  # fmt: skip
+            wsrc.PARTIAL, header=asrc.ATTN_HELPERS)  # fmt: skip
     for ds in (1, 4, 8):
         out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
-                                             wsrc.DSPLIT)  # fmt: skip
+                                             wsrc.DSPLIT, header=asrc.ATTN_HELPERS)  # fmt: skip
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
-    out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE)
+    out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE,
+                                  header=asrc.ATTN_HELPERS)  # fmt: skip
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
-    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT)
+    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT,
+                                        header=asrc.ATTN_HELPERS)  # fmt: skip
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
                                      ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip

@@ -17,6 +17,93 @@ kernels, `DSPLIT` and `PARTIAL`, are in attention_wmma_src.py.
 
 from __future__ import annotations
 
+# Device helpers shared by the three attention kernels (template arguments: the kernels' constants).
+ATTN_HELPERS = r"""
+// Chunk c of a row's key list (window ring rows 0..W-1, then its KI selected ids): thread t < CK writes
+// key c * CK + t's element offset in `window` (kwin 1) or `pool` (kwin 0) to koff[t], -1 when masked
+// (ring row not written yet, id -1, or an entry the row has not emitted yet).
+template <int D, int PAGE, int CK>
+__device__ __forceinline__ void dsv4_chunk_offsets(int c, int W, int KI, int nwin, int ncomp, int slot,
+                                                   const int* ind_row, const int* table_row, long long* koff,
+                                                   int* kwin) {
+  const int t = threadIdx.x;
+  if (t >= CK) return;
+  const int j = c * CK + t;
+  long long off = -1;
+  int win = 1;
+  if (j < W) {
+    if (j < nwin) off = ((long long)slot * W + j) * D;
+  } else if (j < W + KI) {
+    win = 0;
+    const int id = ind_row[j - W];
+    if (id >= 0 && id < ncomp) {
+      const int pg = table_row[id / PAGE];
+      off = ((long long)pg * PAGE + id % PAGE) * D;
+    }
+  }
+  koff[t] = off;
+  kwin[t] = win;
+}
+// The chunk's keys into Ks [CK][LDK] by cp.async (no register staging; masked ones zero-filled).
+template <typename T, int D, int CK, int LDK, int NT>
+__device__ __forceinline__ void dsv4_gather_keys(T* Ks, const long long* koff, const int* kwin, const T* window,
+                                                 const T* pool) {
+  constexpr int VPR = D / 8;
+  for (int i = threadIdx.x; i < CK * VPR; i += NT) {
+    const int e = i / VPR, v = i - e * VPR;
+    const long long off = koff[e];
+    const T* src = (kwin[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
+    dsv4_cp16(Ks + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
+  }
+}
+// wmma S = Q K^T of 16 heads x CK keys, 8 warps: warp (key tile w % 4, half of D w / 4); the two
+// halves' partial sums go to Ss [2][HG][CK] (the softmax adds them).
+template <typename T, int D, int HG, int CK, int LDK>
+__device__ __forceinline__ void dsv4_qk_wmma(const T* Qs, const T* Kb, float* Ss) {
+  using namespace nvcuda;
+  const int warp = threadIdx.x >> 5, kt = warp & 3, half = warp >> 2;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.f);
+  for (int ks = half * (D / 32); ks < (half + 1) * (D / 32); ++ks) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+    wmma::load_matrix_sync(fa, Qs + ks * 16, LDK);
+    wmma::load_matrix_sync(fb, Kb + kt * 16 * LDK + ks * 16, LDK);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
+}
+// Online softmax update over one 64-key chunk, one warp per head: P (numerators at the new max) to Ps,
+// the running (max, sum) updated, alpha = the old O's rescale factor per head.
+template <typename T, int HG, int CK, int LDP, int NWARP>
+__device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long long* koff, float scale, float* mrun,
+                                                    float* lrun, float* alpha, T* Ps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int hh = 0; hh < HG / NWARP; ++hh) {
+    const int h = warp * (HG / NWARP) + hh;
+    const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
+    const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
+    const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
+    float m = fmaxf(s0, s1);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float mold = mrun[h];
+    const float mnew = fmaxf(mold, m);
+    const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
+    float l = p0 + p1;
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    Ps[h * LDP + lane] = dsv4_t<T>(p0);
+    Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+    __syncwarp();
+    if (lane == 0) {
+      const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
+      alpha[h] = a;
+      lrun[h] = lrun[h] * a + l;
+      mrun[h] = mnew;
+    }
+  }
+}
+"""
+
 WIDE = r"""
   using namespace nvcuda;
   // mma.sync / ldmatrix layout: 8 warps, HG = 64 (4 head tiles), CK = 64 keys, D a multiple of 128
@@ -38,7 +125,7 @@ WIDE = r"""
   const int tw = table_shape[1];
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int nwin = min(p, W - 1) + 1;
-  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const int ncomp = dsv4_emitted(p, RATIO);
   const float scale = fparams[0];
   const size_t ob = ((size_t)b * nsplit + c) * NH + g * HG;  // this split's first head row
   // q rows in flight (cp.async) while the chunk's key offsets are looked up
@@ -48,35 +135,14 @@ WIDE = r"""
     dsv4_cp16(Qs + h * LDK + v * 8, qb + (size_t)h * D + v * 8, 16);
   }
   dsv4_cp_commit();
-  if (tid < CK) {
-    const int j = c * CK + tid;
-    long long off = -1;
-    int win = 1;
-    if (j < W) {
-      if (j < nwin) off = ((long long)slot * W + j) * D;
-    } else if (j < W + KI) {
-      win = 0;
-      const int id = indices[(size_t)qr * KI + (j - W)];
-      if (id >= 0 && id < ncomp) {
-        const int pg = table[b * tw + id / PAGE];
-        off = ((long long)pg * PAGE + id % PAGE) * D;
-      }
-    }
-    koff[tid] = off;
-    kwin[tid] = win;
-  }
+  dsv4_chunk_offsets<D, PAGE, CK>(c, W, KI, nwin, ncomp, slot, indices + (size_t)qr * KI, table + b * tw, koff, kwin);
   const int any = __syncthreads_or(tid < CK && koff[tid] >= 0);
   if (!any) {  // nothing to attend in this chunk: an empty split (the combine skips m = -inf)
     if (tid < HG) { ml[(ob + tid) * 2] = -INFINITY; ml[(ob + tid) * 2 + 1] = 0.f; }
     dsv4_cp_wait<0>();
     return;
   }
-  for (int i = tid; i < CK * VPR; i += THREADS) {
-    const int e = i / VPR, v = i - e * VPR;
-    const long long off = koff[e];
-    const T* src = (kwin[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
-    dsv4_cp16(Ks + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
-  }
+  dsv4_gather_keys<T, D, CK, LDK, THREADS>(Ks, koff, kwin, window, pool);
   dsv4_cp_commit();
   dsv4_cp_wait<0>();
   __syncthreads();

@@ -34,42 +34,19 @@ DSPLIT = r"""
   const int tw = table_shape[1];
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int nwin = min(p, W - 1) + 1;
-  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const int ncomp = dsv4_emitted(p, RATIO);
   const int nchunk = (W + KI + CK - 1) / CK;
   const float scale = fparams[0];
-  // chunk c's key offsets (window ring rows, then the selected ids; -1: masked) into koff[c & 1]
-  auto offsets = [&](int c) {
-    if (tid < CK) {
-      const int j = c * CK + tid;
-      long long off = -1;
-      int win = 1;
-      if (j < W) {
-        if (j < nwin) off = ((long long)slot * W + j) * D;
-      } else if (j < W + KI) {
-        win = 0;
-        const int id = indices[(size_t)qr * KI + (j - W)];
-        if (id >= 0 && id < ncomp) {
-          const int pg = table[b * tw + id / PAGE];
-          off = ((long long)pg * PAGE + id % PAGE) * D;
-        }
-      }
-      koff[(c & 1) * CK + tid] = off;
-      kwin[(c & 1) * CK + tid] = win;
-    }
+  const int* ind_row = indices + (size_t)qr * KI;
+  const int* table_row = table + b * tw;
+  auto offsets = [&](int c) {  // chunk c's key offsets into koff[c & 1]
+    dsv4_chunk_offsets<D, PAGE, CK>(c, W, KI, nwin, ncomp, slot, ind_row, table_row, koff + (c & 1) * CK,
+                                    kwin + (c & 1) * CK);
   };
-  // chunk c's keys into Ks[c & 1] by cp.async (masked ones zero-filled); always commits a group
-  auto fetch = [&](int c) {
-    if (c < nchunk) {
-      const long long* ko = koff + (c & 1) * CK;
-      const int* kw = kwin + (c & 1) * CK;
-      T* kd = Ks + (c & 1) * CK * LDK;
-      for (int i = tid; i < CK * VPR; i += THREADS) {
-        const int e = i / VPR, v = i - e * VPR;
-        const long long off = ko[e];
-        const T* src = (kw[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
-        dsv4_cp16(kd + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
-      }
-    }
+  auto fetch = [&](int c) {  // chunk c's keys into Ks[c & 1]; always commits a group (maybe empty)
+    if (c < nchunk)
+      dsv4_gather_keys<T, D, CK, LDK, THREADS>(Ks + (c & 1) * CK * LDK, koff + (c & 1) * CK, kwin + (c & 1) * CK,
+                                               window, pool);
     dsv4_cp_commit();
   };
   const uint4* qsrc = reinterpret_cast<const uint4*>(q + ((size_t)qr * NH + g * HG) * D);
@@ -90,42 +67,9 @@ DSPLIT = r"""
     __syncthreads();                     // ... everyone's
     const T* kb = Ks + (c & 1) * CK * LDK;
     const long long* ko = koff + (c & 1) * CK;
-    {  // S = Q K^T: warp (key tile kt, half of D)
-      const int kt = warp & 3, half = warp >> 2;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int ks = half * (D / 32); ks < (half + 1) * (D / 32); ++ks) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, Qs + ks * 16, LDK);
-        wmma::load_matrix_sync(fb, kb + kt * 16 * LDK + ks * 16, LDK);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
-    }
+    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, kb, Ss);
     __syncthreads();
-    for (int hh = 0; hh < HG / NWARP; ++hh) {  // online softmax, one warp per head
-      const int h = warp * (HG / NWARP) + hh;
-      const bool v0 = ko[lane] >= 0, v1 = ko[lane + 32] >= 0;
-      const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
-      const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
-      float m = fmaxf(s0, s1);
-      for (int sh = 16; sh > 0; sh >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, sh));
-      const float mold = mrun[h];
-      const float mnew = fmaxf(mold, m);
-      const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
-      float l = p0 + p1;
-      for (int sh = 16; sh > 0; sh >>= 1) l += __shfl_xor_sync(0xffffffffu, l, sh);
-      Ps[h * LDP + lane] = dsv4_t<T>(p0);
-      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-      __syncwarp();
-      if (lane == 0) {
-        const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
-        alpha[h] = a;
-        lrun[h] = lrun[h] * a + l;
-        mrun[h] = mnew;
-      }
-    }
+    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko, scale, mrun, lrun, alpha, Ps);
     __syncthreads();
     for (int i = tid; i < HG * DSL; i += THREADS) {
       const int h = i / DSL, d = i - h * DSL;
@@ -183,7 +127,7 @@ PARTIAL = r"""
   const int tw = table_shape[1];
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int nwin = min(p, W - 1) + 1;
-  const int ncomp = RATIO ? (p / (RATIO ? RATIO : 1) + ((p % (RATIO ? RATIO : 1)) == RATIO - 1 ? 1 : 0)) : 0;
+  const int ncomp = dsv4_emitted(p, RATIO);
   const int nchunk = (W + KI + CK - 1) / CK;
   const int per = (nchunk + nsplit - 1) / nsplit;
   const int c0 = split * per, c1 = min(nchunk, c0 + per);
@@ -197,71 +141,17 @@ PARTIAL = r"""
   if (tid < HG) { mrun[tid] = -INFINITY; lrun[tid] = 0.f; }
   for (int c = c0; c < c1; ++c) {
     __syncthreads();
-    if (tid < CK) {
-      const int j = c * CK + tid;
-      long long off = -1;
-      int win = 1;
-      if (j < W) {
-        if (j < nwin) off = ((long long)slot * W + j) * D;
-      } else if (j < W + KI) {
-        win = 0;
-        const int id = indices[(size_t)qr * KI + (j - W)];
-        if (id >= 0 && id < ncomp) {
-          const int pg = table[b * tw + id / PAGE];
-          off = ((long long)pg * PAGE + id % PAGE) * D;
-        }
-      }
-      koff[tid] = off;
-      kwin[tid] = win;
-    }
+    dsv4_chunk_offsets<D, PAGE, CK>(c, W, KI, nwin, ncomp, slot, indices + (size_t)qr * KI, table + b * tw, koff,
+                                    kwin);
     const int any = __syncthreads_or(tid < CK && koff[tid] >= 0);
     if (!any) continue;
-    // keys by cp.async (no register staging; invalid ones zero-filled)
-    for (int i = tid; i < CK * VPR; i += THREADS) {
-      const int e = i / VPR, v = i - e * VPR;
-      const long long off = koff[e];
-      const T* src = (kwin[e] ? window : pool) + (off >= 0 ? off : 0) + v * 8;
-      dsv4_cp16(Ks + e * LDK + v * 8, src, off >= 0 ? 16 : 0);
-    }
+    dsv4_gather_keys<T, D, CK, LDK, THREADS>(Ks, koff, kwin, window, pool);
     dsv4_cp_commit();
     dsv4_cp_wait<0>();
     __syncthreads();
-    {
-      const int kt = warp & 3, half = warp >> 2;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int ks = half * (D / 32); ks < (half + 1) * (D / 32); ++ks) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, Qs + ks * 16, LDK);
-        wmma::load_matrix_sync(fb, Ks + kt * 16 * LDK + ks * 16, LDK);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
-      wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
-    }
+    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, Ks, Ss);
     __syncthreads();
-    for (int hh = 0; hh < HG / NWARP; ++hh) {
-      const int h = warp * (HG / NWARP) + hh;
-      const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
-      const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
-      const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
-      float m = fmaxf(s0, s1);
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      const float mold = mrun[h];
-      const float mnew = fmaxf(mold, m);
-      const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
-      float l = p0 + p1;
-      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-      Ps[h * LDP + lane] = dsv4_t<T>(p0);
-      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-      __syncwarp();
-      if (lane == 0) {
-        const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
-        alpha[h] = a;
-        lrun[h] = lrun[h] * a + l;
-        mrun[h] = mnew;
-      }
-    }
+    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, koff, scale, mrun, lrun, alpha, Ps);
     __syncthreads();
     if (!ONE) {
       for (int i = tid; i < HG * D; i += THREADS) {

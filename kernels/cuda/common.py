@@ -60,6 +60,8 @@ __device__ __forceinline__ void dsv4_ldsm4t(uint32_t* r, const void* smem) {
 }
 __device__ __forceinline__ void dsv4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void dsv4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// Compressed entries a row at position p has emitted at ratio r (0: none): (p + 1) / r.
+__device__ __forceinline__ int dsv4_emitted(int p, int r) { return r ? (p + 1) / r : 0; }
 // Order-preserving uint32 of a float score (-0 -> +0, so equal scores give equal keys).
 __device__ __forceinline__ unsigned int dsv4_okey(float s) {
   const unsigned int bits = __float_as_uint(s == 0.f ? 0.f : s);

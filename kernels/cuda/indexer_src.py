@@ -21,7 +21,7 @@ PRE = r"""
 """
 HEAD_SEG = r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
-  const int n = p / 4 + ((p % 4) == 3 ? 1 : 0);
+  const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
   const int nv = max(0, min(SEG, n - s0));
   const size_t obase = (size_t)b * LDC + (size_t)seg * TOPK;
@@ -39,7 +39,7 @@ HEAD_FINAL = r"""  // one segment holds the row: z runs over the q rows, rows no
   for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == r) b = i;
   int* o = out + (size_t)r * TOPK;
   int n = 0;
-  if (b >= 0) { const int p = positions[b]; n = p / 4 + ((p % 4) == 3 ? 1 : 0); }
+  if (b >= 0) { const int p = positions[b]; n = dsv4_emitted(p, 4); }
   const int s0 = 0, nv = min(SEG, n);
   if (nv == 0) {
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
@@ -173,7 +173,7 @@ MERGE = r"""
   int K = 0;
   if (b >= 0) {
     const int p = positions[b];
-    K = min(TOPK, p / 4 + ((p % 4) == 3 ? 1 : 0));
+    K = min(TOPK, dsv4_emitted(p, 4));
   }
   if (K == 0) {
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
