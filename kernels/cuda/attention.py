@@ -115,24 +115,23 @@ class Plan:
         ds = dsplit_slices(bq, groups, d)
         self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d, ds) <= SMEM_MAX
         self.fparams = f32_params(scale)
-        self.part_tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("HG", HG), ("CK", CK),
-                          ("THREADS", THREADS)]  # fmt: skip
+        tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("CK", CK), ("THREADS", THREADS)]
         if self.final:  # grid z over the q rows, the normalized output straight from the kernel
             self.part = kernel("attn_dsplit", PART_IN, ("out",), DSPLIT, dsplit_smem(d, ds), ATTN_HELPERS)
-            self.part_tmpl += [("DS", ds)]
+            self.part_tmpl = tmpl + [("HG", HG), ("DS", ds)]
             self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]
         elif nh % WIDE_HG == 0 and d % 128 == 0 and wide_smem(d) <= SMEM_MAX and \
                 b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
             self.part = kernel("attn_wide", PART_IN, ("opart", "ml"), WIDE, wide_smem(d), ATTN_HELPERS)
-            self.part_tmpl[4] = ("HG", WIDE_HG)
+            self.part_tmpl = tmpl + [("HG", WIDE_HG)]
             self.part_grid = (nchunk * THREADS, nh // WIDE_HG, b)
             self.part_shapes = [(b, nchunk, nh, d), (b, nchunk, nh, 2)]
         else:
             ns = splits(b, groups, nchunk)
             one = ns == nchunk
             self.part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d, one), ATTN_HELPERS)
-            self.part_tmpl += [("ONE", one)]
+            self.part_tmpl = tmpl + [("HG", HG), ("ONE", one)]
             self.part_grid = (ns * THREADS, groups, b)
             self.part_shapes = [(b, ns, nh, d), (b, ns, nh, 2)]
         if not self.final:
