@@ -1,0 +1,98 @@
+"""Where a chained call's wall time goes: host graph building vs GPU (run once per MLX env setting).
+
+`mx.async_eval` runs every node's `eval_gpu` (argument marshalling, CUDA-graph node, commits) on the
+calling thread and returns before the GPU is done, so its time is the host's share; the wait after
+it is what the GPU still had to do. Prints one JSON line per case with both, per call.
+
+Cases: trivial kernels chained 100 deep (1 input; 16 inputs; a 24 KB source) to price one node,
+the op cases of bench/cases.py in a compiled chain, and chain43. Env knobs MLX reads once at start
+(MLX_MAX_MB_PER_BUFFER, MLX_MAX_OPS_PER_BUFFER, MLX_USE_CUDA_GRAPHS) are set by the caller
+(bench/gpu_host_cost.sh runs every setting in its own process).
+
+    python bench/host_cost.py [--reps 20] [--cases indexer_rows:8:131072,...] [--no-chain43]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from bench.cases import chain43, make_case  # noqa: E402
+
+ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
+
+
+def split(run: Callable[[], Any], reps: int, per: int) -> dict[str, float]:
+    for _ in range(3):
+        mx.eval(run())
+    mx.synchronize()
+    host, total = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = run()
+        mx.async_eval(out)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e6 / per)
+        total.append((t2 - t0) * 1e6 / per)
+    return {"host_us": round(statistics.median(host), 2), "total_us": round(statistics.median(total), 2)}
+
+
+def trivial(n_inputs: int, pad: int, depth: int = 100) -> Callable[[], Any]:
+    """`depth` dependent launches of a 1-block kernel with `n_inputs` inputs and `pad` bytes of source."""
+    names = [f"in{i}" for i in range(n_inputs)]
+    src = "/*" + "x" * pad + "*/\n" if pad else ""
+    src += "int i = threadIdx.x; out[i] = in0[i] + 1.0f;"
+    k = mx.fast.cuda_kernel(name=f"triv_{n_inputs}_{pad}", input_names=names, output_names=["out"], source=src)
+    xs = [mx.zeros((32,)) for _ in range(n_inputs)]
+    mx.eval(xs)
+
+    def chain() -> Any:
+        x = xs[0]
+        for _ in range(depth):
+            x = k(inputs=[x] + xs[1:], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                  threadgroup=(32, 1, 1))[0]  # fmt: skip
+        return x
+
+    return mx.compile(chain)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--chain", type=int, default=10)
+    ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
+                    "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
+    ap.add_argument("--no-chain43", action="store_true")
+    opt = ap.parse_args()
+    env = {k: os.environ[k] for k in ENV if k in os.environ}
+
+    def emit(name: str, r: dict[str, float]) -> None:
+        print(json.dumps({"case": name, "env": env} | r), flush=True)
+
+    for n_in, pad in ((1, 0), (16, 0), (1, 24000)):
+        emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
+    for spec in opt.cases.split(","):
+        op, rows, ctx = spec.split(":")
+        case = make_case(op, int(rows), int(ctx))
+        emit(spec, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
+        del case
+    if not opt.no_chain43:
+        ch = chain43(8, 8192)
+        emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))
+
+
+if __name__ == "__main__":
+    main()
