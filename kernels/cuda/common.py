@@ -86,6 +86,21 @@ _kernels: dict[tuple[str, int], Any] = {}  # one source per name
 _consts: dict[tuple[Any, ...], mx.array] = {}
 
 
+def minify(src: str) -> str:
+    """Device code without comments, indentation or blank lines. MLX hashes a custom kernel's whole
+    source on every launch (its module cache key), about 0.2 us per KB on the H200's host, so the
+    text it gets is kept short. Line breaks stay (preprocessor lines); lines with a string keep
+    their comments (an `asm` template may hold `//`)."""
+    out = []
+    for line in src.splitlines():
+        s = line.strip()
+        if '"' not in s and "//" in s:
+            s = s[: s.index("//")].rstrip()
+        if s:
+            out.append(s)
+    return "\n".join(out)
+
+
 def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str, shared_memory: int = 0,
            header: str = "") -> Any:  # fmt: skip
     """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest.
@@ -98,8 +113,8 @@ def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str
             name=f"dsv4_{name}_{digest}",
             input_names=list(inputs),
             output_names=list(outputs),
-            source=source,
-            header=HEADER + header,
+            source=minify(source),
+            header=minify(HEADER + header),
             ensure_row_contiguous=True,
             shared_memory=shared_memory,
         )
@@ -139,7 +154,7 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
         "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
         "#include <cooperative_groups.h>", "#include <cuda/std/limits>",
         "struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };",
-        HEADER, header, "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
+        minify(HEADER + header), "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
         f"__global__ void {name}(",
     ]
     params = []
@@ -157,7 +172,7 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
             lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
         else:
             lines.append(f"  constexpr int {n} = {v};")
-    lines += [source, "}", "}"]
+    lines += [minify(source), "}", "}"]
     return "\n".join(lines)
 
 
