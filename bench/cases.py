@@ -120,7 +120,8 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
     mx.eval(q, window, pool, ind, sinks)
 
     def call_a(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
-        return impl(b, _dep(q, prev), window, pool, ind, sinks, scale=D**-0.5, ratio=4)
+        # the previous call's output (q's shape and dtype) is this call's q: a data link, no extra op
+        return impl(b, q if prev is None else prev, window, pool, ind, sinks, scale=D**-0.5, ratio=4)
 
     return Case(op, rows * ((W + TOPK) * D * 2 + 2 * NH * D * 2), call_a, batch, singles, None)
 
@@ -184,30 +185,40 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
         mx.eval(st)
         return st
 
-    def comp(impl: Any, cs: Any, s: dict[str, mx.array], h: Any, kk: str, ks: str, pk: str, ratio: int,
+    def comp(impl: Any, xs: dict[str, mx.array], s: dict[str, mx.array], kk: str, ks: str, pk: str, ratio: int,
              d: int) -> None:  # fmt: skip
-        kv, sc = cs["x"][str((2 if ratio == 4 else 1) * d)]
-        s[kk], s[ks], s[pk] = impl(batch, _dep(kv, h), sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
+        kv, sc = xs[str((2 if ratio == 4 else 1) * d)]
+        s[kk], s[ks], s[pk] = impl(batch, kv, sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
                                    ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
 
     def step_with(ops: dict[str, Any]) -> Callable[[Any], Any]:
         def step(cs: dict[str, Any], state: list[dict[str, mx.array]]) -> Any:
-            h: Any = None
-            q, qi = cs["q"], cs["qi"]
+            # Links as in a real step: the attention output h is the next layer's q, and a layer's
+            # other inputs (the compressors' kv / score, the indexer's q; projections of h in the
+            # model) wait for h through one mx.depends per layer. Inside a layer the ops are linked
+            # by their data: pools -> indexer / attention, top-k ids -> attention.
+            h: Any = cs["q"]
             new = []
-            for k, s in zip(kinds, state, strict=True):
+            for i, (k, s) in enumerate(zip(kinds, state, strict=True)):
                 s = dict(s)
                 attn = ops["sparse_attention_rows"]
                 if k == 0:
-                    h = attn(batch, _dep(q, h), s["win"], None, None, sinks, scale=D**-0.5)
-                elif k == 4:
-                    comp(ops["compressor_rows"], cs, s, h, "ck", "cs", "ckv", 4, D)
-                    comp(ops["compressor_rows"], cs, s, h, "ikv", "is", "ik", 4, DI)
-                    ind = ops["indexer_rows"](batch, _dep(qi, h), wi, s["ik"], topk=TOPK)
-                    h = attn(batch, _dep(q, h), s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4)
+                    h = attn(batch, h, s["win"], None, None, sinks, scale=D**-0.5)
+                    new.append(s)
+                    continue
+                names = [str(c) for c in ((2 * D, 2 * DI) if k == 4 else (D,))]
+                flat = [v for n in names for v in cs["x"][n]] + ([cs["qi"]] if k == 4 else [])
+                if i > 0:
+                    flat = mx.depends(flat, [h])
+                xs = {n: (flat[2 * j], flat[2 * j + 1]) for j, n in enumerate(names)}
+                if k == 4:
+                    comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D)
+                    comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI)
+                    ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK)
+                    h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4)
                 else:
-                    comp(ops["compressor_rows"], cs, s, h, "ck", "cs", "ckv", 128, D)
-                    h = attn(batch, _dep(q, h), s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
+                    comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D)
+                    h = attn(batch, h, s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
                 new.append(s)
             return h, new
 

@@ -3,7 +3,8 @@
 Per op, rows in {1, 2, 4, 8}, context in {8K, 128K, 1M}: reference time, fast time, the same rows
 as single-row fast calls, bytes moved / time against the byte floor (a plain copy measured in the
 same run), the launch floor (one trivial `cuda_kernel` in a chain) and the eval floor. Times per
-call come from a chain of N dependent calls (`mx.depends`) with one eval, medians over >= 15
+call come from a chain of N dependent calls with one eval (attention: each output is the next q; compressor:
+the state; indexer: `mx.depends` on the last ids), medians over >= 15
 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step.
 

@@ -32,14 +32,13 @@ def units() -> dict[str, str]:
     seg_in = [("positions", I32, True), ("q_rows", I32, False), ("table", I32, True), ("q", BF, False),
               ("weights", F32, False), ("keys", BF, False)]  # fmt: skip
     seg_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.STAGES)]
-    merge_in = [("positions", I32, True), ("q_rows", I32, False), ("ckeys", U32, True), ("cids", I32, False),
-                ("cbound", U32, False)]  # fmt: skip
+    merge_in = [("positions", I32, True), ("q_rows", I32, False), ("cand", U32, False)]
     part_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, True),
                ("q", BF, True), ("window", BF, True), ("pool", BF, False), ("indices", I32, True),
                ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
-    out["idx_segment"] = standalone("idx_segment", seg_in, [("ckeys", U32), ("cids", I32), ("cbound", U32)],
+    out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
                                     seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
     out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048)], ix.SINGLE,
@@ -48,31 +47,33 @@ def units() -> dict[str, str]:
     out["idx_single_tiny"] = standalone("idx_single", seg_in, [("out", I32)], tiny_seg + [("SEG", 1024)], ix.SINGLE,
                                         header=HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
-                                  [("TOPK", 512), ("L", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)], ix.MERGE,
-                                  header=HELPERS)  # fmt: skip
+                                  [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)],
+                                  ix.MERGE, header=HELPERS)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
-            "attn_partial", part_in, [("opart", F32), ("ml", F32)], part_t + [("ONE", one)],
+            "attn_partial", part_in, [("part", F32)], part_t + [("ONE", one)],
             wsrc.PARTIAL, header=asrc.ATTN_HELPERS)  # fmt: skip
     for ds in (1, 4, 8):
         out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
                                              wsrc.DSPLIT, header=asrc.ATTN_HELPERS)  # fmt: skip
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
-    out["attn_wide"] = standalone("attn_wide", part_in, [("opart", F32), ("ml", F32)], wide_t, asrc.WIDE,
+    out["attn_wide"] = standalone("attn_wide", part_in, [("part", F32)], wide_t, asrc.WIDE,
                                   header=asrc.ATTN_HELPERS)  # fmt: skip
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
     out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT,
                                         header=asrc.ATTN_HELPERS)  # fmt: skip
-    out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("opart", F32, False),
-                                     ("ml", F32, True), ("sinks", F32, True)], [("out", BF)],
+    out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("part", F32, True),
+                                     ("sinks", F32, True)], [("out", BF)],
                                      [("T", BF), ("D", 512)], asrc.COMBINE)  # fmt: skip
     comp_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table") else F32, n in ("slots", "table"))
                for n in cp.INPUTS]  # fmt: skip
     comp_out = [("st_kv", F32), ("st_s", F32), ("entry", BF), ("dest", I32), ("sidx", I32)]
     for ratio, d in ((4, 512), (128, 512), (4, 128)):
         for full in (True, False):
+            names, src = cp.variant(full)
             out[f"compressor_{ratio}_{d}_full{int(full)}"] = standalone(
-                "compressor", comp_in, comp_out, cp.template(BF, F32, ratio, d, 32, 64, full), cp.SOURCE)
+                "compressor", comp_in, [o for o in comp_out if o[0] in names],
+                cp.template(BF, F32, ratio, d, 32, 64, full), src)  # fmt: skip
     return out
 
 

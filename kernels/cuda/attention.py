@@ -42,7 +42,7 @@ WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multipro
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
 PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks")
-COMB_IN = ("q_rows", "opart", "ml", "sinks")
+COMB_IN = ("q_rows", "part", "sinks")
 
 def smem_bytes(d: int, one: bool = False) -> int:
     """Split-K: Q, K chunk, P, S, softmax state, key offsets; + the O accumulator unless ONE."""
@@ -123,17 +123,17 @@ class Plan:
             self.part_shapes = [q.shape]
         elif nh % WIDE_HG == 0 and d % 128 == 0 and wide_smem(d) <= SMEM_MAX and \
                 b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
-            self.part = kernel("attn_wide", PART_IN, ("opart", "ml"), WIDE, wide_smem(d), ATTN_HELPERS)
+            self.part = kernel("attn_wide", PART_IN, ("part",), WIDE, wide_smem(d), ATTN_HELPERS)
             self.part_tmpl = tmpl + [("HG", WIDE_HG)]
             self.part_grid = (nchunk * THREADS, nh // WIDE_HG, b)
-            self.part_shapes = [(b, nchunk, nh, d), (b, nchunk, nh, 2)]
+            self.part_shapes = [(b, nchunk, nh, d + 2)]  # O and (m, l) planes
         else:
             ns = splits(b, groups, nchunk)
             one = ns == nchunk
-            self.part = kernel("attn_partial", PART_IN, ("opart", "ml"), PARTIAL, smem_bytes(d, one), ATTN_HELPERS)
+            self.part = kernel("attn_partial", PART_IN, ("part",), PARTIAL, smem_bytes(d, one), ATTN_HELPERS)
             self.part_tmpl = tmpl + [("HG", HG), ("ONE", one)]
             self.part_grid = (ns * THREADS, groups, b)
-            self.part_shapes = [(b, ns, nh, d), (b, ns, nh, 2)]
+            self.part_shapes = [(b, ns, nh, d + 2)]
         if not self.final:
             self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
             self.comb_tmpl = [("T", q.dtype), ("D", d)]
@@ -149,7 +149,7 @@ class Plan:
             grid=self.part_grid,
             threadgroup=(THREADS, 1, 1),
             output_shapes=self.part_shapes,
-            output_dtypes=[q.dtype] if self.final else [mx.float32, mx.float32],
+            output_dtypes=[q.dtype] if self.final else [mx.float32],
         )
         if self.final:
             return outs[0]

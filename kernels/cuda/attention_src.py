@@ -121,6 +121,8 @@ WIDE = r"""
   const int nsplit = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NH = q_shape[1], W = window_shape[1];
+  float* opart = part;  // one output in two planes: O [B][NS][NH][D], then (m, l) [B][NS][NH][2]
+  float* ml = part + (size_t)gridDim.z * nsplit * NH * D;
   const int KI = RATIO ? indices_shape[1] : 0;
   const int tw = table_shape[1];
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
@@ -220,7 +222,9 @@ WIDE = r"""
 """
 
 COMBINE = r"""
-  const int NH = sinks_shape[0], B = q_rows_shape[0], NS = ml_shape[1];
+  const int NH = sinks_shape[0], B = q_rows_shape[0], NS = part_shape[1];
+  const float* opart = part;
+  const float* ml = part + (size_t)B * NS * NH * D;
   const int r = blockIdx.x / NH, h = blockIdx.x - (blockIdx.x / NH) * NH, tid = threadIdx.x;
   int b = -1;
   for (int i = 0; i < B; ++i) if (q_rows[i] == r) b = i;

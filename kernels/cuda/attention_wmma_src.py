@@ -122,6 +122,8 @@ PARTIAL = r"""
   const int nsplit = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NH = q_shape[1], W = window_shape[1];
+  float* opart = part;  // one output in two planes: O [B][NS][NH][D], then (m, l) [B][NS][NH][2]
+  float* ml = part + (size_t)gridDim.z * nsplit * NH * D;
   const int b = blockIdx.z;
   const int KI = RATIO ? indices_shape[1] : 0;
   const int tw = table_shape[1];

@@ -172,6 +172,14 @@ def template(pool_dtype: mx.Dtype, norm_dtype: mx.Dtype, ratio: int, head_dim: i
             ("FULL", full), ("CHUNK", CHUNK)]  # fmt: skip
 
 
+def variant(full: bool) -> tuple[tuple[str, ...], str]:
+    """Output names and source of a state-update form. `FULL` has no slot-row output (`sidx`): each
+    output costs MLX about 2 us of host time per launch."""
+    if full:
+        return OUTPUTS[:4], "int* const sidx = nullptr;\n" + SOURCE
+    return OUTPUTS, SOURCE
+
+
 def use_full(slots: int, ratio: int, head_dim: int) -> bool:
     coff = 2 if ratio == 4 else 1
     return 2 * slots * (coff * ratio) * (coff * head_dim) * 4 <= FULL_BYTES
@@ -190,7 +198,8 @@ class Plan:
         self.ratio = ratio
         self.fparams = f32_params(eps)
         self.compiled = mx.compile(self.launch)
-        self.kernel = kernel("compressor", INPUTS, OUTPUTS, SOURCE)
+        outs, src = variant(full)
+        self.kernel = kernel("compressor_full" if full else "compressor", INPUTS, outs, src)
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, self.full)
         if self.full:
             blocks = b + s * (-(-(r * c) // CHUNK))
@@ -199,13 +208,13 @@ class Plan:
             blocks = b
             st = [(b, r, c), (b, r, c)] if coff == 2 else [(b, c), (b, c)]
         self.grid = (blocks * THREADS, 1, 1)
-        self.out_shapes = st + [(b, d), (b, d), (b, 1)]
-        self.out_dtypes = [mx.float32, mx.float32, pool.dtype, mx.int32, mx.int32]
+        self.out_shapes = st + [(b, d), (b, d)] + ([] if full else [(b, 1)])
+        self.out_dtypes = [mx.float32, mx.float32, pool.dtype, mx.int32] + ([] if full else [mx.int32])
 
     def launch(self, slots: mx.array, positions: mx.array, q_rows: mx.array, table: mx.array, kv: mx.array,
                score: mx.array, ape: mx.array, norm: mx.array, kv_state: mx.array, score_state: mx.array,
                pool: mx.array, cos: mx.array, sin: mx.array, fparams: mx.array) -> tuple[mx.array, ...]:  # fmt: skip
-        st_kv, st_s, entry, dest, sidx = self.kernel(
+        st_kv, st_s, entry, dest, *sidx = self.kernel(
             inputs=[slots, positions, q_rows, table, kv, score, ape, norm, kv_state, score_state, cos, sin, fparams],
             template=self.template,
             grid=self.grid,
@@ -221,8 +230,8 @@ class Plan:
             new_s = mx.put_along_axis(score_state, where, st_s, axis=0)
         else:
             s, c = kv_state.shape[0] * self.ratio, kv_state.shape[2]
-            new_kv = mx.put_along_axis(kv_state.reshape(s, c), sidx, st_kv, axis=0).reshape(kv_state.shape)
-            new_s = mx.put_along_axis(score_state.reshape(s, c), sidx, st_s, axis=0).reshape(score_state.shape)
+            new_kv = mx.put_along_axis(kv_state.reshape(s, c), sidx[0], st_kv, axis=0).reshape(kv_state.shape)
+            new_s = mx.put_along_axis(score_state.reshape(s, c), sidx[0], st_s, axis=0).reshape(score_state.shape)
         p = pool.shape
         new_pool = mx.put_along_axis(pool.reshape(p[0] * p[1], p[2]), dest, entry, axis=0).reshape(p)
         return new_kv, new_s, new_pool

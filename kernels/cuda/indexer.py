@@ -41,7 +41,7 @@ MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
 SINGLE_MAX = 4096  # a row's entries up to this: one block scores and selects (1 launch)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
-MERGE_IN = ("positions", "q_rows", "ckeys", "cids", "cbound")
+MERGE_IN = ("positions", "q_rows", "cand")
 
 def segment_size(cap: int, topk: int) -> int:
     """Entries per segment block: one segment (no merge launch) up to SINGLE_MAX entries; else at most
@@ -96,13 +96,12 @@ class Plan:
         else:
             cand = nseg * topk
             ld = -(-cand // 4) * 4
-            outs = ("ckeys", "cids", "cbound")
-            self.seg = kernel("idx_segment", SEG_IN, outs, SEGMENT, smem_bytes(ni, di, seg), HELPERS)
+            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
             self.seg_tmpl += [("LDC", ld), ("NSEG", nseg)]
             self.seg_grid = (nseg * NT, b, 1)
-            self.seg_shapes = [(b, ld), (b, ld), (b, nseg)]
+            self.seg_shapes = [(b * (2 * ld + nseg),)]  # keys, ids, bounds planes (indexer_src.CAND)
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
-            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
+            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 
@@ -114,7 +113,7 @@ class Plan:
             grid=self.seg_grid,
             threadgroup=(NT, 1, 1),
             output_shapes=self.seg_shapes,
-            output_dtypes=[mx.int32] if self.single else [mx.uint32, mx.int32, mx.uint32],
+            output_dtypes=[mx.int32] if self.single else [mx.uint32],
         )
         if self.single:
             return outs[0]

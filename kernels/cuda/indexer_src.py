@@ -3,7 +3,7 @@
 `SEGMENT` (score + top-k of one segment, + its filter bound) and `SINGLE` (a whole short row, ids
 straight to the output) share the scoring body `SCORE`; `MERGE` is the per-row top-k over the
 segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST (+ LDC, NSEG: segment;
-TOPK, L, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
+TOPK, L, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ PRE = r"""
   __shared__ int sh[2];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 """
-HEAD_SEG = r"""  const int seg = blockIdx.x, b = blockIdx.y;
+# One output buffer `cand` in three planes (one output, not three: MLX's host cost grows with each):
+# keys [B][LDC] uint32, ids [B][LDC] int32, bounds [B][NSEG] uint32.
+CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
+  unsigned int* ckeys = cand;
+  int* cids = reinterpret_cast<int*>(cand + NBL);
+  unsigned int* cbound = cand + 2 * NBL;
+"""
+HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
@@ -179,9 +186,10 @@ MERGE = r"""
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
     return;
   }
-  const int ld = ckeys_shape[1];
-  const unsigned int* keys = ckeys + (size_t)b * ld;
-  const int* ids = cids + (size_t)b * ld;
+  const size_t NBL = (size_t)nb * LDC;
+  const unsigned int* keys = cand + (size_t)b * LDC;
+  const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)b * LDC;
+  const unsigned int* cbound = cand + 2 * NBL;
   if (warp == 0) {  // the least of the segments' bounds: at least K candidates are >= it
     unsigned int v = 0xffffffffu;
     for (int s = lane; s < NSEG; s += 32) v = min(v, cbound[(size_t)b * NSEG + s]);
