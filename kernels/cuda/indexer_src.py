@@ -16,7 +16,7 @@ PRE = r"""
   unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]
   unsigned int* hist = skey + SEG;                                       // [2048]
   __shared__ int wsum[NWARP];
-  __shared__ int sh[2];
+  __shared__ int sh[3];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 """
 # One output buffer `cand` in three planes (one output, not three: MLX's host cost grows with each):
@@ -137,16 +137,18 @@ SCORE = r"""  const int tw = table_shape[1];
   __syncthreads();
 """
 TAIL_SEG = r"""  const int K = min(TOPK, nv);
-  unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
-  int need_eq = nv;
-  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
-  // the merge's filter bound: this segment's m-th largest key, m = ceil(min(TOPK, n) / the row's
-  // segments), so the row has at least min(TOPK, n) keys >= the least of its segments' bounds
-  // (0, no filtering, if this segment has fewer than m entries)
+  // the merge's filter bound: a lower bound of this segment's m-th largest key, m = ceil(min(TOPK, n)
+  // / the row's segments), so the row has at least min(TOPK, n) keys >= the least of its segments'
+  // bounds (0, no filtering, if this segment has fewer than m entries). A full segment gets it from
+  // its top-k select's first pass (the floor of the m-th largest's bin); a short one selects it.
   const int nsr = (n + SEG - 1) / SEG;
   const int m = (min(TOPK, n) + nsr - 1) / nsr;
+  unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
+  int need_eq = nv;
   unsigned int bm = 0u;
-  if (nv >= m) {
+  if (nv > TOPK) {
+    dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
+  } else if (nv >= m) {
     int e2;
     dsv4_radix_kth<NT>(skey, nv, m, hist, wsum, sh, bm, e2);
   }

@@ -35,10 +35,11 @@ __device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
 }
 
 // Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
-// equal to it belong to the top k (need_eq). 1 <= k <= n.
+// equal to it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the
+// floor of the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
 template <int NT>
 __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
-                               unsigned int& thr, int& need_eq) {
+                               unsigned int& thr, int& need_eq, int k2, unsigned int& floor2) {
   const int tid = threadIdx.x, lane = tid & 31;
   unsigned int prefix = 0u, mask = 0u;
   int rem = k;
@@ -75,9 +76,11 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
       if (top - j < 0) break;
       const int h = (int)hist[top - j];
       if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
+      if (pass == 0 && cum < k2 && cum + h >= k2) sh[2] = top - j;
       cum += h;
     }
     __syncthreads();
+    if (pass == 0 && k2 > 0) floor2 = ((unsigned int)sh[2]) << 21;
     rem = sh[1];
     prefix |= ((unsigned int)sh[0]) << shift;
     mask |= ((unsigned int)(nbins - 1)) << shift;
@@ -85,6 +88,12 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
   }
   thr = prefix;
   need_eq = rem;
+}
+template <int NT>
+__device__ __forceinline__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum,
+                                               int* sh, unsigned int& thr, int& need_eq) {
+  unsigned int unused;
+  dsv4_radix_kth<NT>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
 }
 
 // Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
