@@ -8,8 +8,9 @@
    heads in registers (shuffles) before the head tiles are added. The segment's order-preserving
    uint32 score keys stay in shared memory; a radix select (11+11+10 bits) finds its k-th
    largest, and an ordered compaction writes its top min(k, entries) candidates (key, id) in id
-   order, padded with key 0 (below every score). It also writes its m-th largest key, m =
-   ceil(k / the row's segments): the least of those bounds has at least k keys above it.
+   order, padded with key 0 (below every score). It also writes a lower bound of its m-th largest
+   key, m = ceil(k / the row's segments) (the floor of that key's bin in the select's first radix
+   pass): the least of those bounds has at least k keys above it. One output, three planes.
 2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
    of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
    compaction over the kept ones write the ids in ascending order (the list is in id order, so
