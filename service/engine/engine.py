@@ -144,7 +144,8 @@ class Engine:
         self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)), logits=False)
 
     def warmup(self) -> None:
-        """Run a step at every batch size so kernels and compiled segments are built before /ready says yes."""
+        """Run a step at every batch size and one prefill so kernels and compiled segments are built before
+        /ready says yes."""
         t0 = time.perf_counter()
         from kernels import backend
 
@@ -159,6 +160,17 @@ class Engine:
                 mx.eval(self.step([(h, 0, 0) for h in handles[:width]]))
         finally:
             for h in handles:
+                self.release(h)
+        # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
+        # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
+        # on a fresh H200), which would otherwise land on the first request's time to first token.
+        n = min(self.max_model_len, 1 + max(self.args.compress_ratios, default=0))
+        if self.parallel_prefill and self.fits_ever(n):
+            h = self.admit(n)
+            try:
+                self.prefill(h, [0] * n, 0)  # token 0, as the steps above
+                mx.eval(self.pools.arrays())
+            finally:
                 self.release(h)
         log.info("warm-up took %.2f s", time.perf_counter() - t0)
 

@@ -219,6 +219,27 @@ def test_engine_not_ready_before_start(tiny) -> None:
     asyncio.run(main())
 
 
+def test_warmup_steps_every_width_and_prefills_once(tiny) -> None:
+    """Warm-up builds every path a request takes (GPU: MLX JIT-compiles on first use) and gives all
+    state back: a step at each batch size, one prefill long enough for every compressor to emit."""
+    fed: list[tuple[str, int]] = []
+
+    class Recording(ControlledEngine):
+        def step(self, feeds):
+            fed.append(("step", len(feeds)))
+            return super().step(feeds)
+
+        def prefill(self, handle, token_ids, start):
+            fed.append(("prefill", len(token_ids)))
+            return super().prefill(handle, token_ids, start)
+
+    eng = Recording(tiny[0], max_rows=4, max_model_len=MAX_LEN, page_size=PAGE)
+    eng.warmup()
+    want_len = min(MAX_LEN, 1 + max(tiny[1].compress_ratios))
+    assert fed == [("step", w) for w in range(1, 5)] + [("prefill", want_len)]
+    assert eng.bytes_in_use() == 0 and eng.can_admit(MAX_LEN)
+
+
 def test_abort_running_request_frees_its_row(tiny) -> None:
     long = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
     want_long, _ = reference(tiny, [3], long)
