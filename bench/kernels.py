@@ -3,9 +3,10 @@
 Per op, rows in {1, 2, 4, 8}, context in {8K, 128K, 1M}: reference time, fast time, the same rows
 as single-row fast calls, bytes moved / time against the byte floor (a plain copy measured in the
 same run), the launch floor (one trivial `cuda_kernel` in a chain) and the eval floor. Times per
-call come from a chain of N dependent calls with one eval (attention: each output is the next q; compressor:
-the state; indexer: `mx.depends` on the last ids), medians over >= 15
-interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
+call come from a chain of N calls linked by data, with one eval (attention: each output is the next
+q; compressor: the state; indexer: a `where` on the last ids in front of the weights), so each
+call waits for the last on the GPU too (`mx.depends` puts no edge in MLX's CUDA graph); medians over
+>= 10 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step.
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
