@@ -33,10 +33,13 @@ ARG MLX_BACKEND=cpu
 LABEL org.opencontainers.image.title="dsv4-serve" org.opencontainers.image.description="DeepSeek-V4 decode serving on MLX (${MLX_BACKEND})"
 RUN groupadd --system --gid 10001 dsv4 \
  && useradd --system --uid 10001 --gid dsv4 --home-dir /home/dsv4 --create-home dsv4 \
- && mkdir -p /models && chown dsv4:dsv4 /models
+ && mkdir -p /models /home/dsv4/.cache/mlx-ptx && chown dsv4:dsv4 /models /home/dsv4/.cache /home/dsv4/.cache/mlx-ptx
 COPY --from=builder /opt/venv /opt/venv
+# MLX's CUDA build JIT-compiles its kernels on first use and caches the PTX (default: /tmp, lost with
+# the container); here it lives under the home's .cache, which compose / k8s mount so restarts reuse it.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    MLX_PTX_CACHE_DIR=/home/dsv4/.cache/mlx-ptx \
     DSV4_HOST=0.0.0.0 \
     DSV4_PORT=8000
 USER dsv4

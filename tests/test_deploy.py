@@ -124,3 +124,18 @@ def test_service_targets_the_pod() -> None:
     names = {q["name"]: q["containerPort"] for q in c["ports"]}
     assert names.get(p["targetPort"], p["targetPort"]) == PORT and p["port"] == PORT
     assert svc["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+def test_mlx_ptx_cache_is_on_a_mounted_volume() -> None:
+    """MLX's CUDA JIT cache (MLX_PTX_CACHE_DIR, set in the image) lies on a volume in compose and k8s."""
+    env: dict[str, str] = {}
+    for k, a in last_stage(dockerfile()):
+        if k == "ENV":
+            env |= dict(kv.split("=", 1) for kv in shlex.split(a))
+    cache = Path(env["MLX_PTX_CACHE_DIR"])
+    compose = load("deploy/compose.yaml")
+    holding = [v.split(":") for v in compose["services"]["dsv4-serve"]["volumes"]
+               if cache.is_relative_to(Path(v.split(":")[1]))]  # fmt: skip
+    assert len(holding) == 1 and holding[0][0] in compose["volumes"], "a named volume, kept across restarts"
+    _, c = _container()
+    assert any(cache.is_relative_to(Path(m["mountPath"])) and not m.get("readOnly") for m in c["volumeMounts"])
