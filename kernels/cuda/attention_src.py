@@ -18,6 +18,14 @@ kernels, `DSPLIT` and `PARTIAL`, are in attention_wmma_src.py.
 from __future__ import annotations
 
 # Device helpers shared by the three attention kernels (template arguments: the kernels' constants).
+# Every kernel's batch row b: its slot, position, q row, window and compressed-entry counts.
+ROW = r"""  const int KI = RATIO ? indices_shape[1] : 0;
+  const int tw = table_shape[1];
+  const int slot = slots[b], p = positions[b], qr = q_rows[b];
+  const int nwin = min(p, W - 1) + 1;
+  const int ncomp = dsv4_emitted(p, RATIO);
+"""
+
 ATTN_HELPERS = r"""
 // Chunk c of a row's key list (window ring rows 0..W-1, then its KI selected ids): thread t < CK writes
 // key c * CK + t's element offset in `window` (kwin 1) or `pool` (kwin 0) to koff[t], -1 when masked
@@ -104,7 +112,8 @@ __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long 
 }
 """
 
-WIDE = r"""
+WIDE = (
+    r"""
   using namespace nvcuda;
   // mma.sync / ldmatrix layout: 8 warps, HG = 64 (4 head tiles), CK = 64 keys, D a multiple of 128
   constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, KT = CK / 16;
@@ -123,12 +132,9 @@ WIDE = r"""
   const int NH = q_shape[1], W = window_shape[1];
   float* opart = part;  // one output in two planes: O [B][NS][NH][D], then (m, l) [B][NS][NH][2]
   float* ml = part + (size_t)gridDim.z * nsplit * NH * D;
-  const int KI = RATIO ? indices_shape[1] : 0;
-  const int tw = table_shape[1];
-  const int slot = slots[b], p = positions[b], qr = q_rows[b];
-  const int nwin = min(p, W - 1) + 1;
-  const int ncomp = dsv4_emitted(p, RATIO);
-  const float scale = fparams[0];
+"""
+    + ROW
+    + r"""  const float scale = fparams[0];
   const size_t ob = ((size_t)b * nsplit + c) * NH + g * HG;  // this split's first head row
   // q rows in flight (cp.async) while the chunk's key offsets are looked up
   const T* qb = q + ((size_t)qr * NH + g * HG) * D;
@@ -220,6 +226,7 @@ WIDE = r"""
     }
   }
 """
+)
 
 COMBINE = r"""
   const int NH = sinks_shape[0], B = q_rows_shape[0], NS = part_shape[1];

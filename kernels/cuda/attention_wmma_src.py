@@ -5,7 +5,10 @@ ldmatrix fragments `WIDE` uses (wmma's fragment loads cost ~10x the instructions
 
 from __future__ import annotations
 
-DSPLIT = r"""
+from kernels.cuda.attention_src import ROW
+
+DSPLIT = (
+    r"""
   using namespace nvcuda;
   constexpr int LDK = D + 8, LDP = CK + 8, DSL = D / DS, LDO = DSL + 4, VPR = D / 8, NWARP = 8, NT16 = DSL / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -30,12 +33,9 @@ DSPLIT = r"""
     for (int i = tid; i < HG * DSL; i += THREADS) o[(i / DSL) * D + i % DSL] = dsv4_t<T>(0.f);
     return;
   }
-  const int KI = RATIO ? indices_shape[1] : 0;
-  const int tw = table_shape[1];
-  const int slot = slots[b], p = positions[b], qr = q_rows[b];
-  const int nwin = min(p, W - 1) + 1;
-  const int ncomp = dsv4_emitted(p, RATIO);
-  const int nchunk = (W + KI + CK - 1) / CK;
+"""
+    + ROW
+    + r"""  const int nchunk = (W + KI + CK - 1) / CK;
   const float scale = fparams[0];
   const int* ind_row = indices + (size_t)qr * KI;
   const int* table_row = table + b * tw;
@@ -103,8 +103,10 @@ DSPLIT = r"""
     o[h * D + d] = dsv4_t<T>(Os[h * LDO + d] * e / (lrun[h] * e + __expf(sink - M)));
   }
 """
+)
 
-PARTIAL = r"""
+PARTIAL = (
+    r"""
   using namespace nvcuda;
   constexpr int LDK = D + 8, LDP = CK + 8, LDO = D + 4, VPR = D / 8, NWARP = 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -125,12 +127,9 @@ PARTIAL = r"""
   float* opart = part;  // one output in two planes: O [B][NS][NH][D], then (m, l) [B][NS][NH][2]
   float* ml = part + (size_t)gridDim.z * nsplit * NH * D;
   const int b = blockIdx.z;
-  const int KI = RATIO ? indices_shape[1] : 0;
-  const int tw = table_shape[1];
-  const int slot = slots[b], p = positions[b], qr = q_rows[b];
-  const int nwin = min(p, W - 1) + 1;
-  const int ncomp = dsv4_emitted(p, RATIO);
-  const int nchunk = (W + KI + CK - 1) / CK;
+"""
+    + ROW
+    + r"""  const int nchunk = (W + KI + CK - 1) / CK;
   const int per = (nchunk + nsplit - 1) / nsplit;
   const int c0 = split * per, c1 = min(nchunk, c0 + per);
   const float scale = fparams[0];
@@ -196,3 +195,4 @@ PARTIAL = r"""
   }
   if (tid < HG) { ml[(base + tid) * 2] = mrun[tid]; ml[(base + tid) * 2 + 1] = lrun[tid]; }
 """
+)
