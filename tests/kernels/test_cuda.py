@@ -113,6 +113,29 @@ def assert_topk_equal(got: np.ndarray, want: np.ndarray, rows, q, w, keys, exact
         assert (np.diff(gv) > 0).all() and (g[len(gv):] == -1).all()  # ascending ids, then -1
 
 
+def check_random_scores(batch: RowBatch, rows, bq: int, pages: int) -> None:
+    """Normal q / w / keys (64 heads x 128): the fast top-k sets equal the reference's, topk 512 and 100."""
+    q = mx.random.normal((bq, 64, 128)).astype(mx.bfloat16)
+    w = mx.random.normal((bq, 64))
+    keys = mx.random.normal((pages, PAGE, 128)).astype(mx.bfloat16)
+    for topk in (512, 100):
+        want = np.array(indexer_rows_reference(batch, q, w, keys, topk=topk))
+        got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=topk))
+        assert_topk_equal(got, want, rows, q, w, keys, exact=False)
+
+
+def check_integer_scores(rng: np.random.Generator, batch: RowBatch, rows, bq: int, pages: int) -> tuple:
+    """Small-integer q / w / keys (32 heads x 64): every score exact in any order, so the ids must equal
+    the reference's exactly (ties to the lowest id). Returns (q, w, keys)."""
+    q = mx.array(rng.integers(-1, 2, size=(bq, 32, 64)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.choice(np.array([-1.0, 0.0, 0.5, 1.0, 2.0], np.float32), size=(bq, 32)))
+    keys = mx.array(rng.integers(-1, 3, size=(pages, PAGE, 64)).astype(np.float32)).astype(mx.bfloat16)
+    want = np.array(indexer_rows_reference(batch, q, w, keys, topk=512))
+    got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=512))
+    assert_topk_equal(got, want, rows, q, w, keys, exact=True)
+    return q, w, keys
+
+
 @pytest.mark.parametrize("n_rows", range(1, 9))
 def test_indexer_matches_reference(n_rows: int) -> None:
     rng = np.random.default_rng(7 + n_rows)
@@ -123,13 +146,7 @@ def test_indexer_matches_reference(n_rows: int) -> None:
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
     width = max(len(r.tables[4]) for r in rows) + 2
     batch = RowBatch.build(rows, PAGE, {4: width})
-    q = mx.random.normal((bq, 64, 128)).astype(mx.bfloat16)
-    w = mx.random.normal((bq, 64))
-    keys = mx.random.normal((pages[4], PAGE, 128)).astype(mx.bfloat16)
-    for topk in (512, 100):
-        want = np.array(indexer_rows_reference(batch, q, w, keys, topk=topk))
-        got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=topk))
-        assert_topk_equal(got, want, rows, q, w, keys, exact=False)
+    check_random_scores(batch, rows, bq, pages[4])
 
 
 @pytest.mark.parametrize("n_rows", [1, 4, 8])
@@ -139,12 +156,7 @@ def test_indexer_ties_exact(n_rows: int) -> None:
     positions = [int(x) for x in rng.choice([11, 999, 4099, 20_000, 70_001, 3, 517, 2600], n_rows, replace=False)]
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
     batch = RowBatch.build(rows, PAGE)
-    q = mx.array(rng.integers(-1, 2, size=(bq, 32, 64)).astype(np.float32)).astype(mx.bfloat16)
-    w = mx.array(rng.choice(np.array([-1.0, 0.0, 0.5, 1.0, 2.0], np.float32), size=(bq, 32)))
-    keys = mx.array(rng.integers(-1, 3, size=(pages[4], PAGE, 64)).astype(np.float32)).astype(mx.bfloat16)
-    want = np.array(indexer_rows_reference(batch, q, w, keys, topk=512))
-    got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=512))
-    assert_topk_equal(got, want, rows, q, w, keys, exact=True)
+    q, w, keys = check_integer_scores(rng, batch, rows, bq, pages[4])
     w0 = mx.zeros_like(w)  # all scores 0: ids 0, 1, 2, ...
     got0 = np.array(fast().indexer_rows_cuda(batch, q, w0, keys, topk=512))
     np.testing.assert_array_equal(got0, np.array(indexer_rows_reference(batch, q, w0, keys, topk=512)))
@@ -157,19 +169,8 @@ def test_indexer_single_segment(n_rows: int) -> None:
     positions = [int(x) for x in rng.choice([0, 3, 6, 2050, 4099, 9000, 16_383, 777], n_rows, replace=False)]
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
     batch = RowBatch.build(rows, PAGE, {4: 64})  # 4,096 entries of capacity
-    q = mx.random.normal((bq, 64, 128)).astype(mx.bfloat16)
-    w = mx.random.normal((bq, 64))
-    keys = mx.random.normal((pages[4], PAGE, 128)).astype(mx.bfloat16)
-    for topk in (512, 100):
-        want = np.array(indexer_rows_reference(batch, q, w, keys, topk=topk))
-        got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=topk))
-        assert_topk_equal(got, want, rows, q, w, keys, exact=False)
-    qi = mx.array(rng.integers(-1, 2, size=(bq, 32, 64)).astype(np.float32)).astype(mx.bfloat16)
-    wi = mx.array(rng.choice(np.array([-1.0, 0.0, 0.5, 1.0, 2.0], np.float32), size=(bq, 32)))
-    ki = mx.array(rng.integers(-1, 3, size=(pages[4], PAGE, 64)).astype(np.float32)).astype(mx.bfloat16)
-    want = np.array(indexer_rows_reference(batch, qi, wi, ki, topk=512))
-    got = np.array(fast().indexer_rows_cuda(batch, qi, wi, ki, topk=512))
-    assert_topk_equal(got, want, rows, qi, wi, ki, exact=True)
+    check_random_scores(batch, rows, bq, pages[4])
+    check_integer_scores(rng, batch, rows, bq, pages[4])
 
 
 @pytest.mark.parametrize("n_rows", [1, 3])
