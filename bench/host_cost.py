@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.cases import chain43, make_case  # noqa: E402
+from kernels.cuda import indexer as ix  # noqa: E402
+
+ONE_MAX = ix.ONE_MAX
 
 ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
 
@@ -76,6 +79,8 @@ def main() -> None:
     ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--indexer-paths", action="store_true",
+                    help="indexer cases twice: the one-launch kernel and segment + merge (ONE_MAX 0)")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
 
@@ -86,9 +91,15 @@ def main() -> None:
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
     for spec in opt.cases.split(","):
         op, rows, ctx = spec.split(":")
-        case = make_case(op, int(rows), int(ctx))
-        emit(spec, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
-        del case
+        paths = [("", ix.ONE_MAX)]
+        if op == "indexer_rows" and opt.indexer_paths:
+            paths = [(":one", 1 << 40), (":segment", 0)]
+        for tag, one_max in paths:
+            ix.ONE_MAX = one_max  # read when a launch plan is made (part of its key)
+            case = make_case(op, int(rows), int(ctx))
+            emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
+            del case
+        ix.ONE_MAX = ONE_MAX
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))

@@ -41,11 +41,17 @@ def units() -> dict[str, str]:
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
                                     seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
-    out["idx_single"] = standalone("idx_single", seg_in, [("out", I32)], seg_t + [("SEG", 2048)], ix.SINGLE,
-                                   header=HELPERS)  # fmt: skip
-    tiny_seg = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.STAGES)]
-    out["idx_single_tiny"] = standalone("idx_single", seg_in, [("out", I32)], tiny_seg + [("SEG", 1024)], ix.SINGLE,
-                                        header=HELPERS)  # fmt: skip
+    one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
+    one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
+    for eb in (128, 256, 512):
+        out[f"idx_one_{eb}"] = standalone("idx_one", one_in, [("out", I32), ("scratch", U32)],
+                                          one_t + [("NTO", 512 if eb > 128 else 256), ("EB", eb),
+                                                   ("CAPN", 32768), ("CAPL", 13056)], ix.ONE,
+                                          header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
+    tiny = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
+    out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32), ("scratch", U32)],
+                                     tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
+                                     header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
                                   [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)],
                                   ix.MERGE, header=HELPERS)  # fmt: skip

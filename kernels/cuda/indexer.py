@@ -1,23 +1,26 @@
-"""indexer_rows on CUDA: per-segment score + top-k, then a merge (2 launches; 1 up to 4,096 entries).
+"""indexer_rows on CUDA: one launch up to ONE_MAX entries of row capacity (32K context), else two.
 
+Up to ONE_MAX (`one`, indexer_one_src.py): blocks of EB entries score, write their keys and add a
+histogram of their top bits to the row's; the row's last block to finish selects from there and
+writes the ids (a radix select over the k-th key's bin only, then an ordered compaction).
+Beyond (128K, 1M context):
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
    through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight;
    one table read per chunk when pages hold whole chunks) and scores them with mma.sync m16n8k16
    (bf16/f16 in, f32 accumulation; B fragments by ldmatrix): warp w holds the q fragments of head
    tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)` is summed over its 16
-   heads in registers (shuffles) before the head tiles are added. The segment's order-preserving
-   uint32 score keys stay in shared memory; a radix select (11+11+10 bits) finds its k-th
-   largest, and an ordered compaction writes its top min(k, entries) candidates (key, id) in id
-   order, padded with key 0 (below every score). It also writes a lower bound of its m-th largest
-   key, m = ceil(k / the row's segments) (the floor of that key's bin in the select's first radix
-   pass): the least of those bounds has at least k keys above it. One output, three planes.
+   heads in registers (shuffles) before the head tiles are added (the scoring body both kernels
+   share). The segment's order-preserving uint32 score keys stay in shared memory; a radix select
+   (11+11+10 bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
+   candidates (key, id) in id order, padded with key 0 (below every score). It also writes a lower
+   bound of its m-th largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
+   the select's first radix pass): the least of those bounds has at least k keys above it. One
+   output, three planes.
 2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
    of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
    compaction over the kept ones write the ids in ascending order (the list is in id order, so
    "ties to the lowest id" is "first in the list"). No sort. Rows no batch row names get -1.
 The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
-Rows of at most SINGLE_MAX entries (8K context) take one launch: `single` is the segment kernel
-over the whole row, writing its top-k ids itself (grid over the q rows).
 Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
 topk <= 2048; anything else runs the reference.
 """
@@ -31,7 +34,8 @@ import mlx.core as mx
 
 from kernels.cuda import common
 from kernels.cuda.common import kernel, next_pow2, plan_cached
-from kernels.cuda.indexer_src import MERGE, SEGMENT, SINGLE
+from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
+from kernels.cuda.indexer_src import MERGE, SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
@@ -40,23 +44,37 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
-SINGLE_MAX = 4096  # a row's entries up to this: one block scores and selects (1 launch)
+# A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
+# H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
+# at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
+ONE_MAX = 8192
+ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "cand")
 
 def segment_size(cap: int, topk: int) -> int:
-    """Entries per segment block: one segment (no merge launch) up to SINGLE_MAX entries; else at most
-    ~32 segments per row (the merge reads 32 x topk candidates), at least twice the top-k (else a
-    segment keeps nearly all it scored)."""
+    """Entries per segment block (rows of more than ONE_MAX entries): at most ~32 segments per row (the
+    merge reads 32 x topk candidates), at least twice the top-k (else a segment keeps nearly all it
+    scored)."""
     lo = max(1024, 2 * next_pow2(topk))
-    if cap <= SINGLE_MAX:
-        return max(lo, next_pow2(cap))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
 
-def smem_bytes(ni: int, di: int, seg: int) -> int:
-    """Pipeline buffers, per-head-tile partial scores, segment keys, histogram."""
-    return STAGES * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + seg * 4 + 2048 * 4
+def one_block(cap: int) -> int:
+    """Entries per block of the one-launch kernel: enough blocks to fill the GPU at 8 rows."""
+    return 128 if cap <= 8192 else (256 if cap <= 65536 else 512)
+
+
+def one_threads(cap: int) -> int:
+    """Threads per block of the one-launch kernel: the row's last block selects alone, and more warps
+    hide more of its latency on long rows (512 x 80 registers: one block per SM)."""
+    return 256 if cap <= 8192 else 512
+
+
+def smem_bytes(ni: int, di: int, words: int, stages: int = STAGES) -> int:
+    """Pipeline buffers, per-head-tile partial scores, `words` uint32 (segment keys + histogram; or
+    the histogram)."""
+    return stages * CH * (di + 8) * 2 + (ni // 16) * CH * 4 + words * 4
 
 
 def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
@@ -74,8 +92,8 @@ def supported(q: mx.array, keys: mx.array, topk: int) -> bool:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "out_shape", "seg", "seg_grid",
-                 "seg_shapes", "seg_tmpl", "single")  # fmt: skip
+    __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "nt", "one", "out_shape", "seg", "seg_grid",
+                 "seg_shapes", "seg_tmpl")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
         self.fast = supported(q, keys, topk)
@@ -84,21 +102,27 @@ class Plan:
         b, page = batch.size, batch.page_size
         ni, di = q.shape[1], q.shape[2]
         cap = batch.tables[4].shape[1] * page
-        seg = segment_size(cap, topk)
-        nseg = -(-cap // seg)
         self.out_shape = (q.shape[0], topk)
-        self.seg_tmpl = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("SEG", seg), ("TOPK", topk),
-                         ("CH", CH), ("ST", STAGES)]  # fmt: skip
-        self.single = nseg == 1
-        if self.single:  # z over the q rows, the top-k ids straight to the output
-            self.seg = kernel("idx_single", SEG_IN, ("out",), SINGLE, smem_bytes(ni, di, seg), HELPERS)
-            self.seg_grid = (NT, q.shape[0], 1)
-            self.seg_shapes = [self.out_shape]
+        self.one = cap <= ONE_MAX
+        base = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("TOPK", topk), ("CH", CH)]
+        if self.one:  # score everywhere, the row's last block selects: 1 launch
+            eb = one_block(cap)
+            capn = -(-cap // 4) * 4
+            capl = ONE_STAGES * CH * (di + 8) * 2 // 4
+            self.seg = kernel("idx_one", SEG_IN, ("out", "scratch"), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
+                              HELPERS + ONE_HELPERS)  # fmt: skip
+            self.nt = one_threads(cap)
+            self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
+            self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
+            self.seg_shapes = [self.out_shape, (-(-b // 4) * 4 + b * (2048 + capn),)]
         else:
+            seg = segment_size(cap, topk)
+            nseg = -(-cap // seg)
             cand = nseg * topk
             ld = -(-cand // 4) * 4
-            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg), HELPERS)
-            self.seg_tmpl += [("LDC", ld), ("NSEG", nseg)]
+            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048), HELPERS)
+            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
+            self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
             self.seg_shapes = [(b * (2 * ld + nseg),)]  # keys, ids, bounds planes (indexer_src.CAND)
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
@@ -112,11 +136,12 @@ class Plan:
             inputs=[positions, q_rows, table, q, weights, keys],
             template=self.seg_tmpl,
             grid=self.seg_grid,
-            threadgroup=(NT, 1, 1),
+            threadgroup=(self.nt, 1, 1),
             output_shapes=self.seg_shapes,
-            output_dtypes=[mx.int32] if self.single else [mx.uint32],
+            output_dtypes=[mx.int32, mx.uint32] if self.one else [mx.uint32],
+            init_value=0 if self.one else None,
         )
-        if self.single:
+        if self.one:
             return outs[0]
         (out,) = self.merge(
             inputs=[positions, q_rows, *outs],
@@ -141,7 +166,7 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         raise
 
     def make() -> Plan:
-        pk = key + (batch.size, batch.page_size, batch.tables[4].shape)
+        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
         return plan_cached(pk, lambda: Plan(batch, q, keys, topk))
 
     plan: Plan = checked(batch, key, check, make)

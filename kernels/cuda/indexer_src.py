@@ -1,9 +1,9 @@
 """CUDA device code of indexer_rows (launch plans: kernels/cuda/indexer.py).
 
-`SEGMENT` (score + top-k of one segment, + its filter bound) and `SINGLE` (a whole short row, ids
-straight to the output) share the scoring body `SCORE`; `MERGE` is the per-row top-k over the
-segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST (+ LDC, NSEG: segment;
-TOPK, L, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
+`SEGMENT` (score + top-k of one segment, + its filter bound) and indexer_one_src.ONE (the one-launch
+kernel) share the scoring body `SCORE` (its `EMIT` says where a chunk's keys go); `MERGE` is the
+per-row top-k over the segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST
+(+ LDC, NSEG: segment; TOPK, L, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
 """
 
 from __future__ import annotations
@@ -37,19 +37,6 @@ HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   if (nv == 0) {
     for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
     if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
-    return;
-  }
-"""
-HEAD_FINAL = r"""  // one segment holds the row: z runs over the q rows, rows no batch row names get -1
-  const int r = blockIdx.y;
-  int b = -1;
-  for (int i = 0; i < positions_shape[0]; ++i) if (q_rows[i] == r) b = i;
-  int* o = out + (size_t)r * TOPK;
-  int n = 0;
-  if (b >= 0) { const int p = positions[b]; n = dsv4_emitted(p, 4); }
-  const int s0 = 0, nv = min(SEG, n);
-  if (nv == 0) {
-    for (int i = tid; i < TOPK; i += NT) o[i] = -1;
     return;
   }
 """
@@ -127,15 +114,17 @@ SCORE = r"""  const int tw = table_shape[1];
       if (lane < 4) { part[ht * CH + kt * 8 + c2] = sa; part[ht * CH + kt * 8 + c2 + 1] = sb; }
     }
     __syncthreads();  // part is full
-    if (tid < CH && c * CH + tid < nv) {
+    EMIT
+  }
+  __syncthreads();
+"""
+# The chunk's scores to their keys in shared memory (segment).
+EMIT_SMEM = r"""if (tid < CH && c * CH + tid < nv) {
       float s = 0.f;
 #pragma unroll
       for (int h = 0; h < HT; ++h) s += part[h * CH + tid];
       skey[c * CH + tid] = dsv4_okey(s);
-    }
-  }
-  __syncthreads();
-"""
+    }"""
 TAIL_SEG = r"""  const int K = min(TOPK, nv);
   // the merge's filter bound: a lower bound of this segment's m-th largest key, m = ceil(min(TOPK, n)
   // / the row's segments), so the row has at least min(TOPK, n) keys >= the least of its segments'
@@ -156,15 +145,7 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
-TAIL_FINAL = r"""  const int K = min(TOPK, nv);
-  unsigned int thr = 0u;
-  int need_eq = nv;
-  if (nv > TOPK) dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq);
-  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { o[pos] = i; });  // ascending ids
-  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
-"""
-SEGMENT = PRE + HEAD_SEG + SCORE + TAIL_SEG
-SINGLE = PRE + HEAD_FINAL + SCORE + TAIL_FINAL
+SEGMENT = PRE + HEAD_SEG + SCORE.replace("EMIT", EMIT_SMEM) + TAIL_SEG
 
 MERGE = r"""
   constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;

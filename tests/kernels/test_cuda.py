@@ -164,11 +164,27 @@ def test_indexer_ties_exact(n_rows: int) -> None:
 
 @pytest.mark.parametrize("n_rows", [1, 2, 5, 8])
 def test_indexer_single_segment(n_rows: int) -> None:
-    """Short rows (<= 4,096 entries): one launch scores and selects (no merge)."""
+    """Short rows (<= 4,096 entries of capacity): one launch (the row's last block selects)."""
     rng = np.random.default_rng(90 + n_rows)
     positions = [int(x) for x in rng.choice([0, 3, 6, 2050, 4099, 9000, 16_383, 777], n_rows, replace=False)]
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
     batch = RowBatch.build(rows, PAGE, {4: 64})  # 4,096 entries of capacity
+    check_random_scores(batch, rows, bq, pages[4])
+    check_integer_scores(rng, batch, rows, bq, pages[4])
+
+
+@pytest.mark.parametrize("n_rows", range(1, 9))
+def test_indexer_one_launch(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch kernel at 32,768 entries of capacity (whatever ONE_MAX is), ragged rows from 1 to
+    32,768 entries (a full table), random and small-integer scores (ties exact)."""
+    import kernels.cuda.indexer as ix
+
+    monkeypatch.setattr(ix, "ONE_MAX", 1 << 15)  # part of the launch plan's key
+    rng = np.random.default_rng(140 + n_rows)
+    choices = [3, 130, 2047, 2051, 9000, 40_000, 99_999, 131_071]
+    positions = [int(x) for x in rng.choice(choices, size=n_rows, replace=False)]
+    rows, pages, bq, _ = rows_for(rng, positions, (4,))
+    batch = RowBatch.build(rows, PAGE, {4: 32_768 // PAGE})
     check_random_scores(batch, rows, bq, pages[4])
     check_integer_scores(rng, batch, rows, bq, pages[4])
 

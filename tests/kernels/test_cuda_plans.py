@@ -18,17 +18,28 @@ SMEM_MAX = 227 * 1024  # per block on sm_90
 
 
 @pytest.mark.parametrize("topk", [1, 100, 512, 1024, 2048])
-@pytest.mark.parametrize("cap", [64, 2048, 4096, 4160, 32_768, 262_144, 1 << 20, 1 << 22])
+@pytest.mark.parametrize("cap", [ix.ONE_MAX + 64, 65_536, 262_144, 1 << 20, 1 << 22])
 def test_indexer_segment_size(cap: int, topk: int) -> None:
     seg = ix.segment_size(cap, topk)
     nseg = math.ceil(cap / seg)
     assert seg & (seg - 1) == 0 and seg % ix.CH == 0  # whole pipeline chunks
     assert seg >= 2 * ix.next_pow2(topk)  # a segment keeps at most half of what it scores
-    assert (nseg == 1) == (cap <= ix.SINGLE_MAX or seg >= cap)
+    assert nseg >= 2  # beyond ONE_MAX a row always spans segments (the merge has work)
     assert nseg <= 32 or seg == ix.MAX_SEG  # the merge reads nseg * topk candidates per row
     for ni, di in ((16, 16), (64, 128), (128, 256)):
-        assert ix.smem_bytes(ni, di, seg) <= SMEM_MAX
+        assert ix.smem_bytes(ni, di, seg + 2048) <= SMEM_MAX
     assert 8 * ix.MERGE_CAP + 2048 * 4 + 256 <= SMEM_MAX  # the merge's kept candidates + histogram
+
+
+@pytest.mark.parametrize("cap", [64, 2048, 8192, 8256, ix.ONE_MAX])
+def test_indexer_one_launch_plan(cap: int) -> None:
+    eb = ix.one_block(cap)
+    assert eb % ix.CH == 0  # whole pipeline chunks per block
+    for ni, di in ((16, 16), (64, 128), (128, 256)):
+        smem = ix.smem_bytes(ni, di, 2048, ix.ONE_STAGES)
+        assert smem <= SMEM_MAX
+    # 3 blocks per SM (228 KB) at the model's 64 heads x 128 dims
+    assert 3 * (ix.smem_bytes(64, 128, 2048, ix.ONE_STAGES) + 1024) <= 228 * 1024
 
 
 @pytest.mark.parametrize("rows", range(1, 9))

@@ -1,0 +1,263 @@
+"""CUDA device code of indexer_rows in ONE launch (launch plan: kernels/cuda/indexer.py).
+
+Grid (blocks of EB entries, batch rows + 1), 256 threads. Every block scores its EB entries (the
+shared scoring body, `indexer_src.SCORE`), writes their order-preserving keys to the row's plane of
+`scratch` and adds their top-11-bit histogram to the row's global one. The last block of a row to
+finish (a counter per row: fence, then an atomic ticket, as in CUDA's threadFenceReduction) selects:
+the k-th largest key's bin from the row's histogram, then the rest of its bits by radix over the
+keys of that bin only (collected in shared memory; over the whole row when too many share it), then
+an ordered compaction writes the top-k ids ascending (ties to the lowest id). The extra grid row
+writes -1 for q rows no batch row names. `scratch` and `out` start zeroed (the launch's init_value).
+
+`scratch` planes (uint32): ticket counters [ceil4(B)], histograms [B][2048], keys [B][CAPN].
+Template constants: T, NI, DI, PAGE, TOPK, CH, ST (as the segment kernel), NTO (threads per block:
+more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-memory list holds).
+"""
+
+from __future__ import annotations
+
+from kernels.cuda.indexer_src import PRE, SCORE
+
+# Helpers (after select.HELPERS, whose dsv4_block_excl they use). Loads of `scratch` written by other
+# blocks of this launch go through L2 (__ldcg): no SM may serve them from a stale L1 line.
+ONE_HELPERS = r"""
+template <bool G> __device__ __forceinline__ unsigned int dsv4_ld(const unsigned int* p);
+template <> __device__ __forceinline__ unsigned int dsv4_ld<true>(const unsigned int* p) { return __ldcg(p); }
+template <> __device__ __forceinline__ unsigned int dsv4_ld<false>(const unsigned int* p) { return *p; }
+// The bin of hist[0..nbins) (descending) that holds the rem-th largest: sh[0] = bin, sh[1] = rem left in it.
+template <int NT>
+__device__ void dsv4_pick_bin(const unsigned int* hist, int nbins, int rem, int* wsum, int* sh) {
+  const int tid = threadIdx.x;
+  const int bpt = nbins / NT > 0 ? nbins / NT : 1;
+  const int top = nbins - 1 - tid * bpt;
+  int local = 0;
+  for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
+  int cum = dsv4_block_excl<NT>(local, wsum);
+  for (int j = 0; j < bpt; ++j) {
+    if (top - j < 0) break;
+    const int h = (int)hist[top - j];
+    if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
+    cum += h;
+  }
+  __syncthreads();
+}
+// Radix passes 2 and 3 (bits 20..10, 9..0) among keys[0..n) whose top 11 bits are `top`: thr = the
+// rem-th largest of them, need_eq = how many keys equal to it are taken.
+template <int NT, bool G>
+__device__ void dsv4_radix_low(const unsigned int* keys, int n, int rem, unsigned int top, unsigned int* hist,
+                               int* wsum, int* sh, unsigned int& thr, int& need_eq) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  unsigned int prefix = top << 21, mask = 0x7ffu << 21;
+  for (int pass = 1; pass < 3; ++pass) {
+    const int shift = pass == 1 ? 10 : 0, nbins = pass == 1 ? 2048 : 1024;
+    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
+    __syncthreads();
+    constexpr int UR = G ? 16 : 4;  // loads in flight per thread (L2 latency on the global path)
+    for (int base = 0; base < n; base += UR * NT) {
+      unsigned int v[UR];
+      bool ok[UR];
+#pragma unroll
+      for (int u = 0; u < UR; ++u) {
+        const int i = base + u * NT + tid;
+        v[u] = i < n ? dsv4_ld<G>(keys + i) : 0u;
+        ok[u] = i < n && (v[u] & mask) == prefix;
+      }
+#pragma unroll
+      for (int u = 0; u < UR; ++u) {
+        if (!__any_sync(0xffffffffu, ok[u])) continue;
+        const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+        if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+      }
+    }
+    __syncthreads();
+    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh);
+    rem = sh[1];
+    prefix |= ((unsigned int)sh[0]) << shift;
+    mask |= ((unsigned int)(nbins - 1)) << shift;
+    __syncthreads();
+  }
+  thr = prefix;
+  need_eq = rem;
+}
+// A warp's ordered sweep over global keys[w0, w1) (w0 a multiple of 4; reads to a multiple of 4 stay
+// in bounds): U 16-byte loads per lane in flight (through L2), then f(i, x) for each run of 128 keys
+// in order, lane l getting keys i..i+3 (x[0..3]) of it; f checks i + j < w1 itself.
+template <int U, typename F>
+__device__ __forceinline__ void dsv4_sweep(const unsigned int* keys, int w0, int w1, F f) {
+  const int lane = threadIdx.x & 31;
+  for (int base = w0; base < w1; base += 128 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * 128 + 4 * lane;
+      v[u] = i < w1 ? __ldcg(reinterpret_cast<const uint4*>(keys + i)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + u * 128 >= w1) break;  // the same for the whole warp
+      const unsigned int x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      f(base + u * 128 + 4 * lane, x);
+    }
+  }
+}
+// Warp w's contiguous run of n keys (a multiple of 128 long).
+template <int NT>
+__device__ __forceinline__ void dsv4_warp_run(int n, int& w0, int& w1) {
+  constexpr int NW = NT / 32;
+  const int per = ((n + NW - 1) / NW + 127) & ~127;
+  w0 = min(n, (int)(threadIdx.x >> 5) * per);
+  w1 = min(n, w0 + per);
+}
+// Ordered compaction over global keys[0..n): o[rank] = i for every key > thr and the first need_eq
+// keys == thr, ascending i (ties to the lowest id). A count sweep, block scans, a write sweep.
+template <int NT>
+__device__ void dsv4_take_ordered(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, int* o) {
+  const int lane = threadIdx.x & 31;
+  int w0, w1;
+  dsv4_warp_run<NT>(n, w0, w1);
+  int gt = 0, eq = 0;
+  dsv4_sweep<8>(keys, w0, w1, [&](int i, const unsigned int* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) if (i + j < w1) { gt += x[j] > thr; eq += x[j] == thr; }
+  });
+  for (int s = 16; s > 0; s >>= 1) {
+    gt += __shfl_xor_sync(0xffffffffu, gt, s);
+    eq += __shfl_xor_sync(0xffffffffu, eq, s);
+  }
+  const int eq_before = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? eq : 0, wsum), 0);
+  const int take_eq = max(0, min(eq, need_eq - eq_before));
+  int pos = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? gt + take_eq : 0, wsum), 0);
+  int r = eq_before;  // keys == thr before this run of 128
+  dsv4_sweep<8>(keys, w0, w1, [&](int i, const unsigned int* x) {
+    int e = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) e += (i + j < w1 && x[j] == thr) ? 1 : 0;
+    int ei = e;  // inclusive scan of the lanes' equal counts
+    for (int s = 1; s < 32; s <<= 1) { const int t = __shfl_up_sync(0xffffffffu, ei, s); if (lane >= s) ei += t; }
+    int re = r + ei - e;
+    bool tk[4];
+    int t = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool in = i + j < w1;
+      tk[j] = in && (x[j] > thr || (x[j] == thr && re < need_eq));
+      re += (in && x[j] == thr) ? 1 : 0;
+      t += tk[j] ? 1 : 0;
+    }
+    int ti = t;
+    for (int s = 1; s < 32; s <<= 1) { const int u = __shfl_up_sync(0xffffffffu, ti, s); if (lane >= s) ti += u; }
+    int at = pos + ti - t;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) if (tk[j]) o[at++] = i + j;
+    pos += __shfl_sync(0xffffffffu, ti, 31);
+    r += __shfl_sync(0xffffffffu, ei, 31);
+  });
+}
+"""
+
+# The chunk's scores to their keys in global memory, and to the block's histogram of their top 11 bits.
+EMIT_GLOBAL = r"""if (tid < CH) {  // warps 0 and 1, whole
+      const bool ok = c * CH + tid < nv;
+      float s = 0.f;
+#pragma unroll
+      for (int h = 0; h < HT; ++h) s += part[h * CH + tid];
+      const unsigned int v = dsv4_okey(s);
+      if (ok) skey[c * CH + tid] = v;
+      const unsigned int bin = ok ? v >> 21 : 0xffffffffu;
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+    }"""
+
+HEAD_ONE = r"""  const int nb = positions_shape[0];
+  unsigned int* tickets = scratch;
+  unsigned int* ghist = scratch + ((nb + 3) & ~3);
+  unsigned int* gkeys = ghist + (size_t)nb * 2048;
+  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row names get -1
+    if (blockIdx.x == 0) {
+      for (int r = 0; r < q_shape[0]; ++r) {
+        bool named = false;
+        for (int i = 0; i < nb; ++i) named |= q_rows[i] == r;
+        if (!named) for (int i = tid; i < TOPK; i += NT) out[(size_t)r * TOPK + i] = -1;
+      }
+    }
+    return;
+  }
+  const int b = blockIdx.y;
+  const int n = dsv4_emitted(positions[b], 4);
+  const int s0 = blockIdx.x * EB;
+  const int nv = max(0, min(EB, n - s0));
+  unsigned int* skey = gkeys + (size_t)b * CAPN + s0;
+  if (nv > 0) {
+    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
+    __syncthreads();
+"""
+
+TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
+      const unsigned int h = hist[i];
+      if (h) atomicAdd(ghist + (size_t)b * 2048 + i, h);
+    }
+  }
+  dsv4_cp_wait<0>();
+  __threadfence();  // this block's keys and histogram are visible before its ticket
+  __syncthreads();
+  if (tid == 0) sh[0] = atomicAdd(tickets + b, 1u) == gridDim.x - 1 ? 1 : 0;
+  __syncthreads();
+  if (sh[0] == 0) return;
+  __threadfence();
+  // the row's last block: its top-k
+  int* o = out + (size_t)q_rows[b] * TOPK;
+  const unsigned int* rk = gkeys + (size_t)b * CAPN;  // the row's keys
+  const int K = min(TOPK, n);
+  unsigned int thr = 0u;  // keys are >= 1 (0 only for NaN): with thr 0 and need_eq n every entry is taken
+  int need_eq = n;
+  if (n > TOPK) {
+    for (int i = tid; i < 2048; i += NT) hist[i] = __ldcg(ghist + (size_t)b * 2048 + i);
+    __syncthreads();
+    dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);
+    const unsigned int top = (unsigned int)sh[0];
+    const int rem = sh[1];
+    __syncthreads();
+    // the keys of bin `top`, in any order, into the (now idle) pipeline buffers
+    unsigned int* list = reinterpret_cast<unsigned int*>(smem_raw);
+    if (tid == 0) sh[2] = 0;
+    __syncthreads();
+    int w0, w1;
+    dsv4_warp_run<NT>(n, w0, w1);
+    dsv4_sweep<8>(rk, w0, w1, [&](int i, const unsigned int* x) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool m = i + j < w1 && (x[j] >> 21) == top;
+        const unsigned int bal = __ballot_sync(0xffffffffu, m);
+        if (bal == 0u) continue;
+        int at0 = 0;
+        if (lane == 0) at0 = atomicAdd(&sh[2], __popc(bal));
+        at0 = __shfl_sync(0xffffffffu, at0, 0);
+        const int at = at0 + __popc(bal & ((1u << lane) - 1u));
+        if (m && at < CAPL) list[at] = x[j];
+      }
+    });
+    __syncthreads();
+    const int c0 = sh[2];
+    __syncthreads();
+    if (c0 <= CAPL) dsv4_radix_low<NT, false>(list, c0, rem, top, hist, wsum, sh, thr, need_eq);
+    else dsv4_radix_low<NT, true>(rk, n, rem, top, hist, wsum, sh, thr, need_eq);
+  }
+  dsv4_take_ordered<NT>(rk, n, thr, need_eq, wsum, o);
+  for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
+"""
+
+# The segment kernel's shared key array `skey` becomes this kernel's shared histogram; `skey` here is
+# the block's run of the row's global key plane (where the shared scoring body writes).
+_SKEY = "  unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]\n"
+_HIST = "  unsigned int* hist = skey + SEG;                                       // [2048]\n"
+assert _SKEY in PRE and _HIST in PRE
+_OWN_HIST = "  unsigned int* hist = reinterpret_cast<unsigned int*>(part + HT * CH);  // [2048]\n"
+_NT = "constexpr int NT = 256, NWARP = 8,"
+assert _NT in PRE
+ONE = (
+    PRE.replace(_SKEY, _OWN_HIST).replace(_HIST, "").replace(_NT, "constexpr int NT = NTO, NWARP = NTO / 32,")
+    + HEAD_ONE
+    + SCORE.replace("EMIT", EMIT_GLOBAL)
+    + TAIL_ONE
+)
