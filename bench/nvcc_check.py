@@ -21,6 +21,7 @@ from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
+from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
@@ -80,6 +81,11 @@ def units() -> dict[str, str]:
             out[f"compressor_{ratio}_{d}_full{int(full)}"] = standalone(
                 "compressor", comp_in, [o for o in comp_out if o[0] in names],
                 cp.template(BF, F32, ratio, d, 32, 64, full), src)  # fmt: skip
+    hc_in = [("m", F32, False), ("scale", F32, False), ("base", F32, False), ("h", BF, True), ("fparams", F32, False)]
+    for nc, iters in ((4, 20), (1, 1), (8, 5)):
+        out[f"hc_pre_mix_{nc}_{iters}"] = standalone(
+            "hc_pre_mix", hc_in, [("x", BF), ("post", F32), ("comb", F32)],
+            [("T", BF), ("NC", nc), ("ITERS", iters)], hc.SOURCE)  # fmt: skip
     return out
 
 

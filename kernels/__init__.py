@@ -1,4 +1,4 @@
-"""The three row-batched DeepSeek-V4 decode ops (see ARCHITECTURE.md "Kernel API").
+"""The three row-batched DeepSeek-V4 decode ops and the mHC pre-mix (see ARCHITECTURE.md "Kernel API").
 
 Each public op dispatches through `kernels.backend`: a registered fast path on a CUDA device,
 else the plain-MLX reference (`DSV4_KERNELS=reference` forces it). Both validate the row
@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from kernels import backend
 from kernels.compressor import compressor_rows_reference
+from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.rope import rope
 from kernels.rows import Row, RowBatch
@@ -21,6 +22,7 @@ __all__ = [
     "RowBatch",
     "backend",
     "compressor_rows",
+    "hc_pre_mix",
     "indexer_rows",
     "rope",
     "sparse_attention_rows",
@@ -71,3 +73,11 @@ def sparse_attention_rows(
     """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`."""
     fn = backend.pick("sparse_attention_rows", sparse_attention_rows_reference)
     return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+
+
+def hc_pre_mix(
+    m: mx.array, scale: mx.array, base: mx.array, h: mx.array, *, iters: int, eps: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """mHC pre-mix of every row -> `(x [B, H] h.dtype, post [B, nc] f32, comb [B, nc, nc] f32)` (kernels/hc.py)."""
+    fn = backend.pick("hc_pre_mix", hc_pre_mix_reference)
+    return fn(m, scale, base, h, iters=iters, eps=eps)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+import kernels
 from model.config import ModelArgs
 
 
@@ -75,7 +76,8 @@ def hc_pre(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """h [B, nc, H] -> (block input x [B, H], post [B, nc], comb C [B, nc, nc]); all mixing in f32.
 
-    Compiled: the Sinkhorn loop is ~4 tiny ops per iteration, fused into a few kernels."""
+    The mixing (sigmoids, softmax, Sinkhorn, the weighted stream sum) is `kernels.hc_pre_mix`: one
+    kernel on CUDA, ~100 small ops in the reference; the rest compiled here."""
     f = _compiled_pre.get(id(args))
     if f is None:
         f = _compiled_pre[id(args)] = mx.compile(functools.partial(_hc_pre, args=args))
@@ -85,28 +87,10 @@ def hc_pre(
 def _hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
-    nc, eps = args.hc_mult, args.hc_eps
     b = h.shape[0]
     f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
     m = f @ fn.astype(mx.float32).T
-    pre = mx.sigmoid(m[:, :nc] * scale[0] + base[:nc]) + eps
-    post = 2 * mx.sigmoid(m[:, nc : 2 * nc] * scale[1] + base[nc : 2 * nc])
-    comb = (m[:, 2 * nc :] * scale[2] + base[2 * nc :]).reshape(b, nc, nc)
-    comb = mx.softmax(comb, axis=-1, precise=True) + eps
-    x = mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
-    return x, post, sinkhorn(comb, args.hc_sinkhorn_iters, eps)
-
-
-def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """Column normalisation, then iters-1 (row, column) rounds, each with +eps in the denominators.
-
-    (Tried: the nc*nc entries as separate elementwise arrays so compile fuses the loop; on CUDA the fused
-    kernel's NVRTC compile took minutes. The plain reductions stay.)"""
-    comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (mx.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
-    return comb
+    return kernels.hc_pre_mix(m, scale, base, h, iters=args.hc_sinkhorn_iters, eps=args.hc_eps)
 
 
 @mx.compile

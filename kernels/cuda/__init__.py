@@ -1,4 +1,4 @@
-"""CUDA fast path of the three row-batched ops (`mx.fast.cuda_kernel`), registered on import.
+"""CUDA fast path of the row-batched ops and the mHC pre-mix (`mx.fast.cuda_kernel`), registered on import.
 
 `kernels.backend` imports this package lazily when MLX's default device is a CUDA GPU (and
 `DSV4_KERNELS` is not `reference`). Each fast op has the reference's signature, runs the same
@@ -7,10 +7,11 @@ kernels do not cover:
 - compressor_rows: every float dtype (1 kernel + 1 scatter into the page pool; + 2 slot-pool
   scatters when the slot pools are large);
 - indexer_rows: q / keys bf16 or f16, 16/32/64/128 heads, dim a multiple of 16 up to 256, topk <= 2048
-  (1 kernel up to 4,096 entries per row, else segment + merge);
+  (1 kernel up to 8,192 entries of row capacity, else segment + merge);
 - sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
   of 32 (1 kernel up to 3 chunks of 64 keys per row, else wide or partial + combine). float32 (the
-  tiny test model) runs the reference for these two.
+  tiny test model) runs the reference for these two;
+- hc_pre_mix (opt-in, DSV4_HC_KERNEL=1, until it has run on a GPU): f32 mixing logits, nc <= 8, 1 kernel.
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -25,6 +26,7 @@ and its kernel launches.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,11 +35,13 @@ import mlx.core as mx
 from kernels import backend
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
+from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.rows import Row, RowBatch
 
 __all__ = [
     "compressor_rows_cuda",
+    "hc_pre_mix_cuda",
     "indexer_rows_cuda",
     "precompile",
     "precompile_model",
@@ -47,6 +51,11 @@ __all__ = [
 backend.register("compressor_rows", compressor_rows_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
+# The mHC pre-mix kernel was written without device time (session 5) and has not run on a GPU yet:
+# opt in with DSV4_HC_KERNEL=1 until tests/kernels/test_cuda_hc.py has passed on the H200.
+HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "0").strip() == "1"
+if HC_KERNEL:
+    backend.register("hc_pre_mix", hc_pre_mix_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:
@@ -107,8 +116,17 @@ def precompile(
 
 
 def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1) -> int:
-    """`precompile` with the dims of a `model.config.ModelArgs` (and `slots` slot-pool rows)."""
-    return precompile(
+    """`precompile` with the dims of a `model.config.ModelArgs` (and `slots` slot-pool rows), + the mHC
+    pre-mix kernel when it is in use."""
+    n = 0
+    if HC_KERNEL:
+        nc, nm = args.hc_mult, args.hc_mult * (2 + args.hc_mult)
+        out = hc_pre_mix_cuda(mx.zeros((1, nm)), mx.ones((3,)), mx.zeros((nm,)),
+                              mx.zeros((1, nc, args.hidden_size), dtype), iters=args.hc_sinkhorn_iters,
+                              eps=args.hc_eps)  # fmt: skip
+        mx.eval(out)
+        n = 1
+    return n + precompile(
         dtype=dtype,
         page_size=page_size,
         n_heads=args.num_attention_heads,
