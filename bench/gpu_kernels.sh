@@ -4,7 +4,8 @@
 #   bash bench/gpu_kernels.sh          the kernels' gpu tests, the host / GPU split of chained calls
 #                                      (bench/host_cost.py), bench/kernels.py (every op at ROWS, 8K/128K/1M,
 #                                      chain43): at most 170 + 90 + 290 s (+ ~25 s of install)
-#   STEP=1 bash bench/gpu_kernels.sh   the parallel prefill test and the 4-layer step: at most 150 + 200 s
+#   STEP=1 bash bench/gpu_kernels.sh   the parallel prefill test, the mHC kernel's tests and the 4-layer step
+#                                      (fast, reference, fast + mHC kernel): at most 150 + 90 + 240 s
 # Writes under $OUT.  Env: TESTS=-k expr, REPS, ROWS, STEP.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,8 +26,10 @@ TESTS=${TESTS:-}
   else
     echo "== parallel prefill vs token-by-token decode on the GPU (f32 tiny model, TF32 off: tests/conftest.py)"
     timeout 150 python3 -m pytest tests/model/test_prefill.py -q -p no:cacheprovider 2>&1 | tail -4
+    echo "== the mHC pre-mix kernel (opt-in until this passes)"
+    timeout 90 python3 -m pytest tests/kernels/test_cuda_hc.py -q -p no:cacheprovider 2>&1 | tail -4
     echo "== step"
-    timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
+    timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference,fast_hc \
       --out "$OUT/step.json" 2>&1 | tail -16
   fi
 } 2>&1 | tee "$OUT/gpu_kernels.log"

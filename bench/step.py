@@ -120,6 +120,18 @@ def set_op_compile(on: bool) -> None:
         kc.COMPILE = on or os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
 
 
+def set_hc_kernel(on: bool) -> None:
+    """The mHC pre-mix kernel in or out of the backend (model.reset_compiled() makes the segments retrace)."""
+    from kernels import backend
+
+    if on:
+        import kernels.cuda as kc
+
+        backend.register("hc_pre_mix", kc.hc_pre_mix_cuda)
+    else:
+        backend.unregister("hc_pre_mix")
+
+
 def time_steps(model, pools, handles, ctx, reps) -> list[float]:
     ts = []
     for i in range(reps):
@@ -138,7 +150,8 @@ def main() -> None:
     ap.add_argument("--quantize", default="", help="'' (bf16 weights) or 'mxfp' (mxfp8 dense + mxfp4 experts)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
     ap.add_argument("--arms", default="fast,reference",
-                    help="of fast, reference, fast_opc (fast with mx.compile around each op's launches)")
+                    help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
+                    "fast_hc (fast + the mHC pre-mix kernel, DSV4_HC_KERNEL)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -157,6 +170,8 @@ def main() -> None:
             for mode in opt.arms.split(",") * 2:  # interleaved arms
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
+                set_hc_kernel(mode == "fast_hc")
+                model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
                 arm.setdefault(mode, []).extend(time_steps(model, pools, handles[:rows], ctx, opt.reps))
             set_op_compile(False)

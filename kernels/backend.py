@@ -34,6 +34,11 @@ def register(op: str, fn: Callable[..., Any]) -> None:
     _fast[op] = fn
 
 
+def unregister(op: str) -> None:
+    """Drop `op`'s fast implementation (bench A/B arms); the reference runs again."""
+    _fast.pop(op, None)
+
+
 def registered() -> dict[str, Callable[..., Any]]:
     return dict(_fast)
 
