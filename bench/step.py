@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
+from model.checkpoint import is_f32_compute  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.state import StatePools  # noqa: E402
@@ -49,7 +50,8 @@ def random_model(args: ModelArgs, dtype: mx.Dtype, quantize: str | None) -> Deep
             fan = p.shape[-1] if p.ndim >= 2 else 1
             std = fan**-0.5 if p.ndim >= 2 else 0.1
             base = 1.0 if name.endswith("norm.weight") else 0.0
-            v = (base + std * mx.random.normal(p.shape, key=sub)).astype(dtype if p.ndim >= 2 else mx.float32)
+            keep = p.ndim < 2 or is_f32_compute(name)  # as the loader keeps them
+            v = (base + std * mx.random.normal(p.shape, key=sub)).astype(mx.float32 if keep else dtype)
             if name.endswith("norm.weight"):
                 v = v.astype(dtype)
         model.update(tree_unflatten([(name, v)]))

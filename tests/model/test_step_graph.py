@@ -1,0 +1,39 @@
+"""What a decode step puts in MLX's graph: at <= 8 rows the step is host-bound and every node costs host
+time (bench/step_nodes.py counts them per layer part); these pin the structural wins."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from model.checkpoint import is_f32_compute
+from model.loader import tiny_model
+
+
+def graph_nodes(tmp_path, *outs: mx.array) -> collections.Counter:
+    path = tmp_path / "g.dot"
+    mx.export_to_dot(str(path), *outs)
+    return collections.Counter(re.findall(r'\[label ="?([^"\]]*)"?, shape=rectangle', path.read_text()))
+
+
+def test_bf16_model_keeps_the_f32_multiplied_weights_f32() -> None:
+    model, _, _ = tiny_model(dtype=mx.bfloat16)
+    kept = [(n, p.dtype) for n, p in tree_flatten(model.parameters()) if is_f32_compute(n)]
+    assert {n.split(".", 2)[-1] for n, _ in kept} >= {"attn.compressor.wkv.weight", "ffn.gate.weight",
+                                                      "attn.indexer.compressor.wgate.weight"}  # fmt: skip
+    assert all(dt == mx.float32 for _, dt in kept)
+    assert model.layers[1].attn.wkv.weight.dtype == mx.bfloat16  # the rest: the model dtype
+
+
+def test_compressor_projection_casts_only_its_input(tmp_path) -> None:
+    """bf16 model: the f32 kv / score projections upcast x, never a weight (a per-step weight copy)."""
+    model, args, _ = tiny_model(dtype=mx.bfloat16)
+    comp = model.layers[1].attn.compressor
+    x = mx.random.normal((2, args.hidden_size)).astype(mx.bfloat16)
+    mx.eval(x)
+    kv, score, _, _ = comp.project(x, mx.array([5, 9]), model._freqs[True])
+    assert kv.dtype == mx.float32 and score.dtype == mx.float32
+    assert graph_nodes(tmp_path, kv, score)["AsType"] == 1
