@@ -17,6 +17,7 @@ from kernels import Row, RowBatch
 from model.attention import Attention
 from model.config import ModelArgs
 from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq
+from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_chunk
 from model.state import StateHandle, StatePools
 
@@ -94,6 +95,7 @@ class DeepseekV4(nn.Module):
     def reset_compiled(self) -> None:
         for block in self.layers:
             block.reset_compiled()
+        forget_hc_pre()
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -71,6 +71,12 @@ def rope_cos_sin(freqs: mx.array, positions: mx.array) -> tuple[mx.array, mx.arr
 _compiled_pre: dict[int, object] = {}
 
 
+def reset_compiled() -> None:
+    """Forget the compiled hc_pre functions (they traced the kernel choice of their first call; a call
+    inside a compiled segment retraces anyway, a direct call, as in prefill, does not)."""
+    _compiled_pre.clear()
+
+
 def hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
