@@ -32,9 +32,10 @@ class RMSNorm(nn.Module):
 
 
 def rms(x: mx.array, eps: float) -> mx.array:
-    """Unweighted RMSNorm (q heads, mHC input)."""
-    xf = x.astype(mx.float32)
-    return (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    """Unweighted RMSNorm (q heads, mHC input): f32 statistics and product, one rounding to x.dtype, as
+    REF. MLX's fused op (1 graph node instead of 3) does exactly that when there is no weight; with a
+    weight it rounds x * rsqrt(.) to x.dtype before the weight multiply, hence RMSNorm above stays."""
+    return mx.fast.rms_norm(x, None, eps)
 
 
 def inv_freq(args: ModelArgs, compressed: bool) -> mx.array:
