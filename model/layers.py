@@ -149,6 +149,20 @@ class Gate(nn.Module):
         return idx, w
 
 
+_lhs_cache: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+
+def expert_lhs_indices(b: int, k: int) -> tuple[mx.array, mx.array]:
+    """gather_mm's lhs indices for x [B, 1, 1, H] ([B, 1]: row b) and for the hidden [B, k, 1, I]
+    ([B, k]: b * k + j), as the defaults MLX would build, but made once from NumPy: passed in, they
+    are constants, where the defaults are an arange + a cast node per call (6 per MoE)."""
+    key = (b, k)
+    if key not in _lhs_cache:
+        _lhs_cache[key] = (mx.array(np.arange(b, dtype=np.uint32)[:, None]),
+                           mx.array(np.arange(b * k, dtype=np.uint32).reshape(b, k)))  # fmt: skip
+    return _lhs_cache[key]
+
+
 class Experts(nn.Module):
     """Routed experts stacked [E, out, in]; one gathered matmul per projection for the whole batch."""
 
@@ -164,11 +178,13 @@ class Experts(nn.Module):
         # MLX's CPU gather_mm is f32-only: there, run a bf16 model's experts in f32.
         ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
         xe = x[:, None, None, :].astype(ct)  # [B, 1, 1, H]: broadcast against idx [B, k]
-        g = mx.gather_mm(xe, self.w1.astype(ct).swapaxes(-1, -2), rhs_indices=idx)
-        u = mx.gather_mm(xe, self.w3.astype(ct).swapaxes(-1, -2), rhs_indices=idx)
+        rows, hid_rows = expert_lhs_indices(*idx.shape)
+        ri = idx.astype(mx.uint32)
+        g = mx.gather_mm(xe, self.w1.astype(ct).swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ri)
+        u = mx.gather_mm(xe, self.w3.astype(ct).swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ri)
         hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(ct)
-        out = mx.gather_mm(hdn, self.w2.astype(ct).swapaxes(-1, -2), rhs_indices=idx)[:, :, 0, :]  # [B, k, H]
-        return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
+        out = mx.gather_mm(hdn, self.w2.astype(ct).swapaxes(-1, -2), lhs_indices=hid_rows, rhs_indices=ri)
+        return mx.sum(out[:, :, 0, :].astype(mx.float32) * w[:, :, None], axis=1)  # [B, k, H] -> [B, H]
 
 
 class SharedExpert(nn.Module):

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from model.layers import swiglu
+from model.layers import expert_lhs_indices, swiglu
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row
@@ -102,17 +102,19 @@ class QuantizedExperts(nn.Module):
             setattr(self, key, value)
         self.limit = limit
 
-    def _mm(self, x: mx.array, name: str, idx: mx.array) -> mx.array:
+    def _mm(self, x: mx.array, name: str, rows: mx.array, idx: mx.array) -> mx.array:
         return mx.gather_qmm(
-            x, getattr(self, name), getattr(self, f"{name}_scales"), None, rhs_indices=idx,
+            x, getattr(self, name), getattr(self, f"{name}_scales"), None, lhs_indices=rows, rhs_indices=idx,
             transpose=True, group_size=FP4_GROUP, bits=4, mode="mxfp4",
         )
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
         xe = x[:, None, None, :]  # [B, 1, 1, H] against idx [B, k]
-        g, u = self._mm(xe, "w1", idx), self._mm(xe, "w3", idx)
+        rows, hid_rows = expert_lhs_indices(*idx.shape)  # constants, not per-call aranges
+        ri = idx.astype(mx.uint32)
+        g, u = self._mm(xe, "w1", rows, ri), self._mm(xe, "w3", rows, ri)
         hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(x.dtype)
-        out = self._mm(hdn, "w2", idx)[:, :, 0, :]  # [B, k, H]
+        out = self._mm(hdn, "w2", hid_rows, ri)[:, :, 0, :]  # [B, k, H]
         return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
 
 

@@ -37,3 +37,14 @@ def test_compressor_projection_casts_only_its_input(tmp_path) -> None:
     kv, score, _, _ = comp.project(x, mx.array([5, 9]), model._freqs[True])
     assert kv.dtype == mx.float32 and score.dtype == mx.float32
     assert graph_nodes(tmp_path, kv, score)["AsType"] == 1
+
+
+def test_routed_experts_build_no_index_arrays(tmp_path) -> None:
+    """gather_mm's default lhs indices are an arange + a cast per call; the model passes constants."""
+    model, args, _ = tiny_model()
+    for layer in (0, 3):  # a hash-routed and a score-routed layer
+        ffn = model.layers[layer].ffn
+        x = mx.random.normal((3, args.hidden_size))
+        out = ffn(x, mx.array([1, 2, 3], dtype=mx.int32))
+        nodes = graph_nodes(tmp_path, out)
+        assert nodes["GatherMM"] == 3 and nodes["Arange"] == 0, nodes
