@@ -48,3 +48,19 @@ def test_routed_experts_build_no_index_arrays(tmp_path) -> None:
         out = ffn(x, mx.array([1, 2, 3], dtype=mx.int32))
         nodes = graph_nodes(tmp_path, out)
         assert nodes["GatherMM"] == 3 and nodes["Arange"] == 0, nodes
+
+
+def test_rope_is_one_fused_kernel(tmp_path) -> None:
+    """The interleaved RoPE, compiled as the model runs it: one fused elementwise kernel and few views
+    (it was 18 nodes with the pairs unstacked and restacked; a CSA layer applies it 4 times)."""
+    from kernels.rope import rope
+
+    q = mx.random.normal((8, 64, 512)).astype(mx.bfloat16)
+    ang = mx.random.uniform(-3, 3, (8, 32))
+    cos, sin = mx.cos(ang), mx.sin(ang)
+    mx.eval(q, cos, sin)
+    f = mx.compile(rope)
+    mx.eval(f(q, cos, sin))
+    nodes = graph_nodes(tmp_path, f(q, cos, sin))
+    assert sum(v for k, v in nodes.items() if k.startswith("Compiled")) == 1
+    assert sum(nodes.values()) <= 13, nodes
