@@ -18,7 +18,7 @@ TESTS=${TESTS:-}
     echo "== gpu tests"
     timeout 170 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tail -8
     echo "== host vs GPU per call (compiled chains; host = mx.async_eval time)"
-    timeout 90 python3 bench/host_cost.py --reps "${REPS:-8}" \
+    timeout 90 python3 bench/host_cost.py --reps "${REPS:-8}" --wide-heads 64,32 \
       --cases compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,indexer_rows:8:1048576,sparse_attention_rows:8:131072 \
       2>&1 | tee "$OUT/host_cost.jsonl"
     echo "== kernels"

@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.cases import chain43, make_case  # noqa: E402
+from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 
-ONE_MAX = ix.ONE_MAX
+ONE_MAX, WIDE_HG = ix.ONE_MAX, at.WIDE_HG
 
 ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--no-chain43", action="store_true")
     ap.add_argument("--indexer-paths", action="store_true",
                     help="indexer cases twice: the one-launch kernel and segment + merge (ONE_MAX 0)")
+    ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
 
@@ -91,15 +93,18 @@ def main() -> None:
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
     for spec in opt.cases.split(","):
         op, rows, ctx = spec.split(":")
-        paths = [("", ix.ONE_MAX)]
+        paths: list[tuple[str, Any]] = [("", None)]
         if op == "indexer_rows" and opt.indexer_paths:
-            paths = [(":one", 1 << 40), (":segment", 0)]
-        for tag, one_max in paths:
-            ix.ONE_MAX = one_max  # read when a launch plan is made (part of its key)
+            paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0))]
+        if op == "sparse_attention_rows" and opt.wide_heads:
+            paths = [(f":wide{h}", ("WIDE_HG", int(h))) for h in opt.wide_heads.split(",")]
+        for tag, setting in paths:
+            if setting:  # a module setting read when a launch plan is made (part of its key)
+                setattr(ix if setting[0] == "ONE_MAX" else at, *setting)
             case = make_case(op, int(rows), int(ctx))
             emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
             del case
-        ix.ONE_MAX = ONE_MAX
+        ix.ONE_MAX, at.WIDE_HG = ONE_MAX, WIDE_HG
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))

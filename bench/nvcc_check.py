@@ -66,6 +66,9 @@ def units() -> dict[str, str]:
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
     out["attn_wide"] = standalone("attn_wide", part_in, [("part", F32)], wide_t, asrc.WIDE,
                                   header=asrc.ATTN_HELPERS)  # fmt: skip
+    wide32_t = [(k, 32 if k == "HG" else v) for k, v in part_t]
+    out["attn_wide32"] = standalone("attn_wide", part_in, [("part", F32)], wide32_t, asrc.WIDE,
+                                    header=asrc.ATTN_HELPERS)  # fmt: skip
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
     out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT,
                                         header=asrc.ATTN_HELPERS)  # fmt: skip

@@ -37,7 +37,8 @@ from kernels.sparse_attention import check_sparse_attention, sparse_attention_ro
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
 DSPLIT_CHUNKS = 3  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
-WIDE_HG = 64  # heads per `wide` block
+WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blocks of a short batch:
+# measured next (bench/host_cost.py --wide-heads 64,32), so 64 until then
 WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
@@ -58,10 +59,16 @@ def dsplit_smem(d: int, ds: int) -> int:
     return t + f + 2 * (8 * CK + 4 * CK)
 
 
-def wide_smem(d: int) -> int:
-    """wide: Q of 64 heads, one K chunk, P, S, softmax state, key offsets."""
-    t = 2 * (WIDE_HG * (d + 8) + CK * (d + 8) + WIDE_HG * (CK + 8))
-    return t + 4 * (WIDE_HG * (CK + 4) + 2 * WIDE_HG) + 12 * CK
+def wide_smem(d: int, hg: int = 64) -> int:
+    """wide: Q of hg heads, one K chunk, P, S, softmax state, key offsets."""
+    t = 2 * (hg * (d + 8) + CK * (d + 8) + hg * (CK + 8))
+    return t + 4 * (hg * (CK + 4) + 2 * hg) + 12 * CK
+
+
+def wide_heads(nh: int, d: int) -> int:
+    """Heads per `wide` block: WIDE_HG where the 8 warps' split fits (32 heads: 4 warps per head tile,
+    128 dims each in O, so D a multiple of 256), else 64."""
+    return WIDE_HG if WIDE_HG == 32 and nh % 32 == 0 and d % 256 == 0 else 64
 
 
 def dsplit_slices(bq: int, groups: int, d: int) -> int:
@@ -114,6 +121,7 @@ class Plan:
         nchunk = -(-(window.shape[1] + ki) // CK)
         ds = dsplit_slices(bq, groups, d)
         self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d, ds) <= SMEM_MAX
+        hg = wide_heads(nh, d)
         self.fparams = f32_params(scale)
         tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("CK", CK), ("THREADS", THREADS)]
         if self.final:  # grid z over the q rows, the normalized output straight from the kernel
@@ -121,11 +129,11 @@ class Plan:
             self.part_tmpl = tmpl + [("HG", HG), ("DS", ds)]
             self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]
-        elif nh % WIDE_HG == 0 and d % 128 == 0 and wide_smem(d) <= SMEM_MAX and \
-                b * (nh // WIDE_HG) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
-            self.part = kernel("attn_wide", PART_IN, ("part",), WIDE, wide_smem(d), ATTN_HELPERS)
-            self.part_tmpl = tmpl + [("HG", WIDE_HG)]
-            self.part_grid = (nchunk * THREADS, nh // WIDE_HG, b)
+        elif nh % 64 == 0 and d % 128 == 0 and wide_smem(d, hg) <= SMEM_MAX and \
+                b * (nh // hg) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
+            self.part = kernel("attn_wide", PART_IN, ("part",), WIDE, wide_smem(d, hg), ATTN_HELPERS)
+            self.part_tmpl = tmpl + [("HG", hg)]
+            self.part_grid = (nchunk * THREADS, nh // hg, b)
             self.part_shapes = [(b, nchunk, nh, d + 2)]  # O and (m, l) planes
         else:
             ns = splits(b, groups, nchunk)
@@ -191,7 +199,7 @@ def sparse_attention_rows_cuda(
 
     def make() -> Plan:
         tw = None if ratio is None or ratio not in batch.tables else batch.tables[ratio].shape
-        pk = key + (batch.size, batch.page_size, tw)
+        pk = key + (batch.size, batch.page_size, tw, WIDE_HG)
         return plan_cached(pk, lambda: Plan(batch, q, window, pool, indices, scale, ratio))
 
     plan: Plan = checked(batch, key, check, make)

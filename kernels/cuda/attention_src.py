@@ -115,8 +115,11 @@ __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long 
 WIDE = (
     r"""
   using namespace nvcuda;
-  // mma.sync / ldmatrix layout: 8 warps, HG = 64 (4 head tiles), CK = 64 keys, D a multiple of 128
+  // mma.sync / ldmatrix layout: 8 warps over HT = HG / 16 head tiles (HG 64 or 32), WPT warps per tile,
+  // each with KW of the CK = 64 keys in S and DW of the D dims in O (64: 32 keys / 256 dims; 32: 16 / 128)
   constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, KT = CK / 16;
+  constexpr int HT = HG / 16, WPT = NWARP / HT, WSH = WPT == 4 ? 2 : (WPT == 2 ? 1 : 0), KW = CK / WPT, DW = D / WPT;
+  static_assert((1 << WSH) == WPT && KW % 16 == 0 && DW % 64 == 0, "wide: HG, CK, D do not fit 8 warps");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);               // [HG][LDK]
   T* Ks = Qs + HG * LDK;                                // [CK][LDK]
@@ -154,27 +157,28 @@ WIDE = (
   dsv4_cp_commit();
   dsv4_cp_wait<0>();
   __syncthreads();
-  {  // S = Q K^T: warp (head tile w / 2, keys 32 * (w % 2) ..): mma.sync with ldmatrix fragments
-    const int mt = warp >> 1, kh = warp & 1, g = lane >> 2, c2 = (lane & 3) * 2;
-    float acc[4][4];
+  {  // S = Q K^T: warp (head tile w / WPT, keys KW * (w % WPT) ..): mma.sync with ldmatrix fragments
+    const int mt = warp >> WSH, kh = warp & (WPT - 1), g = lane >> 2, c2 = (lane & 3) * 2;
+    float acc[KW / 8][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int j = 0; j < KW / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const T* qa = Qs + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + (lane >> 4) * 8;
-    const T* kbp = Ks + (kh * 32 + (lane >> 4) * 8 + (lane & 7)) * LDK + ((lane >> 3) & 1) * 8;
+    const T* kbp = Ks + (kh * KW + (lane >> 4) * 8 + (lane & 7)) * LDK + ((lane >> 3) & 1) * 8;
 #pragma unroll 4
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[4], b01[4], b23[4];
+      uint32_t a[4], bk[KW / 16][4];
       dsv4_ldsm4(a, qa + ks * 16);
-      dsv4_ldsm4(b01, kbp + ks * 16);            // key tiles 0, 1 of this warp
-      dsv4_ldsm4(b23, kbp + 16 * LDK + ks * 16);  // key tiles 2, 3
-      dsv4_mma(acc[0], a, b01[0], b01[1], T());
-      dsv4_mma(acc[1], a, b01[2], b01[3], T());
-      dsv4_mma(acc[2], a, b23[0], b23[1], T());
-      dsv4_mma(acc[3], a, b23[2], b23[3], T());
+#pragma unroll
+      for (int t = 0; t < KW / 16; ++t) dsv4_ldsm4(bk[t], kbp + t * 16 * LDK + ks * 16);  // key tiles 2t, 2t + 1
+#pragma unroll
+      for (int t = 0; t < KW / 16; ++t) {
+        dsv4_mma(acc[2 * t], a, bk[t][0], bk[t][1], T());
+        dsv4_mma(acc[2 * t + 1], a, bk[t][2], bk[t][3], T());
+      }
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float* sr = Ss + (mt * 16 + g) * LDS + kh * 32 + j * 8 + c2;
+    for (int j = 0; j < KW / 8; ++j) {
+      float* sr = Ss + (mt * 16 + g) * LDS + kh * KW + j * 8 + c2;
       *reinterpret_cast<float2*>(sr) = make_float2(acc[j][0], acc[j][1]);
       *reinterpret_cast<float2*>(sr + 8 * LDS) = make_float2(acc[j][2], acc[j][3]);
     }
@@ -195,15 +199,15 @@ WIDE = (
     if (lane == 0) { ml[(ob + h) * 2] = m; ml[(ob + h) * 2 + 1] = l; }
   }
   __syncthreads();
-  {  // O = P V (V = K): warp (head tile w / 2, dims 256 * (w % 2) ..) in passes of 64 dims, straight to opart
-    const int mt = warp >> 1, dh = warp & 1, g = lane >> 2, c2 = (lane & 3) * 2;
+  {  // O = P V (V = K): warp (head tile w / WPT, dims DW * (w % WPT) ..) in passes of 64 dims, straight to opart
+    const int mt = warp >> WSH, dh = warp & (WPT - 1), g = lane >> 2, c2 = (lane & 3) * 2;
     uint32_t pa[KT][4];
 #pragma unroll
     for (int ks = 0; ks < KT; ++ks)
       dsv4_ldsm4(pa[ks], Ps + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDP + ks * 16 + (lane >> 4) * 8);
     // .trans B: lanes 8i..8i+7 address key rows ks*16 + 8 * (i % 2) + (lane % 8) of dim tile 2 * jj + i / 2
     const T* vb = Ks + (((lane >> 3) & 1) * 8 + (lane & 7)) * LDK + (lane >> 4) * 8;
-    for (int d0 = dh * (D / 2); d0 < (dh + 1) * (D / 2); d0 += 64) {
+    for (int d0 = dh * DW; d0 < (dh + 1) * DW; d0 += 64) {
       float acc[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;

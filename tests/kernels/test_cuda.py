@@ -217,6 +217,20 @@ def test_indexer_merge_without_bound(n_rows: int) -> None:
 def test_sparse_attention_matches_reference(kind: str, n_rows: int) -> None:
     """Every launch plan: dsplit (sliding), wide (CSA, HCA; hca_long with 1-3 rows), split-K over head
     groups (hca_long with 8 rows: 8 x 130 chunks)."""
+    check_attention(kind, n_rows)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca", "hca_long"])
+@pytest.mark.parametrize("n_rows", [1, 3, 8])
+def test_sparse_attention_wide_32_heads(kind: str, n_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide kernel with 32 heads per block (twice the blocks: 4 warps per head tile)."""
+    import kernels.cuda.attention as at
+
+    monkeypatch.setattr(at, "WIDE_HG", 32)  # part of the launch plan's key
+    check_attention(kind, n_rows)
+
+
+def check_attention(kind: str, n_rows: int) -> None:
     rng = np.random.default_rng(300 + n_rows)
     ratio = {"sliding": 4, "csa": 4, "hca": 128, "hca_all": 128, "hca_long": 128}[kind]
     positions = [int(x) for x in rng.choice([0, 5, 127, 128, 1000, 20_000, 131_071, 70_000], n_rows, replace=False)]
@@ -259,9 +273,10 @@ def test_sparse_attention_matches_reference(kind: str, n_rows: int) -> None:
 
 
 def test_dispatch_uses_fast_path() -> None:
-    fast()
+    kc = fast()
     assert backend.name() == "cuda"
-    assert set(backend.registered()) == set(backend.OPS)
+    opt_in = set() if kc.HC_KERNEL else {"hc_pre_mix"}  # the mHC kernel is opt-in (DSV4_HC_KERNEL=1)
+    assert set(backend.registered()) == set(backend.OPS) - opt_in
 
 
 def test_precompile_tiny() -> None:

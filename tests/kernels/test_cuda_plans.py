@@ -71,3 +71,12 @@ def test_attention_shared_memory() -> None:
         assert at.dsplit_smem(d, 1) <= SMEM_MAX
         assert at.wide_smem(d) <= SMEM_MAX
     assert 2 * at.smem_bytes(512, one=True) <= 228 * 1024  # two one-chunk blocks per multiprocessor
+    assert 2 * (at.wide_smem(512, 32) + 1024) <= 228 * 1024  # two 32-head wide blocks per multiprocessor
+
+
+@pytest.mark.parametrize("setting", [64, 32])
+def test_wide_heads(setting: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(at, "WIDE_HG", setting)
+    assert at.wide_heads(64, 512) == setting  # the model's 64 heads x 512
+    assert at.wide_heads(64, 128) == 64  # 32 heads need D a multiple of 256 (128 dims per warp in O)
+    assert at.wide_heads(96, 512) == (32 if setting == 32 else 64)
