@@ -35,11 +35,11 @@ _F32 = re.compile(r"(^|\.)(hc_\w+|attn_sink|ape|gate\.bias)$")
 _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$")
 
 
-# Weights the model multiplies in f32 (REF upcasts them: the compressors' kv / gate projections and the
-# router). Stored as the release stores them, kept f32 in memory so that a step casts nothing: an
-# upcast inside the step is a graph node and a full f32 copy of the weight per step (~70 MB of
-# traffic per CSA layer at V4-Flash dims, bf16).
-_F32_COMPUTE = re.compile(r"(^|\.)(compressor\.(wkv|wgate)|ffn\.gate)\.weight$")
+# Weights the model multiplies in f32 (REF upcasts them: the compressors' kv / gate projections, the
+# router and the output head). Stored as the release stores them, kept f32 in memory so that a step
+# casts nothing: an upcast inside the step is a graph node and a full f32 copy of the weight per step
+# (bf16, V4-Flash dims: ~70 MB of traffic per CSA layer; ~3 GB for the 129K x 4K head).
+_F32_COMPUTE = re.compile(r"(^|\.)(compressor\.(wkv|wgate)|ffn\.gate)\.weight$|^head\.weight$")
 
 
 def is_f32_param(name: str) -> bool:

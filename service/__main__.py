@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -117,7 +118,16 @@ def serve(settings: Settings) -> int:
     return 0
 
 
+def exact_f32_matmuls() -> None:
+    """f32 matmuls in f32, unless the operator asked otherwise. MLX's CUDA build runs them as TF32 by
+    default (10-bit mantissa), and the model's f32 products (logits, router, mHC mixing, compressors)
+    are f32 in REF for precision. At <= 8 decode rows they are bandwidth-bound: no speed is lost.
+    MLX reads the variable at its first matmul, so this runs before any model code."""
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    exact_f32_matmuls()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:
         import model.cli
