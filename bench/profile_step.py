@@ -8,12 +8,14 @@ MoE alone. Each piece timed with its own eval (so each carries one eval floor, p
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__main__.py)
 
 import mlx.core as mx  # noqa: E402
 
