@@ -112,10 +112,8 @@ class Attention(nn.Module):
             )
             indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
                                            topk=ix.topk)
-        elif r == 128:
-            cap = pools.table_width(128) * pools.page_size
-            ids = mx.arange(cap, dtype=mx.int32)[None, :]
-            indices = mx.where(ids < ((batch.positions + 1) // 128)[:, None], ids, -1)
+        # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
+        # path reads a cached arange, no per-step index array)
         return kernels.sparse_attention_rows(
             batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
             self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r,
