@@ -97,8 +97,11 @@ class Attention(nn.Module):
         """The kernel part: window write, compressor(s), indexer, sparse attention; o [B, nh, D]."""
         a, layer, r = self.args, self.layer, self.ratio
         q, kv = proj[0], proj[1]
-        # Window ring: row p % W, written before attention (the current token is one of the W keys).
-        pools.window[layer][batch.slots, batch.positions % a.sliding_window] = kv.astype(pools.dtype)
+        # Window ring: row p % W, written before attention (the current token is one of the W keys);
+        # p % W once per step (batch.once), not once per layer.
+        w = a.sliding_window
+        ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
+        pools.window[layer][batch.slots, ring] = kv.astype(pools.dtype)
         pool, indices = None, None
         if r:
             pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = self.compressor.apply(
