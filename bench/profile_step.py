@@ -20,7 +20,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 
 from bench.step import fill_state, flash_args, random_model  # noqa: E402
-from model.layers import hc_pre  # noqa: E402
+from model.layers import hc_pre, rope_angles  # noqa: E402
 from model.state import StatePools  # noqa: E402
 
 
@@ -61,13 +61,14 @@ def main() -> None:
     for i, blk in enumerate(model.layers):
         before, after = blk._segments()
         fr = model._freqs[args.layer_ratio(i) != 0]
-        post, comb, *proj = before(h, batch.positions, fr)
+        angles = rope_angles(fr, batch.positions, args.layer_ratio(i))
+        post, comb, *proj = before(h, *angles)
         mx.eval(post, comb, proj)
         o = blk.attn.attend(tuple(proj), batch, pools)
         mx.eval(o, pools.arrays())
         x = hc_pre(h, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, args)[0]
         mx.eval(x)
-        t_b = timed(lambda: mx.eval(before(h, batch.positions, fr)))  # noqa: B023
+        t_b = timed(lambda: mx.eval(before(h, *angles)))  # noqa: B023
         t_k = timed(lambda: mx.eval(blk.attn.attend(tuple(proj), batch, pools), pools.arrays()))  # noqa: B023
         t_a = timed(lambda: mx.eval(after(o, h, post, comb, proj[2], proj[3], tok)))  # noqa: B023
         t_m = timed(lambda: mx.eval(blk.ffn(x, tok)))  # noqa: B023

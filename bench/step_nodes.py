@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.layers import _hc_pre, hc_post, rms  # noqa: E402
+from model.layers import _hc_pre, hc_post, rms, rope_angles  # noqa: E402
 
 
 def nodes(outs: list[mx.array]) -> collections.Counter:
@@ -68,12 +68,14 @@ def main() -> None:
     for i, kind in ((0, "sliding"), (1, "CSA"), (2, "HCA")):
         blk = model.layers[i]
         fr = model._freqs[a.layer_ratio(i) != 0]
-        proj = blk.attn.project(blk.attn_norm(x), pos, fr)
+        angles = rope_angles(fr, pos, a.layer_ratio(i))  # once per step in the model (RowBatch.once)
+        mx.eval(angles)
+        proj = blk.attn.project(blk.attn_norm(x), *angles)
         mx.eval(proj)
         parts = {
             "hc_pre (x2)": traced(functools.partial(_hc_pre, args=a), h, blk.hc_attn_fn, blk.hc_attn_base,
                                   blk.hc_attn_scale),  # fmt: skip
-            "norm + project": traced(lambda x, p: blk.attn.project(blk.attn_norm(x), p, fr), x, pos),  # noqa: B023
+            "norm + project": traced(lambda x, *an: blk.attn.project(blk.attn_norm(x), *an), x, *angles),  # noqa: B023
             "attn output": traced(lambda o: blk.attn.output(o, proj[2], proj[3], mx.float32), o),  # noqa: B023
             "norm + MoE": traced(lambda x: blk.ffn(blk.ffn_norm(x), tok), x),  # noqa: B023
             "hc_post (x2)": traced(lambda y: hc_post(y, h, post, comb), x),

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import kernels
 from kernels.rope import rope as apply_rope
 from model.config import ModelArgs
-from model.layers import RMSNorm, rms, rope_cos_sin
+from model.layers import RMSNorm, rms, rope_angles
 from model.state import StatePools
 
 
@@ -26,13 +26,12 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, args.rms_norm_eps)
         self.ratio, self.dim = ratio, dim
 
-    def project(self, x: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
-        """Pure part: kv / score projections in f32 (REF: the weights are upcast, not the other way round)
-        and the RoPE angles of the entry a row would emit this step (its window's first token)."""
+    def project(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, ...]:
+        """Pure part: kv / score projections in f32 (REF: the weights are upcast, not the other way round),
+        passed on with the RoPE angles of the entry a row would emit this step (its window's first token)."""
         xf = x.astype(mx.float32)
         kv = xf @ self.wkv.weight.astype(mx.float32).T
         score = xf @ self.wgate.weight.astype(mx.float32).T
-        cos, sin = rope_cos_sin(freqs, mx.maximum(positions + 1 - self.ratio, 0))
         return kv, score, cos, sin
 
     def apply(self, batch, proj, kv_state, score_state, pool, eps):
@@ -74,23 +73,25 @@ class Attention(nn.Module):
             self.indexer = Indexer(args)
         self.layer, self.args = layer, args
 
-    def project(self, x: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
-        """Everything before the kernels, a pure function of (x, positions): q, the new window kv, the
-        compressors' projections and, in CSA layers, the indexer's q and head weights."""
+    def project(
+        self, x: mx.array, cos: mx.array, sin: mx.array, ccos: mx.array, csin: mx.array
+    ) -> tuple[mx.array, ...]:
+        """Everything before the kernels, a pure function of x and the layer's RoPE angles
+        (`layers.rope_angles`): q, the new window kv, the compressors' projections and, in CSA layers,
+        the indexer's q and head weights."""
         a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
         kv = self.kv_norm(self.wkv(x))
-        cos, sin = rope_cos_sin(freqs, positions)
         out = (apply_rope(q, cos, sin), apply_rope(kv, cos, sin), cos, sin)
         if r:
-            out += self.compressor.project(x, positions, freqs)
+            out += self.compressor.project(x, ccos, csin)
         if r == 4:
             ix = self.indexer
             q_i = apply_rope(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), cos, sin)
             w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
-            out += (q_i, w, *ix.compressor.project(x, positions, freqs))
+            out += (q_i, w, *ix.compressor.project(x, ccos, csin))
         return out
 
     def attend(self, proj: tuple[mx.array, ...], batch: kernels.RowBatch, pools: StatePools) -> mx.array:
@@ -135,5 +136,5 @@ class Attention(nn.Module):
         return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
     def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
-        proj = self.project(x, batch.positions, freqs)
+        proj = self.project(x, *rope_angles(freqs, batch.positions, self.ratio))
         return self.output(self.attend(proj, batch, pools), proj[2], proj[3], x.dtype)

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from kernels import Row, RowBatch
 from model.attention import Attention
 from model.config import ModelArgs
-from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq
+from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq, rope_angles
 from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_chunk
 from model.state import StateHandle, StatePools
@@ -38,10 +38,10 @@ class Block(nn.Module):
             setattr(self, f"hc_{unit}_scale", mx.zeros((3,)))
         self.args = args
 
-    def before(self, h: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
-        """Pure: attention mHC-pre + norm + every projection the kernels need."""
+    def before(self, h: mx.array, *angles: mx.array) -> tuple[mx.array, ...]:
+        """Pure: attention mHC-pre + norm + every projection the kernels need (angles: rope_angles)."""
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
-        return (post, comb, *self.attn.project(self.attn_norm(x), positions, freqs))
+        return (post, comb, *self.attn.project(self.attn_norm(x), *angles))
 
     def after(self, o, h, post, comb, cos, sin, token_ids) -> mx.array:
         """Pure: attention output + mHC-post, then the whole MoE half of the block."""
@@ -53,7 +53,9 @@ class Block(nn.Module):
 
     def __call__(self, h, token_ids, batch, pools, freqs):
         before, after = self._segments()
-        post, comb, *proj = before(h, batch.positions, freqs)
+        r = self.attn.ratio
+        angles = batch.once(("rope_angles", r, id(freqs)), lambda: rope_angles(freqs, batch.positions, r))
+        post, comb, *proj = before(h, *angles)
         o = self.attn.attend(tuple(proj), batch, pools)
         return after(o, h, post, comb, proj[2], proj[3], token_ids)
 

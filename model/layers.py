@@ -69,6 +69,17 @@ def rope_cos_sin(freqs: mx.array, positions: mx.array) -> tuple[mx.array, mx.arr
     return mx.cos(ang), mx.sin(ang)
 
 
+def rope_angles(freqs: mx.array, positions: mx.array, ratio: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A layer's RoPE angles (cos, sin, ccos, csin): at each row's position, and at the position of the
+    entry its compressor would emit this step (the window's first token, p + 1 - ratio); a sliding
+    layer (ratio 0) gets the first pair twice. The same for every layer of a kind: computed once per
+    step (RowBatch.once), outside the layers' compiled segments."""
+    cos, sin = rope_cos_sin(freqs, positions)
+    if not ratio:
+        return cos, sin, cos, sin
+    return (cos, sin, *rope_cos_sin(freqs, mx.maximum(positions + 1 - ratio, 0)))
+
+
 _compiled_pre: dict[int, object] = {}
 
 

@@ -20,7 +20,7 @@ from kernels.compressor import pooled_entry
 from kernels.indexer import topk_ids
 from kernels.sparse_attention import sink_softmax
 from model.attention import Attention, Compressor
-from model.layers import hc_head
+from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
 SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
@@ -157,7 +157,8 @@ def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequ
     x = model.embed(ids)
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     for i, block in enumerate(model.layers):
-        post, comb, *proj = block.before(hs, pos, model._freqs[a.layer_ratio(i) != 0])
+        r = a.layer_ratio(i)
+        post, comb, *proj = block.before(hs, *rope_angles(model._freqs[r != 0], pos, r))
         o = _attend(block.attn, proj, pools, handle, start)
         hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
     if not logits:

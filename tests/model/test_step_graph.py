@@ -38,7 +38,8 @@ def test_compressor_projection_casts_only_its_input(tmp_path) -> None:
     comp = model.layers[1].attn.compressor
     x = mx.random.normal((2, args.hidden_size)).astype(mx.bfloat16)
     mx.eval(x)
-    kv, score, _, _ = comp.project(x, mx.array([5, 9]), model._freqs[True])
+    cos = mx.ones((2, args.qk_rope_head_dim // 2))
+    kv, score, _, _ = comp.project(x, cos, cos)
     assert kv.dtype == mx.float32 and score.dtype == mx.float32
     assert graph_nodes(tmp_path, kv, score)["AsType"] == 1
 
