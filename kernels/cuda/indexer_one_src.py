@@ -109,10 +109,10 @@ __device__ __forceinline__ void dsv4_warp_run(int n, int& w0, int& w1) {
   w0 = min(n, (int)(threadIdx.x >> 5) * per);
   w1 = min(n, w0 + per);
 }
-// Ordered compaction over global keys[0..n): o[rank] = i for every key > thr and the first need_eq
+// Ordered compaction over global keys[0..n): emit(rank, i, key) for every key > thr and the first need_eq
 // keys == thr, ascending i (ties to the lowest id). A count sweep, block scans, a write sweep.
-template <int NT>
-__device__ void dsv4_take_ordered(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, int* o) {
+template <int NT, typename E>
+__device__ void dsv4_take_ordered(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, E emit) {
   const int lane = threadIdx.x & 31;
   int w0, w1;
   dsv4_warp_run<NT>(n, w0, w1);
@@ -149,7 +149,7 @@ __device__ void dsv4_take_ordered(const unsigned int* keys, int n, unsigned int 
     for (int s = 1; s < 32; s <<= 1) { const int u = __shfl_up_sync(0xffffffffu, ti, s); if (lane >= s) ti += u; }
     int at = pos + ti - t;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) if (tk[j]) o[at++] = i + j;
+    for (int j = 0; j < 4; ++j) if (tk[j]) emit(at++, i + j, x[j]);
     pos += __shfl_sync(0xffffffffu, ti, 31);
     r += __shfl_sync(0xffffffffu, ei, 31);
   });
@@ -243,7 +243,7 @@ TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
     if (c0 <= CAPL) dsv4_radix_low<NT, false>(list, c0, rem, top, hist, wsum, sh, thr, need_eq);
     else dsv4_radix_low<NT, true>(rk, n, rem, top, hist, wsum, sh, thr, need_eq);
   }
-  dsv4_take_ordered<NT>(rk, n, thr, need_eq, wsum, o);
+  dsv4_take_ordered<NT>(rk, n, thr, need_eq, wsum, [&](int r, int i, unsigned int) { o[r] = i; });
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """
 
