@@ -53,7 +53,7 @@ def units() -> dict[str, str]:
         out[f"idx_two_{eb}"] = standalone("idx_two", one_in, [("out", I32), ("scratch", U32)],
                                           one_t + [("NTO", 256), ("EB", eb), ("CAPN", 32768 if eb == 256 else 262144),
                                                    ("GB", gb), ("NG", ng), ("LDC", ng * 512)], ix.TWO,
-                                          header=HELPERS + ix.ONE_HELPERS + ix.TWO_HELPERS)  # fmt: skip
+                                          header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     tiny = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32), ("scratch", U32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,

@@ -42,6 +42,7 @@ def ptx(src: str, d: Path, nvcc: str) -> list[str]:
     subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(d / "k.ptx"), str(cu)], check=True,
                    capture_output=True)  # fmt: skip
     lines = [ln for ln in (d / "k.ptx").read_text().splitlines() if not ln.lstrip().startswith("//")]
+    lines = [re.sub(r"\$L__BB\d+_\d+", "$L", ln) for ln in lines]  # block labels: numbered in order, too
     return [re.sub(r"%(r|rd|rs|f|fd|p)\d+", r"%\1", ln) for ln in lines if not ln.lstrip().startswith(".reg")]
 
 

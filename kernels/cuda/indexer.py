@@ -36,7 +36,7 @@ from kernels.cuda import common
 from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
 from kernels.cuda.indexer_src import MERGE, SEGMENT
-from kernels.cuda.indexer_two_src import TWO, TWO_HELPERS
+from kernels.cuda.indexer_two_src import TWO
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
@@ -116,7 +116,7 @@ class Plan:
             ng = -(-nblk // gb)
             ldc = -(-(ng * topk) // 4) * 4
             self.seg = kernel("idx_two", SEG_IN, ("out", "scratch"), TWO, smem_bytes(ni, di, 2048, ONE_STAGES),
-                              HELPERS + ONE_HELPERS + TWO_HELPERS)  # fmt: skip
+                              HELPERS + ONE_HELPERS)  # fmt: skip
             self.nt = NT
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", NT), ("EB", eb), ("CAPN", capn), ("GB", gb),
                                     ("NG", ng), ("LDC", ldc)]  # fmt: skip

@@ -18,68 +18,9 @@ from __future__ import annotations
 
 from kernels.cuda.indexer_src import PRE, SCORE
 
-# Helpers (after select.HELPERS, whose dsv4_block_excl they use). Loads of `scratch` written by other
+# Helpers (after select.HELPERS: dsv4_block_excl, the radix selects). Loads of `scratch` written by other
 # blocks of this launch go through L2 (__ldcg): no SM may serve them from a stale L1 line.
 ONE_HELPERS = r"""
-template <bool G> __device__ __forceinline__ unsigned int dsv4_ld(const unsigned int* p);
-template <> __device__ __forceinline__ unsigned int dsv4_ld<true>(const unsigned int* p) { return __ldcg(p); }
-template <> __device__ __forceinline__ unsigned int dsv4_ld<false>(const unsigned int* p) { return *p; }
-// The bin of hist[0..nbins) (descending) that holds the rem-th largest: sh[0] = bin, sh[1] = rem left in it.
-template <int NT>
-__device__ void dsv4_pick_bin(const unsigned int* hist, int nbins, int rem, int* wsum, int* sh) {
-  const int tid = threadIdx.x;
-  const int bpt = nbins / NT > 0 ? nbins / NT : 1;
-  const int top = nbins - 1 - tid * bpt;
-  int local = 0;
-  for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
-  int cum = dsv4_block_excl<NT>(local, wsum);
-  for (int j = 0; j < bpt; ++j) {
-    if (top - j < 0) break;
-    const int h = (int)hist[top - j];
-    if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
-    cum += h;
-  }
-  __syncthreads();
-}
-// Radix passes 2 and 3 (bits 20..10, 9..0) among keys[0..n) whose top 11 bits are `top`: thr = the
-// rem-th largest of them, need_eq = how many keys equal to it are taken.
-template <int NT, bool G>
-__device__ void dsv4_radix_low(const unsigned int* keys, int n, int rem, unsigned int top, unsigned int* hist,
-                               int* wsum, int* sh, unsigned int& thr, int& need_eq) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  unsigned int prefix = top << 21, mask = 0x7ffu << 21;
-  for (int pass = 1; pass < 3; ++pass) {
-    const int shift = pass == 1 ? 10 : 0, nbins = pass == 1 ? 2048 : 1024;
-    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
-    __syncthreads();
-    constexpr int UR = G ? 16 : 4;  // loads in flight per thread (L2 latency on the global path)
-    for (int base = 0; base < n; base += UR * NT) {
-      unsigned int v[UR];
-      bool ok[UR];
-#pragma unroll
-      for (int u = 0; u < UR; ++u) {
-        const int i = base + u * NT + tid;
-        v[u] = i < n ? dsv4_ld<G>(keys + i) : 0u;
-        ok[u] = i < n && (v[u] & mask) == prefix;
-      }
-#pragma unroll
-      for (int u = 0; u < UR; ++u) {
-        if (!__any_sync(0xffffffffu, ok[u])) continue;
-        const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
-        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-        if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-      }
-    }
-    __syncthreads();
-    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh);
-    rem = sh[1];
-    prefix |= ((unsigned int)sh[0]) << shift;
-    mask |= ((unsigned int)(nbins - 1)) << shift;
-    __syncthreads();
-  }
-  thr = prefix;
-  need_eq = rem;
-}
 // A warp's ordered sweep over global keys[w0, w1) (w0 a multiple of 4; reads to a multiple of 4 stay
 // in bounds): U 16-byte loads per lane in flight (through L2), then f(i, x) for each run of 128 keys
 // in order, lane l getting keys i..i+3 (x[0..3]) of it; f checks i + j < w1 itself.

@@ -21,36 +21,6 @@ from __future__ import annotations
 from kernels.cuda.indexer_one_src import _HIST, _NT, _OWN_HIST, _SKEY, HEAD_ONE
 from kernels.cuda.indexer_src import PRE, SCORE
 
-# A full select over global keys: the first pass's histogram, then dsv4_radix_low (ONE_HELPERS).
-TWO_HELPERS = r"""
-template <int NT>
-__device__ void dsv4_radix_global(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
-                                  unsigned int& thr, int& need_eq) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
-  __syncthreads();
-  constexpr int UR = 16;
-  for (int base = 0; base < n; base += UR * NT) {
-    unsigned int v[UR];
-#pragma unroll
-    for (int u = 0; u < UR; ++u) { const int i = base + u * NT + tid; v[u] = i < n ? __ldcg(keys + i) : 0u; }
-#pragma unroll
-    for (int u = 0; u < UR; ++u) {
-      const bool ok = base + u * NT + tid < n;
-      const unsigned int bin = ok ? v[u] >> 21 : 0xffffffffu;
-      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-    }
-  }
-  __syncthreads();
-  dsv4_pick_bin<NT>(hist, 2048, k, wsum, sh);
-  const unsigned int top = (unsigned int)sh[0];
-  const int rem = sh[1];
-  __syncthreads();
-  dsv4_radix_low<NT, true>(keys, n, rem, top, hist, wsum, sh, thr, need_eq);
-}
-"""
-
 # Scratch planes (see the module doc); the ONE head's `ghist` / `gkeys` names are reused for the
 # ticket and key planes, so its q-row fill, row / block bounds and `skey` come unchanged.
 _ONE_PLANES = """  unsigned int* tickets = scratch;
@@ -96,7 +66,7 @@ TAIL_TWO = r"""  }
     const int kg = min(TOPK, gn);
     unsigned int thr = 0u;
     int need_eq = gn;
-    if (gn > TOPK) dsv4_radix_global<NT>(rk + g0, gn, kg, hist, wsum, sh, thr, need_eq);
+    if (gn > TOPK) dsv4_radix_kth<NT, true>(rk + g0, gn, kg, hist, wsum, sh, thr, need_eq);
     dsv4_take_ordered<NT>(rk + g0, gn, thr, need_eq, wsum,
                           [&](int r, int i, unsigned int v) { ck[r] = v; ci[r] = g0 + i; });
     for (int i = kg + tid; i < TOPK; i += NT) { ck[i] = 0u; ci[i] = -1; }
@@ -114,7 +84,7 @@ TAIL_TWO = r"""  }
   const int L = ngrp * TOPK, K = min(TOPK, n);
   unsigned int thr = 0u;
   int need_eq = L;
-  if (L > K && K > 0) dsv4_radix_global<NT>(rc, L, K, hist, wsum, sh, thr, need_eq);
+  if (L > K && K > 0) dsv4_radix_kth<NT, true>(rc, L, K, hist, wsum, sh, thr, need_eq);
   if (K > 0)
     dsv4_take_ordered<NT>(rc, L, thr, need_eq, wsum, [&](int r, int i, unsigned int) { o[r] = __ldcg(rid + i); });
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;

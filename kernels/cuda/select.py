@@ -34,31 +34,60 @@ __device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
   return wsum[warp] + incl - v;
 }
 
-// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries
-// equal to it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the
-// floor of the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
+// Loads for the selects: plain, or through L2 (__ldcg) for keys other blocks of the launch wrote (no SM
+// may serve them from a stale L1 line).
+template <bool G> __device__ __forceinline__ unsigned int dsv4_ld(const unsigned int* p);
+template <> __device__ __forceinline__ unsigned int dsv4_ld<true>(const unsigned int* p) { return __ldcg(p); }
+template <> __device__ __forceinline__ unsigned int dsv4_ld<false>(const unsigned int* p) { return *p; }
+
+// The bin of hist[0..nbins) (descending) that holds the rem-th largest: sh[0] = bin, sh[1] = rem left in
+// it; with_k2 (and 1 <= k2): sh[2] = the bin that holds the k2-th largest.
 template <int NT>
+__device__ __forceinline__ void dsv4_pick_bin(const unsigned int* hist, int nbins, int rem, int* wsum, int* sh,
+                                              bool with_k2 = false, int k2 = 0) {
+  const int tid = threadIdx.x;
+  const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)
+  const int top = nbins - 1 - tid * bpt;
+  int local = 0;
+  for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
+  int cum = dsv4_block_excl<NT>(local, wsum);
+  for (int j = 0; j < bpt; ++j) {
+    if (top - j < 0) break;
+    const int h = (int)hist[top - j];
+    if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
+    if (with_k2 && cum < k2 && cum + h >= k2) sh[2] = top - j;
+    cum += h;
+  }
+  __syncthreads();
+}
+
+// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries equal to
+// it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the floor of
+// the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
+// From pass P0 > 0: among the keys whose higher bits match `prefix` under `mask` only.
+template <int NT, bool G = false, int P0 = 0>
 __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
-                               unsigned int& thr, int& need_eq, int k2, unsigned int& floor2) {
+                               unsigned int& thr, int& need_eq, int k2, unsigned int& floor2,
+                               unsigned int prefix = 0u, unsigned int mask = 0u) {
   const int tid = threadIdx.x, lane = tid & 31;
-  unsigned int prefix = 0u, mask = 0u;
+  constexpr int UR = G ? 16 : 4;  // independent loads in flight per thread (more for L2 latency)
   int rem = k;
-  for (int pass = 0; pass < 3; ++pass) {
+  for (int pass = P0; pass < 3; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nbins = pass == 2 ? 1024 : 2048;
     for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
     __syncthreads();
-    for (int base = 0; base < n; base += 4 * NT) {
-      unsigned int v[4];
-      bool ok[4];
+    for (int base = 0; base < n; base += UR * NT) {
+      unsigned int v[UR];
+      bool ok[UR];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {  // 4 independent loads in flight
+      for (int u = 0; u < UR; ++u) {
         const int i = base + u * NT + tid;
-        v[u] = i < n ? keys[i] : 0u;
+        v[u] = i < n ? dsv4_ld<G>(keys + i) : 0u;
         ok[u] = i < n && (v[u] & mask) == prefix;
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < UR; ++u) {
         if (!__any_sync(0xffffffffu, ok[u])) continue;  // later passes: most warps hold no key of the bin
         // warp-aggregated: similar scores share their top bits, and one-by-one atomics there serialize
         const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
@@ -67,19 +96,7 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
       }
     }
     __syncthreads();
-    const int bpt = nbins / NT > 0 ? nbins / NT : 1;  // thread t owns bins top, top-1, ... (descending)
-    const int top = nbins - 1 - tid * bpt;
-    int local = 0;
-    for (int j = 0; j < bpt; ++j) if (top - j >= 0) local += (int)hist[top - j];
-    int cum = dsv4_block_excl<NT>(local, wsum);
-    for (int j = 0; j < bpt; ++j) {
-      if (top - j < 0) break;
-      const int h = (int)hist[top - j];
-      if (cum < rem && cum + h >= rem) { sh[0] = top - j; sh[1] = rem - cum; }
-      if (pass == 0 && cum < k2 && cum + h >= k2) sh[2] = top - j;
-      cum += h;
-    }
-    __syncthreads();
+    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh, pass == 0, k2);
     if (pass == 0 && k2 > 0) floor2 = ((unsigned int)sh[2]) << 21;
     rem = sh[1];
     prefix |= ((unsigned int)sh[0]) << shift;
@@ -89,11 +106,19 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
   thr = prefix;
   need_eq = rem;
 }
-template <int NT>
+template <int NT, bool G = false>
 __device__ __forceinline__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum,
                                                int* sh, unsigned int& thr, int& need_eq) {
   unsigned int unused;
-  dsv4_radix_kth<NT>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
+  dsv4_radix_kth<NT, G>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
+}
+// Passes 2 and 3 only, among keys whose top 11 bits are `top` (its first pass came from elsewhere).
+template <int NT, bool G>
+__device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, int rem, unsigned int top,
+                                               unsigned int* hist, int* wsum, int* sh, unsigned int& thr,
+                                               int& need_eq) {
+  unsigned int unused;
+  dsv4_radix_kth<NT, G, 1>(keys, n, rem, hist, wsum, sh, thr, need_eq, 0, unused, top << 21, 0x7ffu << 21);
 }
 
 // Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
