@@ -150,11 +150,12 @@ class Gate(nn.Module):
     def __call__(self, x: mx.array, token_ids: mx.array) -> tuple[mx.array, mx.array]:
         logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
         scores = mx.sqrt(nn.softplus(logits))
+        # uint32 expert ids, the dtype gather_mm takes (argpartition's own): no cast per MoE
         if self.hashed:
-            idx = self.tid2eid[token_ids].astype(mx.int32)
+            idx = self.tid2eid[token_ids].astype(mx.uint32)
         else:
             biased = scores + self.bias.astype(mx.float32)
-            idx = mx.argpartition(-biased, self.k - 1, axis=-1)[:, : self.k].astype(mx.int32)
+            idx = mx.argpartition(-biased, self.k - 1, axis=-1)[:, : self.k]
         w = mx.take_along_axis(scores, idx, axis=-1)
         w = w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * self.route_scale
         return idx, w
@@ -190,7 +191,7 @@ class Experts(nn.Module):
         ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
         xe = x[:, None, None, :].astype(ct)  # [B, 1, 1, H]: broadcast against idx [B, k]
         rows, hid_rows = expert_lhs_indices(*idx.shape)
-        ri = idx.astype(mx.uint32)
+        ri = idx.astype(mx.uint32)  # the router's ids are uint32 already (no node); other callers' are cast
         g = mx.gather_mm(xe, self.w1.astype(ct).swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ri)
         u = mx.gather_mm(xe, self.w3.astype(ct).swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ri)
         hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(ct)
