@@ -7,7 +7,7 @@
 #   PART=kernels bash bench/gpu_kernels.sh   bench/kernels.py (chain43 first, then every op at ROWS,
 #                                            8K/128K/1M): at most 420 s
 #   PART=step    bash bench/gpu_kernels.sh   the parallel prefill test and the 4-layer step (fast, reference,
-#                                            fast + mHC kernel): at most 150 + 240 s
+#                                            fast without the mHC kernel): at most 150 + 240 s
 # Writes under $OUT.  Env: PART (default tests), TESTS=-k expr, REPS, ROWS.
 set -u
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ PART=${PART:-tests}
       echo "== parallel prefill vs token-by-token decode on the GPU (f32 tiny model, TF32 off: tests/conftest.py)"
       timeout 150 python3 -m pytest tests/model/test_prefill.py -q -p no:cacheprovider 2>&1 | tail -4
       echo "== step"
-      timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference,fast_hc \
+      timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference,fast_nohc \
         --out "$OUT/step.json" 2>&1 | tail -20
       ;;
     *) echo "PART must be tests, kernels or step" ;;

@@ -32,7 +32,7 @@ from bench.cases import chain43, make_case  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 
-ONE_MAX, TWO_LEVEL, WIDE_HG = ix.ONE_MAX, ix.TWO_LEVEL, at.WIDE_HG
+ONE_MAX, WIDE_HG = ix.ONE_MAX, at.WIDE_HG
 
 ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
 
@@ -81,7 +81,7 @@ def main() -> None:
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
     ap.add_argument("--indexer-paths", action="store_true",
-                    help="indexer cases per path: one launch (ONE_MAX raised), segment + merge (ONE_MAX 0), two-level")
+                    help="indexer cases per path: one launch (ONE_MAX raised), segment + merge (ONE_MAX 0)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
@@ -95,7 +95,7 @@ def main() -> None:
         op, rows, ctx = spec.split(":")
         paths: list[tuple[str, Any]] = [("", None)]
         if op == "indexer_rows" and opt.indexer_paths:
-            paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0)), (":two", ("TWO_LEVEL", True))]
+            paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0))]
         if op == "sparse_attention_rows" and opt.wide_heads:
             paths = [(f":wide{h}", ("WIDE_HG", int(h))) for h in opt.wide_heads.split(",")]
         for tag, setting in paths:
@@ -104,7 +104,7 @@ def main() -> None:
             case = make_case(op, int(rows), int(ctx))
             emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
             del case
-        ix.ONE_MAX, ix.TWO_LEVEL, at.WIDE_HG = ONE_MAX, TWO_LEVEL, WIDE_HG
+        ix.ONE_MAX, at.WIDE_HG = ONE_MAX, WIDE_HG
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))

@@ -45,17 +45,12 @@ def units() -> dict[str, str]:
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):
-        out[f"idx_one_{eb}"] = standalone("idx_one", one_in, [("out", I32), ("scratch", U32)],
+        out[f"idx_one_{eb}"] = standalone("idx_one", one_in, [("out", I32)],
                                           one_t + [("NTO", 512 if eb > 128 else 256), ("EB", eb),
                                                    ("CAPN", 32768), ("CAPL", 13056)], ix.ONE,
                                           header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
-    for eb, gb, ng in ((256, 16, 8), (512, 32, 16)):
-        out[f"idx_two_{eb}"] = standalone("idx_two", one_in, [("out", I32), ("scratch", U32)],
-                                          one_t + [("NTO", 256), ("EB", eb), ("CAPN", 32768 if eb == 256 else 262144),
-                                                   ("GB", gb), ("NG", ng), ("LDC", ng * 512)], ix.TWO,
-                                          header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     tiny = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
-    out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32), ("scratch", U32)],
+    out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],

@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
     ap.add_argument("--arms", default="fast,reference",
                     help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
-                    "fast_hc (fast + the mHC pre-mix kernel, DSV4_HC_KERNEL)")
+                    "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -173,7 +173,7 @@ def main() -> None:
             for mode in opt.arms.split(",") * 2:  # interleaved arms
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
-                set_hc_kernel(mode == "fast_hc")
+                set_hc_kernel(mode != "fast_nohc")
                 model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
                 arm.setdefault(mode, []).extend(time_steps(model, pools, handles[:rows], ctx, opt.reps))

@@ -36,7 +36,6 @@ from kernels.cuda import common
 from kernels.cuda.common import kernel, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
 from kernels.cuda.indexer_src import MERGE, SEGMENT
-from kernels.cuda.indexer_two_src import TWO
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, checked
@@ -50,9 +49,6 @@ MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (m
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
 ONE_MAX = 8192
 ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
-# Rows past ONE_MAX: the two-level one-launch kernel (indexer_two_src) instead of segment + merge.
-# Written without device time: off until its gpu test has run and host_cost --indexer-paths measured it.
-TWO_LEVEL = False
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
 MERGE_IN = ("positions", "q_rows", "cand")
 
@@ -107,31 +103,20 @@ class Plan:
         ni, di = q.shape[1], q.shape[2]
         cap = batch.tables[4].shape[1] * page
         self.out_shape = (q.shape[0], topk)
-        self.one = cap <= ONE_MAX or TWO_LEVEL
+        self.one = cap <= ONE_MAX
         base = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("TOPK", topk), ("CH", CH)]
-        if self.one and cap > ONE_MAX:  # groups of blocks select, then the row's last group: 1 launch
-            eb, capn = one_block(cap), -(-cap // 4) * 4
-            nblk = -(-cap // eb)
-            gb = max(16, -(-nblk // 16))  # at most 16 groups: the row's last step sees <= 16 x topk
-            ng = -(-nblk // gb)
-            ldc = -(-(ng * topk) // 4) * 4
-            self.seg = kernel("idx_two", SEG_IN, ("out", "scratch"), TWO, smem_bytes(ni, di, 2048, ONE_STAGES),
-                              HELPERS + ONE_HELPERS)  # fmt: skip
-            self.nt = NT
-            self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", NT), ("EB", eb), ("CAPN", capn), ("GB", gb),
-                                    ("NG", ng), ("LDC", ldc)]  # fmt: skip
-            self.seg_grid = (nblk * NT, b + 1, 1)
-            self.seg_shapes = [self.out_shape, (-(-b // 4) * 4 + -(-(b * ng) // 4) * 4 + b * (capn + 2 * ldc),)]
-        elif self.one:  # score everywhere, the row's last block selects: 1 launch
+        if self.one:  # score everywhere, the row's last block selects: 1 launch
             eb = one_block(cap)
             capn = -(-cap // 4) * 4
             capl = ONE_STAGES * CH * (di + 8) * 2 // 4
-            self.seg = kernel("idx_one", SEG_IN, ("out", "scratch"), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
+            self.seg = kernel("idx_one", SEG_IN, ("out",), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
                               HELPERS + ONE_HELPERS)  # fmt: skip
             self.nt = one_threads(cap)
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
             self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
-            self.seg_shapes = [self.out_shape, (-(-b // 4) * 4 + b * (2048 + capn),)]
+            # one output: the top-k ids, then the scratch planes (indexer_one_src); one output and one
+            # init_value fill cost the host less than two of each
+            self.seg_shapes = [(-(-(q.shape[0] * topk) // 4) * 4 + -(-b // 4) * 4 + b * (2048 + capn),)]
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
@@ -155,11 +140,12 @@ class Plan:
             grid=self.seg_grid,
             threadgroup=(self.nt, 1, 1),
             output_shapes=self.seg_shapes,
-            output_dtypes=[mx.int32, mx.uint32] if self.one else [mx.uint32],
+            output_dtypes=[mx.int32] if self.one else [mx.uint32],
             init_value=0 if self.one else None,
         )
         if self.one:
-            return outs[0]
+            n, k = self.out_shape
+            return outs[0][: n * k].reshape(n, k)
         (out,) = self.merge(
             inputs=[positions, q_rows, *outs],
             template=self.merge_tmpl,
@@ -183,7 +169,7 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         raise
 
     def make() -> Plan:
-        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX, TWO_LEVEL)
+        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
         return plan_cached(pk, lambda: Plan(batch, q, keys, topk))
 
     plan: Plan = checked(batch, key, check, make)

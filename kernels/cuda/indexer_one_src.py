@@ -7,9 +7,9 @@ finish (a counter per row: fence, then an atomic ticket, as in CUDA's threadFenc
 the k-th largest key's bin from the row's histogram, then the rest of its bits by radix over the
 keys of that bin only (collected in shared memory; over the whole row when too many share it), then
 an ordered compaction writes the top-k ids ascending (ties to the lowest id). The extra grid row
-writes -1 for q rows no batch row names. `scratch` and `out` start zeroed (the launch's init_value).
-
-`scratch` planes (uint32): ticket counters [ceil4(B)], histograms [B][2048], keys [B][CAPN].
+writes -1 for q rows no batch row names. The one output `out` (int32) holds the ids [Bq][TOPK], then
+from word ceil4(Bq * TOPK) the `scratch` planes (uint32): ticket counters [ceil4(B)], histograms
+[B][2048], keys [B][CAPN]; all start zeroed (the launch's init_value).
 Template constants: T, NI, DI, PAGE, TOPK, CH, ST (as the segment kernel), NTO (threads per block:
 more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-memory list holds).
 """
@@ -111,6 +111,7 @@ EMIT_GLOBAL = r"""if (tid < CH) {  // warps 0 and 1, whole
     }"""
 
 HEAD_ONE = r"""  const int nb = positions_shape[0];
+  unsigned int* scratch = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
   unsigned int* tickets = scratch;
   unsigned int* ghist = scratch + ((nb + 3) & ~3);
   unsigned int* gkeys = ghist + (size_t)nb * 2048;

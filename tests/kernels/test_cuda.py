@@ -189,26 +189,6 @@ def test_indexer_one_launch(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> Non
     check_integer_scores(rng, batch, rows, bq, pages[4])
 
 
-@pytest.mark.parametrize("n_rows", [1, 3, 8])
-def test_indexer_two_level(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two-level one-launch kernel (TWO_LEVEL; rows past ONE_MAX): ragged rows up to 262,144 entries,
-    random scores (topk 512, 100), small-integer scores and all-equal scores (ties exact)."""
-    import kernels.cuda.indexer as ix
-
-    monkeypatch.setattr(ix, "TWO_LEVEL", True)  # part of the launch plan's key
-    rng = np.random.default_rng(170 + n_rows)
-    choices = [3, 2047, 9000, 40_000, 70_001, 99_999, 131_071, 4 * 262_144 - 1]
-    positions = [int(x) for x in rng.choice(choices, size=n_rows, replace=False)]
-    positions[0] = 4 * 262_144 - 1 if n_rows > 1 else 131_071
-    rows, pages, bq, _ = rows_for(rng, positions, (4,))
-    batch = RowBatch.build(rows, PAGE, {4: max(len(r.tables[4]) for r in rows) + 2})
-    check_random_scores(batch, rows, bq, pages[4])
-    q, w, keys = check_integer_scores(rng, batch, rows, bq, pages[4])
-    w0 = mx.zeros_like(w)  # all scores 0: ids 0, 1, 2, ...
-    got0 = np.array(fast().indexer_rows_cuda(batch, q, w0, keys, topk=512))
-    np.testing.assert_array_equal(got0, np.array(indexer_rows_reference(batch, q, w0, keys, topk=512)))
-
-
 @pytest.mark.parametrize("n_rows", [1, 3])
 def test_indexer_merge_without_bound(n_rows: int) -> None:
     """topk 2048 over 262,144 entries: 32 segments x 2048 candidates. All-equal scores (w = 0) make the
@@ -295,8 +275,8 @@ def check_attention(kind: str, n_rows: int) -> None:
 def test_dispatch_uses_fast_path() -> None:
     kc = fast()
     assert backend.name() == "cuda"
-    opt_in = set() if kc.HC_KERNEL else {"hc_pre_mix"}  # the mHC kernel is opt-in (DSV4_HC_KERNEL=1)
-    assert set(backend.registered()) == set(backend.OPS) - opt_in
+    opt_out = set() if kc.HC_KERNEL else {"hc_pre_mix"}  # DSV4_HC_KERNEL=0 keeps the plain mHC pre-mix
+    assert set(backend.registered()) == set(backend.OPS) - opt_out
 
 
 def test_precompile_tiny() -> None:
