@@ -6,9 +6,10 @@
 #                                            at most 300 + 150 s
 #   PART=kernels bash bench/gpu_kernels.sh   bench/kernels.py (chain43 first, then every op at ROWS,
 #                                            8K/128K/1M): at most 420 s
-#   PART=step    bash bench/gpu_kernels.sh   the parallel prefill test and the 4-layer step (fast, reference,
-#                                            fast without the mHC kernel): at most 150 + 240 s
-# Writes under $OUT.  Env: PART (default tests), TESTS=-k expr, REPS, ROWS.
+#   PART=step    bash bench/gpu_kernels.sh   the parallel prefill test, the engine tests (an import error
+#                                            there: the device's Python lacks a server package) and the 4-layer step (fast,
+#                                            reference, fast without the mHC kernel): at most 150 + 120 + 240 s
+# Writes under $OUT.  Env: PART (default tests), TESTS=-k expr, CASES (host_cost's), REPS, ROWS.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
@@ -24,7 +25,7 @@ PART=${PART:-tests}
         ${TESTS:+-k "$TESTS"} 2>&1 | tail -12
       echo "== host vs GPU per call (compiled chains; host = mx.async_eval time)"
       timeout 150 python3 bench/host_cost.py --reps "${REPS:-8}" --wide-heads 64,32 --indexer-paths \
-        --cases compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,indexer_rows:8:1048576,sparse_attention_rows:8:131072 \
+        --cases "${CASES:-compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,indexer_rows:8:1048576,sparse_attention_rows:8:131072}" \
         2>&1 | tee "$OUT/host_cost.jsonl"
       ;;
     kernels)
@@ -34,6 +35,8 @@ PART=${PART:-tests}
     step)
       echo "== parallel prefill vs token-by-token decode on the GPU (f32 tiny model, TF32 off: tests/conftest.py)"
       timeout 150 python3 -m pytest tests/model/test_prefill.py -q -p no:cacheprovider 2>&1 | tail -4
+      echo "== engine on the GPU (start-up precompile incl. the mHC kernel, batched decode)"
+      timeout 120 python3 -m pytest tests/service/test_worker.py -q -p no:cacheprovider 2>&1 | tail -4
       echo "== step"
       timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference,fast_nohc \
         --out "$OUT/step.json" 2>&1 | tail -20
