@@ -91,7 +91,10 @@ SCORE = r"""  const int tw = table_shape[1];
     __syncthreads();         // ... everyone's; and everyone is done with chunk c - 1's buffer
     load(c + ST - 1);
     const T* kb = Ks + (c % ST) * CH * LDK;
-    for (int kt = kg; kt < CH / 8; kt += KG) {
+    // the warp's CH / 8 / KG entry tiles, unrolled: independent mma chains that the scheduler interleaves
+#pragma unroll
+    for (int j = 0; j < CH / 8 / KG; ++j) {
+      const int kt = kg + j * KG;
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
       // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
