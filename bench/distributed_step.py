@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from bench.provenance import provenance  # noqa: E402
 from bench.step import fill_state, flash_args, random_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.distributed import shard_model  # noqa: E402
@@ -146,8 +146,7 @@ def main() -> None:
     meta = {
         "mlx": mx.__version__, "device": str(mx.default_device()), "ranks": n, "backend": opt.backend,
         "tiny": opt.tiny, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-    }
+    } | provenance()
     Path(opt.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))

@@ -18,6 +18,7 @@ TESTS=${TESTS:-}
 PART=${PART:-tests}
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
+  python3 bench/provenance.py  # the code that ran (the device's .git can be stale)
   case "$PART" in
     tests)
       echo "== gpu tests"

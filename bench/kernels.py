@@ -41,6 +41,7 @@ import kernels.cuda as kc  # noqa: E402
 import kernels.cuda.common as kcommon  # noqa: E402
 import kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, chain43, make_case  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from kernels.cuda.common import kernel  # noqa: E402
 
 COPY = r"""
@@ -197,7 +198,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DSV4_"))}
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": "cuda", "compile": kcommon.COMPILE,
             "env": env,
-            "date": datetime.datetime.now(datetime.UTC).isoformat()}  # fmt: skip
+            "date": datetime.datetime.now(datetime.UTC).isoformat()} | provenance()  # fmt: skip
     kc.precompile(dtype=mx.bfloat16, page_size=64, n_heads=64, head_dim=512, rope_dim=64,
                   index_heads=64, index_dim=128, topk=512)  # fmt: skip
     fl = floors(a.reps)

@@ -28,6 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import provenance  # noqa: E402
 
 
 def free_port() -> int:
@@ -178,12 +181,10 @@ def main() -> None:
             proc.wait(30)
     base = next((c["output_throughput"] for c in cells if c["concurrency"] == 1), None)
     meta = {
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip(),
         "model": model, "input_len": opt.input_len, "output_len": opt.output_len,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "greedy_c1_equals_c8": same,
-    }
+    } | provenance()
     try:
         import mlx.core as mx
 

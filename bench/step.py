@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
+from bench.provenance import provenance  # noqa: E402
 from model.checkpoint import is_f32_compute  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -193,8 +193,7 @@ def main() -> None:
     meta = {
         "mlx": mx.__version__, "device": str(mx.default_device()), "copy_bw_GBs": bw / 1e9,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-    }
+    } | provenance()
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
     head = ("ctx", "rows", "kernels", "weights", "ms/step", "tok/s", "floor ms", "x floor")
