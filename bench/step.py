@@ -105,14 +105,6 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 
 def copy_bandwidth() -> float:
-    """The bytes floor's bandwidth: on CUDA bench/kernels.py's 2 GiB copy kernel (16-byte words, what the
-    kernel table's floor uses; MLX's `x + 0` reached only half of it on the H200), else `x + 0`."""
-    from kernels import backend
-
-    if backend.name() == "cuda":
-        from bench.kernels import floors
-
-        return floors(5)["copy_bytes_per_s"]
     x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.bfloat16)  # 512 MB
     mx.eval(x)
     ts = []
