@@ -105,6 +105,8 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 
 def copy_bandwidth() -> float:
+    """MLX's `x + 0` over 512 MB. It reads low: on one H200 it measured 1.84 TB/s where bench/kernels.py's
+    16-byte copy kernel measured 3.80, so `x floor` here understates the true ratio (about 2x there)."""
     x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.bfloat16)  # 512 MB
     mx.eval(x)
     ts = []
