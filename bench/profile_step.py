@@ -61,7 +61,7 @@ def main() -> None:
     for i, blk in enumerate(model.layers):
         before, after = blk._segments()
         fr = model._freqs[args.layer_ratio(i) != 0]
-        angles = rope_angles(fr, batch.positions, args.layer_ratio(i))
+        angles = rope_angles(fr, batch.positions, args.layer_ratio(i), args)
         post, comb, *proj = before(h, *angles)
         mx.eval(post, comb, proj)
         o = blk.attn.attend(tuple(proj), batch, pools)

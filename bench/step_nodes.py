@@ -68,7 +68,7 @@ def main() -> None:
     for i, kind in ((0, "sliding"), (1, "CSA"), (2, "HCA")):
         blk = model.layers[i]
         fr = model._freqs[a.layer_ratio(i) != 0]
-        angles = rope_angles(fr, pos, a.layer_ratio(i))  # once per step in the model (RowBatch.once)
+        angles = rope_angles(fr, pos, a.layer_ratio(i), a)  # once per step in the model (RowBatch.once)
         mx.eval(angles)
         proj = blk.attn.project(blk.attn_norm(x), *angles)
         mx.eval(proj)

@@ -13,7 +13,7 @@ from kernels import backend
 from kernels.compressor import compressor_rows_reference
 from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
-from kernels.rope import rope
+from kernels.rope import rope, rope_apply, rope_tables
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
@@ -25,6 +25,8 @@ __all__ = [
     "hc_pre_mix",
     "indexer_rows",
     "rope",
+    "rope_apply",
+    "rope_tables",
     "sparse_attention_rows",
 ]
 

@@ -2,6 +2,11 @@
 
 Pairs are `(x[D-rd+2i], x[D-rd+2i+1])`, rotated as `(a, b) -> (a cos - b sin, a sin + b cos)`.
 Not NeoX half-split, not the first dims.
+
+`rope(x, cos, sin)` is the op. The decode step applies it 3-4 times per layer to the same angles, so
+the model builds full-width tables once per step (`rope_tables`) and applies them with `rope_apply`:
+the same products and sums on the rope dims, x * 1 + y * 0 on the others (x itself for finite x), and
+~5 graph nodes per application instead of 13 (no per-call angle layout, no slice + concatenate).
 """
 
 from __future__ import annotations
@@ -43,3 +48,29 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     if rd == d:
         return rot.astype(x.dtype)
     return mx.concatenate([x[..., : d - rd], rot.astype(x.dtype)], axis=-1)
+
+
+def rope_tables(cos: mx.array, sin: mx.array, d: int) -> tuple[mx.array, mx.array]:
+    """`(C, S)`, `[B, d]` f32, for `rope_apply` on vectors of `d` dims: each angle's cos twice and
+    (-sin, +sin) per pair on the last `rd = 2 * cos.shape[-1]` dims, 1 and 0 on the first `d - rd`."""
+    b, half = cos.shape
+    rd = 2 * half
+    if d < rd or d % 2:
+        raise ValueError(f"rope_tables: d: {d} must be even and at least the rope dims {rd}")
+    c = mx.broadcast_to(cos.astype(mx.float32)[..., None], (b, half, 2)).reshape(b, rd)
+    s = mx.broadcast_to(sin.astype(mx.float32)[..., None], (b, half, 2)).reshape(b, rd) * _sine_signs(half)
+    if d == rd:
+        return c, s
+    return (mx.concatenate([mx.ones((b, d - rd), mx.float32), c], axis=-1),
+            mx.concatenate([mx.zeros((b, d - rd), mx.float32), s], axis=-1))  # fmt: skip
+
+
+def rope_apply(x: mx.array, c: mx.array, s: mx.array) -> mx.array:
+    """`x [B, ..., d]` rotated with `rope_tables(cos, sin, d)` (`-S` rotates back): x * C + swap_pairs(x) * S
+    in f32 over the whole width, one fused elementwise kernel, returned in `x.dtype`."""
+    d = x.shape[-1]
+    if c.shape != (x.shape[0], d) or s.shape != c.shape:
+        raise ValueError(f"rope_apply: c, s: shapes {c.shape}, {s.shape}; want ({x.shape[0]}, {d}) for x {x.shape}")
+    bshape = (x.shape[0],) + (1,) * (x.ndim - 2) + (d,)
+    swapped = x.reshape(*x.shape[:-1], d // 2, 2)[..., ::-1].reshape(x.shape)
+    return (x.astype(mx.float32) * c.reshape(bshape) + swapped.astype(mx.float32) * s.reshape(bshape)).astype(x.dtype)

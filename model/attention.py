@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import kernels
-from kernels.rope import rope as apply_rope
+from kernels.rope import rope_apply
 from model.config import ModelArgs
 from model.layers import RMSNorm, rms, rope_angles
 from model.state import StatePools
@@ -74,22 +74,23 @@ class Attention(nn.Module):
         self.layer, self.args = layer, args
 
     def project(
-        self, x: mx.array, cos: mx.array, sin: mx.array, ccos: mx.array, csin: mx.array
-    ) -> tuple[mx.array, ...]:
-        """Everything before the kernels, a pure function of x and the layer's RoPE angles
-        (`layers.rope_angles`): q, the new window kv, the compressors' projections and, in CSA layers,
-        the indexer's q and head weights."""
+        self, x: mx.array, c: mx.array, s: mx.array, ccos: mx.array | None = None, csin: mx.array | None = None,
+        ci: mx.array | None = None, si: mx.array | None = None,
+    ) -> tuple[mx.array, ...]:  # fmt: skip
+        """Everything before the kernels, a pure function of x and the layer kind's RoPE inputs
+        (`layers.rope_angles`): q, the new window kv, the RoPE tables (for the output), the compressors'
+        projections and, in CSA layers, the indexer's q and head weights."""
         a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
         kv = self.kv_norm(self.wkv(x))
-        out = (apply_rope(q, cos, sin), apply_rope(kv, cos, sin), cos, sin)
+        out = (rope_apply(q, c, s), rope_apply(kv, c, s), c, s)
         if r:
             out += self.compressor.project(x, ccos, csin)
         if r == 4:
             ix = self.indexer
-            q_i = apply_rope(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), cos, sin)
+            q_i = rope_apply(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), ci, si)
             w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
             out += (q_i, w, *ix.compressor.project(x, ccos, csin))
         return out
@@ -123,10 +124,11 @@ class Attention(nn.Module):
             self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r,
         )
 
-    def output(self, o: mx.array, cos: mx.array, sin: mx.array, dtype: mx.Dtype) -> mx.array:
-        """After the kernels: de-rotate (V = K carries RoPE: rotate by -p), grouped output projection."""
+    def output(self, o: mx.array, c: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
+        """After the kernels: de-rotate (V = K carries RoPE: rotate by -p; tables from `project`), grouped
+        output projection."""
         a, b, d = self.args, o.shape[0], self.args.head_dim
-        o = apply_rope(o.astype(dtype), cos, -sin)
+        o = rope_apply(o.astype(dtype), c, -s)
         # Group k (contiguous heads) goes through its own rows of wo_a.
         g = self.n_groups
         u = o.reshape(b, g, self.n_heads * d // g)
@@ -136,5 +138,5 @@ class Attention(nn.Module):
         return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
     def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
-        proj = self.project(x, *rope_angles(freqs, batch.positions, self.ratio))
+        proj = self.project(x, *rope_angles(freqs, batch.positions, self.ratio, self.args))
         return self.output(self.attend(proj, batch, pools), proj[2], proj[3], x.dtype)

@@ -43,10 +43,10 @@ class Block(nn.Module):
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
         return (post, comb, *self.attn.project(self.attn_norm(x), *angles))
 
-    def after(self, o, h, post, comb, cos, sin, token_ids) -> mx.array:
+    def after(self, o, h, post, comb, c, s, token_ids) -> mx.array:
         """Pure: attention output + mHC-post, then the whole MoE half of the block."""
         a = self.args
-        h = hc_post(self.attn.output(o, cos, sin, h.dtype), h, post, comb)
+        h = hc_post(self.attn.output(o, c, s, h.dtype), h, post, comb)
         # The ffn unit's weights come from the post-attention streams.
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
         return hc_post(self.ffn(self.ffn_norm(x), token_ids), h, post, comb)
@@ -54,7 +54,7 @@ class Block(nn.Module):
     def __call__(self, h, token_ids, batch, pools, freqs):
         before, after = self._segments()
         r = self.attn.ratio
-        angles = batch.once(("rope_angles", r, id(freqs)), lambda: rope_angles(freqs, batch.positions, r))
+        angles = batch.once(("rope_angles", r, id(freqs)), lambda: rope_angles(freqs, batch.positions, r, self.args))
         post, comb, *proj = before(h, *angles)
         o = self.attn.attend(tuple(proj), batch, pools)
         return after(o, h, post, comb, proj[2], proj[3], token_ids)

@@ -69,15 +69,21 @@ def rope_cos_sin(freqs: mx.array, positions: mx.array) -> tuple[mx.array, mx.arr
     return mx.cos(ang), mx.sin(ang)
 
 
-def rope_angles(freqs: mx.array, positions: mx.array, ratio: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """A layer's RoPE angles (cos, sin, ccos, csin): at each row's position, and at the position of the
-    entry its compressor would emit this step (the window's first token, p + 1 - ratio); a sliding
-    layer (ratio 0) gets the first pair twice. The same for every layer of a kind: computed once per
-    step (RowBatch.once), outside the layers' compiled segments."""
+def rope_angles(freqs: mx.array, positions: mx.array, ratio: int, args: ModelArgs) -> tuple[mx.array, ...]:
+    """A layer kind's RoPE inputs, the same for every layer of the kind: computed once per step
+    (RowBatch.once), outside the layers' compiled segments.
+
+    (C, S): `kernels.rope_tables` for the head_dim vectors (q, the window kv, the output) at each row's
+    position; then, with a compressor, (ccos, csin) at the position of the entry it would emit this step
+    (the window's first token, p + 1 - ratio); then, in CSA layers, the index_head_dim tables (C, S) of
+    the indexer's q."""
     cos, sin = rope_cos_sin(freqs, positions)
-    if not ratio:
-        return cos, sin, cos, sin
-    return (cos, sin, *rope_cos_sin(freqs, mx.maximum(positions + 1 - ratio, 0)))
+    out = kernels.rope_tables(cos, sin, args.head_dim)
+    if ratio:
+        out += rope_cos_sin(freqs, mx.maximum(positions + 1 - ratio, 0))
+    if ratio == 4:
+        out += kernels.rope_tables(cos, sin, args.index_head_dim)
+    return out
 
 
 _compiled_pre: dict[int, object] = {}

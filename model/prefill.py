@@ -158,7 +158,7 @@ def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequ
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
-        post, comb, *proj = block.before(hs, *rope_angles(model._freqs[r != 0], pos, r))
+        post, comb, *proj = block.before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
         o = _attend(block.attn, proj, pools, handle, start)
         hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
     if not logits:

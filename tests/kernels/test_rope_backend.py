@@ -1,4 +1,5 @@
-"""The interleaved RoPE helper vs NumPy, and backend selection (env override, fast-path registry)."""
+"""The interleaved RoPE helper vs NumPy, its per-step tables form vs the op, and backend selection (env
+override, fast-path registry)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import backend, rope
+from kernels import backend, rope, rope_apply, rope_tables
 from kernels.indexer import indexer_rows_reference
 from tests.kernels.naive import rope_np
 
@@ -29,6 +30,36 @@ def test_rope_interleaved_last_dims_matches_numpy(d: int, half: int) -> None:
 def test_rope_keeps_dtype() -> None:
     x = mx.ones((2, 8), mx.bfloat16)
     assert rope(x, mx.ones((2, 2)), mx.zeros((2, 2))).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("shape", "half"), [((3, 12), 2), ((3, 5, 12), 2), ((4, 8, 64), 8), ((2, 16), 8)])
+def test_rope_tables_apply_equals_rope(shape: tuple[int, ...], half: int, dtype: mx.Dtype) -> None:
+    """The model's form (tables once per step, one fused kernel per application) gives the op's results
+    bit for bit (the nope dims are x * 1 + y * 0 = x), and -S rotates back as the op with -sin does."""
+    rng = np.random.default_rng(sum(shape) + half)
+    x = mx.array(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+    ang = rng.uniform(-math.pi, math.pi, size=(shape[0], half)).astype(np.float32)
+    cos, sin = mx.array(np.cos(ang)), mx.array(np.sin(ang))
+    c, s = rope_tables(cos, sin, shape[-1])
+    for got, want in ((rope_apply(x, c, s), rope(x, cos, sin)), (rope_apply(x, c, -s), rope(x, cos, -sin))):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    compiled = mx.compile(rope_apply)(x, c, s)
+    np.testing.assert_array_equal(np.array(compiled.astype(mx.float32)), np.array(rope(x, cos, sin).astype(mx.float32)))
+
+
+def test_rope_tables_and_apply_name_bad_arguments() -> None:
+    cos = mx.ones((2, 4))
+    with pytest.raises(ValueError, match="^rope_tables: d: 6 "):
+        rope_tables(cos, cos, 6)
+    with pytest.raises(ValueError, match="^rope_tables: d: 9 "):
+        rope_tables(cos, cos, 9)
+    c, s = rope_tables(cos, cos, 16)
+    with pytest.raises(ValueError, match="^rope_apply: c, s: "):
+        rope_apply(mx.ones((2, 3, 12)), c, s)
+    with pytest.raises(ValueError, match="^rope_apply: c, s: "):
+        rope_apply(mx.ones((3, 16)), c, s)
 
 
 @pytest.fixture

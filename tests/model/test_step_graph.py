@@ -69,3 +69,20 @@ def test_rope_is_one_fused_kernel(tmp_path) -> None:
     nodes = graph_nodes(tmp_path, f(q, cos, sin))
     assert sum(v for k, v in nodes.items() if k.startswith("Compiled")) == 1
     assert sum(nodes.values()) <= 13, nodes
+
+
+def test_rope_tables_form_is_one_fused_kernel_and_few_views(tmp_path) -> None:
+    """The model applies RoPE 3-4 times per layer with tables made once per step (`rope_angles`): each
+    application is the pair swap's views and one fused kernel (13 nodes with the op's own angle layout,
+    slice and concatenate)."""
+    from kernels.rope import rope_apply, rope_tables
+
+    q = mx.random.normal((8, 64, 512)).astype(mx.bfloat16)
+    ang = mx.random.uniform(-3, 3, (8, 32))
+    c, s = rope_tables(mx.cos(ang), mx.sin(ang), 512)
+    mx.eval(q, c, s)
+    f = mx.compile(rope_apply)
+    mx.eval(f(q, c, s))
+    nodes = graph_nodes(tmp_path, f(q, c, s))
+    assert sum(v for k, v in nodes.items() if k.startswith("Compiled")) == 1
+    assert "Concatenate" not in nodes and sum(nodes.values()) <= 6, nodes
