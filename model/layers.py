@@ -119,8 +119,9 @@ def _hc_pre(
 
 @mx.compile
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """h'[k] = post[k] * y + sum_j C[j, k] h[j]  (C used transposed)."""
-    mixed = mx.einsum("bjk,bjd->bkd", comb, h.astype(mx.float32))
+    """h'[k] = post[k] * y + sum_j C[j, k] h[j]  (C used transposed: one batched matmul, fewer graph
+    nodes than the einsum's transposes)."""
+    mixed = comb.swapaxes(1, 2) @ h.astype(mx.float32)
     return (post[:, :, None] * y.astype(mx.float32)[:, None, :] + mixed).astype(h.dtype)
 
 
