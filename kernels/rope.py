@@ -24,6 +24,15 @@ def _sine_signs(half: int) -> mx.array:
     return _signs[half]
 
 
+def _pair_tables(cos: mx.array, sin: mx.array, shape: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+    """`[B, rd/2]` angles -> f32 `shape` (`[B, ..., rd]`): each cos twice, and (-sin, +sin) per pair (the
+    signs applied after the reshape, so that a compiled caller fuses them with its own product)."""
+    b, half = cos.shape
+    c = mx.broadcast_to(cos.astype(mx.float32)[..., None], (b, half, 2)).reshape(shape)
+    s = mx.broadcast_to(sin.astype(mx.float32)[..., None], (b, half, 2)).reshape(shape) * _sine_signs(half)
+    return c, s
+
+
 def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate the last `rd = 2 * cos.shape[-1]` dims of `x [B, ..., D]`.
 
@@ -37,14 +46,13 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     rd = 2 * half
     if x.shape[-1] < rd:
         raise ValueError(f"rope: x: last dim {x.shape[-1]} is smaller than the rope dims {rd}")
-    # [B, rd/2] -> [B, 1, ..., 1, rd] (each angle twice) so the angles broadcast over the middle axes.
+    # [B, rd] (each angle twice, S signed) -> [B, 1, ..., 1, rd]: broadcast over the middle axes.
     bshape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (rd,)
-    c = mx.broadcast_to(cos.astype(mx.float32)[..., None], (*cos.shape, 2)).reshape(bshape)
-    s = mx.broadcast_to(sin.astype(mx.float32)[..., None], (*sin.shape, 2)).reshape(bshape)
+    c, s = _pair_tables(cos, sin, bshape)
     d = x.shape[-1]
     xr = x[..., d - rd :]
     swapped = xr.reshape(*x.shape[:-1], half, 2)[..., ::-1].reshape(*x.shape[:-1], rd)
-    rot = xr.astype(mx.float32) * c + swapped.astype(mx.float32) * (s * _sine_signs(half))
+    rot = xr.astype(mx.float32) * c + swapped.astype(mx.float32) * s
     if rd == d:
         return rot.astype(x.dtype)
     return mx.concatenate([x[..., : d - rd], rot.astype(x.dtype)], axis=-1)
@@ -57,8 +65,7 @@ def rope_tables(cos: mx.array, sin: mx.array, d: int) -> tuple[mx.array, mx.arra
     rd = 2 * half
     if d < rd or d % 2:
         raise ValueError(f"rope_tables: d: {d} must be even and at least the rope dims {rd}")
-    c = mx.broadcast_to(cos.astype(mx.float32)[..., None], (b, half, 2)).reshape(b, rd)
-    s = mx.broadcast_to(sin.astype(mx.float32)[..., None], (b, half, 2)).reshape(b, rd) * _sine_signs(half)
+    c, s = _pair_tables(cos, sin, (b, rd))
     if d == rd:
         return c, s
     return (mx.concatenate([mx.ones((b, d - rd), mx.float32), c], axis=-1),

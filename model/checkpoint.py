@@ -51,6 +51,11 @@ def is_f32_compute(name: str) -> bool:
     return bool(_F32_COMPUTE.search(name))
 
 
+def is_f32_resident(name: str) -> bool:
+    """f32 in memory whatever the model dtype: f32 in the release, or multiplied in f32 by the model."""
+    return is_f32_param(name) or is_f32_compute(name)
+
+
 def is_fp8_weight(name: str) -> bool:
     return bool(_FP8.search(name))
 

@@ -23,8 +23,7 @@ from model.checkpoint import (
     INT_DTYPES,
     TensorInfo,
     expert_param,
-    is_f32_compute,
-    is_f32_param,
+    is_f32_resident,
     read_layout,
     scale_names,
 )
@@ -185,7 +184,7 @@ def _cut(x, sl: tuple[int, int, int] | None, full: int):
 def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool, shard=None) -> None:
     weights: list[tuple[str, mx.array]] = []
     for name, p in tree_flatten(model.parameters()):
-        want, pdt = tuple(p.shape), (mx.float32 if is_f32_param(name) or is_f32_compute(name) else dtype)
+        want, pdt = tuple(p.shape), (mx.float32 if is_f32_resident(name) else dtype)
         ex = expert_param(name)
         sl = shard(name) if shard else None
         if name.endswith("tid2eid"):
@@ -272,8 +271,7 @@ def tiny_model(seed: int = 0, dtype: mx.Dtype = mx.float32) -> tuple[DeepseekV4,
     args = ModelArgs.tiny()
     model = DeepseekV4(args)
     weights = randomize(model, args, seed)
-    keep = (is_f32_param, is_f32_compute)
-    weights = [(n, w if w.dtype == mx.int32 or any(f(n) for f in keep) else w.astype(dtype)) for n, w in weights]
+    weights = [(n, w if w.dtype == mx.int32 or is_f32_resident(n) else w.astype(dtype)) for n, w in weights]
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model, args, build_tiny_tokenizer(args.vocab_size)

@@ -37,8 +37,8 @@ from kernels.sparse_attention import check_sparse_attention, sparse_attention_ro
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
 DSPLIT_CHUNKS = 3  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
-WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blocks of a short batch:
-# measured next (bench/host_cost.py --wide-heads 64,32), so 64 until then
+WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blocks of a short batch, and
+# measured the same on the H200 (128K, 8 rows: 54.2 vs 55.2 us; bench/host_cost.py --wide-heads 64,32)
 WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
