@@ -91,7 +91,7 @@ def main() -> None:
 
     for n_in, pad in ((1, 0), (16, 0), (1, 24000)):
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
-    for spec in opt.cases.split(","):
+    for spec in filter(None, opt.cases.split(",")):
         op, rows, ctx = spec.split(":")
         paths: list[tuple[str, Any]] = [("", None)]
         if op == "indexer_rows" and opt.indexer_paths:

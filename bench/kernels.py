@@ -41,13 +41,8 @@ import kernels.cuda as kc  # noqa: E402
 import kernels.cuda.common as kcommon  # noqa: E402
 import kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, chain43, make_case  # noqa: E402
+from bench.floors import copy_kernel  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
-from kernels.cuda.common import kernel  # noqa: E402
-
-COPY = r"""
-  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n_shape[0]) reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(x)[i];
-"""
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -112,7 +107,7 @@ def floors(reps: int) -> dict[str, float]:
     n = 1 << 27  # 128 Mi 16-byte words: a 2 GiB copy
     x = mx.random.randint(0, 1 << 30, (n * 4,), dtype=mx.int32)
     idx = mx.zeros((n,), mx.int32)
-    copy = kernel("copy", ("x", "n"), ("out",), COPY)
+    copy = copy_kernel()
 
     def cp() -> mx.array:
         return copy(inputs=[x, idx], grid=(n, 1, 1), threadgroup=(256, 1, 1),

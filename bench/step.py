@@ -24,6 +24,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
+from bench.floors import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from model.checkpoint import is_f32_compute  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
@@ -102,19 +103,6 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
             n += ctx // 128
         state += rows * n * a.head_dim * 2
     return weights, state
-
-
-def copy_bandwidth() -> float:
-    """MLX's `x + 0` over 512 MB. It reads low: on one H200 it measured 1.84 TB/s where bench/kernels.py's
-    16-byte copy kernel measured 3.80, so `x floor` here understates the true ratio (about 2x there)."""
-    x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.bfloat16)  # 512 MB
-    mx.eval(x)
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        mx.eval(x + 0)
-        ts.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(ts)
 
 
 def set_op_compile(on: bool) -> None:
