@@ -73,6 +73,39 @@ def trivial(n_inputs: int, pad: int, depth: int = 100) -> Callable[[], Any]:
     return mx.compile(chain)
 
 
+def node_kinds(depth: int = 100) -> dict[str, Callable[[], Any]]:
+    """`depth` dependent nodes of one kind, not compiled (mx.compile would fuse the adds): a custom
+    kernel, MLX's own add (one kernel launch, no source hash or JIT-module lookup) and a reshape (a
+    node with no launch). kernel - add is what `mx.fast.cuda_kernel` adds to a node; add - reshape is
+    a kernel launch in a CUDA graph; reshape is MLX's per-node cost with no GPU work at all: what a
+    C++ primitive that fused several launches into one node could save, at most, per node removed."""
+    k = mx.fast.cuda_kernel(name="triv_node", input_names=["in0"], output_names=["out"],
+                            source="int i = threadIdx.x; out[i] = in0[i] + 1.0f;")  # fmt: skip
+    x0 = mx.zeros((32,))
+    mx.eval(x0)
+
+    def kernel() -> Any:
+        x = x0
+        for _ in range(depth):
+            x = k(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                  threadgroup=(32, 1, 1))[0]  # fmt: skip
+        return x
+
+    def add() -> Any:
+        x = x0
+        for _ in range(depth):
+            x = x + 1.0
+        return x
+
+    def reshape() -> Any:
+        x = x0 + 1.0
+        for i in range(depth):
+            x = x.reshape((4, 8) if i % 2 == 0 else (32,))
+        return x
+
+    return {"kernel": kernel, "add": add, "reshape": reshape}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -80,6 +113,7 @@ def main() -> None:
     ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--node-kinds", action="store_true", help="price a node: custom kernel, MLX add, reshape")
     ap.add_argument("--indexer-paths", action="store_true",
                     help="indexer cases per path: one launch (ONE_MAX raised), segment + merge (ONE_MAX 0)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
@@ -89,6 +123,9 @@ def main() -> None:
     def emit(name: str, r: dict[str, float]) -> None:
         print(json.dumps({"case": name, "env": env} | r), flush=True)
 
+    if opt.node_kinds:
+        for name, fn in node_kinds().items():
+            emit(f"node:{name}", split(fn, opt.reps, 100))
     for n_in, pad in ((1, 0), (16, 0), (1, 24000)):
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
     for spec in filter(None, opt.cases.split(",")):
