@@ -134,6 +134,29 @@ def time_steps(model, pools, handles, ctx, reps) -> list[float]:
     return ts
 
 
+def time_loop(model, pools, handles, ctx, reps, pipelined: bool) -> list[float]:
+    """Greedy decode `reps` steps, the next step's tokens the argmax of this one's logits (on the device).
+    Synced: each step's token is read back before the next step is built, as the engine does now.
+    Pipelined (mlx-lm's generate loop): step i + 1 is built and queued with step i's lazy tokens, and
+    step i's tokens are read back after, so the host builds one step while the GPU runs the previous
+    one. Returns the time between consecutive token read-backs."""
+    tok = mx.array([7] * len(handles), dtype=mx.int32)
+    ts, pending = [], None
+    t = time.perf_counter()
+    for i in range(reps + 1 if pipelined else reps):
+        if i < reps:
+            logits = model.step(model.make_batch(pools, handles, [ctx + i] * len(handles)), tok, pools)
+            tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+            mx.async_eval(tok, pools.arrays())
+        done, pending = (pending, tok) if pipelined else (tok, None)
+        if done is not None:
+            done.tolist()
+            now = time.perf_counter()
+            ts.append(now - t)
+            t = now
+    return ts[:-1] if pipelined else ts  # the pipelined loop's last read-back has no step behind it
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -144,7 +167,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
     ap.add_argument("--arms", default="fast,reference",
                     help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
-                    "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0)")
+                    "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
+                    "decode loop, each token read back before / after the next step is queued: time_loop)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -166,7 +190,11 @@ def main() -> None:
                 set_hc_kernel(mode != "fast_nohc")
                 model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
-                arm.setdefault(mode, []).extend(time_steps(model, pools, handles[:rows], ctx, opt.reps))
+                if mode in ("fast_sync", "fast_pipe"):
+                    ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode == "fast_pipe")
+                else:
+                    ts = time_steps(model, pools, handles[:rows], ctx, opt.reps)
+                arm.setdefault(mode, []).extend(ts)
             set_op_compile(False)
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
