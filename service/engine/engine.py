@@ -123,14 +123,23 @@ class Engine:
         self.pools.free(handle)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, feeds: Sequence[tuple[Handle, int, int]]) -> mx.array:
-        """One batched step: row i feeds token feeds[i][1] at position feeds[i][2]. Returns logits [B, V] f32;
-        the state update is already scheduled with them, so the sampler's one sync covers both."""
+    # The worker may queue step N + 1 with step N's sampled tokens still on the device (`tokens`), so
+    # that building one step overlaps the GPU running the previous one; False where every step's
+    # token ids must be known on the host first (a distributed leader sends them to its followers).
+    pipeline_decode = True
+
+    def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None) -> mx.array:
+        """One batched step: row i feeds token feeds[i][1] (or tokens[i], an int32 device array) at position
+        feeds[i][2]. Returns logits [B, V] f32; the state update is already scheduled with them, so the
+        sampler's one sync covers both."""
         if not 1 <= len(feeds) <= self.max_rows:
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
         handles = [f[0] for f in feeds]
         batch = self.model.make_batch(self.pools, handles, [f[2] for f in feeds])
-        tokens = mx.array([f[1] for f in feeds], dtype=mx.int32)
+        if tokens is None:
+            tokens = mx.array([f[1] for f in feeds], dtype=mx.int32)
+        elif tokens.shape != (len(feeds),):
+            raise ValueError(f"step: tokens must have shape ({len(feeds)},), got {tokens.shape}")
         logits = self.model.step(batch, tokens, self.pools)
         mx.async_eval(logits, self.pools.arrays())
         return logits

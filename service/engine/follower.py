@@ -36,6 +36,7 @@ class LeaderEngine(Engine):
     """Engine on rank 0: the same API, every state change mirrored to the followers."""
 
     parallel_prefill = False  # the followers replay decode steps: prompts go token by token
+    pipeline_decode = False  # ... with the token ids of each step, which must be on the host first
 
     def __init__(self, model: Any, group: Any, **kw: Any):
         super().__init__(model, **kw)

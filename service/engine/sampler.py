@@ -128,6 +128,41 @@ def sample(
     otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
     logprob is None unless params[b].logprobs is not None.
     """
+    return sample_lazy(logits, params, histories, generated_counts, eos_token_id=eos_token_id).result()
+
+
+class Pending:
+    """A sampled step not read back yet: `tokens` [B] int32 is on the device (a pipelined engine feeds it
+    to the next step before the host has seen it); `result()` is the one host sync."""
+
+    def __init__(self, outs: list[mx.array], params: Sequence[SamplingParams], k: int) -> None:
+        self.tokens = outs[0].astype(mx.int32)
+        self._outs, self._params, self._k = outs, params, k
+
+    def result(self) -> list[Sampled]:
+        params, k = self._params, self._k
+        mx.eval(*self._outs)  # the one host sync
+        host = [o.tolist() for o in self._outs]
+        result: list[Sampled] = []
+        for i, p in enumerate(params):
+            top: tuple[tuple[int, float], ...] = ()
+            if p.logprobs and k > 0:
+                pairs = sorted(zip(host[2][i], host[3][i], strict=True), key=lambda t: (-t[1], t[0]))
+                top = tuple((int(t), float(val)) for t, val in pairs[: p.logprobs])
+            logprob = float(host[1][i]) if p.logprobs is not None else None
+            result.append((int(host[0][i]), logprob, top))
+        return result
+
+
+def sample_lazy(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generated_counts: Sequence[int],
+    *,
+    eos_token_id: int | None = None,
+) -> Pending:
+    """`sample` without the read-back: the sampling graph is built and queued (async_eval)."""
     b, v = logits.shape
     if not (len(params) == len(histories) == len(generated_counts) == b):
         raise ValueError(f"sample: {b} logit rows but {len(params)} params / {len(histories)} histories")
@@ -171,18 +206,9 @@ def sample(
         k = min(k, v)
         top_idx = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
         outs += [top_idx, mx.take_along_axis(lp, top_idx, axis=-1)]
-    mx.eval(*outs)  # the one host sync
-    host = [o.tolist() for o in outs]
-
-    result: list[Sampled] = []
-    for i, p in enumerate(params):
-        top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs and k > 0:
-            pairs = sorted(zip(host[2][i], host[3][i], strict=True), key=lambda t: (-t[1], t[0]))
-            top = tuple((int(t), float(val)) for t, val in pairs[: p.logprobs])
-        logprob = float(host[1][i]) if p.logprobs is not None else None
-        result.append((int(host[0][i]), logprob, top))
-    return result
+    pending = Pending(outs, params, k)
+    mx.async_eval(pending.tokens, *outs)
+    return pending
 
 
 def _top_k_top_p(s: mx.array, params: Sequence[SamplingParams]) -> mx.array:

@@ -154,6 +154,17 @@ class Scheduler:
         self._last_plan = plan
         return plan
 
+    def resume(self, rows: list[Request]) -> list[Request]:
+        """The plan of a step queued ahead for `rows` (running ones, batch order): no admission."""
+        self._last_plan = list(rows)
+        return self._last_plan
+
+    def will_continue(self, r: Request) -> bool:
+        """Will `r` be fed again after this step's token, whatever it is? Not if the token reaches a length
+        limit; EOS / stop ids are not known before it is read back (a step queued ahead for a row that
+        stops is wasted, not wrong: its state is freed)."""
+        return len(r.output_ids) + 1 < r.params.max_tokens and r.total_len + 1 < self.max_model_len
+
     def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
         """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
         tokens in all; a prompt's last token is left for the step (its logits are sampled)."""

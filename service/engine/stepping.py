@@ -40,36 +40,82 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
     return events, done, time.perf_counter() - t0 if done else 0.0
 
 
-def decode_step(engine: Any, sched: Scheduler, plan: list[Request],
-                sample: Callable[..., Any]) -> tuple[list[TokenEvent], int, float | None]:  # fmt: skip
-    """The batched step for `plan` and its sampling; (events, tokens sampled, step seconds or None
-    if the step failed)."""
+@dataclass
+class Ahead:
+    """A decode step already queued for `rows` (batch order), fed the tokens sampled for them in the step
+    before while those were still on the device; its logits are not read yet. It is the rows' next
+    step whatever happens (their state has moved on): the next iteration samples it, no admission
+    in between. `since`: when the step before it was read back (a pipelined step's time runs from there)."""
+
+    rows: list[Request]
+    logits: Any
+    since: float
+
+
+def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request]) -> bool:
+    """Queue the next step before reading this one back? Only in pure decode (every running row samples,
+    all of them in the plan) with nobody waiting for admission: a step ahead fixes the next batch."""
+    return (getattr(engine, "pipeline_decode", False) and not sched.num_waiting and len(plan) == sched.num_running
+            and all(needs_sample(r) for r in plan))  # fmt: skip
+
+
+def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Callable[..., Any],
+                ahead: Ahead | None = None, pipeline: bool = False,
+                ) -> tuple[list[TokenEvent], int, float | None, Ahead | None]:  # fmt: skip
+    """The batched step for `plan` (or `ahead`'s, already queued) and its sampling; (events, tokens
+    sampled, step seconds or None if the step failed, the next step if one was queued ahead).
+    `sample` is sampler.sample_lazy."""
     import mlx.core as mx
 
-    t0 = time.perf_counter()
+    t0 = ahead.since if ahead is not None else time.perf_counter()
+    nxt: Ahead | None = None
+    spec_error: Exception | None = None
     try:
-        logits = engine.step(sched.feeds(plan))
+        if ahead is None:
+            logits = engine.step(sched.feeds(plan))
+        else:  # rows aborted since it was queued drop out
+            live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING]
+            logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[mx.array(live)]
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
         if idx:
             rows = logits if len(idx) == len(plan) else logits[mx.array(idx)]
             reqs = [plan[i] for i in idx]
-            res = sample(
+            pending = sample(
                 rows,
                 [r.params for r in reqs],
                 [r.prompt_ids + r.output_ids if has_penalty(r.params) else [] for r in reqs],
                 [len(r.output_ids) for r in reqs],
                 eos_token_id=engine.eos_token_id,
             )
+            if pipeline and can_pipeline(engine, sched, plan):
+                keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
+                if keep:
+                    nrows = [plan[i] for i in keep]
+                    tokens = pending.tokens if len(keep) == len(plan) else pending.tokens[mx.array(keep)]
+                    try:
+                        feeds = [(sched.handles[r.request_id], None, r.fed + 1) for r in nrows]
+                        nxt = Ahead(nrows, engine.step(feeds, tokens=tokens), 0.0)
+                    except Exception as e:  # noqa: BLE001 - those rows fail after this step's tokens
+                        log.exception("engine step (queued ahead) failed (%d rows)", len(nrows))
+                        spec_error, nxt = e, Ahead(nrows, None, 0.0)
+            res = pending.result()
             sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
         else:
             mx.eval(logits)  # a prefill-only step still has to run
     except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
         log.exception("engine step failed (%d rows)", len(plan))
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
-        return events + sched.on_step({}), 0, None
-    dt = time.perf_counter() - t0
-    return sched.on_step(sampled), len(sampled), dt
+        return events + sched.on_step({}), 0, None, None
+    now = time.perf_counter()
+    events = sched.on_step(sampled)
+    if nxt is not None:
+        nxt.since = now
+        if spec_error is not None:
+            msg = f"engine step failed: {type(spec_error).__name__}: {spec_error}"
+            events += sched.fail([r.request_id for r in nxt.rows], msg)
+            nxt = None
+    return events, len(sampled), now - t0, nxt
 
 
 @dataclass
@@ -85,31 +131,43 @@ class Outcome:
 
 
 def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: int,
-            admitted: Callable[[], None]) -> Outcome:  # fmt: skip
-    """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step. `admitted()` runs right
-    after admission (the worker publishes the new queue counts)."""
+            admitted: Callable[[], None], ahead: Ahead | None = None, pipeline: bool = False,
+            ) -> tuple[Outcome, Ahead | None]:  # fmt: skip
+    """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step; with `ahead`, its step
+    instead (no admission this time). `admitted()` runs right after admission (the worker publishes
+    the new queue counts). Returns the outcome and the step queued ahead, if any (`pipeline`)."""
+    if ahead is not None:
+        plan = sched.resume([r for r in ahead.rows if r.status is RequestStatus.RUNNING])
+        if not plan:  # every row of it was aborted: nothing to read
+            return Outcome(sched.on_step({})), None
+        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, ahead, pipeline)
+        out = Outcome(step_events)
+        if dt is not None:
+            out.rows, out.sampled, out.seconds = len(plan), sampled, dt
+        return out, nxt
     try:
         plan = sched.plan()
     except Exception as e:  # noqa: BLE001 - admission failed: the head it was admitting fails
         log.exception("admission failed")
-        return Outcome(sched.fail([sched.waiting[0].request_id] if sched.waiting else [], f"admission failed: {e}"))
+        head = [sched.waiting[0].request_id] if sched.waiting else []
+        return Outcome(sched.fail(head, f"admission failed: {e}")), None
     admitted()
     if not plan:
         if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
             head = sched.waiting[0].request_id
-            return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state"))
-        return Outcome([])
+            return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state")), None
+        return Outcome([]), None
     events, n_pre, t_pre = prefill(engine, sched, plan, budget)
     out = Outcome(events, n_pre, t_pre)
     plan = [r for r in plan if r.status is RequestStatus.RUNNING]
     if not plan:
         out.events += sched.on_step({})
-        return out
-    step_events, sampled, dt = decode_step(engine, sched, plan, sample)
+        return out, None
+    step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline)
     out.events += step_events
     if dt is not None:  # None: the step failed and its rows were failed
         out.rows, out.sampled, out.seconds = len(plan), sampled, dt
-    return out
+    return out, nxt
 
 
 @dataclass

@@ -50,6 +50,7 @@ class EngineWorker:
         max_queue: int = 64,
         prefill_chunk: int | None = None,
         serial_prefill: bool = False,
+        pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
     ) -> None:
         self._factory = engine_factory
@@ -59,6 +60,11 @@ class EngineWorker:
         # without one (distributed) feeds prompts token by token and this caps the prefilling rows.
         self.prefill_chunk = prefill_chunk
         self.serial_prefill = serial_prefill  # token by token even when the engine has a parallel prefill
+        # Pure decode: queue step N + 1 (fed step N's tokens on the device) before reading step N back, so
+        # the host builds one step while the GPU runs the other (stepping.Ahead); engines that need the
+        # token ids on the host (engine.pipeline_decode False) never do.
+        self.pipeline = pipeline
+        self._ahead: Any = None
         self._prefill_budget = 0
         # Called on the engine thread after every step: (rows in the step, step seconds).
         self.on_step_metrics = on_step_metrics
@@ -234,7 +240,7 @@ class EngineWorker:
     def _serve(self) -> None:
         try:
             engine, sched = self._start_engine()
-            from service.engine.sampler import sample  # mlx is imported on this thread only
+            from service.engine.sampler import sample_lazy as sample  # mlx is imported on this thread only
         except BaseException as e:  # noqa: BLE001 - reported through start_error / EngineNotReady
             log.exception("engine start-up failed")
             self.start_error = e
@@ -294,7 +300,8 @@ class EngineWorker:
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
     def _step(self, engine: Any, sched: Scheduler, sample: Callable[..., Any]) -> list[TokenEvent]:
-        out = iterate(engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched))
+        out, self._ahead = iterate(engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched),
+                                   self._ahead, self.pipeline)  # fmt: skip
         with self._lock:
             self._c.record(out)
         if out.rows and self.on_step_metrics is not None:

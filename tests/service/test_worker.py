@@ -51,11 +51,11 @@ class ControlledEngine(Engine):
         self.gate = threading.Event()
         self.gate.set()
 
-    def step(self, feeds):
+    def step(self, feeds, tokens=None):
         self.gate.wait()
         if self.fail_token is not None and any(tok == self.fail_token for _, tok, _ in feeds):
             raise RuntimeError(f"step fed token {self.fail_token}")
-        return super().step(feeds)
+        return super().step(feeds, tokens)
 
     def prefill(self, handle, token_ids, start):  # prompts reach the model here first
         self.gate.wait()

@@ -1,0 +1,135 @@
+"""Pipelined decode (stepping.Ahead): step N + 1 is queued with step N's sampled tokens still on the
+device, before step N is read back. It must change nothing a client sees: every event (tokens,
+logprobs, finish reasons, errors) is the same as with each step read back before the next is built.
+
+The real Engine around the embedded tiny model, as in test_worker.py (its helpers and the
+ControlledEngine are reused); expected outputs come from the same worker with pipelining off, or
+from the model alone (`reference`), never hard-coded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import numpy as np
+
+from service.engine.request import FinishReason, SamplingParams, TokenEvent
+from tests.service.test_worker import GREEDY, ControlledEngine, collect, make_engine, reference, run, tokens
+from tests.service.test_worker import tiny as tiny  # noqa: F401 - the module-scoped model fixture
+
+
+class RecordingEngine(ControlledEngine):
+    """The real engine; notes which steps were fed device tokens, and can fail those (`fail_ahead`)."""
+
+    def __init__(self, model, *, fail_ahead: bool = False, **kw) -> None:
+        super().__init__(model, **kw)
+        self.fail_ahead = fail_ahead
+        self.ahead_steps = 0
+        self.host_steps = 0
+
+    def step(self, feeds, tokens=None):
+        if tokens is None:
+            self.host_steps += 1
+        else:
+            self.ahead_steps += 1
+            if self.fail_ahead:
+                raise RuntimeError("step ahead failed on purpose")
+        return super().step(feeds, tokens)
+
+
+def recording(tiny, **kw) -> RecordingEngine:  # noqa: F811
+    model = tiny[0]
+    return RecordingEngine(model, max_rows=8, max_model_len=128, page_size=64, **kw)
+
+
+def shape(e: TokenEvent) -> tuple:
+    """An event without its request id (random per submit) and logprob values (compared with a tolerance)."""
+    return e.token_id, tuple(t for t, _ in e.top_logprobs), e.logprob is None, e.finish_reason, e.error
+
+
+def mixed_requests(tiny) -> list[tuple[list[int], SamplingParams]]:  # noqa: F811
+    """Eight requests that exercise every sampler path and every way a row leaves the batch."""
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    stop_at = reference(tiny, [9, 10, 11], greedy)[0][2]  # a token this prompt's greedy stream reaches
+    return [
+        ([3, 4, 5], greedy),
+        ([9, 10, 11], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,))),
+        ([7, 8], SamplingParams(max_tokens=6, temperature=0.9, top_k=5, top_p=0.9, seed=1)),
+        ([7, 8, 9, 2], SamplingParams(max_tokens=5, temperature=0.7, min_p=0.05, seed=2, logprobs=2)),
+        ([4, 4, 4], SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5)),
+        ([6], SamplingParams(max_tokens=1, temperature=0.0)),
+        ([12, 13], SamplingParams(max_tokens=3, temperature=1.0, seed=3, frequency_penalty=0.4)),
+        ([2, 3], SamplingParams(max_tokens=9, temperature=0.0, min_tokens=4, logprobs=0)),
+    ]
+
+
+def test_pipelined_equals_read_back_every_step(tiny) -> None:  # noqa: F811
+    reqs = mixed_requests(tiny)
+
+    async def body(w, eng):
+        # four at once, then four more while those stream: admission between pipelined steps
+        first = [asyncio.ensure_future(collect(w, p, s)) for p, s in reqs[:4]]
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(collect(w, p, s)) for p, s in reqs[4:]]
+        return await asyncio.gather(*first, *rest)
+
+    runs = {}
+    for pipeline in (True, False):
+        eng = recording(tiny)
+        runs[pipeline] = run(body, eng, pipeline=pipeline)
+        assert (eng.ahead_steps > 0) is pipeline
+    for on, off in zip(runs[True], runs[False], strict=True):
+        assert [shape(e) for e in on] == [shape(e) for e in off]  # tokens, alternatives, finish reasons
+        # logprobs: the same up to the float noise of other rows sharing a step (batches differ in time)
+        lp_on, lp_off = ([e.logprob for e in run_ if e.logprob is not None] for run_ in (on, off))
+        assert np.allclose(lp_on, lp_off, rtol=1e-4, atol=1e-5) and len(lp_on) == len(lp_off)
+        assert on[-1].finish_reason is not None and on[-1].error is None
+    stopped = runs[True][1]
+    assert stopped[-1].finish_reason is FinishReason.STOP and len(tokens(stopped)) == 2
+
+
+def test_pipelined_greedy_equals_the_model_alone(tiny) -> None:  # noqa: F811
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [reference(tiny, p, params)[0] for p in ([3, 4, 5], [7, 8])]
+
+    async def body(w, eng):
+        return await asyncio.gather(collect(w, [3, 4, 5], params), collect(w, [7, 8], params))
+
+    eng = recording(tiny)
+    outs = run(body, eng)  # pipelining is the worker's default
+    assert [tokens(o) for o in outs] == want
+    # after the first (prefilled) step, the rest are queued ahead with device tokens
+    assert eng.ahead_steps >= 6
+
+
+def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # noqa: F811
+    want, _ = reference(tiny, [5, 6], GREEDY)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never queues a step ahead
+
+    async def body(w, eng):
+        bad = await collect(w, [5, 6])
+        in_use = eng.bytes_in_use()
+        good = await collect(w, [5, 6], one)
+        return bad, in_use, good
+
+    bad, in_use, good = run(body, recording(tiny, fail_ahead=True))
+    # the first token (read back before the failure is reported) arrives, then the error
+    assert tokens(bad) == want[:1] and "step ahead failed on purpose" in bad[-1].error and in_use == 0
+    assert tokens(good) == want[:1] and good[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_while_a_step_is_queued_ahead(tiny) -> None:  # noqa: F811
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want, _ = reference(tiny, [5, 6], GREEDY)
+
+    async def body(w, eng):
+        stream = await w.submit([3, 4], long)
+        got = [await anext(stream) for _ in range(3)]
+        await stream.aclose()  # closing the stream aborts the request mid-pipeline
+        ok = await collect(w, [5, 6])
+        mx.synchronize()
+        return got, ok, eng.bytes_in_use()
+
+    got, ok, in_use = run(body, make_engine(tiny))
+    assert len(tokens(got)) == 3 and tokens(ok) == want and in_use == 0
