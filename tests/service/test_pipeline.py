@@ -103,6 +103,19 @@ def test_pipelined_greedy_equals_the_model_alone(tiny) -> None:  # noqa: F811
     assert eng.ahead_steps >= 6
 
 
+def test_no_step_ahead_past_max_tokens(tiny) -> None:  # noqa: F811
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want, _ = reference(tiny, [3, 4, 5], params)
+
+    async def body(w, eng):
+        return await collect(w, [3, 4, 5], params)
+
+    eng = recording(tiny)
+    out = run(body, eng)
+    # token 1 comes from the step after the prefill; tokens 2..5 from steps queued ahead, none after
+    assert tokens(out) == want and eng.ahead_steps == 4
+
+
 def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # noqa: F811
     want, _ = reference(tiny, [5, 6], GREEDY)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never queues a step ahead
