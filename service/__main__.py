@@ -42,6 +42,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "[DSV4_SERIAL_PREFILL]",
     )
     p.add_argument(
+        "--no-pipeline", action="store_true", default=None,
+        help="read each decode step back before building the next, instead of queueing the next step with "
+        "the sampled tokens still on the device  [DSV4_NO_PIPELINE]",
+    )
+    p.add_argument(
         "--dequantize", action="store_true", default=None,
         help="decode FP8/FP4 release weights to bf16 instead of keeping them as mxfp8/mxfp4  [DSV4_DEQUANTIZE]",
     )

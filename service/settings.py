@@ -29,6 +29,7 @@ class Settings(BaseModel):
     drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them
     log_level: str = "info"
     serial_prefill: bool = False  # prompts token by token through the decode step (no parallel prefill)
+    no_pipeline: bool = False  # read every decode step back before building the next (no step queued ahead)
     dequantize: bool = False  # decode release FP8/FP4 weights to the model dtype instead of mxfp8/mxfp4
     distributed: bool = False  # one rank of an mlx.launch job (see service/engine/follower.py)
 

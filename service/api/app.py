@@ -50,6 +50,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         # Prompt tokens per step through the parallel prefill (token-serial engines: prefilling rows).
         prefill_chunk=settings.prefill_chunk,
         serial_prefill=settings.serial_prefill,
+        pipeline=not settings.no_pipeline,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
     )
 
