@@ -136,10 +136,9 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step; with `ahead`, its step
     instead (no admission this time). `admitted()` runs right after admission (the worker publishes
     the new queue counts). Returns the outcome and the step queued ahead, if any (`pipeline`)."""
-    if ahead is not None:
-        plan = sched.resume([r for r in ahead.rows if r.status is RequestStatus.RUNNING])
-        if not plan:  # every row of it was aborted: nothing to read
-            return Outcome(sched.on_step({})), None
+    live = [r for r in ahead.rows if r.status is RequestStatus.RUNNING] if ahead is not None else []
+    if live:  # else every row of it was aborted: nothing to read, plan as usual
+        plan = sched.resume(live)
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, ahead, pipeline)
         out = Outcome(step_events)
         if dt is not None:
