@@ -103,6 +103,24 @@ def test_pipelined_greedy_equals_the_model_alone(tiny) -> None:  # noqa: F811
     assert eng.ahead_steps >= 6
 
 
+def test_pipelined_with_requests_waiting_for_a_row(tiny) -> None:  # noqa: F811
+    """Ten streams on eight rows: the two waiting ones cannot be admitted while every row is taken, so
+    steps are still queued ahead; each waiting stream starts once a row frees, and every output is
+    what the model gives the request alone."""
+    prompts = [[3 + i, 4 + i] for i in range(10)]
+    lens = [2, 3, 4, 5, 6, 7, 8, 9, 4, 5]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+    want = [reference(tiny, p, s)[0] for p, s in zip(prompts, params, strict=True)]
+
+    async def body(w, eng):
+        return await asyncio.gather(*(collect(w, p, s) for p, s in zip(prompts, params, strict=True)))
+
+    eng = recording(tiny)
+    outs = run(body, eng)
+    assert [tokens(o) for o in outs] == want
+    assert eng.ahead_steps > 0
+
+
 def test_no_step_ahead_past_max_tokens(tiny) -> None:  # noqa: F811
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     want, _ = reference(tiny, [3, 4, 5], params)

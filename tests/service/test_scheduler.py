@@ -238,3 +238,31 @@ def test_prefill_work_budget_oldest_first_leaves_the_last_prompt_token() -> None
     assert [(r.request_id, toks, start) for r, _, toks, start in s.prefill_work(plan, budget=100)] == [
         ("b", [b.prompt_ids[4]], 4),
     ]  # fmt: skip
+
+
+class PipelinedEngine:
+    """What can_pipeline reads of an engine: whether it can take device tokens."""
+
+    pipeline_decode = True
+
+
+def test_can_pipeline_only_while_nobody_waiting_could_be_admitted() -> None:
+    from service.engine.stepping import can_pipeline
+
+    sched, _ = make(max_rows=2)
+    reqs = [Request(f"r{i}", [5, 6], SamplingParams(max_tokens=4)) for i in range(3)]
+    sched.add(reqs[0])
+    plan = sched.plan()
+    sched.prefilled(reqs[0], 1)  # the prompt but its last token: this step samples
+    assert can_pipeline(PipelinedEngine(), sched, plan)  # one decoding row, nobody waiting
+    sched.add(reqs[1])
+    assert not can_pipeline(PipelinedEngine(), sched, plan)  # a free row: r1 must join next step
+    plan = sched.plan()
+    sched.add(reqs[2])
+    assert not can_pipeline(PipelinedEngine(), sched, plan)  # r1 is still prefilling: it samples nothing
+    sched.prefilled(reqs[1], 1)
+    assert len(plan) == 2 and sched.num_waiting == 1
+    assert can_pipeline(PipelinedEngine(), sched, plan)  # rows full: r2 waits for a row either way
+    reqs[0].output_ids += [7, 7, 7]  # r0's next token reaches max_tokens and frees a row for r2
+    assert not can_pipeline(PipelinedEngine(), sched, plan)
+    assert not can_pipeline(object(), sched, plan[1:])  # an engine without device-token steps
