@@ -164,3 +164,37 @@ def test_abort_while_a_step_is_queued_ahead(tiny) -> None:  # noqa: F811
 
     got, ok, in_use = run(body, make_engine(tiny))
     assert len(tokens(got)) == 3 and tokens(ok) == want and in_use == 0
+
+
+def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
+    """Step i + 1 built on step i's pools while step i is still queued must still donate them: no pool is
+    copied (the peak memory stays below one pool array), and the tokens are those of reading back
+    every step. The model directly, on pools large enough for a copy to show."""
+    from model.config import ModelArgs
+    from model.deepseek_v4 import DeepseekV4
+    from model.state import StatePools
+
+    a = ModelArgs.tiny()
+    model = DeepseekV4(a)
+    mx.eval(model.parameters())
+    got = {}
+    for pipelined in (False, True):
+        pools = StatePools(a, max_slots=8, max_positions=60_000, page_size=64, dtype=mx.float32)
+        handles = [pools.alloc(50_000) for _ in range(2)]
+        mx.eval(pools.arrays())
+        largest = max(x.nbytes for x in pools.arrays())
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tok, pending, out = mx.array([5, 9], dtype=mx.int32), None, []
+        for i in range(7 if pipelined else 6):  # the pipelined loop reads the last step back after it
+            if i < 6:
+                logits = model.step(model.make_batch(pools, handles, [3 + i, 3 + i]), tok, pools)
+                tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+                mx.async_eval(tok, pools.arrays())
+            done, pending = (pending, tok) if pipelined else (tok, None)
+            if done is not None:
+                out.append(done.tolist())
+        got[pipelined] = out
+        assert mx.get_peak_memory() - base < largest / 2, (mx.get_peak_memory() - base, largest)
+        del pools, handles
+    assert got[True] == got[False] and len(got[True]) == 6
