@@ -7,6 +7,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   rows_per_step: list[int]          rows_per_step[r] = engine steps with r rows so far (cumulative)
   bytes_in_use, bytes_budget: int   decode state bytes (slots + pages) reserved / total
   prefill_tokens_total, prefill_seconds_total   the parallel prefill's prompt tokens / engine time
+  steps_ahead_total: int            decode steps queued before the previous one was read back (pipelined)
 Step durations come through the worker's on_step_metrics hook (observe_step).
 Missing keys are simply not exported."""
 
@@ -58,6 +59,7 @@ class _EngineCollector(Collector):
         for key, name, doc in (
             ("prefill_tokens_total", "prefill_tokens", "Prompt tokens fed by the parallel prefill"),
             ("prefill_seconds_total", "prefill_seconds", "Engine time spent in the parallel prefill"),
+            ("steps_ahead_total", "decode_steps_ahead", "Decode steps queued before the previous one was read back"),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))

@@ -132,6 +132,7 @@ class Outcome:
     rows: int = 0
     sampled: int = 0
     seconds: float = 0.0
+    ahead: bool = False  # its step had been queued before the previous one was read back
 
 
 def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: int,
@@ -144,7 +145,7 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     if live:  # else every row of it was aborted: nothing to read, plan as usual
         plan = sched.resume(live)
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, ahead, pipeline)
-        out = Outcome(step_events)
+        out = Outcome(step_events, ahead=True)
         if dt is not None:
             out.rows, out.sampled, out.seconds = len(plan), sampled, dt
         return out, nxt
@@ -183,6 +184,7 @@ class Counters:
     running: int = 0
     last_rows: int = 0
     steps: int = 0
+    steps_ahead: int = 0  # steps queued before the previous one was read back (pipelined decode)
     tokens: int = 0
     step_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens fed by the parallel prefill
@@ -194,6 +196,7 @@ class Counters:
         self.prefill_seconds += out.prefill_seconds
         if out.rows:
             self.steps += 1
+            self.steps_ahead += out.ahead
             self.last_rows = out.rows
             self.rows_hist[min(out.rows, 8)] += 1
             self.tokens += out.sampled
@@ -206,6 +209,7 @@ class Counters:
             "running": self.running,
             "last_step_rows": self.last_rows,
             "steps_total": self.steps,
+            "steps_ahead_total": self.steps_ahead,
             "tokens_total": self.tokens,
             "step_seconds_total": self.step_seconds,
             "prefill_tokens_total": self.prefill_tokens,

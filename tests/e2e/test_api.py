@@ -123,6 +123,7 @@ def test_eight_concurrent_greedy_streams(server: Server) -> None:
     before = metric(server, "dsv4_decode_rows_per_step_bucket", '{le="8.0"}') - metric(
         server, "dsv4_decode_rows_per_step_bucket", '{le="7.0"}'
     )
+    ahead = metric(server, "dsv4_decode_steps_ahead_total")
     with cf.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda p: _greedy(server, p), prompts))
     assert together == alone
@@ -130,6 +131,8 @@ def test_eight_concurrent_greedy_streams(server: Server) -> None:
         server, "dsv4_decode_rows_per_step_bucket", '{le="7.0"}'
     )
     assert after > before, "no engine step ran 8 rows"
+    # pipelined decode (the default): most of the 8 x 24 tokens came from steps queued ahead
+    assert metric(server, "dsv4_decode_steps_ahead_total") - ahead >= 20
 
 
 @pytest.mark.parametrize("prompt", [[10, 20, 30, 40], [0, 7, 7, 7, 300, 12]])
