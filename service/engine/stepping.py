@@ -45,7 +45,10 @@ class Ahead:
     """A decode step already queued for `rows` (batch order), fed the tokens sampled for them in the step
     before while those were still on the device; its logits are not read yet. It is the rows' next
     step whatever happens (their state has moved on): the next iteration samples it, no admission
-    in between. `since`: when the step before it was read back (a pipelined step's time runs from there)."""
+    in between. `since`: when the step before it was read back (a pipelined step's time runs from there).
+    Unverified on CUDA: MLX holds each node's inputs until its graph chunk has run (eval.cpp's
+    add_temporary), so a pool that step N's last, still-running kernels read may be copied, not updated
+    in place, by step N + 1 (tests/service/test_pipeline.py's in-place test checks it where it runs)."""
 
     rows: list[Request]
     logits: Any
