@@ -54,7 +54,7 @@ def split(run: Callable[[], Any], reps: int, per: int) -> dict[str, float]:
     return {"host_us": round(statistics.median(host), 2), "total_us": round(statistics.median(total), 2)}
 
 
-def trivial(n_inputs: int, pad: int, depth: int = 100) -> Callable[[], Any]:
+def trivial(n_inputs: int, pad: int, depth: int = 100, compiled: bool = True) -> Callable[[], Any]:
     """`depth` dependent launches of a 1-block kernel with `n_inputs` inputs and `pad` bytes of source."""
     names = [f"in{i}" for i in range(n_inputs)]
     src = "/*" + "x" * pad + "*/\n" if pad else ""
@@ -70,7 +70,7 @@ def trivial(n_inputs: int, pad: int, depth: int = 100) -> Callable[[], Any]:
                   threadgroup=(32, 1, 1))[0]  # fmt: skip
         return x
 
-    return mx.compile(chain)
+    return mx.compile(chain) if compiled else chain
 
 
 def node_kinds(depth: int = 100) -> dict[str, Callable[[], Any]]:
@@ -79,17 +79,8 @@ def node_kinds(depth: int = 100) -> dict[str, Callable[[], Any]]:
     node with no launch). kernel - add is what `mx.fast.cuda_kernel` adds to a node; add - reshape is
     a kernel launch in a CUDA graph; reshape is MLX's per-node cost with no GPU work at all: what a
     C++ primitive that fused several launches into one node could save, at most, per node removed."""
-    k = mx.fast.cuda_kernel(name="triv_node", input_names=["in0"], output_names=["out"],
-                            source="int i = threadIdx.x; out[i] = in0[i] + 1.0f;")  # fmt: skip
     x0 = mx.zeros((32,))
     mx.eval(x0)
-
-    def kernel() -> Any:
-        x = x0
-        for _ in range(depth):
-            x = k(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
-                  threadgroup=(32, 1, 1))[0]  # fmt: skip
-        return x
 
     def add() -> Any:
         x = x0
@@ -103,7 +94,7 @@ def node_kinds(depth: int = 100) -> dict[str, Callable[[], Any]]:
             x = x.reshape((4, 8) if i % 2 == 0 else (32,))
         return x
 
-    return {"kernel": kernel, "add": add, "reshape": reshape}
+    return {"kernel": trivial(1, 0, depth, compiled=False), "add": add, "reshape": reshape}
 
 
 def main() -> None:

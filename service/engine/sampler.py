@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -114,21 +115,9 @@ def apply_penalties(
     return x
 
 
-def sample(
-    logits: mx.array,
-    params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int]],
-    generated_counts: Sequence[int],
-    *,
-    eos_token_id: int | None = None,
-) -> list[Sampled]:
-    """Sample one token per row of `logits` [B, V]; returns (token, logprob, top) per row.
-
-    histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
-    otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
-    logprob is None unless params[b].logprobs is not None.
-    """
-    return sample_lazy(logits, params, histories, generated_counts, eos_token_id=eos_token_id).result()
+def sample(logits: mx.array, *args: Any, **kwargs: Any) -> list[Sampled]:
+    """`sample_lazy` and its read-back: one (token, logprob, top) per row."""
+    return sample_lazy(logits, *args, **kwargs).result()
 
 
 class Pending:
@@ -162,7 +151,13 @@ def sample_lazy(
     *,
     eos_token_id: int | None = None,
 ) -> Pending:
-    """`sample` without the read-back: the sampling graph is built and queued (async_eval)."""
+    """Sample one token per row of `logits` [B, V]: the sampling graph, built and queued (async_eval);
+    `Pending.result()` reads back (token, logprob, top) per row.
+
+    histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
+    otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
+    logprob is None unless params[b].logprobs is not None.
+    """
     b, v = logits.shape
     if not (len(params) == len(histories) == len(generated_counts) == b):
         raise ValueError(f"sample: {b} logit rows but {len(params)} params / {len(histories)} histories")

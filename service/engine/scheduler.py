@@ -163,7 +163,7 @@ class Scheduler:
         """Will `r` be fed again after this step's token, whatever it is? Not if the token reaches a length
         limit; EOS / stop ids are not known before it is read back (a step queued ahead for a row that
         stops is wasted, not wrong: its state is freed)."""
-        return len(r.output_ids) + 1 < r.params.max_tokens and r.total_len + 1 < self.max_model_len
+        return not self._at_length(r, ahead=1)
 
     def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
         """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
@@ -222,6 +222,8 @@ class Scheduler:
             return FinishReason.STOP
         return None
 
-    def _at_length(self, r: Request) -> bool:
-        # The context limit: the newest token could not be fed at position total_len - 1.
-        return len(r.output_ids) >= r.params.max_tokens or r.total_len >= self.max_model_len
+    def _at_length(self, r: Request, ahead: int = 0) -> bool:
+        # The context limit: the newest token could not be fed at position total_len - 1. `ahead`: with
+        # that many more tokens.
+        n = len(r.output_ids) + ahead
+        return n >= r.params.max_tokens or r.total_len + ahead >= self.max_model_len

@@ -67,22 +67,18 @@ def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request]) -> bool:
 
 
 def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Callable[..., Any],
-                ahead: Ahead | None = None, pipeline: bool = False,
+                ahead: tuple[Any, float] | None = None, pipeline: bool = False,
                 ) -> tuple[list[TokenEvent], int, float | None, Ahead | None]:  # fmt: skip
-    """The batched step for `plan` (or `ahead`'s, already queued) and its sampling; (events, tokens
-    sampled, step seconds or None if the step failed, the next step if one was queued ahead).
-    `sample` is sampler.sample_lazy."""
+    """The batched step for `plan` (or `ahead`: its logits, already queued, and `since`) and its sampling;
+    (events, tokens sampled, step seconds or None if the step failed, the next step if one was queued
+    ahead). `sample` is sampler.sample_lazy."""
     import mlx.core as mx
 
-    t0 = ahead.since if ahead is not None else time.perf_counter()
+    t0 = ahead[1] if ahead is not None else time.perf_counter()
     nxt: Ahead | None = None
-    spec_error: Exception | None = None
+    spec_failed: tuple[list[Request], Exception] | None = None
     try:
-        if ahead is None:
-            logits = engine.step(sched.feeds(plan))
-        else:  # rows aborted since it was queued drop out
-            live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING]
-            logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[mx.array(live)]
+        logits = engine.step(sched.feeds(plan)) if ahead is None else ahead[0]
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
         if idx:
@@ -105,7 +101,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
                         nxt = Ahead(nrows, engine.step(feeds, tokens=tokens), 0.0)
                     except Exception as e:  # noqa: BLE001 - those rows fail after this step's tokens
                         log.exception("engine step (queued ahead) failed (%d rows)", len(nrows))
-                        spec_error, nxt = e, Ahead(nrows, None, 0.0)
+                        spec_failed = nrows, e
             res = pending.result()
             sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
         else:
@@ -118,10 +114,9 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
     events = sched.on_step(sampled)
     if nxt is not None:
         nxt.since = now
-        if spec_error is not None:
-            msg = f"engine step failed: {type(spec_error).__name__}: {spec_error}"
-            events += sched.fail([r.request_id for r in nxt.rows], msg)
-            nxt = None
+    if spec_failed is not None:
+        rows_, e = spec_failed
+        events += sched.fail([r.request_id for r in rows_], f"engine step failed: {type(e).__name__}: {e}")
     return events, len(sampled), now - t0, nxt
 
 
@@ -144,10 +139,13 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step; with `ahead`, its step
     instead (no admission this time). `admitted()` runs right after admission (the worker publishes
     the new queue counts). Returns the outcome and the step queued ahead, if any (`pipeline`)."""
-    live = [r for r in ahead.rows if r.status is RequestStatus.RUNNING] if ahead is not None else []
-    if live:  # else every row of it was aborted: nothing to read, plan as usual
-        plan = sched.resume(live)
-        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, ahead, pipeline)
+    live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
+    if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
+        import mlx.core as mx
+
+        plan = sched.resume([ahead.rows[i] for i in live])  # rows aborted since it was queued drop out
+        logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[mx.array(live)]
+        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline)
         out = Outcome(step_events, ahead=True)
         if dt is not None:
             out.rows, out.sampled, out.seconds = len(plan), sampled, dt
