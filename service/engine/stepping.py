@@ -57,11 +57,13 @@ class Ahead:
 
 def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request]) -> bool:
     """Queue the next step before reading this one back? Only in pure decode (every running row samples,
-    all of them in the plan), and while nobody waiting could be admitted at the next plan (a step
-    ahead fixes the next batch): nobody waits, or every row is taken and none reaches a length limit
-    now. A row that stops on EOS / a stop id delays the head's admission by one step."""
+    all of them in the plan, none its first token: a first token goes out before the host builds
+    another step, or the time to first token grows by that build), and while nobody waiting could be
+    admitted at the next plan (a step ahead fixes the next batch): nobody waits, or every row is taken
+    and none reaches a length limit now. A row that stops on EOS / a stop id delays the head's
+    admission by one step."""
     if not (getattr(engine, "pipeline_decode", False) and len(plan) == sched.num_running
-            and all(needs_sample(r) for r in plan)):  # fmt: skip
+            and all(needs_sample(r) and r.output_ids for r in plan)):  # fmt: skip
         return False
     return not sched.num_waiting or (sched.num_running >= sched.max_rows and all(map(sched.will_continue, plan)))
 

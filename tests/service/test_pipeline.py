@@ -130,8 +130,9 @@ def test_no_step_ahead_past_max_tokens(tiny) -> None:  # noqa: F811
 
     eng = recording(tiny)
     out = run(body, eng)
-    # token 1 comes from the step after the prefill; tokens 2..5 from steps queued ahead, none after
-    assert tokens(out) == want and eng.ahead_steps == 4
+    # token 1 comes from the prefill's step and token 2 from the next, read back at once (a first token
+    # waits for no step ahead); tokens 3..5 from steps queued ahead, none after
+    assert tokens(out) == want and eng.ahead_steps == 3
 
 
 def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # noqa: F811
@@ -145,8 +146,9 @@ def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # 
         return bad, in_use, good
 
     bad, in_use, good = run(body, recording(tiny, fail_ahead=True))
-    # the first token (read back before the failure is reported) arrives, then the error
-    assert tokens(bad) == want[:1] and "step ahead failed on purpose" in bad[-1].error and in_use == 0
+    # the first two tokens (the first is never pipelined; the second is read back before the failure of
+    # the step queued with it is reported) arrive, then the error
+    assert tokens(bad) == want[:2] and "step ahead failed on purpose" in bad[-1].error and in_use == 0
     assert tokens(good) == want[:1] and good[-1].finish_reason is FinishReason.LENGTH
 
 
@@ -167,9 +169,11 @@ def test_abort_while_a_step_is_queued_ahead(tiny) -> None:  # noqa: F811
 
 
 def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
-    """Step i + 1 built on step i's pools while step i is still queued must still donate them: no pool is
-    copied (the peak memory stays below one pool array), and the tokens are those of reading back
-    every step. The model directly, on pools large enough for a copy to show."""
+    """Step i + 1 built on step i's pools while step i is still queued must still donate them. No pool is
+    copied: the pipelined loop's peak memory is the synced loop's (within a quarter of the smallest pool
+    a step writes a big entry to), and the synced one stays below the largest pool array (the step's own
+    temporaries, the reference's gathers over the table width, are ~6.5 MiB on the CPU, a little more
+    on CUDA). The tokens are those of reading back every step. The model directly, on big pools."""
     from model.config import ModelArgs
     from model.deepseek_v4 import DeepseekV4
     from model.state import StatePools
@@ -177,12 +181,12 @@ def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
     a = ModelArgs.tiny()
     model = DeepseekV4(a)
     mx.eval(model.parameters())
-    got = {}
+    got, peak = {}, {}
     for pipelined in (False, True):
         pools = StatePools(a, max_slots=8, max_positions=60_000, page_size=64, dtype=mx.float32)
         handles = [pools.alloc(50_000) for _ in range(2)]
         mx.eval(pools.arrays())
-        largest = max(x.nbytes for x in pools.arrays())
+        sizes = sorted(x.nbytes for x in pools.arrays())
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         tok, pending, out = mx.array([5, 9], dtype=mx.int32), None, []
@@ -194,7 +198,8 @@ def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
             done, pending = (pending, tok) if pipelined else (tok, None)
             if done is not None:
                 out.append(done.tolist())
-        got[pipelined] = out
-        assert mx.get_peak_memory() - base < largest / 2, (mx.get_peak_memory() - base, largest)
+        got[pipelined], peak[pipelined] = out, mx.get_peak_memory() - base
         del pools, handles
+    assert peak[False] < sizes[-1], (peak, sizes[-1])  # no copy of a largest pool when synced
+    assert peak[True] <= peak[False] + sizes[-4] / 4, (peak, sizes[-4])  # and none more when pipelined
     assert got[True] == got[False] and len(got[True]) == 6

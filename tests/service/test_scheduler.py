@@ -253,7 +253,9 @@ def test_can_pipeline_only_while_nobody_waiting_could_be_admitted() -> None:
     reqs = [Request(f"r{i}", [5, 6], SamplingParams(max_tokens=4)) for i in range(3)]
     sched.add(reqs[0])
     plan = sched.plan()
-    sched.prefilled(reqs[0], 1)  # the prompt but its last token: this step samples
+    sched.prefilled(reqs[0], 1)  # the prompt but its last token: this step samples r0's first token
+    assert not can_pipeline(PipelinedEngine(), sched, plan)  # which goes out before another step is built
+    reqs[0].output_ids.append(7)
     assert can_pipeline(PipelinedEngine(), sched, plan)  # one decoding row, nobody waiting
     sched.add(reqs[1])
     assert not can_pipeline(PipelinedEngine(), sched, plan)  # a free row: r1 must join next step
@@ -261,8 +263,10 @@ def test_can_pipeline_only_while_nobody_waiting_could_be_admitted() -> None:
     sched.add(reqs[2])
     assert not can_pipeline(PipelinedEngine(), sched, plan)  # r1 is still prefilling: it samples nothing
     sched.prefilled(reqs[1], 1)
+    assert not can_pipeline(PipelinedEngine(), sched, plan)  # r1's first token
+    reqs[1].output_ids.append(7)
     assert len(plan) == 2 and sched.num_waiting == 1
     assert can_pipeline(PipelinedEngine(), sched, plan)  # rows full: r2 waits for a row either way
-    reqs[0].output_ids += [7, 7, 7]  # r0's next token reaches max_tokens and frees a row for r2
+    reqs[0].output_ids += [7, 7]  # r0's next token reaches max_tokens and frees a row for r2
     assert not can_pipeline(PipelinedEngine(), sched, plan)
     assert not can_pipeline(object(), sched, plan[1:])  # an engine without device-token steps
