@@ -12,14 +12,16 @@ import numpy as np
 
 import kernels.cuda as kc
 from kernels import Row, RowBatch
-from kernels.compressor import compressor_rows_reference
+from kernels.compressor import compressor_rows_inplace_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.sparse_attention import sparse_attention_rows_reference
 
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
-REF = {"compressor_rows": compressor_rows_reference, "indexer_rows": indexer_rows_reference,
+# The compressor as the model runs it: in place on CUDA (state + pool written through their buffers, a
+# token for the readers), the functional update in the reference. Both return (kv, score, pool, token).
+REF = {"compressor_rows": compressor_rows_inplace_reference, "indexer_rows": indexer_rows_reference,
        "sparse_attention_rows": sparse_attention_rows_reference}  # fmt: skip
-FAST = {"compressor_rows": kc.compressor_rows_cuda, "indexer_rows": kc.indexer_rows_cuda,
+FAST = {"compressor_rows": kc.compressor_rows_inplace_cuda, "indexer_rows": kc.indexer_rows_cuda,
         "sparse_attention_rows": kc.sparse_attention_rows_cuda}  # fmt: skip
 
 
@@ -87,7 +89,9 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
         mx.eval(kv, score, ape, norm, cos, sin, init)
 
         def call(impl: Callable[..., Any], b: RowBatch, st: Any) -> Any:
-            return impl(b, kv, score, ape, norm, *st, ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)
+            # st: (kv_state, score_state, pool[, token]): a chained in-place call follows the last one's token
+            kw = {"after": st[3]} if len(st) == 4 else {}
+            return impl(b, kv, score, ape, norm, *st[:3], ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin, **kw)
 
         nbytes = rows * (2 * coff * ratio * c * 4 * 2 + 2 * c * 4 + d * 2)
         return Case(op, nbytes, call, batch, singles, init)
@@ -129,6 +133,7 @@ class Chain:
     fast: Callable[[], Any]
     ref_c: Callable[[], Any]  # the step under mx.compile
     fast_c: Callable[[], Any]
+    fast_c_fn: Callable[[], Any]  # fast_c with the functional CUDA compressor (kernel + pool scatter)
 
 
 class _Runner:
@@ -183,10 +188,12 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
         return st
 
     def comp(impl: Any, xs: dict[str, mx.array], s: dict[str, mx.array], kk: str, ks: str, pk: str, ratio: int,
-             d: int) -> None:  # fmt: skip
+             d: int) -> mx.array | None:  # fmt: skip
+        """The compressor as the model runs it; returns the pool readers' `after` token (None: functional)."""
         kv, sc = xs[str((2 if ratio == 4 else 1) * d)]
-        s[kk], s[ks], s[pk] = impl(batch, kv, sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
-                                   ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
+        s[kk], s[ks], s[pk], token = impl(batch, kv, sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
+                                          ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
+        return token
 
     def step_with(ops: dict[str, Any]) -> Callable[[Any], Any]:
         def step(cs: dict[str, Any], state: list[dict[str, mx.array]]) -> Any:
@@ -209,13 +216,13 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
                     flat = mx.depends(flat, [h])
                 xs = {n: (flat[2 * j], flat[2 * j + 1]) for j, n in enumerate(names)}
                 if k == 4:
-                    comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D)
-                    comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI)
-                    ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK)
-                    h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4)
+                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D)
+                    ik_after = comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI)
+                    ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)
+                    h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4, after=after)
                 else:
-                    comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D)
-                    h = attn(batch, h, s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128)
+                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D)
+                    h = attn(batch, h, s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128, after=after)
                 new.append(s)
             return h, new
 
@@ -223,4 +230,10 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
 
     return Chain(ref=_Runner(step_with(REF), consts, fresh()), fast=_Runner(step_with(FAST), consts, fresh()),
                  ref_c=_Runner(mx.compile(step_with(REF)), consts, fresh()),
-                 fast_c=_Runner(mx.compile(step_with(FAST)), consts, fresh()))  # fmt: skip
+                 fast_c=_Runner(mx.compile(step_with(FAST)), consts, fresh()),
+                 fast_c_fn=_Runner(mx.compile(step_with(FAST | {"compressor_rows": functional})), consts, fresh()))
+
+
+def functional(*args: Any, **kw: Any) -> tuple[mx.array, mx.array, mx.array, None]:
+    """The functional CUDA compressor (kernel + pool scatter, new arrays) in the in-place op's shape."""
+    return (*kc.compressor_rows_cuda(*args, **kw), None)

@@ -10,9 +10,11 @@ call waits for the last on the GPU too (`mx.depends` puts no edge in MLX's CUDA 
 8 rows, 8K context, reference vs fast, one eval per step.
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
-no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor runs a
-check of each case covers both state-update forms (full copy / slot-pool scatters); `--extra-arms` also
-times the scatter form and the per-op `mx.compile` flipped. Every arm is timed twice: as built by
+no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor's
+fast arm is the in-place op the model runs (compressor_rows_inplace: state and pool written through their
+buffers); its `functional` arm (and chain43's `fast_c_fn`) times the functional CUDA op (kernel + pool
+scatter), and the check covers that op's two state-update forms (full copy / slot-pool scatters).
+`--extra-arms` also times the scatter form and the per-op `mx.compile` flipped. Every arm is timed twice: as built by
 Python per call (eager) and with the whole chain under one `mx.compile` (compiled).
 
     python bench/kernels.py [--out DIR] [--reps 15] [--quick]
@@ -130,9 +132,18 @@ def floors(reps: int) -> dict[str, float]:
             "launch_compiled_us": r["launch_c"]["median_us"], "eval_us": r["eval"]["median_us"]}  # fmt: skip
 
 
+def copies(st: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+    """Evaluated copies (the in-place compressor writes its inputs' buffers)."""
+    out = tuple(mx.array(np.array(x.astype(mx.float32))).astype(x.dtype) for x in st)
+    mx.eval(out)
+    return out
+
+
 def check(case: Case) -> dict[str, float]:
-    ref, fast = case.ref(), case.fast()
-    mx.eval(ref, fast)
+    ref = case.ref(copies(case.init) if case.op == "compressor_rows" else None)
+    mx.eval(ref)
+    fast = case.fast(copies(case.init) if case.op == "compressor_rows" else None)
+    mx.eval(fast)
     if case.op == "indexer_rows":
         same = float((np.array(ref) == np.array(fast)).mean())
         return {"same_ids": same}
@@ -141,9 +152,11 @@ def check(case: Case) -> dict[str, float]:
     a, b = a.astype(mx.float32), b.astype(mx.float32)
     out = {"max_abs": float(mx.abs(a - b).max()),
            "rel": float(mx.sqrt(((a - b) ** 2).sum()) / mx.sqrt((a * a).sum()))}  # fmt: skip
-    if case.op == "compressor_rows":  # both state-update forms: states exact, pools alike
+    if case.op == "compressor_rows":  # in place: states exact; + the functional CUDA op's two forms
+        out["inplace_states_equal"] = float(all(bool(mx.array_equal(g, w, equal_nan=True))
+                                                for g, w in zip(fast[:2], ref[:2], strict=True)))  # fmt: skip
         for full in (True, False):
-            got = forced(case.fast, full)()
+            got = forced(lambda: case.call(kc.compressor_rows_cuda, case.batch, copies(case.init)), full)()
             mx.eval(got)
             same = all(bool(mx.array_equal(g, w, equal_nan=True)) for g, w in zip(got[:2], ref[:2], strict=True))
             g2 = got[2].astype(mx.float32)
@@ -171,7 +184,8 @@ def print_chain43(step: dict[str, Any] | None) -> None:
           f"({ms['ref_p10_us']:.2f}-{ms['ref_p90_us']:.2f}), fast {ms['fast_median_us']:.3f} "
           f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}) | compiled step: ref "
           f"{ms.get('ref_c_median_us', nan):.2f}, fast {ms.get('fast_c_median_us', nan):.3f} "
-          f"({ms.get('fast_c_p10_us', nan):.3f}-{ms.get('fast_c_p90_us', nan):.3f})")  # fmt: skip
+          f"({ms.get('fast_c_p10_us', nan):.3f}-{ms.get('fast_c_p90_us', nan):.3f}); compiled, functional "
+          f"compressor: {ms.get('fast_c_fn_median_us', nan):.3f}")  # fmt: skip
     if "other_median_us" in ms:
         print(f"chain43 with per-op mx.compile flipped: {ms['other_median_us']:.3f} ms; forced slot-pool scatters: "
               f"{ms['scatter_median_us']:.3f} ms")  # fmt: skip
@@ -202,7 +216,8 @@ def main() -> None:
     rows_out: list[dict[str, Any]] = []
     # chain43 first: the acceptance figure survives a device call cut short during the sweep
     chain = None if a.no_chain43 else chain43(8, 8192)
-    arms = {} if chain is None else {"ref": chain.ref, "fast": chain.fast, "ref_c": chain.ref_c, "fast_c": chain.fast_c}
+    arms = {} if chain is None else {"ref": chain.ref, "fast": chain.fast, "ref_c": chain.ref_c, "fast_c": chain.fast_c,
+                                     "fast_c_fn": chain.fast_c_fn}  # fmt: skip
     if chain is not None and a.extra_arms:
         arms |= {"scatter": forced(chain.fast, False), "other": other_compile(chain.fast)}
     r = interleave(arms, a.reps, dict.fromkeys(arms, 1)) if arms else {}
@@ -223,8 +238,12 @@ def main() -> None:
                     arms[f"{k}_c"] = case.chain(getattr(case, k), a.chain, compiled=True)
                 if a.extra_arms:
                     arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
+                if op == "compressor_rows":  # A/B: the functional CUDA op (kernel + pool scatter, new arrays)
+                    arms["functional"] = case.chain(
+                        lambda prev, c=case: c.call(kc.compressor_rows_cuda, c.batch, c.init if prev is None else prev),
+                        a.chain)  # fmt: skip
                 if a.extra_arms and op == "compressor_rows":
-                    arms["scatter"] = forced(case.chain(case.fast, a.chain), False)
+                    arms["scatter"] = forced(arms["functional"], False)
                 r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
                 floor_us = case.bytes / fl["copy_bytes_per_s"] * 1e6
                 row = {"op": op, "rows": nr, "ctx": ctx, "bytes": case.bytes, "byte_floor_us": floor_us,
@@ -232,6 +251,8 @@ def main() -> None:
                        **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
                 rows_out.append(row)
                 extra = f" scatter {row['scatter_median_us']:7.1f}" if "scatter_median_us" in row else ""
+                if "functional_median_us" in row:
+                    extra += f" functional {row['functional_median_us']:7.1f}"
                 if "other_median_us" in row:
                     extra += f" | compile {'off' if kcommon.COMPILE else 'on'}: {row['other_median_us']:7.1f} " \
                              f"(host {row['other_build_us']:5.1f})"
@@ -264,6 +285,7 @@ def main() -> None:
     cs = [x for x in rows_out if x["op"] == "compressor_rows"]
     if cs:
         bad = [x for x in cs if x.get("full_states_equal") != 1.0 or x.get("scatter_states_equal") != 1.0
+               or x.get("inplace_states_equal") != 1.0 or x.get("rel", 1) > 1e-2
                or x.get("full_rel", 1) > 1e-2 or x.get("scatter_rel", 1) > 1e-2]  # fmt: skip
         print(f"compressor forms checked against the reference: {'ALL OK' if not bad else f'{len(bad)} BAD'}")
 

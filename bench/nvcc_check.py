@@ -21,6 +21,7 @@ from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
+from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
@@ -31,12 +32,12 @@ I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
 
 def units() -> dict[str, str]:
     seg_in = [("positions", I32, True), ("q_rows", I32, False), ("table", I32, True), ("q", BF, False),
-              ("weights", F32, False), ("keys", BF, False)]  # fmt: skip
+              ("weights", F32, False), ("keys", BF, False), ("after", I32, False)]  # fmt: skip
     seg_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.STAGES)]
     merge_in = [("positions", I32, True), ("q_rows", I32, False), ("cand", U32, False)]
     part_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, True),
                ("q", BF, True), ("window", BF, True), ("pool", BF, False), ("indices", I32, True),
-               ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
+               ("fparams", F32, False), ("sinks", F32, False), ("after", I32, False)]  # fmt: skip
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
@@ -84,6 +85,12 @@ def units() -> dict[str, str]:
             out[f"compressor_{ratio}_{d}_full{int(full)}"] = standalone(
                 "compressor", comp_in, [o for o in comp_out if o[0] in names],
                 cp.template(BF, F32, ratio, d, 32, 64, full), src)  # fmt: skip
+    ip_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table", "after") else (BF if n == "pool" else F32),
+              n in ("slots", "table")) for n in cpi.INPUTS]  # fmt: skip
+    for ratio, d in ((4, 512), (128, 512), (4, 128)):
+        out[f"compressor_inplace_{ratio}_{d}"] = standalone("compressor_inplace", ip_in, [("token", I32)],
+                                                            cp.template(BF, F32, ratio, d, 32, 64, False),
+                                                            cpi.SOURCE)  # fmt: skip
     hc_in = [("m", F32, False), ("scale", F32, False), ("base", F32, False), ("h", BF, True), ("fparams", F32, False)]
     for nc, iters in ((4, 20), (1, 1), (8, 5)):
         out[f"hc_pre_mix_{nc}_{iters}"] = standalone(

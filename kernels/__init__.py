@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels import backend
-from kernels.compressor import compressor_rows_reference
+from kernels.compressor import compressor_rows_inplace_reference, compressor_rows_reference
 from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
@@ -22,6 +22,7 @@ __all__ = [
     "RowBatch",
     "backend",
     "compressor_rows",
+    "compressor_rows_inplace",
     "hc_pre_mix",
     "indexer_rows",
     "rope",
@@ -55,10 +56,46 @@ def compressor_rows(
     )  # fmt: skip
 
 
-def indexer_rows(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
-    """Top-k visible indexer entries per row -> `[Bq, topk] int32` (-1 padded), row `q_row`."""
+def compressor_rows_inplace(
+    batch: RowBatch,
+    kv: mx.array,
+    score: mx.array,
+    ape: mx.array,
+    norm: mx.array,
+    kv_state: mx.array,
+    score_state: mx.array,
+    pool: mx.array,
+    *,
+    ratio: int,
+    head_dim: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    after: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+    """compressor_rows that may write in place -> `(kv_state, score_state, pool, token)`.
+
+    The CUDA path writes the rows' state and new entries straight into the buffers of `kv_state`,
+    `score_state` and `pool` (MLX does not see it) and returns those same arrays with `token`, a small
+    array that every later reader of them in the same evaluation must take: `after=token` of
+    indexer_rows / sparse_attention_rows, or of the next in-place call (MLX orders CUDA-graph nodes by
+    their inputs; separate evaluations run in order). Its inputs' old values are gone: keep no other
+    reference expecting them. The reference returns the functional update and `token=None`. `after`:
+    a previous in-place writer's token that this call's reads and writes must follow."""
+    fn = backend.pick("compressor_rows_inplace", compressor_rows_inplace_reference)
+    return fn(
+        batch, kv, score, ape, norm, kv_state, score_state, pool,
+        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
+    )  # fmt: skip
+
+
+def indexer_rows(
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None
+) -> mx.array:
+    """Top-k visible indexer entries per row -> `[Bq, topk] int32` (-1 padded), row `q_row`. `after`:
+    the token of an in-place write of `keys` (compressor_rows_inplace)."""
     fn = backend.pick("indexer_rows", indexer_rows_reference)
-    return fn(batch, q, weights, keys, topk=topk)
+    return fn(batch, q, weights, keys, topk=topk, after=after)
 
 
 def sparse_attention_rows(
@@ -71,10 +108,12 @@ def sparse_attention_rows(
     *,
     scale: float,
     ratio: int | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
-    """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`."""
+    """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`. `after`: the
+    token of an in-place write of `pool` (compressor_rows_inplace)."""
     fn = backend.pick("sparse_attention_rows", sparse_attention_rows_reference)
-    return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, after=after)
 
 
 def hc_pre_mix(

@@ -18,6 +18,7 @@ from kernels.rope import rope
 from kernels.rows import (
     FLOATS,
     RowBatch,
+    check_after,
     check_array,
     check_batch,
     check_positive,
@@ -146,3 +147,33 @@ def compressor_rows_reference(
     new_kv = mx.put_along_axis(kv_state, where, st_kv, axis=0)
     new_s = mx.put_along_axis(score_state, where, st_s, axis=0)
     return new_kv, new_s, new_pool
+
+
+def compressor_rows_inplace_reference(
+    batch: RowBatch,
+    kv: mx.array,
+    score: mx.array,
+    ape: mx.array,
+    norm: mx.array,
+    kv_state: mx.array,
+    score_state: mx.array,
+    pool: mx.array,
+    *,
+    ratio: int,
+    head_dim: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    after: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+    """compressor_rows_inplace's plain twin: the functional update (new arrays) and no token. An `after`
+    (a fast path's token; never on the CPU) orders its reads through a copy of the state arrays."""
+    check_after(OP, after)
+    if after is not None:
+        z = after.reshape(-1)[:1] * 0
+        kv_state, score_state, pool = kv_state + z, score_state + z, pool + z.astype(pool.dtype)
+    out = compressor_rows_reference(
+        batch, kv, score, ape, norm, kv_state, score_state, pool,
+        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+    )  # fmt: skip
+    return (*out, None)

@@ -18,6 +18,7 @@ import mlx.core as mx
 from kernels.rows import (
     FLOATS,
     RowBatch,
+    check_after,
     check_array,
     check_batch,
     check_rows_fit,
@@ -25,6 +26,7 @@ from kernels.rows import (
     check_width,
     emitted,
     fail,
+    ordered,
     row_entries,
 )
 
@@ -78,12 +80,14 @@ def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
 
 
 def indexer_rows_reference(
-    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None
 ) -> mx.array:
+    """`after`: the token of an in-place write of `keys` (compressor_rows_inplace); its reads wait for it."""
     check_indexer(batch, q, weights, keys, topk=topk)
+    check_after(OP, after)
     b, page = batch.size, batch.page_size
     qr = batch.q_rows
-    table = batch.tables[RATIO]  # [B, width]
+    table = ordered(batch.tables[RATIO], after)  # [B, width]
     cap = table.shape[1] * page  # fixed capacity: the op count is independent of the rows' lengths
     k_all = keys[table].reshape(b, cap, keys.shape[-1]).astype(mx.float32)  # [B, cap, Di]
     qq = q[qr].astype(mx.float32)  # [B, nI, Di]

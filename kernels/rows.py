@@ -178,6 +178,19 @@ def check_rows_fit(op: str, name: str, a: mx.array, batch: RowBatch) -> None:
         raise fail(op, name, f"has {a.shape[0]} rows, q_row needs {need}")
 
 
+def check_after(op: str, after: object) -> None:
+    """`after` (the token of an in-place pool write that the op's reads must wait for) is an array or None."""
+    if after is not None and not isinstance(after, mx.array):
+        raise fail(op, "after", f"must be an mx.array or None, got {type(after).__name__}")
+
+
+def ordered(x: mx.array, after: mx.array | None) -> mx.array:
+    """`x`, computed after `after` on the GPU: an op that takes `after` as an input (MLX orders its
+    CUDA-graph nodes by the producers of their inputs; `mx.depends` adds no such edge). The plain-MLX
+    readers of a pool written in place route their page tables through it (a few int32s)."""
+    return x if after is None else x + after.reshape(-1)[:1] * 0
+
+
 def check_positive(op: str, name: str, v: float) -> None:
     if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise fail(op, name, f"must be finite and positive, got {v!r}")

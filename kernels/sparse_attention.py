@@ -17,6 +17,7 @@ import mlx.core as mx
 from kernels.rows import (
     FLOATS,
     RowBatch,
+    check_after,
     check_array,
     check_batch,
     check_positive,
@@ -25,6 +26,7 @@ from kernels.rows import (
     check_width,
     emitted,
     fail,
+    ordered,
     row_entries,
 )
 
@@ -95,9 +97,12 @@ def sparse_attention_rows_reference(
     *,
     scale: float,
     ratio: int | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
-    """`indices=None` with a pool attends to every entry in the row's table (HCA needs no indexer)."""
+    """`indices=None` with a pool attends to every entry in the row's table (HCA needs no indexer).
+    `after`: the token of an in-place write of `pool` (compressor_rows_inplace); its reads wait for it."""
     check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    check_after(OP, after)
     b, w_len = batch.size, window.shape[1]
     p, qr = batch.positions, batch.q_rows
     keys = window[batch.slots].astype(mx.float32)  # [B, W, D]
@@ -106,7 +111,7 @@ def sparse_attention_rows_reference(
     if pool is not None:
         assert ratio is not None
         page = batch.page_size
-        table = batch.tables[ratio]  # [B, width]
+        table = ordered(batch.tables[ratio], after)  # [B, width]
         if indices is None:
             cap = table.shape[1] * page
             ids = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (b, cap))

@@ -35,8 +35,10 @@ class Compressor(nn.Module):
         return kv, score, cos, sin
 
     def apply(self, batch, proj, kv_state, score_state, pool, eps):
+        """-> (kv_state, score_state, pool, token): on CUDA written in place, and the pool's readers
+        take `after=token` (kernels.compressor_rows_inplace); else the functional update, token None."""
         kv, score, cos, sin = proj
-        return kernels.compressor_rows(
+        return kernels.compressor_rows_inplace(
             batch, kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state, pool,
             ratio=self.ratio, head_dim=self.dim, eps=eps, cos=cos, sin=sin,
         )
@@ -104,24 +106,24 @@ class Attention(nn.Module):
         w = a.sliding_window
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
         pools.window[layer][batch.slots, ring] = kv.astype(pools.dtype)
-        pool, indices = None, None
+        pool, indices, after = None, None, None
         if r:
-            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = self.compressor.apply(
+            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], after = self.compressor.apply(
                 batch, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], a.rms_norm_eps
             )
             pool = pools.ckv[layer]
         if r == 4:
             ix = self.indexer
-            pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = ix.compressor.apply(
+            pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], ik_after = ix.compressor.apply(
                 batch, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], a.rms_norm_eps
             )
             indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
-                                           topk=ix.topk)
+                                           topk=ix.topk, after=ik_after)  # fmt: skip
         # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
         # path reads a cached arange, no per-step index array)
         return kernels.sparse_attention_rows(
             batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
-            self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r,
+            self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r, after=after,
         )
 
     def output(self, o: mx.array, c: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -5,7 +5,8 @@
 row-contract checks before launching, and falls back to the reference for dtypes or shapes its
 kernels do not cover:
 - compressor_rows: every float dtype (1 kernel + 1 scatter into the page pool; + 2 slot-pool
-  scatters when the slot pools are large);
+  scatters when the slot pools are large); compressor_rows_inplace (what the model runs): 1 kernel
+  that writes the slot and page pools in place and returns a token for their readers;
 - indexer_rows: q / keys bf16 or f16, 16/32/64/128 heads, dim a multiple of 16 up to 256, topk <= 2048
   (1 kernel up to 8,192 entries of row capacity, else segment + merge);
 - sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
@@ -36,12 +37,14 @@ import mlx.core as mx
 from kernels import backend
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
+from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.rows import Row, RowBatch
 
 __all__ = [
     "compressor_rows_cuda",
+    "compressor_rows_inplace_cuda",
     "hc_pre_mix_cuda",
     "indexer_rows_cuda",
     "precompile",
@@ -50,6 +53,7 @@ __all__ = [
 ]
 
 backend.register("compressor_rows", compressor_rows_cuda)
+backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
@@ -95,10 +99,10 @@ def precompile(
         pool = mx.zeros((pages[ratio], page_size, d), dtype)
         st = mx.zeros((max(1, slots), coff * ratio, coff * d), mx.float32)
         x = mx.random.normal((1, coff * d))
-        calls.append(compressor_rows_cuda(
-            batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool,
-            ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0,
-        ))  # fmt: skip
+        args = (batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool)
+        kw: dict[str, Any] = dict(ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0)
+        calls.append(compressor_rows_cuda(*args, **kw))
+        calls.append(compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)[3])
     q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
     win = mx.random.normal((1, window, head_dim)).astype(dtype)
     sinks = mx.zeros((n_heads,), mx.float32)

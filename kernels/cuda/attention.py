@@ -31,7 +31,7 @@ from kernels.cuda import common
 from kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, WIDE
 from kernels.cuda.attention_wmma_src import DSPLIT, PARTIAL
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
-from kernels.rows import RowBatch, checked
+from kernels.rows import RowBatch, check_after, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
@@ -42,7 +42,8 @@ WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blo
 WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
-PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks")
+# `after`: an in-place pool writer's token, unused by the kernel: its CUDA-graph edge orders the reads
+PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks", "after")
 COMB_IN = ("q_rows", "part", "sinks")
 
 def smem_bytes(d: int, one: bool = False) -> int:
@@ -149,10 +150,10 @@ class Plan:
         self.compiled = mx.compile(self.launch)
 
     def launch(self, slots: mx.array, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array,
-               window: mx.array, pool: mx.array, ind: mx.array, fparams: mx.array,
-               sinks: mx.array) -> mx.array:  # fmt: skip
+               window: mx.array, pool: mx.array, ind: mx.array, fparams: mx.array, sinks: mx.array,
+               after: mx.array) -> mx.array:  # fmt: skip
         outs = self.part(
-            inputs=[slots, positions, q_rows, table, q, window, pool, ind, fparams, sinks],
+            inputs=[slots, positions, q_rows, table, q, window, pool, ind, fparams, sinks, after],
             template=self.part_tmpl,
             grid=self.part_grid,
             threadgroup=(THREADS, 1, 1),
@@ -182,9 +183,12 @@ def sparse_attention_rows_cuda(
     *,
     scale: float,
     ratio: int | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     def check() -> None:
         check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+
+    check_after("sparse_attention_rows", after)
 
     try:
         key: tuple[Any, ...] = (
@@ -204,7 +208,8 @@ def sparse_attention_rows_cuda(
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
-        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio,
+                                               after=after)  # fmt: skip
     if pool is None:
         table, pool_in, ind = i32_dummy((batch.size, 1)), window, i32_dummy((1, 1))
     else:
@@ -213,4 +218,5 @@ def sparse_attention_rows_cuda(
             indices = arange_rows(q.shape[0], table.shape[1] * batch.page_size)
         ind = indices
     run = plan.compiled if common.COMPILE else plan.launch
-    return run(batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks)
+    return run(batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks,
+               i32_dummy((1,)) if after is None else after)  # fmt: skip

@@ -33,12 +33,12 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
-from kernels.cuda.common import kernel, next_pow2, plan_cached
+from kernels.cuda.common import i32_dummy, kernel, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
 from kernels.cuda.indexer_src import MERGE, SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
-from kernels.rows import RowBatch, checked
+from kernels.rows import RowBatch, check_after, checked
 
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048
@@ -49,7 +49,7 @@ MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (m
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
 ONE_MAX = 8192
 ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
-SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys")
+SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
 
 def segment_size(cap: int, topk: int) -> int:
@@ -133,9 +133,9 @@ class Plan:
         self.compiled = mx.compile(self.launch)
 
     def launch(self, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array, weights: mx.array,
-               keys: mx.array) -> mx.array:  # fmt: skip
+               keys: mx.array, after: mx.array) -> mx.array:  # fmt: skip
         outs = self.seg(
-            inputs=[positions, q_rows, table, q, weights, keys],
+            inputs=[positions, q_rows, table, q, weights, keys, after],
             template=self.seg_tmpl,
             grid=self.seg_grid,
             threadgroup=(self.nt, 1, 1),
@@ -157,9 +157,12 @@ class Plan:
         return out
 
 
-def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> mx.array:
+def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int,
+                      after: mx.array | None = None) -> mx.array:  # fmt: skip
     def check() -> None:
         check_indexer(batch, q, weights, keys, topk=topk)
+
+    check_after("indexer_rows", after)
 
     try:
         key: tuple[Any, ...] = ("indexer_rows", type(topk), topk, q.shape, q.dtype, weights.shape, weights.dtype,
@@ -174,6 +177,7 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
-        return indexer_rows_reference(batch, q, weights, keys, topk=topk)
+        return indexer_rows_reference(batch, q, weights, keys, topk=topk, after=after)
     run = plan.compiled if common.COMPILE else plan.launch
-    return run(batch.positions, batch.q_rows, batch.tables[4], q, weights, keys)
+    return run(batch.positions, batch.q_rows, batch.tables[4], q, weights, keys,
+               i32_dummy((1,)) if after is None else after)  # fmt: skip
