@@ -136,11 +136,14 @@ class StatePools:
 
     def _reset_slot(self, slot: int) -> None:
         # Compressor scores back to -inf: window 0's "previous half" must weigh nothing. The window ring and
-        # pages need no reset: only rows/entries written by this request are ever read.
-        for layer in self.comp_score:
-            self.comp_score[layer][slot] = -mx.inf
-        for layer in self.idx_score:
-            self.idx_score[layer][slot] = -mx.inf
+        # pages need no reset: only rows/entries written by this request are ever read. With one slot the
+        # update covers the whole array and MLX returns the broadcast scalar itself (strides 0, one
+        # element): mx.contiguous gives it a buffer again (a no-op otherwise), since the in-place
+        # compressor writes through the buffer and MLX would hand a custom kernel a copy of a broadcast.
+        for scores in (self.comp_score, self.idx_score):
+            for layer in scores:
+                scores[layer][slot] = -mx.inf
+                scores[layer] = mx.contiguous(scores[layer])
 
     def arrays(self) -> list[mx.array]:
         return [

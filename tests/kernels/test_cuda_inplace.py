@@ -144,3 +144,20 @@ def test_inplace_writes_a_large_pool_without_a_copy() -> None:
     mx.eval(got[3])
     assert mx.get_peak_memory() - base < big.nbytes // 8
     assert float(mx.abs(got[2].astype(mx.float32)).sum()) > 0  # the entries landed in `big` itself
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_tiny_model_decode_in_place_equals_functional(prefill: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model with model.attention.INPLACE_COMPRESSOR on: the same greedy tokens as with the functional
+    op, token-serial from position 0 and after a parallel prefill, on pools of one slot (a slot reset is
+    then a whole-array update, for which MLX returns a broadcast scalar, and a custom kernel gets a copy
+    of a broadcast: session 8's divergence; model/state.py now keeps every state array a full buffer)."""
+    import model.attention as att
+    from bench.gpu_inplace_model import run
+    from model.loader import tiny_model
+
+    model, args, _ = tiny_model(seed=0)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    want = run(model, args, prompt, prefill=prefill)
+    monkeypatch.setattr(att, "INPLACE_COMPRESSOR", True)
+    assert run(model, args, prompt, prefill=prefill) == want

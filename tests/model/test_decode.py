@@ -123,3 +123,27 @@ def test_state_bytes_exact(tiny):
     with pytest.raises(ValueError, match="positions"):
         pools.alloc(301)
 
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_state_arrays_stay_row_contiguous_buffers(tiny, slots):
+    """The in-place compressor (kernels.compressor_rows_inplace) writes through the state arrays' buffers,
+    and MLX hands a custom kernel a copy of any array that is not row-contiguous, so the writes would be
+    lost. Every state / pool array is a full row-major buffer after creation and after a slot reset (with
+    one slot MLX's whole-array slice update returns a broadcast scalar: strides 0)."""
+    import mlx.core as mx
+
+    model, args = tiny
+    pools = StatePools(args, max_slots=slots, max_positions=64, page_size=8)
+    for step in ("created", "slot reset", "prefill"):
+        if step == "slot reset":
+            h = pools.alloc(16)
+        if step == "prefill":
+            model.prefill(pools, h, list(range(3, 12)), 0, logits=False)
+        for name in ("comp_kv", "comp_score", "idx_kv", "idx_score", "ckv", "ikeys"):
+            for layer, a in getattr(pools, name).items():
+                mx.eval(a)
+                got = memoryview(a).strides
+                want = [int(np.prod(a.shape[i + 1 :])) * a.itemsize for i in range(a.ndim)]
+                big = [i for i, n in enumerate(a.shape) if n > 1]  # a dimension of size 1 may have any stride
+                assert [got[i] for i in big] == [want[i] for i in big], (step, name, layer, got)
