@@ -2,9 +2,11 @@
 # The in-place compressor (kernels/cuda/compressor_inplace.py) on the H200, after gpu-wheels.sh staged MLX
 # CUDA in /tmp/mlxsite. One device call per PART (each fits the 600 s limit):
 #   PART=tests   the in-place gpu tests + the indexer / attention / dispatch / precompile gpu tests (`after`)
-#   PART=engine  the model tests and the engine tests (worker, pipelined decode) on the GPU
+#   PART=engine  the model in place vs functional (gpu test), the state arrays' strides, and the engine
+#                tests (worker, pipelined decode) with DSV4_INPLACE_COMPRESSOR=1: what must pass before
+#                model.attention.INPLACE_COMPRESSOR is turned on by default
 #   PART=bench   bench/kernels.py at 8 rows (chain43 first: in place vs functional compressor) and the
-#                4-layer step (fast, reference)
+#                4-layer step (fast / fast_pipe, each with and without the in-place compressor)
 # Writes under $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -23,18 +25,19 @@ PART=${PART:-tests}
         -k "indexer_matches or sparse_attention_matches or dispatch or precompile or compressor" 2>&1 | tail -6
       ;;
     engine)
-      echo "== model tests on the GPU"
-      timeout 240 python3 -m pytest tests/model -q -p no:cacheprovider -x 2>&1 | tail -6
-      echo "== engine tests on the GPU"
-      timeout 240 python3 -m pytest tests/service/test_worker.py tests/service/test_pipeline.py -q \
-        -p no:cacheprovider 2>&1 | tail -6
+      echo "== the model in place vs functional (gpu test) and the state arrays' strides"
+      timeout 150 python3 -m pytest tests/kernels/test_cuda_inplace.py -k tiny_model -q -p no:cacheprovider 2>&1 | tail -4
+      timeout 60 python3 bench/gpu_inplace_model.py --strides 2>&1 | grep -i score | head -8
+      echo "== engine tests on the GPU with the in-place compressor (DSV4_INPLACE_COMPRESSOR=1)"
+      DSV4_INPLACE_COMPRESSOR=1 timeout 240 python3 -m pytest tests/service/test_worker.py \
+        tests/service/test_pipeline.py -q -p no:cacheprovider 2>&1 | tail -6
       ;;
     bench)
       echo "== kernels, 8 rows"
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24
       echo "== step"
-      timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
-        --out "$OUT/step.json" 2>&1 | tail -12
+      timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 \
+        --arms fast,fast_inplace,fast_pipe,fast_pipe_inplace --out "$OUT/step.json" 2>&1 | tail -12
       ;;
     *) echo "PART must be tests, engine or bench" ;;
   esac

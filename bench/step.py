@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from bench.floors import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
+from model import attention  # noqa: E402
 from model.checkpoint import is_f32_compute  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -168,7 +169,9 @@ def main() -> None:
     ap.add_argument("--arms", default="fast,reference",
                     help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
                     "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
-                    "decode loop, each token read back before / after the next step is queued: time_loop)")
+                    "decode loop, each token read back before / after the next step is queued: time_loop); "
+                    "fast_inplace / fast_pipe_inplace: fast / fast_pipe with the in-place compressor "
+                    "(model.attention.INPLACE_COMPRESSOR)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -188,10 +191,11 @@ def main() -> None:
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
                 set_hc_kernel(mode != "fast_nohc")
+                attention.INPLACE_COMPRESSOR = mode.endswith("_inplace")
                 model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
-                if mode in ("fast_sync", "fast_pipe"):
-                    ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode == "fast_pipe")
+                if mode in ("fast_sync", "fast_pipe", "fast_pipe_inplace"):
+                    ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode != "fast_sync")
                 else:
                     ts = time_steps(model, pools, handles[:rows], ctx, opt.reps)
                 arm.setdefault(mode, []).extend(ts)
