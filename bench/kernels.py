@@ -209,7 +209,7 @@ def main() -> None:
             "env": env,
             "date": datetime.datetime.now(datetime.UTC).isoformat()} | provenance()  # fmt: skip
     kc.precompile(dtype=mx.bfloat16, page_size=64, n_heads=64, head_dim=512, rope_dim=64,
-                  index_heads=64, index_dim=128, topk=512)  # fmt: skip
+                  index_heads=64, index_dim=128, topk=512, inplace_compressor=True)  # fmt: skip
     fl = floors(a.reps)
     print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s, launch {fl['launch_us']:.1f} us, "
           f"eval {fl['eval_us']:.1f} us", flush=True)  # fmt: skip

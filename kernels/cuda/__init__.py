@@ -82,11 +82,13 @@ def precompile(
     window: int = 128,
     ratios: Iterable[int] = (4, 128),
     slots: int = 1,
+    inplace_compressor: bool = False,
 ) -> int:
     """Compile (and run once) every kernel variant the model uses; returns the number of op calls.
 
     `slots`: the size of the slot pools; the compressor copies small slot pools whole and
-    scatters into large ones (`compressor.FULL_BYTES`), two kernel variants."""
+    scatters into large ones (`compressor.FULL_BYTES`), two kernel variants. `inplace_compressor`:
+    the in-place compressor's variants too (the model runs them with DSV4_INPLACE_COMPRESSOR=1)."""
     ratios = tuple(sorted(set(r for r in ratios if r)))
     batch = _batch(page_size, ratios or (4,))
     calls: list[Any] = []
@@ -102,7 +104,8 @@ def precompile(
         args = (batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool)
         kw: dict[str, Any] = dict(ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0)
         calls.append(compressor_rows_cuda(*args, **kw))
-        calls.append(compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)[3])
+        if inplace_compressor:  # on copies: the functional call above reads `st` and `pool`
+            calls.append(compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)[3])
     q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
     win = mx.random.normal((1, window, head_dim)).astype(dtype)
     sinks = mx.zeros((n_heads,), mx.float32)
@@ -120,7 +123,8 @@ def precompile(
     return len(calls)
 
 
-def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1) -> int:
+def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1, inplace_compressor: bool = False
+                     ) -> int:  # fmt: skip
     """`precompile` with the dims of a `model.config.ModelArgs` (and `slots` slot-pool rows), + the mHC
     pre-mix kernel when it is in use."""
     n = 0
@@ -143,4 +147,5 @@ def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1)
         window=args.sliding_window,
         ratios=tuple(args.compress_ratios),
         slots=slots,
+        inplace_compressor=inplace_compressor,
     )

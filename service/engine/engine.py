@@ -160,8 +160,10 @@ class Engine:
 
         if backend.name() == "cuda":  # NVRTC compiles each variant once per process: do it before /ready
             from kernels.cuda import precompile_model
+            from model import attention
 
-            precompile_model(self.args, self.model.dtype, self.pools.page_size)
+            precompile_model(self.args, self.model.dtype, self.pools.page_size,
+                             inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip
         handles = [self.admit(2) for _ in range(self.max_rows)]
         try:
             # Every batch size once: the compiled layer segments are traced per batch size.
