@@ -234,6 +234,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
                  fast_c_fn=_Runner(mx.compile(step_with(FAST | {"compressor_rows": functional})), consts, fresh()))
 
 
-def functional(*args: Any, **kw: Any) -> tuple[mx.array, mx.array, mx.array, None]:
-    """The functional CUDA compressor (kernel + pool scatter, new arrays) in the in-place op's shape."""
+def functional(*args: Any, after: None = None, **kw: Any) -> tuple[mx.array, mx.array, mx.array, None]:
+    """The functional CUDA compressor (kernel + pool scatter, new arrays) in the in-place op's shape (its
+    calls return no token, so `after` is always None)."""
+    assert after is None, "functional: the functional op does not wait for an in-place write"
     return (*kc.compressor_rows_cuda(*args, **kw), None)

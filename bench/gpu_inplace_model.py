@@ -93,15 +93,14 @@ def main() -> None:
         return
     print(mx.default_device(), backend.name(), args.compress_ratios)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
-    import kernels.cuda as kc
     import model.attention as att
+    from bench.cases import functional
 
     att.INPLACE_COMPRESSOR = True
     res = {}
     for arm in ("inplace", "functional"):
         if arm == "functional":
-            backend.register("compressor_rows_inplace", lambda *a, after=None, **k: (*kc.compressor_rows_cuda(*a, **k),
-                                                                                       None))  # fmt: skip
+            backend.register("compressor_rows_inplace", functional)
         for prefill, settle in ((False, False), (False, True), (True, False)):
             res[(arm, prefill, settle)] = run(model, args, prompt, prefill, settle=settle)
             print(arm, "prefill" if prefill else "serial ", "settled" if settle else "", res[(arm, prefill, settle)],

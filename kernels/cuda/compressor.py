@@ -16,6 +16,7 @@ All float dtypes are supported (the arithmetic is f32 as in the reference).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +33,33 @@ FORCE_FULL: bool | None = None  # bench / tests: True or False forces one state-
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
           "kv_state", "score_state", "rcos", "rsin", "fparams")  # fmt: skip
 OUTPUTS = ("st_kv", "st_s", "entry", "dest", "sidx")
+
+# The pooled entry xs[D] (with each thread's sum of squares in ssq) -> RMSNorm * norm -> RoPE on the last
+# 2 * HALF features -> ent[D], in the pool dtype; shared with compressor_inplace.SOURCE.
+NORM_ROPE = r"""  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+  if ((tid & 31) == 0) red[tid >> 5] = ssq;
+  __syncthreads();
+  if (tid < 32) {
+    float v = (tid < (nt >> 5)) ? red[tid] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (tid == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
+  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * dsv4_f(norm[f])));
+  __syncthreads();
+  constexpr int BASE = D - 2 * HALF;
+  for (int f = tid; f < D; f += nt) {
+    float y = xs[f];
+    if (f >= BASE) {
+      const int i = (f - BASE) >> 1;
+      const float co = rcos[(size_t)qr * HALF + i], si = rsin[(size_t)qr * HALF + i];
+      if (((f - BASE) & 1) == 0) y = y * co - xs[f + 1] * si;
+      else y = xs[f - 1] * si + y * co;
+    }
+    ent[f] = dsv4_t<T>(y);
+  }
+"""
 
 SOURCE = r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
@@ -140,30 +168,8 @@ SOURCE = r"""
     xs[f] = x;
     ssq += x * x;
   }
-  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-  if ((tid & 31) == 0) red[tid >> 5] = ssq;
-  __syncthreads();
-  if (tid < 32) {
-    float v = (tid < (nt >> 5)) ? red[tid] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (tid == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
-  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * dsv4_f(norm[f])));
-  __syncthreads();
-  constexpr int BASE = D - 2 * HALF;
-  for (int f = tid; f < D; f += nt) {
-    float y = xs[f];
-    if (f >= BASE) {
-      const int i = (f - BASE) >> 1;
-      const float co = rcos[(size_t)qr * HALF + i], si = rsin[(size_t)qr * HALF + i];
-      if (((f - BASE) & 1) == 0) y = y * co - xs[f + 1] * si;
-      else y = xs[f - 1] * si + y * co;
-    }
-    ent[f] = dsv4_t<T>(y);
-  }
-"""
+""" + NORM_ROPE
+
 
 
 def template(pool_dtype: mx.Dtype, norm_dtype: mx.Dtype, ratio: int, head_dim: int, half: int, page: int,
@@ -237,6 +243,31 @@ class Plan:
         return new_kv, new_s, new_pool
 
 
+def key_and_check(op: str, batch: RowBatch, kv: mx.array, score: mx.array, ape: mx.array, norm: mx.array,
+                  kv_state: mx.array, score_state: mx.array, pool: mx.array, *, ratio: int, head_dim: int, eps: float,
+                  cos: mx.array, sin: mx.array) -> tuple[tuple[Any, ...], Callable[[], None]]:  # fmt: skip
+    """A compressor call's `rows.checked` key (`op`, the scalars with their types, every argument's shape and
+    dtype) and its contract check. An argument that is not an array: the check runs now and names it."""
+
+    def check() -> None:
+        check_compressor(
+            batch, kv, score, ape, norm, kv_state, score_state, pool,
+            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+        )  # fmt: skip
+
+    try:
+        key: tuple[Any, ...] = (
+            op, type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
+            kv.shape, kv.dtype, score.shape, score.dtype, ape.shape, ape.dtype, norm.shape, norm.dtype,
+            kv_state.shape, kv_state.dtype, score_state.shape, score_state.dtype, pool.shape, pool.dtype,
+            cos.shape, cos.dtype, sin.shape, sin.dtype,
+        )  # fmt: skip
+    except AttributeError:
+        check()
+        raise
+    return key, check
+
+
 def compressor_rows_cuda(
     batch: RowBatch,
     kv: mx.array,
@@ -253,22 +284,8 @@ def compressor_rows_cuda(
     cos: mx.array,
     sin: mx.array,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    def check() -> None:
-        check_compressor(
-            batch, kv, score, ape, norm, kv_state, score_state, pool,
-            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
-        )  # fmt: skip
-
-    try:
-        key: tuple[Any, ...] = (
-            "compressor_rows", type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
-            kv.shape, kv.dtype, score.shape, score.dtype, ape.shape, ape.dtype, norm.shape, norm.dtype,
-            kv_state.shape, kv_state.dtype, score_state.shape, score_state.dtype, pool.shape, pool.dtype,
-            cos.shape, cos.dtype, sin.shape, sin.dtype,
-        )  # fmt: skip
-    except AttributeError:  # not arrays: the check names the argument
-        check()
-        raise
+    key, check = key_and_check("compressor_rows", batch, kv, score, ape, norm, kv_state, score_state, pool,
+                               ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
 
     def make(full: bool | None = None) -> Plan:
         if full is None:

@@ -14,20 +14,18 @@ and the writes would land in the copy.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from kernels.compressor import check_compressor
 from kernels.cuda import common
 from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
-from kernels.cuda.compressor import THREADS, template
+from kernels.cuda.compressor import NORM_ROPE, THREADS, key_and_check, template
 from kernels.rows import RowBatch, check_after, checked
 
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
           "kv_state", "score_state", "pool", "rcos", "rsin", "fparams", "after")  # fmt: skip
 
-SOURCE = r"""
+SOURCE = (
+    r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
   constexpr int C = COFF * D;
   constexpr int R = COFF * M;
@@ -52,6 +50,9 @@ SOURCE = r"""
   }
   if (!emit) return;
   __syncthreads();  // the new row is in the state for the whole block
+  const int tw = table_shape[1];
+  const int w = p / M;
+  T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;  // entry w's place
   // Pool: softmax over the window's rows per feature (max, then sum / weighted sum), as
   // mx.softmax(precise=True); CSA rows >= M take the second half of the features.
   float ssq = 0.f;
@@ -71,36 +72,13 @@ SOURCE = r"""
     xs[f] = x;
     ssq += x * x;
   }
-  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-  if ((tid & 31) == 0) red[tid >> 5] = ssq;
-  __syncthreads();
-  if (tid < 32) {
-    float v = (tid < (nt >> 5)) ? red[tid] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (tid == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
-  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * dsv4_f(norm[f])));
-  __syncthreads();
-  const int tw = table_shape[1];
-  const int w = p / M;
-  T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;
-  constexpr int BASE = D - 2 * HALF;
-  for (int f = tid; f < D; f += nt) {
-    float y = xs[f];
-    if (f >= BASE) {
-      const int i = (f - BASE) >> 1;
-      const float co = rcos[(size_t)qr * HALF + i], si = rsin[(size_t)qr * HALF + i];
-      if (((f - BASE) & 1) == 0) y = y * co - xs[f + 1] * si;
-      else y = xs[f - 1] * si + y * co;
-    }
-    ent[f] = dsv4_t<T>(y);
-  }
-  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale)
+"""
+    + NORM_ROPE
+    + r"""  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale)
     for (int e = tid; e < M * C; e += nt) { kst[e] = kst[M * C + e]; sst[e] = sst[M * C + e]; }
   }
 """
+)
 
 
 class Plan:
@@ -138,23 +116,9 @@ def compressor_rows_inplace_cuda(
     sin: mx.array,
     after: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
-    def check() -> None:
-        check_compressor(
-            batch, kv, score, ape, norm, kv_state, score_state, pool,
-            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
-        )  # fmt: skip
-
     check_after("compressor_rows", after)
-    try:
-        key: tuple[Any, ...] = (
-            "compressor_rows_inplace", type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
-            kv.shape, kv.dtype, score.shape, score.dtype, ape.shape, ape.dtype, norm.shape, norm.dtype,
-            kv_state.shape, kv_state.dtype, score_state.shape, score_state.dtype, pool.shape, pool.dtype,
-            cos.shape, cos.dtype, sin.shape, sin.dtype,
-        )  # fmt: skip
-    except AttributeError:  # not arrays: the check names the argument
-        check()
-        raise
+    key, check = key_and_check("compressor_rows_inplace", batch, kv, score, ape, norm, kv_state, score_state, pool,
+                               ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
 
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
