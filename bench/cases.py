@@ -133,7 +133,7 @@ class Chain:
     fast: Callable[[], Any]
     ref_c: Callable[[], Any]  # the step under mx.compile
     fast_c: Callable[[], Any]
-    fast_c_fn: Callable[[], Any]  # fast_c with the functional CUDA compressor (kernel + pool scatter)
+    fast_c_dep: Callable[[], Any]  # fast_c with the layers linked by mx.depends (sessions 1-8's emulation)
 
 
 class _Runner:
@@ -149,8 +149,17 @@ class _Runner:
         return [h] + [v for s in self.state for v in s.values()]
 
 
-def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
-    """43 layers (2 sliding, 21 CSA, 20 HCA) of the three ops, chained through q, one eval per step."""
+def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "after",
+            drop: frozenset[str] = frozenset()) -> Chain:  # fmt: skip
+    """43 layers (2 sliding, 21 CSA, 20 HCA) of the three ops, chained through q, one eval per step.
+
+    `link`: how a layer's compressors (and through their tokens its indexer) wait for the previous
+    layer's output h. "after" (the emulation): h is both compressors' `after` input, a CUDA-graph edge
+    with no node of its own, as in the model, where they read projections of h. "depends" (sessions
+    1-8): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
+    layer's compressors and indexer could run at once, off the step's critical path. `drop`
+    (host-cost probes): "icomp" leaves out the indexer's compressor, "indexer" the indexer (the
+    attention then reads fixed ids)."""
     rng = np.random.default_rng(1)
     kinds = kinds or [0, 0] + [4, 128] * 20 + [4]
     t4, p4 = _tables(rng, rows, ctx // 4)
@@ -187,15 +196,22 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
         mx.eval(st)
         return st
 
+    # the ids the attention reads when the indexer is dropped: TOPK distinct entries (-1 past the row's)
+    fixed_ind = np.full((rows, TOPK), -1, np.int32)
+    for r in range(rows):
+        ids = rng.permutation(ctx // 4)[:TOPK]
+        fixed_ind[r, : len(ids)] = ids
+
     def comp(impl: Any, xs: dict[str, mx.array], s: dict[str, mx.array], kk: str, ks: str, pk: str, ratio: int,
-             d: int) -> mx.array | None:  # fmt: skip
+             d: int, after: Any = None) -> mx.array | None:  # fmt: skip
         """The compressor as the model runs it; returns the pool readers' `after` token (None: functional)."""
         kv, sc = xs[str((2 if ratio == 4 else 1) * d)]
+        kw = {} if after is None else {"after": after}
         s[kk], s[ks], s[pk], token = impl(batch, kv, sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
-                                          ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin)  # fmt: skip
+                                          ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin, **kw)  # fmt: skip
         return token
 
-    def step_with(ops: dict[str, Any]) -> Callable[[Any], Any]:
+    def step_with(ops: dict[str, Any], link: str = link) -> Callable[[Any], Any]:
         def step(cs: dict[str, Any], state: list[dict[str, mx.array]]) -> Any:
             # Links as in a real step: the attention output h is the next layer's q, and a layer's
             # other inputs (the compressors' kv / score, the indexer's q; projections of h in the
@@ -212,16 +228,21 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
                     continue
                 names = [str(c) for c in ((2 * D, 2 * DI) if k == 4 else (D,))]
                 flat = [v for n in names for v in cs["x"][n]] + ([cs["qi"]] if k == 4 else [])
-                if i > 0:
+                if i > 0 and link == "depends":
                     flat = mx.depends(flat, [h])
+                prev = h if i > 0 and link == "after" else None
                 xs = {n: (flat[2 * j], flat[2 * j + 1]) for j, n in enumerate(names)}
                 if k == 4:
-                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D)
-                    ik_after = comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI)
-                    ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)
+                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D, prev)
+                    ik_after = after
+                    if "icomp" not in drop:
+                        ik_after = comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI, prev)
+                    ind = mx.array(fixed_ind)
+                    if "indexer" not in drop:
+                        ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)
                     h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4, after=after)
                 else:
-                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D)
+                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D, prev)
                     h = attn(batch, h, s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128, after=after)
                 new.append(s)
             return h, new
@@ -231,7 +252,7 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None) -> Chain:
     return Chain(ref=_Runner(step_with(REF), consts, fresh()), fast=_Runner(step_with(FAST), consts, fresh()),
                  ref_c=_Runner(mx.compile(step_with(REF)), consts, fresh()),
                  fast_c=_Runner(mx.compile(step_with(FAST)), consts, fresh()),
-                 fast_c_fn=_Runner(mx.compile(step_with(FAST | {"compressor_rows": functional})), consts, fresh()))
+                 fast_c_dep=_Runner(mx.compile(step_with(FAST, "depends")), consts, fresh()))
 
 
 def functional(*args: Any, after: None = None, **kw: Any) -> tuple[mx.array, mx.array, mx.array, None]:

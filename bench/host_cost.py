@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--chain43-variants", default="",
+                    help="link:drop,... e.g. depends:,after:,after:icomp+indexer (bench/cases.chain43)")
     ap.add_argument("--node-kinds", action="store_true", help="price a node: custom kernel, MLX add, reshape")
     ap.add_argument("--indexer-paths", action="store_true",
                     help="indexer cases per path: one launch (ONE_MAX raised), segment + merge (ONE_MAX 0)")
@@ -136,6 +138,13 @@ def main() -> None:
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))
+        del ch
+    if opt.chain43_variants:
+        for spec in opt.chain43_variants.split(","):
+            link, drop = spec.split(":")
+            ch = chain43(8, 8192, link=link, drop=frozenset(filter(None, drop.split("+"))))
+            emit(f"chain43:8:8192:{spec}", split(ch.fast_c, opt.reps, 1))
+            del ch
 
 
 if __name__ == "__main__":

@@ -170,8 +170,8 @@ def main() -> None:
                     help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
                     "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
                     "decode loop, each token read back before / after the next step is queued: time_loop); "
-                    "fast_inplace / fast_pipe_inplace: fast / fast_pipe with the in-place compressor "
-                    "(model.attention.INPLACE_COMPRESSOR)")
+                    "fast_functional / fast_pipe_functional: fast / fast_pipe with the functional compressor "
+                    "(model.attention.INPLACE_COMPRESSOR off; the in-place one is the default)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -191,10 +191,10 @@ def main() -> None:
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
                 set_hc_kernel(mode != "fast_nohc")
-                attention.INPLACE_COMPRESSOR = mode.endswith("_inplace")
+                attention.INPLACE_COMPRESSOR = not mode.endswith("_functional")
                 model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
                 time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
-                if mode in ("fast_sync", "fast_pipe", "fast_pipe_inplace"):
+                if mode in ("fast_sync", "fast_pipe", "fast_pipe_functional"):
                     ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode != "fast_sync")
                 else:
                     ts = time_steps(model, pools, handles[:rows], ctx, opt.reps)

@@ -17,11 +17,10 @@ from model.config import ModelArgs
 from model.layers import RMSNorm, rms, rope_angles
 from model.state import StatePools
 
-# The in-place compressor (kernels.compressor_rows_inplace: no pool scatter; chain43 3.48 vs 4.52 ms on the
-# H200). Off by default until its model-level GPU test passes: session 8's H200 run diverged from the
-# functional op on one-slot pools (a whole-array slot reset made the score states broadcasts, which MLX
-# copies for a custom kernel; fixed in model/state.py since, not yet re-run on a GPU).
-INPLACE_COMPRESSOR = os.environ.get("DSV4_INPLACE_COMPRESSOR", "0") == "1"
+# The in-place compressor (kernels.compressor_rows_inplace: state and pool written through their buffers on
+# CUDA, no pool scatter, one launch). The default since its model-level GPU test and the engine tests passed
+# on the H200 (session 9); DSV4_INPLACE_COMPRESSOR=0 selects the functional op (kernel + pool scatter).
+INPLACE_COMPRESSOR = os.environ.get("DSV4_INPLACE_COMPRESSOR", "1") != "0"
 
 
 class Compressor(nn.Module):
@@ -43,9 +42,9 @@ class Compressor(nn.Module):
         return kv, score, cos, sin
 
     def apply(self, batch, proj, kv_state, score_state, pool, eps):
-        """-> (kv_state, score_state, pool, token): the functional update and token None; with
-        INPLACE_COMPRESSOR, kernels.compressor_rows_inplace (on CUDA written in place; the pool's
-        readers take `after=token`)."""
+        """-> (kv_state, score_state, pool, token): kernels.compressor_rows_inplace (on CUDA written in
+        place; the pool's readers take `after=token`); with INPLACE_COMPRESSOR off, the functional
+        update and token None."""
         kv, score, cos, sin = proj
         args = (batch, kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state, pool)
         kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=cos, sin=sin)

@@ -82,13 +82,14 @@ def precompile(
     window: int = 128,
     ratios: Iterable[int] = (4, 128),
     slots: int = 1,
-    inplace_compressor: bool = False,
+    inplace_compressor: bool = True,
 ) -> int:
     """Compile (and run once) every kernel variant the model uses; returns the number of op calls.
 
     `slots`: the size of the slot pools; the compressor copies small slot pools whole and
     scatters into large ones (`compressor.FULL_BYTES`), two kernel variants. `inplace_compressor`:
-    the in-place compressor's variants too (the model runs them with DSV4_INPLACE_COMPRESSOR=1)."""
+    the in-place compressor's variants (what the model runs), else the functional one's
+    (DSV4_INPLACE_COMPRESSOR=0)."""
     ratios = tuple(sorted(set(r for r in ratios if r)))
     batch = _batch(page_size, ratios or (4,))
     calls: list[Any] = []
@@ -103,9 +104,11 @@ def precompile(
         x = mx.random.normal((1, coff * d))
         args = (batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool)
         kw: dict[str, Any] = dict(ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0)
-        calls.append(compressor_rows_cuda(*args, **kw))
-        if inplace_compressor:  # on copies: the functional call above reads `st` and `pool`
-            calls.append(compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)[3])
+        if inplace_compressor:  # written in place: on fresh buffers (a zeros array may be a broadcast)
+            _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)
+            calls.append(pl if token is None else token)  # None: that head_dim runs the reference
+        else:
+            calls.append(compressor_rows_cuda(*args, **kw))
     q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
     win = mx.random.normal((1, window, head_dim)).astype(dtype)
     sinks = mx.zeros((n_heads,), mx.float32)
@@ -123,7 +126,7 @@ def precompile(
     return len(calls)
 
 
-def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1, inplace_compressor: bool = False
+def precompile_model(args: Any, dtype: mx.Dtype, page_size: int, slots: int = 1, inplace_compressor: bool = True
                      ) -> int:  # fmt: skip
     """`precompile` with the dims of a `model.config.ModelArgs` (and `slots` slot-pool rows), + the mHC
     pre-mix kernel when it is in use."""
