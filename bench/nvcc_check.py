@@ -88,7 +88,7 @@ def units() -> dict[str, str]:
     ip_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table", "after") else (BF if n == "pool" else F32),
               n in ("slots", "table")) for n in cpi.INPUTS]  # fmt: skip
     for ratio, d in ((4, 512), (128, 512), (4, 128)):
-        tmpl = cp.template(BF, F32, ratio, d, 32, 64, False) + [("NT", cpi.NT)]
+        tmpl = cp.template(BF, F32, ratio, d, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(ratio, d))]
         out[f"compressor_inplace_{ratio}_{d}"] = standalone("compressor_inplace", ip_in, [("token", I32)], tmpl,
                                                             cpi.SOURCE)  # fmt: skip
     hc_in = [("m", F32, False), ("scale", F32, False), ("base", F32, False), ("h", BF, True), ("fparams", F32, False)]

@@ -26,29 +26,34 @@ NT = 512  # threads per row block (registers: at most 128 per thread)
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
           "kv_state", "score_state", "pool", "rcos", "rsin", "fparams", "after")  # fmt: skip
 
-# One block of NT threads per row. The pool is split over the block so that a long window (HCA: 128 rows
-# x 512 features, 512 KB of f32 state per row) streams with many loads in flight: thread t owns features
-# 4q..4q+3 (q = t % QD, float4 loads) of the rows j = g, g + G, ... (g = t / QD, G groups). Per feature:
-# the max over the window (each group's, then across groups in shared memory), then the sum of exp and
-# the exp-weighted sum (the same two passes as the reference, as mx.softmax(precise=True); only the
-# summation order differs). The token's own row comes from the inputs (kv, score + ape), so the pool
-# does not wait for the block's state write. H200, 8 rows, ratio 128, D 512: 75 us per call with one
-# thread per feature (256 threads, scalar loads).
+# NSPLIT blocks of NT threads per row, each pooling D / NSPLIT features (FS) of the window, so that a long
+# window (HCA: 128 rows x 512 features, 512 KB of f32 state per row) streams through many multiprocessors
+# with many loads in flight. In a block, thread t owns features 4q..4q+3 (q = t % QD, float4 loads) of the
+# rows j = g, g + G, ... (g = t / QD, G groups). Per feature: the max over the window (each group's, then
+# across groups in shared memory), then the sum of exp and the exp-weighted sum (the reference's two passes,
+# as mx.softmax(precise=True); only the summation order differs). The token's own row comes from the inputs
+# (kv, score + ape), so the pool does not wait for the state write. With NSPLIT > 1 the output (the token)
+# is also the scratch: the pooled features [B][D] (f32 bits) and a ticket per row (zeroed by MLX's
+# init_value); the row's last block to finish (ticket after a fence) gathers the D features and does the
+# RMSNorm, the RoPE, the entry write and the CSA roll. H200, 8 rows, ratio 128, D 512, per call (ncu):
+# 75 us with one block of 256 threads (a thread per feature), 26 us with one block of 512 (float4 x groups).
 SOURCE = (
     r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
   constexpr int C = COFF * D;
   constexpr int R = COFF * M;
   constexpr int RC = R * C;
-  constexpr int QD = D / 4;
+  constexpr int FS = D / NSPLIT;
+  constexpr int QD = FS / 4;
   constexpr int G = (NT / QD < R) ? NT / QD : R;
   __shared__ float xs[D];
   __shared__ float red[32];
-  __shared__ __align__(16) float mg[G * D];
-  __shared__ __align__(16) float sg[G * D];
-  __shared__ __align__(16) float ag[G * D];
-  const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  if (b == 0 && tid == 0) token[0] = 0;
+  __shared__ __align__(16) float mg[G * FS];
+  __shared__ __align__(16) float sg[G * FS];
+  __shared__ __align__(16) float ag[G * FS];
+  __shared__ int last;
+  const int b = blockIdx.x / NSPLIT, k = blockIdx.x % NSPLIT, tid = threadIdx.x, nt = blockDim.x;
+  if (NSPLIT == 1 && b == 0 && tid == 0) token[0] = 0;
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int pm = p % M;
   const bool emit = pm == M - 1;
@@ -58,7 +63,7 @@ SOURCE = (
   const float* apr = ape + (size_t)pm * C;
   float* kst = const_cast<float*>(kv_state) + (size_t)slot * RC;
   float* sst = const_cast<float*>(score_state) + (size_t)slot * RC;
-  for (int c = tid; c < C; c += nt) {
+  for (int c = k * (C / NSPLIT) + tid; c < (k + 1) * (C / NSPLIT); c += nt) {
     kst[newrow * C + c] = kvq[c];
     sst[newrow * C + c] = scq[c] + apr[c];
   }
@@ -67,9 +72,10 @@ SOURCE = (
   const int w = p / M;
   T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;  // entry w's place
   const int q = tid % QD, g = tid / QD;
+  const int f0 = k * FS + 4 * q;
   const bool own = g < G;
   auto score4 = [&](int j) -> float4 {
-    const int col = ((COFF == 2 && j >= M) ? D : 0) + 4 * q;
+    const int col = ((COFF == 2 && j >= M) ? D : 0) + f0;
     if (j == newrow) {
       const float4 s = *reinterpret_cast<const float4*>(scq + col), a = *reinterpret_cast<const float4*>(apr + col);
       return make_float4(s.x + a.x, s.y + a.y, s.z + a.z, s.w + a.w);
@@ -77,7 +83,7 @@ SOURCE = (
     return *reinterpret_cast<const float4*>(sst + j * C + col);
   };
   auto kv4 = [&](int j) -> float4 {
-    const int col = ((COFF == 2 && j >= M) ? D : 0) + 4 * q;
+    const int col = ((COFF == 2 && j >= M) ? D : 0) + f0;
     return *reinterpret_cast<const float4*>((j == newrow ? kvq : kst + j * C) + col);
   };
   float4 m4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
@@ -87,13 +93,13 @@ SOURCE = (
       const float4 s = score4(j);
       m4.x = fmaxf(m4.x, s.x); m4.y = fmaxf(m4.y, s.y); m4.z = fmaxf(m4.z, s.z); m4.w = fmaxf(m4.w, s.w);
     }
-    *reinterpret_cast<float4*>(mg + g * D + 4 * q) = m4;
+    *reinterpret_cast<float4*>(mg + g * FS + 4 * q) = m4;
   }
   __syncthreads();
   if (own) {
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      const float4 o = *reinterpret_cast<const float4*>(mg + h * D + 4 * q);
+      const float4 o = *reinterpret_cast<const float4*>(mg + h * FS + 4 * q);
       m4.x = fmaxf(m4.x, o.x); m4.y = fmaxf(m4.y, o.y); m4.z = fmaxf(m4.z, o.z); m4.w = fmaxf(m4.w, o.w);
     }
     float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), a4 = s4;
@@ -106,19 +112,31 @@ SOURCE = (
       e = expf(s.z - m4.z); s4.z += e; a4.z += e * v.z;
       e = expf(s.w - m4.w); s4.w += e; a4.w += e * v.w;
     }
-    *reinterpret_cast<float4*>(sg + g * D + 4 * q) = s4;
-    *reinterpret_cast<float4*>(ag + g * D + 4 * q) = a4;
+    *reinterpret_cast<float4*>(sg + g * FS + 4 * q) = s4;
+    *reinterpret_cast<float4*>(ag + g * FS + 4 * q) = a4;
+  }
+  __syncthreads();
+  float* xg = reinterpret_cast<float*>(token) + (size_t)b * D;  // NSPLIT > 1: [B][D] features, then tickets
+  for (int i = tid; i < FS; i += nt) {
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int h = 0; h < G; ++h) { sum += sg[h * FS + i]; acc += ag[h * FS + i]; }
+    const float x = dsv4_f(dsv4_t<T>(acc / sum));
+    if (NSPLIT == 1) xs[i] = x;
+    else xg[k * FS + i] = x;
+  }
+  if (NSPLIT > 1) {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(token + (size_t)slots_shape[0] * D + b, 1) == NSPLIT - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int f = tid; f < D; f += nt) xs[f] = __ldcg(xg + f);
   }
   __syncthreads();
   float ssq = 0.f;
-  for (int f = tid; f < D; f += nt) {
-    float sum = 0.f, acc = 0.f;
-#pragma unroll
-    for (int h = 0; h < G; ++h) { sum += sg[h * D + f]; acc += ag[h * D + f]; }
-    const float x = dsv4_f(dsv4_t<T>(acc / sum));
-    xs[f] = x;
-    ssq += x * x;
-  }
+  for (int f = tid; f < D; f += nt) ssq += xs[f] * xs[f];
 """
     + NORM_ROPE
     + r"""  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale)
@@ -128,22 +146,33 @@ SOURCE = (
 )
 
 
+def nsplit(ratio: int, head_dim: int) -> int:
+    """Blocks per row: 8 for long windows (ratio >= 64) when the features split into float4 slices, else 1
+    (a CSA window is 8 rows: one block pools it, with no ticket and no zeroed scratch)."""
+    return 8 if ratio >= 64 and head_dim % 32 == 0 else 1
+
+
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("compiled", "fparams", "grid", "kernel", "template")
+    __slots__ = ("compiled", "fparams", "grid", "init", "kernel", "out_shape", "template")
 
     def __init__(self, b: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int, page: int,
                  eps: float) -> None:  # fmt: skip
+        ns = nsplit(ratio, head_dim)
         self.fparams = f32_params(eps)
         self.kernel = kernel("compressor_inplace", INPUTS, ("token",), SOURCE)
-        self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + [("NT", NT)]
-        self.grid = (b * NT, 1, 1)
+        tail = [("NT", NT), ("NSPLIT", ns)]
+        self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + tail
+        self.grid = (b * ns * NT, 1, 1)
+        # the token; split rows: also the pooled features and the tickets (zeroed)
+        self.out_shape, self.init = ((1,), None) if ns == 1 else ((b * head_dim + b,), 0)
         self.compiled = mx.compile(self.launch)
 
     def launch(self, *inputs: mx.array) -> mx.array:
         return self.kernel(inputs=list(inputs), template=self.template, grid=self.grid, threadgroup=(NT, 1, 1),
-                           output_shapes=[(1,)], output_dtypes=[mx.int32])[0]  # fmt: skip
+                           output_shapes=[self.out_shape], output_dtypes=[mx.int32],
+                           init_value=self.init)[0]  # fmt: skip
 
 
 def compressor_rows_inplace_cuda(

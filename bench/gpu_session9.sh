@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 9 on the H200 (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite). PART (several allowed):
+#   verify   the in-place compressor gpu tests, precompile / dispatch, engine + CLI tests, chain43 host / total
+#   inplace  the in-place compressor gpu tests (36, incl. the model in place vs functional)
+#   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
+#   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
+#   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
+# Writes under $OUT.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 bench/provenance.py
+for part in ${PART:-inplace}; do
+  case "$part" in
+    inplace)
+      echo "== in-place compressor gpu tests"
+      timeout 330 python3 -m pytest tests/kernels/test_cuda_inplace.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+    verify)
+      echo "== in-place compressor gpu tests"
+      timeout 250 python3 -m pytest tests/kernels/test_cuda_inplace.py -q -p no:cacheprovider -x 2>&1 | tail -4
+      echo "== precompile / dispatch gpu tests"
+      timeout 100 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "precompile or dispatch" 2>&1 | tail -3
+      echo "== engine tests (the in-place compressor is the default) + the CLI"
+      timeout 150 python3 -m pytest tests/service/test_worker.py tests/service/test_pipeline.py tests/model/test_cli.py \
+        -q -p no:cacheprovider 2>&1 | tail -4
+      echo "== chain43 host / total (data-linked, depends-linked)"
+      timeout 90 python3 bench/host_cost.py --reps 10 --cases "" --no-chain43 --chain43-variants after:,depends: 2>&1 \
+        | grep chain43 ;;
+    prof)
+      OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
+    tests)
+      echo "== all gpu tests"
+      timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
+    bench)
+      echo "== kernels, 8 rows"
+      timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24
+      echo "== step"
+      timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 \
+        --arms fast,fast_functional,reference,fast_pipe --out "$OUT/step.json" 2>&1 | tail -16 ;;
+  esac
+done 2>&1 | tee "$OUT/session9-${PART// /-}.log"
