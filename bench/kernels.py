@@ -7,7 +7,9 @@ call come from a chain of N calls linked by data, with one eval (attention: each
 q; compressor: the state; indexer: a `where` on the last ids in front of the weights), so each
 call waits for the last on the GPU too (`mx.depends` puts no edge in MLX's CUDA graph); medians over
 >= 10 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
-8 rows, 8K context, reference vs fast, one eval per step.
+8 rows, 8K context, reference vs fast, one eval per step: each layer's ops wait for the previous
+layer's output through CUDA-graph edges, as in the model (bench/cases.chain43; `fast_c_dep` is the
+compiled step linked by mx.depends as in sessions 1-8, where nothing but attention waited).
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
 no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor's
