@@ -3,10 +3,10 @@
 # CUDA in /tmp/mlxsite. One device call per PART (each fits the 600 s limit):
 #   PART=tests   the in-place gpu tests + the indexer / attention / dispatch / precompile gpu tests (`after`)
 #   PART=engine  the model in place vs functional (gpu test), the state arrays' strides, and the engine
-#                tests (worker, pipelined decode) with DSV4_INPLACE_COMPRESSOR=1: what must pass before
-#                model.attention.INPLACE_COMPRESSOR is turned on by default
+#                tests (worker, pipelined decode) with the in-place compressor (the default since
+#                session 9; DSV4_INPLACE_COMPRESSOR=1 is kept explicit here)
 #   PART=bench   bench/kernels.py at 8 rows (chain43 first: in place vs functional compressor) and the
-#                4-layer step (fast / fast_pipe, each with and without the in-place compressor)
+#                4-layer step (fast / fast_pipe, each with the in-place and the functional compressor)
 # Writes under $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ PART=${PART:-tests}
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24
       echo "== step"
       timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 \
-        --arms fast,fast_inplace,fast_pipe,fast_pipe_inplace --out "$OUT/step.json" 2>&1 | tail -12
+        --arms fast,fast_functional,fast_pipe,fast_pipe_functional --out "$OUT/step.json" 2>&1 | tail -12
       ;;
     *) echo "PART must be tests, engine or bench" ;;
   esac

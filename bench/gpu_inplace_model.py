@@ -48,6 +48,7 @@ def diverge(model, args, prompt: list[int]) -> None:
     import model.attention as att
 
     snaps: dict[bool, list[dict[str, np.ndarray]]] = {}
+    default = att.INPLACE_COMPRESSOR
     for inplace in (False, True):
         att.INPLACE_COMPRESSOR = inplace
         pools = StatePools(args, max_slots=1, max_positions=128, page_size=64, dtype=model.dtype)
@@ -59,7 +60,7 @@ def diverge(model, args, prompt: list[int]) -> None:
                      for layer, a in getattr(pools, k).items()}  # fmt: skip
             named |= {f"window[{j}]": a for j, a in enumerate(pools.window)}
             snaps[inplace].append({k: np.array(a.astype(mx.float32)) for k, a in named.items()})
-    att.INPLACE_COMPRESSOR = False
+    att.INPLACE_COMPRESSOR = default
     for i, (a, b) in enumerate(zip(snaps[False], snaps[True], strict=True)):
         for k in a:
             x, y = a[k], b[k]

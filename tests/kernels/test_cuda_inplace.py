@@ -158,6 +158,7 @@ def test_tiny_model_decode_in_place_equals_functional(prefill: bool, monkeypatch
 
     model, args, _ = tiny_model(seed=0)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    monkeypatch.setattr(att, "INPLACE_COMPRESSOR", False)  # the functional op (the default is in place)
     want = run(model, args, prompt, prefill=prefill)
     monkeypatch.setattr(att, "INPLACE_COMPRESSOR", True)
     assert run(model, args, prompt, prefill=prefill) == want
