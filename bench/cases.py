@@ -74,9 +74,13 @@ def _batch(tables: dict[int, list[list[int]]], rows: int, ctx: int) -> tuple[Row
 
 
 def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
+    """`op`: an op name, with `:128` for the HCA form of the compressor (ratio 128) or of the attention
+    (the window + every entry of the row's table); the CSA form (ratio 4) otherwise."""
     rng = np.random.default_rng(seed)
+    op, _, r = op.partition(":")
+    ratio = int(r) if r else 4
     if op == "compressor_rows":
-        ratio, d, coff = 4, D, 2
+        d, coff = D, 2 if ratio == 4 else 1
         tables, pages = _tables(rng, rows, ctx // ratio, distinct=False)
         batch, singles = _batch({ratio: tables}, rows, ctx)
         c = coff * d
@@ -111,20 +115,24 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
             return impl(b, q, wl, keys, topk=TOPK)
 
         return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
+    n = ctx // ratio
     tables, pages = _tables(rng, rows, n)
-    batch, singles = _batch({4: tables}, rows, ctx)
+    batch, singles = _batch({ratio: tables}, rows, ctx)
     q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
     window = mx.random.normal((rows, W, D)).astype(mx.bfloat16)
     pool = mx.random.normal((pages, PAGE, D)).astype(mx.bfloat16)
-    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32))
+    # CSA: TOPK selected entries; HCA: None, every entry of the row's table
+    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32)) \
+        if ratio == 4 else None  # fmt: skip
+    keys = TOPK if ratio == 4 else n
     sinks = mx.random.normal((NH,))
-    mx.eval(q, window, pool, ind, sinks)
+    mx.eval(q, window, pool, sinks, *([] if ind is None else [ind]))
 
     def call_a(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
         # the previous call's output (q's shape and dtype) is this call's q: a data link, no extra op
-        return impl(b, q if prev is None else prev, window, pool, ind, sinks, scale=D**-0.5, ratio=4)
+        return impl(b, q if prev is None else prev, window, pool, ind, sinks, scale=D**-0.5, ratio=ratio)
 
-    return Case(op, rows * ((W + TOPK) * D * 2 + 2 * NH * D * 2), call_a, batch, singles, None)
+    return Case(op, rows * ((W + keys) * D * 2 + 2 * NH * D * 2), call_a, batch, singles, None)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 # Session 9 on the H200 (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite). PART (several allowed):
 #   verify   the in-place compressor gpu tests, precompile / dispatch, engine + CLI tests, chain43 host / total
 #   inplace  the in-place compressor gpu tests (36, incl. the model in place vs functional)
+#   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
@@ -27,6 +28,13 @@ for part in ${PART:-inplace}; do
       echo "== chain43 host / total (data-linked, depends-linked)"
       timeout 90 python3 bench/host_cost.py --reps 10 --cases "" --no-chain43 --chain43-variants after:,depends: 2>&1 \
         | grep chain43 ;;
+    ab)
+      echo "== short rows: dsplit (DSPLIT_CHUNKS 3, the default) vs split-K + combine (0); HCA cases per call"
+      for dc in 3 0; do
+        timeout 150 python3 bench/host_cost.py --reps 10 --dsplit-chunks $dc --no-chain43 --chain43-variants after: \
+          --cases "compressor_rows:128:8:8192,sparse_attention_rows:128:8:8192,sparse_attention_rows:8:8192" 2>&1 \
+          | grep -v trivial
+      done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -109,9 +109,15 @@ def main() -> None:
     ap.add_argument("--node-kinds", action="store_true", help="price a node: custom kernel, MLX add, reshape")
     ap.add_argument("--indexer-paths", action="store_true",
                     help="indexer cases per path: one launch (ONE_MAX raised), segment + merge (ONE_MAX 0)")
+    ap.add_argument("--dsplit-chunks", type=int, default=None,
+                    help="attention rows of up to this many 64-key chunks take `dsplit` (kernels/cuda/attention.py; "
+                    "0: every row takes split-K + combine)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
+    if opt.dsplit_chunks is not None:
+        at.DSPLIT_CHUNKS = opt.dsplit_chunks
+        env["DSPLIT_CHUNKS"] = str(opt.dsplit_chunks)
 
     def emit(name: str, r: dict[str, float]) -> None:
         print(json.dumps({"case": name, "env": env} | r), flush=True)
@@ -122,7 +128,7 @@ def main() -> None:
     for n_in, pad in ((1, 0), (16, 0), (1, 24000)):
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
     for spec in filter(None, opt.cases.split(",")):
-        op, rows, ctx = spec.split(":")
+        op, rows, ctx = spec.rsplit(":", 2)  # op may carry ":128" (bench.cases.make_case)
         paths: list[tuple[str, Any]] = [("", None)]
         if op == "indexer_rows" and opt.indexer_paths:
             paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0))]

@@ -199,7 +199,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--chain", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ops", default="compressor_rows,indexer_rows,sparse_attention_rows")
+    ap.add_argument("--ops", default="compressor_rows,indexer_rows,sparse_attention_rows",
+                    help="op names; `:128` for the HCA form (compressor_rows:128, sparse_attention_rows:128)")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--ctxs", default="8192,131072,1048576")
     ap.add_argument("--no-chain43", action="store_true")
@@ -240,11 +241,11 @@ def main() -> None:
                     arms[f"{k}_c"] = case.chain(getattr(case, k), a.chain, compiled=True)
                 if a.extra_arms:
                     arms["other"] = other_compile(case.chain(case.fast, a.chain))  # mx.compile flipped
-                if op == "compressor_rows":  # A/B: the functional CUDA op (kernel + pool scatter, new arrays)
+                if case.op == "compressor_rows":  # A/B: the functional CUDA op (kernel + pool scatter, new arrays)
                     arms["functional"] = case.chain(
                         lambda prev, c=case: c.call(kc.compressor_rows_cuda, c.batch, c.init if prev is None else prev),
                         a.chain)  # fmt: skip
-                if a.extra_arms and op == "compressor_rows":
+                if a.extra_arms and case.op == "compressor_rows":
                     arms["scatter"] = forced(arms["functional"], False)
                 r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
                 floor_us = case.bytes / fl["copy_bytes_per_s"] * 1e6

@@ -37,7 +37,7 @@ def main() -> None:
         ch = chain43(8, 8192, link=opt.link)
         run, per, name = (ch.fast if opt.eager else ch.fast_c), 1, "chain43:8:8192"
     else:
-        op, rows, ctx = opt.case.split(":")
+        op, rows, ctx = opt.case.rsplit(":", 2)  # op may carry ":128"
         case = make_case(op, int(rows), int(ctx))
         run, per, name = case.chain(case.fast, opt.chain, compiled=not opt.eager), opt.chain, opt.case
     for _ in range(3):

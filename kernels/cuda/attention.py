@@ -203,7 +203,7 @@ def sparse_attention_rows_cuda(
 
     def make() -> Plan:
         tw = None if ratio is None or ratio not in batch.tables else batch.tables[ratio].shape
-        pk = key + (batch.size, batch.page_size, tw, WIDE_HG)
+        pk = key + (batch.size, batch.page_size, tw, WIDE_HG, DSPLIT_CHUNKS)
         return plan_cached(pk, lambda: Plan(batch, q, window, pool, indices, scale, ratio))
 
     plan: Plan = checked(batch, key, check, make)
