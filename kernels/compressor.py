@@ -26,6 +26,7 @@ from kernels.rows import (
     check_tables,
     check_width,
     fail,
+    ordered,
     row_entries,
 )
 
@@ -169,9 +170,7 @@ def compressor_rows_inplace_reference(
     """compressor_rows_inplace's plain twin: the functional update (new arrays) and no token. An `after`
     (a fast path's token; never on the CPU) orders its reads through a copy of the state arrays."""
     check_after(OP, after)
-    if after is not None:
-        z = after.reshape(-1)[:1] * 0
-        kv_state, score_state, pool = kv_state + z, score_state + z, pool + z.astype(pool.dtype)
+    kv_state, score_state, pool = (ordered(a, after) for a in (kv_state, score_state, pool))
     out = compressor_rows_reference(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
         ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,

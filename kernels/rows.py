@@ -187,8 +187,11 @@ def check_after(op: str, after: object) -> None:
 def ordered(x: mx.array, after: mx.array | None) -> mx.array:
     """`x`, computed after `after` on the GPU: an op that takes `after` as an input (MLX orders its
     CUDA-graph nodes by the producers of their inputs; `mx.depends` adds no such edge). The plain-MLX
-    readers of a pool written in place route their page tables through it (a few int32s)."""
-    return x if after is None else x + after.reshape(-1)[:1] * 0
+    readers of a pool written in place route their page tables through it (a few int32s). `after` may
+    be any array: its first byte, masked to 0 (no NaN from `inf * 0`), in `x`'s dtype is added."""
+    if after is None:
+        return x
+    return x + (after.reshape(-1)[:1].view(mx.uint8)[:1] & 0).astype(x.dtype)
 
 
 def check_positive(op: str, name: str, v: float) -> None:

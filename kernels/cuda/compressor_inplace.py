@@ -155,10 +155,13 @@ def nsplit(ratio: int, head_dim: int) -> int:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("compiled", "fparams", "grid", "init", "kernel", "out_shape", "template")
+    __slots__ = ("compiled", "fast", "fparams", "grid", "init", "kernel", "out_shape", "template")
 
     def __init__(self, b: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int, page: int,
                  eps: float) -> None:  # fmt: skip
+        self.fast = head_dim % 4 == 0 and head_dim <= 4 * NT  # the float4 feature split; else the reference
+        if not self.fast:
+            return
         ns = nsplit(ratio, head_dim)
         self.fparams = f32_params(eps)
         self.kernel = kernel("compressor_inplace", INPUTS, ("token",), SOURCE)
@@ -202,7 +205,7 @@ def compressor_rows_inplace_cuda(
                                             eps))  # fmt: skip
 
     plan: Plan = checked(batch, key, check, make)
-    if head_dim % 4 or head_dim > 4 * NT:  # the float4 feature split: the plain-MLX update instead
+    if not plan.fast:
         return compressor_rows_inplace_reference(batch, kv, score, ape, norm, kv_state, score_state, pool, ratio=ratio,
                                                  head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after)  # fmt: skip
     run = plan.compiled if common.COMPILE else plan.launch

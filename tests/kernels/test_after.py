@@ -74,3 +74,15 @@ def test_a_bad_token_names_the_op_and_after(op: str) -> None:
     }
     with pytest.raises(ValueError, match=rf"^{op}: after: must be an mx.array or None"):
         calls[op]()
+
+
+def test_any_array_can_order_a_read() -> None:
+    """`after` may be any array (bench chain43 passes a layer's bf16 output): the ordered table keeps its
+    values and dtype, even when `after` holds inf / NaN (a `* 0` link would turn those into NaN)."""
+    from kernels.rows import ordered
+
+    table = mx.array([[3, 1, 4], [1, 5, 9]], mx.int32)
+    for after in (mx.array([math.inf, 2.0], mx.bfloat16), mx.array([math.nan], mx.float32), mx.array([7], mx.int32)):
+        got = ordered(table, after)
+        assert got.dtype == mx.int32
+        assert np.array_equal(np.array(got), np.array(table))
