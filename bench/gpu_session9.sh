@@ -2,6 +2,7 @@
 # Session 9 on the H200 (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite). PART (several allowed):
 #   verify   the in-place compressor gpu tests, precompile / dispatch, engine + CLI tests, chain43 host / total
 #   inplace  the in-place compressor gpu tests (36, incl. the model in place vs functional)
+#   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
@@ -28,6 +29,9 @@ for part in ${PART:-inplace}; do
       echo "== chain43 host / total (data-linked, depends-linked)"
       timeout 90 python3 bench/host_cost.py --reps 10 --cases "" --no-chain43 --chain43-variants after:,depends: 2>&1 \
         | grep chain43 ;;
+    phases)
+      echo "== kernel phases (globaltimer / clock64 probes)"
+      timeout 200 python3 bench/phases.py --out "$OUT" 2>&1 | tail -12 ;;
     ab)
       echo "== short rows: dsplit (DSPLIT_CHUNKS 3, the default) vs split-K + combine (0); HCA cases per call"
       for dc in 3 0; do
@@ -47,4 +51,4 @@ for part in ${PART:-inplace}; do
       timeout 240 python3 bench/step.py --rows 1,8 --contexts 4096,131072 \
         --arms fast,fast_functional,reference,fast_pipe --out "$OUT/step.json" 2>&1 | tail -16 ;;
   esac
-done 2>&1 | tee "$OUT/session9-${PART// /-}.log"
+done 2>&1 | tee "$OUT/session${SESSION:-10}-${PART// /-}.log"
