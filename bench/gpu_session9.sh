@@ -2,6 +2,7 @@
 # Session 9 on the H200 (after gpu-wheels.sh staged MLX CUDA in /tmp/mlxsite). PART (several allowed):
 #   verify   the in-place compressor gpu tests, precompile / dispatch, engine + CLI tests, chain43 host / total
 #   inplace  the in-place compressor gpu tests (36, incl. the model in place vs functional)
+#   idx      the indexer gpu tests; bench/kernels.py for the indexer (1, 8 rows) and chain43
 #   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
@@ -29,6 +30,11 @@ for part in ${PART:-inplace}; do
       echo "== chain43 host / total (data-linked, depends-linked)"
       timeout 90 python3 bench/host_cost.py --reps 10 --cases "" --no-chain43 --chain43-variants after:,depends: 2>&1 \
         | grep chain43 ;;
+    idx)
+      echo "== indexer gpu tests"
+      timeout 240 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k indexer 2>&1 | tail -3
+      echo "== indexer + chain43, bench/kernels.py"
+      timeout 220 python3 bench/kernels.py --reps 6 --rows 1,8 --ops indexer_rows --out "$OUT" 2>&1 | tail -12 ;;
     phases)
       echo "== kernel phases (globaltimer / clock64 probes)"
       timeout 200 python3 bench/phases.py --out "$OUT" 2>&1 | tail -12 ;;

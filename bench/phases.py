@@ -63,10 +63,34 @@ def wrap(src: str, marks: dict[str, str] | None = None) -> str:
     )
 
 
+def wrap_loop(src: str, top: str, marks: list[str], end: str) -> str:
+    """`wrap` for a loop's phases: cycles summed over the iterations from the loop's `top` anchor to each
+    of `marks` (<= 3) and from the last mark to the next iteration's top / the `end` anchor."""
+    n = len(marks)
+    assert n <= 3 and src.count(top) == 1 and src.count(end) == 1
+    body = src.replace(top, f"{top}\n    if (c) dsv4_acc[{n}] += clock64() - dsv4_last; dsv4_last = clock64();\n")
+    for i, m in enumerate(marks):
+        assert body.count(m) == 1, m
+        body = body.replace(m, f"    dsv4_acc[{i}] += clock64() - dsv4_last; dsv4_last = clock64();\n" + m)
+    body = body.replace(end, f"  dsv4_acc[{n}] += clock64() - dsv4_last;\n" + end)
+    w = wrap(body)
+    w = "long long dsv4_acc[4] = {0, 0, 0, 0}, dsv4_last = 0;\n" + w
+    return w.replace("for (int i = 1; i <= 1; ++i) w[3 + i] = (unsigned int)(dsv4_ph[i] - dsv4_ph[i - 1]);",
+                     "for (int i = 0; i < 4; ++i) w[4 + i] = (unsigned int)dsv4_acc[i];")
+
+
+DSPLIT_LOOP = ("  for (int c = 0; c < nchunk; ++c) {", ["    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, kb, Ss);",
+               "    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko,", "    if (warp < NT16) {  // O[:, slice]"],
+               "  // the sink joins the denominator here")  # fmt: skip
+WIDE_MARKS = {"load": "  {  // S = Q K^T", "qk": "  for (int hh = 0; hh < HG / NWARP; ++hh) {  // this chunk's softmax",
+              "softmax": "  {  // O = P V"}  # fmt: skip
+
+
 def probe(name: str, inputs: list[str], outputs: list[str], src: str, smem: int, header: str,
-          marks: dict[str, str] | None = None) -> Any:  # fmt: skip
-    return mx.fast.cuda_kernel(name=f"probe_{name}_{abs(hash(src)) % 10**8}", input_names=inputs,
-                               output_names=outputs + ["ts"], source=wrap(src, marks),
+          marks: dict[str, str] | None = None, loop: tuple[Any, ...] | None = None) -> Any:  # fmt: skip
+    body = wrap_loop(src, *loop) if loop else wrap(src, marks)
+    return mx.fast.cuda_kernel(name=f"probe_{name}_{abs(hash(body)) % 10**8}", input_names=inputs,
+                               output_names=outputs + ["ts"], source=body,
                                header=ka.common.HEADER + header + TIMER, ensure_row_contiguous=True,
                                shared_memory=smem)  # fmt: skip
 
@@ -103,8 +127,8 @@ def summarize(runs: list[list[np.ndarray]], names: list[str], phases: dict[str, 
     return out
 
 
-SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int K = min(TOPK, nv);",
-             "select": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
+SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int nsr = (n + SEG - 1) / SEG;",
+             "bound": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
 
 
 def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
@@ -119,7 +143,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
     plan = ki.Plan(batch, q, keys, TOPK)
     assert not plan.one, "the probe covers segment + merge (rows of more than ONE_MAX entries)"
     nseg_blocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
-    seg = probe("seg", list(ki.SEG_IN), ["cand"], ki.SEGMENT, ki.smem_bytes(NI, DI, dict(plan.seg_tmpl)["SEG"] + 2048),
+    seg = probe("seg", list(ki.SEG_IN), ["cand"], ki.SEGMENT, ki.smem_bytes(NI, DI, 2048),
                 ki.HELPERS, SEG_MARKS)  # fmt: skip
     merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS)
     args = [batch.positions, batch.q_rows, batch.tables[4], q, w, keys, i32_dummy((1,))]
@@ -143,7 +167,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
         r = run()
         mx.eval(r)
         runs.append([np.array(r[1]), np.array(r[2])])
-    return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
+    return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "bound", "end"]})
 
 
 def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]:
@@ -173,7 +197,8 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]
     body = {"dsplit": ka.DSPLIT, "wide": ka.WIDE, "partial": ka.PARTIAL}[kind]
     smem = {"dsplit": lambda: ka.dsplit_smem(D, tmpl["DS"]), "wide": lambda: ka.wide_smem(D, tmpl["HG"]),
             "partial": lambda: ka.smem_bytes(D, tmpl["ONE"])}[kind]()  # fmt: skip
-    part = probe(f"attn_{kind}", list(ka.PART_IN), ["out" if plan.final else "part"], body, smem, ka.ATTN_HELPERS)
+    part = probe(f"attn_{kind}", list(ka.PART_IN), ["out" if plan.final else "part"], body, smem, ka.ATTN_HELPERS,
+                 WIDE_MARKS if kind == "wide" else None, DSPLIT_LOOP if kind == "dsplit" else None)  # fmt: skip
     nblk = plan.part_grid[0] // ka.THREADS * plan.part_grid[1] * plan.part_grid[2]
     comb = None if plan.final else probe("attn_combine", list(ka.COMB_IN), ["out"], ka.COMBINE, 0, "")
 
@@ -198,7 +223,8 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]
         r = run()
         mx.eval(r)
         runs.append([np.array(x) for x in r[1:]])
-    return {"kind": kind, "blocks": nblk} | summarize(runs, [kind] + ([] if comb is None else ["combine"]), {})
+    ph = {"wide": ["load", "qk", "softmax", "pv"], "dsplit": ["wait", "qk", "softmax", "pv"]}
+    return {"kind": kind, "blocks": nblk} | summarize(runs, [kind] + ([] if comb is None else ["combine"]), ph)
 
 
 def main() -> None:
