@@ -41,7 +41,7 @@ def units() -> dict[str, str]:
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
-                                    seg_t + [("SEG", 1024), ("LDC", 32768), ("NSEG", 32)], ix.SEGMENT,
+                                    seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
@@ -55,7 +55,7 @@ def units() -> dict[str, str]:
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
-                                  [("TOPK", 512), ("LDC", 32768), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)],
+                                  [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)],
                                   ix.MERGE, header=HELPERS)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(

@@ -127,8 +127,8 @@ def summarize(runs: list[list[np.ndarray]], names: list[str], phases: dict[str, 
     return out
 
 
-SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int nsr = (n + SEG - 1) / SEG;",
-             "bound": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
+SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int K = min(TOPK, nv);",
+             "select": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
 
 
 def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
     plan = ki.Plan(batch, q, keys, TOPK)
     assert not plan.one, "the probe covers segment + merge (rows of more than ONE_MAX entries)"
     nseg_blocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
-    seg = probe("seg", list(ki.SEG_IN), ["cand"], ki.SEGMENT, ki.smem_bytes(NI, DI, 2048),
+    seg = probe("seg", list(ki.SEG_IN), ["cand"], ki.SEGMENT, ki.smem_bytes(NI, DI, dict(plan.seg_tmpl)["SEG"] + 2048),
                 ki.HELPERS, SEG_MARKS)  # fmt: skip
     merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS)
     args = [batch.positions, batch.q_rows, batch.tables[4], q, w, keys, i32_dummy((1,))]
@@ -167,7 +167,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
         r = run()
         mx.eval(r)
         runs.append([np.array(r[1]), np.array(r[2])])
-    return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "bound", "end"]})
+    return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
 
 
 def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]:

@@ -5,19 +5,22 @@ histogram of their top bits to the row's; the row's last block to finish selects
 writes the ids (a radix select over the k-th key's bin only, then an ordered compaction).
 Beyond (128K, 1M context):
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
-   through the row's block table (its page ids read once into shared memory) into shared memory
-   (cp.async, 4 chunks of 64 entries in flight) and scores them with mma.sync m16n8k16 (bf16/f16
-   in, f32 accumulation; B fragments by ldmatrix): warp w holds the q fragments of head tile
-   w % (NI/16) in registers for the whole segment, and `w_h relu(.)` is summed over its 16 heads in
-   registers (shuffles) before the head tiles are added (the scoring body both kernels share). It
-   writes every entry's order-preserving uint32 score key to the row's key plane and adds its top
-   11 bits to a histogram in shared memory; from that, a lower bound of its m-th largest key, m =
-   ceil(k / the row's segments) (the floor of that key's bin): the least of the row's bounds has at
-   least k keys above it. No select here (it was a third of the segment's time at 128K context).
-2. `merge`: one block per q-buffer row. Each warp keeps the keys >= that bound from its run of the
-   row (in order; usually ~1-2 k of them), then a radix select + ordered compaction over the kept
-   ones write the ids in ascending order (the keys are in id order, so "ties to the lowest id" is
-   "first in the list"). No sort. Rows no batch row names get -1.
+   through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight;
+   one table read per chunk when pages hold whole chunks) and scores them with mma.sync m16n8k16
+   (bf16/f16 in, f32 accumulation; B fragments by ldmatrix): warp w holds the q fragments of head
+   tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)` is summed over its 16
+   heads in registers (shuffles) before the head tiles are added (the scoring body both kernels
+   share). The segment's order-preserving uint32 score keys stay in shared memory; a radix select
+   (11+11+10 bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
+   candidates (key, id) in id order, padded with key 0 (below every score). It also writes a lower
+   bound of its m-th largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
+   the select's first radix pass): the least of those bounds has at least k keys above it. One
+   output, three planes.
+2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
+   of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
+   compaction over the kept ones write the ids in ascending order (the list is in id order, so
+   "ties to the lowest id" is "first in the list"). No sort. Rows no batch row names get -1.
+The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
 Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
 topk <= 2048; anything else runs the reference.
 """
@@ -51,8 +54,8 @@ MERGE_IN = ("positions", "q_rows", "cand")
 
 def segment_size(cap: int, topk: int) -> int:
     """Entries per segment block (rows of more than ONE_MAX entries): at most ~32 segments per row (the
-    merge filters by the least of their bounds, each a bound of the segment's ceil(topk / segments)-th
-    key: more segments, a looser filter), at least twice the top-k."""
+    merge reads 32 x topk candidates), at least twice the top-k (else a segment keeps nearly all it
+    scored)."""
     lo = max(1024, 2 * next_pow2(topk))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
@@ -117,14 +120,15 @@ class Plan:
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
-            ld = -(-cap // 4) * 4
-            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, 2048), HELPERS)
+            cand = nseg * topk
+            ld = -(-cand // 4) * 4
+            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048), HELPERS)
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
-            self.seg_shapes = [(b * (ld + nseg),)]  # keys, bounds planes (indexer_src.HEAD_SEG)
+            self.seg_shapes = [(b * (2 * ld + nseg),)]  # keys, ids, bounds planes (indexer_src.CAND)
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
-            self.merge_tmpl = [("TOPK", topk), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
+            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 

@@ -200,6 +200,6 @@ assert _NT in PRE
 ONE = (
     PRE.replace(_SKEY, _OWN_HIST).replace(_HIST, "").replace(_NT, "constexpr int NT = NTO, NWARP = NTO / 32,")
     + HEAD_ONE
-    + SCORE.replace("EMIT", EMIT_GLOBAL).replace("SPAN", "EB")
+    + SCORE.replace("EMIT", EMIT_GLOBAL)
     + TAIL_ONE
 )

@@ -1,9 +1,9 @@
 """CUDA device code of indexer_rows (launch plans: kernels/cuda/indexer.py).
 
-`SEGMENT` (the score keys of one segment, + its filter bound) and indexer_one_src.ONE (the one-launch
+`SEGMENT` (score + top-k of one segment, + its filter bound) and indexer_one_src.ONE (the one-launch
 kernel) share the scoring body `SCORE` (its `EMIT` says where a chunk's keys go); `MERGE` is the
-per-row top-k over the row's keys >= the bound. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST
-(+ LDC, NSEG: segment; TOPK, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
+per-row top-k over the segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST
+(+ LDC, NSEG: segment; TOPK, L, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
 """
 
 from __future__ import annotations
@@ -19,27 +19,28 @@ PRE = r"""
   __shared__ int sh[3];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 """
-# One output buffer `cand` in two planes (one output, not two: MLX's host cost grows with each): every
-# entry's score key [B][LDC] uint32 (entry i of a row at word i: the ids are the places), then the
-# segments' filter bounds [B][NSEG] uint32.
-HEAD_SEG = r"""  unsigned int* cbound = cand + (size_t)positions_shape[0] * LDC;
-  const int seg = blockIdx.x, b = blockIdx.y;
+# One output buffer `cand` in three planes (one output, not three: MLX's host cost grows with each):
+# keys [B][LDC] uint32, ids [B][LDC] int32, bounds [B][NSEG] uint32.
+CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
+  unsigned int* ckeys = cand;
+  int* cids = reinterpret_cast<int*>(cand + NBL);
+  unsigned int* cbound = cand + 2 * NBL;
+"""
+HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
   const int nv = max(0, min(SEG, n - s0));
-  unsigned int* okeys = cand + (size_t)b * LDC + s0;
+  const size_t obase = (size_t)b * LDC + (size_t)seg * TOPK;
+  unsigned int* ok = ckeys + obase;
+  int* oi = cids + obase;
   if (nv == 0) {
+    for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
     if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
     return;
   }
-  for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
 """
 SCORE = r"""  const int tw = table_shape[1];
-  // the block's page ids, read once: a table read per chunk put a global load's latency on every chunk
-  __shared__ int pgs[SPAN / PAGE + 2];
-  const int pg0 = s0 / PAGE;
-  for (int i = tid; i <= (s0 + nv - 1) / PAGE - pg0; i += NT) pgs[i] = table[(size_t)b * tw + pg0 + i];
   const int qr = q_rows[b];
   const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
   uint32_t qa[KS][4];
@@ -55,13 +56,12 @@ SCORE = r"""  const int tw = table_shape[1];
   }
   const float w0 = weights[(size_t)qr * NI + ht * 16 + g], w1 = weights[(size_t)qr * NI + ht * 16 + g + 8];
   const int nch = (nv + CH - 1) / CH;
-  __syncthreads();  // pgs
   auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
     if (c < nch) {
       T* dst = Ks + (c % ST) * CH * LDK;
       if (PAGE % CH == 0) {  // the chunk lies in one page (chunks start at multiples of CH): one table read
         const int idx0 = s0 + c * CH;
-        const T* base = keys + ((size_t)pgs[idx0 / PAGE - pg0] * PAGE + idx0 % PAGE) * DI;
+        const T* base = keys + ((size_t)table[(size_t)b * tw + idx0 / PAGE] * PAGE + idx0 % PAGE) * DI;
         for (int i = tid; i < CH * VPR; i += NT) {
           const int e = i / VPR, v = i - e * VPR;
           const bool ok = c * CH + e < nv;
@@ -74,7 +74,7 @@ SCORE = r"""  const int tw = table_shape[1];
           const T* src = keys;
           int bytes = 0;
           if (c * CH + e < nv) {
-            const int pg = pgs[idx / PAGE - pg0];
+            const int pg = table[(size_t)b * tw + idx / PAGE];
             src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
             bytes = 16;
           }
@@ -121,47 +121,40 @@ SCORE = r"""  const int tw = table_shape[1];
   }
   __syncthreads();
 """
-# The chunk's score keys to global memory, their top 11 bits to the segment's histogram (warp-aggregated:
-# similar scores share their top bits, and one-by-one atomics there serialize). CH is a multiple of 32.
-EMIT_KEYS = r"""if (tid < CH) {
-      const bool ok = c * CH + tid < nv;
+# The chunk's scores to their keys in shared memory (segment).
+EMIT_SMEM = r"""if (tid < CH && c * CH + tid < nv) {
       float s = 0.f;
 #pragma unroll
       for (int h = 0; h < HT; ++h) s += part[h * CH + tid];
-      const unsigned int key = dsv4_okey(s);
-      if (ok) okeys[c * CH + tid] = key;
-      const unsigned int bin = ok ? key >> 21 : 0xffffffffu;
-      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-      if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+      skey[c * CH + tid] = dsv4_okey(s);
     }"""
-# The merge's filter bound: a lower bound of this segment's m-th largest key, m = ceil(min(TOPK, n) / the
-# row's segments), so the row has at least min(TOPK, n) keys >= the least of its segments' bounds (0, no
-# filtering, if this segment has fewer than m entries): the floor of the histogram bin that holds it.
-TAIL_SEG = r"""  const int nsr = (n + SEG - 1) / SEG;
+TAIL_SEG = r"""  const int K = min(TOPK, nv);
+  // the merge's filter bound: a lower bound of this segment's m-th largest key, m = ceil(min(TOPK, n)
+  // / the row's segments), so the row has at least min(TOPK, n) keys >= the least of its segments'
+  // bounds (0, no filtering, if this segment has fewer than m entries). A full segment gets it from
+  // its top-k select's first pass (the floor of the m-th largest's bin); a short one selects it.
+  const int nsr = (n + SEG - 1) / SEG;
   const int m = (min(TOPK, n) + nsr - 1) / nsr;
+  unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
+  int need_eq = nv;
   unsigned int bm = 0u;
-  if (nv >= m) {
-    dsv4_pick_bin<NT>(hist, 2048, m, wsum, sh);
-    bm = ((unsigned int)sh[0]) << 21;
+  if (nv > TOPK) {
+    dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
+  } else if (nv >= m) {
+    int e2;
+    dsv4_radix_kth<NT>(skey, nv, m, hist, wsum, sh, bm, e2);
   }
   if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
+  dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
+  for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
-_SKEY = "  unsigned int* skey = reinterpret_cast<unsigned int*>(part + HT * CH);  // [SEG]\n"
-_HIST = "  unsigned int* hist = skey + SEG;                                       // [2048]\n"
-assert _SKEY in PRE and _HIST in PRE
-_SEG_HIST = "  unsigned int* hist = reinterpret_cast<unsigned int*>(part + HT * CH);  // [2048]\n"
-SEGMENT = (
-    PRE.replace(_SKEY, "").replace(_HIST, _SEG_HIST)
-    + HEAD_SEG
-    + SCORE.replace("EMIT", EMIT_KEYS).replace("SPAN", "SEG")
-    + TAIL_SEG
-)
+SEGMENT = PRE + HEAD_SEG + SCORE.replace("EMIT", EMIT_SMEM) + TAIL_SEG
 
 MERGE = r"""
-  constexpr int NT = 1024, NW = NT / 32;
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] keys >= the bound, in order
-  int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their entry ids
+  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
+  int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
   __shared__ unsigned int hist[2048];
   __shared__ int wsum[32];
   __shared__ int sh[3];
@@ -170,15 +163,20 @@ MERGE = r"""
   int b = -1;
   for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
   int* o = out + (size_t)r * TOPK;
-  const int n = b >= 0 ? dsv4_emitted(positions[b], 4) : 0;
-  const int K = min(TOPK, n);
+  int K = 0;
+  if (b >= 0) {
+    const int p = positions[b];
+    K = min(TOPK, dsv4_emitted(p, 4));
+  }
   if (K == 0) {
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
     return;
   }
+  const size_t NBL = (size_t)nb * LDC;
   const unsigned int* keys = cand + (size_t)b * LDC;
-  const unsigned int* cbound = cand + (size_t)nb * LDC;
-  if (warp == 0) {  // the least of the segments' bounds: at least K keys are >= it
+  const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)b * LDC;
+  const unsigned int* cbound = cand + 2 * NBL;
+  if (warp == 0) {  // the least of the segments' bounds: at least K candidates are >= it
     unsigned int v = 0xffffffffu;
     for (int s = lane; s < NSEG; s += 32) v = min(v, cbound[(size_t)b * NSEG + s]);
     for (int sft = 16; sft > 0; sft >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, sft));
@@ -186,9 +184,8 @@ MERGE = r"""
   }
   __syncthreads();
   const unsigned int bound = (unsigned int)sh[2];
-  // warp w filters its contiguous run [w0, w1) of the row's keys (count, block scan, ordered write)
-  const int per = (n + NW - 1) / NW;
-  const int w0 = min(n, warp * per), w1 = min(n, w0 + per);
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write)
+  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
   int cnt = 0;
   for (int i = w0 + lane; i < w1; i += 32) cnt += keys[i] >= bound ? 1 : 0;
   for (int sft = 16; sft > 0; sft >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
@@ -214,10 +211,10 @@ MERGE = r"""
     }
     __syncthreads();
     dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
-    dsv4_take<NT>(ck, n2, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = cpos[i]; });
-  } else {  // the bound filtered too little: select over the row's keys in global memory
-    dsv4_radix_kth<NT>(keys, n, K, hist, wsum, sh, thr, need_eq);
-    dsv4_take<NT>(keys, n, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = i; });
+    dsv4_take<NT>(ck, n2, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[cpos[i]]; });
+  } else {  // the bound filtered too little: select over the whole list in global memory
+    dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
+    dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[i]; });
   }
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """

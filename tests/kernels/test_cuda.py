@@ -191,9 +191,9 @@ def test_indexer_one_launch(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize("n_rows", [1, 3])
 def test_indexer_merge_without_bound(n_rows: int) -> None:
-    """topk 2048 over 262,144 entries (32 segments). All-equal scores (w = 0) make the segments' bound
-    useless (every key passes it), so the merge takes its path over the row's keys in global memory;
-    random scores take the filtered path. Both exact: ids 0..2047 for ties."""
+    """topk 2048 over 262,144 entries: 32 segments x 2048 candidates. All-equal scores (w = 0) make the
+    segments' bound useless (every candidate passes it), so the merge takes its path over the whole
+    list in global memory; random scores take the filtered path. Both exact: ids 0..2047 for ties."""
     rng = np.random.default_rng(120 + n_rows)
     positions = [4 * 262_144 - 1] + [int(x) for x in rng.choice([9000, 70_001, 300_000], n_rows - 1, replace=False)]
     rows, pages, bq, _ = rows_for(rng, positions, (4,))
