@@ -3,6 +3,7 @@
 #   verify   the in-place compressor gpu tests, precompile / dispatch, engine + CLI tests, chain43 host / total
 #   inplace  the in-place compressor gpu tests (36, incl. the model in place vs functional)
 #   idx      the indexer gpu tests; bench/kernels.py for the indexer (1, 8 rows) and chain43
+#   attn     the attention gpu tests; `wide` at 256 vs 512 threads (host_cost)
 #   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
@@ -35,6 +36,14 @@ for part in ${PART:-inplace}; do
       timeout 240 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k indexer 2>&1 | tail -3
       echo "== indexer + chain43, bench/kernels.py"
       timeout 220 python3 bench/kernels.py --reps 6 --rows 1,8 --ops indexer_rows --out "$OUT" 2>&1 | tail -12 ;;
+    attn)
+      echo "== attention gpu tests"
+      timeout 240 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
+      echo "== wide: 256 vs 512 threads (per call, chain43)"
+      for wt in 256 512 256 512; do
+        timeout 100 python3 bench/host_cost.py --reps 10 --wide-threads $wt --no-chain43 --chain43-variants after: \
+          --cases "sparse_attention_rows:8:131072,sparse_attention_rows:1:131072" 2>&1 | grep -v trivial
+      done ;;
     phases)
       echo "== kernel phases (globaltimer / clock64 probes)"
       timeout 200 python3 bench/phases.py --out "$OUT" 2>&1 | tail -12 ;;

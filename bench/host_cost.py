@@ -112,12 +112,17 @@ def main() -> None:
     ap.add_argument("--dsplit-chunks", type=int, default=None,
                     help="attention rows of up to this many 64-key chunks take `dsplit` (kernels/cuda/attention.py; "
                     "0: every row takes split-K + combine)")
+    ap.add_argument("--wide-threads", type=int, default=None, help="threads per `wide` attention block (256, 512)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
     if opt.dsplit_chunks is not None:
         at.DSPLIT_CHUNKS = opt.dsplit_chunks
         env["DSPLIT_CHUNKS"] = str(opt.dsplit_chunks)
+
+    if opt.wide_threads is not None:
+        at.WIDE_THREADS = opt.wide_threads
+        env["WIDE_THREADS"] = str(opt.wide_threads)
 
     def emit(name: str, r: dict[str, float]) -> None:
         print(json.dumps({"case": name, "env": env} | r), flush=True)

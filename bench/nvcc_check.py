@@ -67,6 +67,9 @@ def units() -> dict[str, str]:
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
     out["attn_wide"] = standalone("attn_wide", part_in, [("part", F32)], wide_t, asrc.WIDE,
                                   header=asrc.ATTN_HELPERS)  # fmt: skip
+    wide512_t = [(k, {"HG": 64, "THREADS": 512}.get(k, v)) for k, v in part_t]
+    out["attn_wide512"] = standalone("attn_wide", part_in, [("part", F32)], wide512_t, asrc.WIDE,
+                                     header=asrc.ATTN_HELPERS)  # fmt: skip
     wide32_t = [(k, 32 if k == "HG" else v) for k, v in part_t]
     out["attn_wide32"] = standalone("attn_wide", part_in, [("part", F32)], wide32_t, asrc.WIDE,
                                     header=asrc.ATTN_HELPERS)  # fmt: skip

@@ -82,7 +82,7 @@ def wrap_loop(src: str, top: str, marks: list[str], end: str) -> str:
 DSPLIT_LOOP = ("  for (int c = 0; c < nchunk; ++c) {", ["    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, kb, Ss);",
                "    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko,", "    if (warp < NT16) {  // O[:, slice]"],
                "  // the sink joins the denominator here")  # fmt: skip
-WIDE_MARKS = {"load": "  {  // S = Q K^T", "qk": "  for (int hh = 0; hh < HG / NWARP; ++hh) {  // this chunk's softmax",
+WIDE_MARKS = {"load": "  {  // S = Q K^T", "qk": "  {  // this chunk's softmax numerators",
               "softmax": "  {  // O = P V"}  # fmt: skip
 
 
@@ -199,11 +199,11 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]
             "partial": lambda: ka.smem_bytes(D, tmpl["ONE"])}[kind]()  # fmt: skip
     part = probe(f"attn_{kind}", list(ka.PART_IN), ["out" if plan.final else "part"], body, smem, ka.ATTN_HELPERS,
                  WIDE_MARKS if kind == "wide" else None, DSPLIT_LOOP if kind == "dsplit" else None)  # fmt: skip
-    nblk = plan.part_grid[0] // ka.THREADS * plan.part_grid[1] * plan.part_grid[2]
+    nblk = plan.part_grid[0] // plan.nt * plan.part_grid[1] * plan.part_grid[2]
     comb = None if plan.final else probe("attn_combine", list(ka.COMB_IN), ["out"], ka.COMBINE, 0, "")
 
     def run() -> list[mx.array]:
-        o, t1 = part(inputs=args, template=plan.part_tmpl, grid=plan.part_grid, threadgroup=(ka.THREADS, 1, 1),
+        o, t1 = part(inputs=args, template=plan.part_tmpl, grid=plan.part_grid, threadgroup=(plan.nt, 1, 1),
                      output_shapes=[plan.part_shapes[0], (nblk * NSLOT,)],
                      output_dtypes=[q.dtype if plan.final else mx.float32, mx.uint32], init_value=0)  # fmt: skip
         if comb is None:

@@ -39,6 +39,9 @@ TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
 DSPLIT_CHUNKS = 3  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
 WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blocks of a short batch, and
 # measured the same on the H200 (128K, 8 rows: 54.2 vs 55.2 us; bench/host_cost.py --wide-heads 64,32)
+# threads per `wide` block: its one block per multiprocessor is latency-bound (each warp's share of the QK,
+# softmax and PV runs one dependent step after another); 16 warps halve each warp's share
+WIDE_THREADS = 512
 WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
@@ -102,7 +105,7 @@ def splits(b: int, groups: int, nchunk: int) -> int:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("comb", "comb_grid", "comb_tmpl", "compiled", "fast", "final", "fparams", "part", "part_grid",
+    __slots__ = ("comb", "comb_grid", "comb_tmpl", "compiled", "fast", "final", "fparams", "nt", "part", "part_grid",
                  "part_shapes", "part_tmpl", "ratio")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, window: mx.array, pool: mx.array | None,
@@ -124,6 +127,7 @@ class Plan:
         self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d, ds) <= SMEM_MAX
         hg = wide_heads(nh, d)
         self.fparams = f32_params(scale)
+        self.nt = THREADS
         tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("CK", CK), ("THREADS", THREADS)]
         if self.final:  # grid z over the q rows, the normalized output straight from the kernel
             self.part = kernel("attn_dsplit", PART_IN, ("out",), DSPLIT, dsplit_smem(d, ds), ATTN_HELPERS)
@@ -133,8 +137,9 @@ class Plan:
         elif nh % 64 == 0 and d % 128 == 0 and wide_smem(d, hg) <= SMEM_MAX and \
                 b * (nh // hg) * nchunk <= WIDE_MAX_BLOCKS:  # fmt: skip
             self.part = kernel("attn_wide", PART_IN, ("part",), WIDE, wide_smem(d, hg), ATTN_HELPERS)
-            self.part_tmpl = tmpl + [("HG", hg)]
-            self.part_grid = (nchunk * THREADS, nh // hg, b)
+            self.nt = WIDE_THREADS if hg == 64 else THREADS  # 32 heads: 8 warps already split them finest
+            self.part_tmpl = tmpl[:-1] + [("THREADS", self.nt), ("HG", hg)]
+            self.part_grid = (nchunk * self.nt, nh // hg, b)
             self.part_shapes = [(b, nchunk, nh, d + 2)]  # O and (m, l) planes
         else:
             ns = splits(b, groups, nchunk)
@@ -156,7 +161,7 @@ class Plan:
             inputs=[slots, positions, q_rows, table, q, window, pool, ind, fparams, sinks, after],
             template=self.part_tmpl,
             grid=self.part_grid,
-            threadgroup=(THREADS, 1, 1),
+            threadgroup=(self.nt, 1, 1),
             output_shapes=self.part_shapes,
             output_dtypes=[q.dtype] if self.final else [mx.float32],
         )
@@ -203,7 +208,7 @@ def sparse_attention_rows_cuda(
 
     def make() -> Plan:
         tw = None if ratio is None or ratio not in batch.tables else batch.tables[ratio].shape
-        pk = key + (batch.size, batch.page_size, tw, WIDE_HG, DSPLIT_CHUNKS)
+        pk = key + (batch.size, batch.page_size, tw, WIDE_HG, DSPLIT_CHUNKS, WIDE_THREADS)
         return plan_cached(pk, lambda: Plan(batch, q, window, pool, indices, scale, ratio))
 
     plan: Plan = checked(batch, key, check, make)

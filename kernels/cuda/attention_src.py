@@ -81,32 +81,52 @@ __device__ __forceinline__ void dsv4_qk_wmma(const T* Qs, const T* Kb, float* Ss
   }
   wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
 }
-// Online softmax update over one 64-key chunk, one warp per head: P (numerators at the new max) to Ps,
-// the running (max, sum) updated, alpha = the old O's rescale factor per head.
+// Online softmax update over one 64-key chunk, warp w for heads HPW w .. HPW w + HPW - 1 at once (their
+// shuffle reductions interleaved): P (numerators at the new max) to Ps, the running (max, sum) updated,
+// alpha = the old O's rescale factor per head.
 template <typename T, int HG, int CK, int LDP, int NWARP>
 __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long long* koff, float scale, float* mrun,
                                                     float* lrun, float* alpha, T* Ps) {
+  constexpr int HPW = HG / NWARP;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int hh = 0; hh < HG / NWARP; ++hh) {
-    const int h = warp * (HG / NWARP) + hh;
-    const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
-    const float s0 = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
-    const float s1 = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
-    float m = fmaxf(s0, s1);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float mold = mrun[h];
-    const float mnew = fmaxf(mold, m);
-    const float p0 = v0 ? __expf(s0 - mnew) : 0.f, p1 = v1 ? __expf(s1 - mnew) : 0.f;
-    float l = p0 + p1;
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
+  float s0[HPW], s1[HPW], m[HPW], l[HPW];
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    const int h = warp * HPW + hh;
+    s0[hh] = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
+    s1[hh] = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
+    m[hh] = fmaxf(s0[hh], s1[hh]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+  }
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    const int h = warp * HPW + hh;
+    m[hh] = fmaxf(mrun[h], m[hh]);  // the new max
+    const float p0 = v0 ? __expf(s0[hh] - m[hh]) : 0.f, p1 = v1 ? __expf(s1[hh] - m[hh]) : 0.f;
+    l[hh] = p0 + p1;
     Ps[h * LDP + lane] = dsv4_t<T>(p0);
     Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-    __syncwarp();
-    if (lane == 0) {
-      const float a = (mold == -INFINITY) ? 0.f : __expf(mold - mnew);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+  }
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+      const int h = warp * HPW + hh;
+      const float mold = mrun[h];
+      const float a = (mold == -INFINITY) ? 0.f : __expf(mold - m[hh]);
       alpha[h] = a;
-      lrun[h] = lrun[h] * a + l;
-      mrun[h] = mnew;
+      lrun[h] = lrun[h] * a + l[hh];
+      mrun[h] = m[hh];
     }
   }
 }
@@ -184,19 +204,43 @@ WIDE = (
     }
   }
   __syncthreads();
-  for (int hh = 0; hh < HG / NWARP; ++hh) {  // this chunk's softmax numerators, one warp per head
-    const int h = warp * (HG / NWARP) + hh;
+  {  // this chunk's softmax numerators: warp w takes heads HPW w .. HPW w + HPW - 1, all at once (their
+     // shuffle reductions interleaved: one head after another left each reduction's latency exposed)
+    constexpr int HPW = HG / NWARP;
     const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
-    const float s0 = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
-    const float s1 = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
-    float m = fmaxf(s0, s1);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float p0 = v0 ? __expf(s0 - m) : 0.f, p1 = v1 ? __expf(s1 - m) : 0.f;
-    float l = p0 + p1;
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    Ps[h * LDP + lane] = dsv4_t<T>(p0);
-    Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-    if (lane == 0) { ml[(ob + h) * 2] = m; ml[(ob + h) * 2 + 1] = l; }
+    float s0[HPW], s1[HPW], m[HPW], l[HPW];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+      const int h = warp * HPW + hh;
+      s0[hh] = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
+      s1[hh] = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
+      m[hh] = fmaxf(s0[hh], s1[hh]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+    }
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+      const int h = warp * HPW + hh;
+      const float p0 = v0 ? __expf(s0[hh] - m[hh]) : 0.f, p1 = v1 ? __expf(s1[hh] - m[hh]) : 0.f;
+      l[hh] = p0 + p1;
+      Ps[h * LDP + lane] = dsv4_t<T>(p0);
+      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < HPW; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int hh = 0; hh < HPW; ++hh) {
+        ml[(ob + warp * HPW + hh) * 2] = m[hh];
+        ml[(ob + warp * HPW + hh) * 2 + 1] = l[hh];
+      }
+    }
   }
   __syncthreads();
   {  // O = P V (V = K): warp (head tile w / WPT, dims DW * (w % WPT) ..) in passes of 64 dims, straight to opart
