@@ -7,6 +7,7 @@
 #   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
+#   kgpu     every gpu-marked test file, no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
@@ -59,6 +60,10 @@ for part in ${PART:-inplace}; do
     tests)
       echo "== all gpu tests"
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
+    kgpu)
+      echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc)"
+      timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+        tests/kernels/test_cuda_hc.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
     bench)
       echo "== kernels, 8 rows"
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24

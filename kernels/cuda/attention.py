@@ -39,9 +39,10 @@ TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
 DSPLIT_CHUNKS = 3  # up to this many 64-key chunks per row: `dsplit` (1 launch), else split-K + combine
 WIDE_HG = 64  # heads per `wide` block; 32 (D a multiple of 256) doubles the blocks of a short batch, and
 # measured the same on the H200 (128K, 8 rows: 54.2 vs 55.2 us; bench/host_cost.py --wide-heads 64,32)
-# threads per `wide` block: its one block per multiprocessor is latency-bound (each warp's share of the QK,
-# softmax and PV runs one dependent step after another); 16 warps halve each warp's share
-WIDE_THREADS = 512
+# threads per `wide` block. 512 (16 warps, half the QK / PV per warp) measured slower on the H200 (block
+# 15.2 vs 13.6 us, bench/phases.py; chain43 3.78-3.88 vs 3.47-3.61 ms): the QK and PV phases did not
+# shorten, the gather got longer. `bench/host_cost.py --wide-threads` A/Bs it.
+WIDE_THREADS = 256
 WIDE_MAX_BLOCKS = 3 * 132  # `wide` (one chunk per block, one block per multiprocessor) up to ~3 waves
 SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most of a multiprocessor)
