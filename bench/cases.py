@@ -73,6 +73,34 @@ def _batch(tables: dict[int, list[list[int]]], rows: int, ctx: int) -> tuple[Row
     return RowBatch.build(rs, PAGE, widths), [RowBatch.build([r], PAGE, widths) for r in rs]
 
 
+def indexer_inputs(rng: np.random.Generator, rows: int, ctx: int) -> tuple[RowBatch, list[RowBatch], mx.array,
+                                                                          mx.array, mx.array]:  # fmt: skip
+    """The indexer's batch (every row at `ctx`, its own pages), its single-row batches, q, weights, keys."""
+    tables, pages = _tables(rng, rows, ctx // 4)
+    batch, singles = _batch({4: tables}, rows, ctx)
+    q = mx.random.normal((rows, NI, DI)).astype(mx.bfloat16)
+    w = mx.random.normal((rows, NI)) * (DI**-0.5 * NI**-0.5)
+    keys = mx.random.normal((pages, PAGE, DI)).astype(mx.bfloat16)
+    mx.eval(q, w, keys)
+    return batch, singles, q, w, keys
+
+
+def attention_inputs(rng: np.random.Generator, rows: int, ctx: int, ratio: int) -> tuple[Any, ...]:
+    """The attention's batch, single-row batches, q, window, pool, indices, sinks. ratio 4: CSA (TOPK
+    selected ids), 128: HCA (indices None: every entry of the row's table), 0: sliding (no pool)."""
+    n = ctx // ratio if ratio else 0
+    tables, pages = _tables(rng, rows, max(n, 1))
+    batch, singles = _batch({ratio or 4: tables}, rows, ctx)
+    q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
+    window = mx.random.normal((rows, W, D)).astype(mx.bfloat16)
+    pool = mx.random.normal((pages, PAGE, D)).astype(mx.bfloat16) if ratio else None
+    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32)) \
+        if ratio == 4 else None  # fmt: skip
+    sinks = mx.random.normal((NH,))
+    mx.eval(q, window, sinks, *[x for x in (pool, ind) if x is not None])
+    return batch, singles, q, window, pool, ind, sinks
+
+
 def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
     """`op`: an op name, with `:128` for the HCA form of the compressor (ratio 128) or of the attention
     (the window + every entry of the row's table); the CSA form (ratio 4) otherwise."""
@@ -99,14 +127,9 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
 
         nbytes = rows * (2 * coff * ratio * c * 4 * 2 + 2 * c * 4 + d * 2)
         return Case(op, nbytes, call, batch, singles, init)
-    n = ctx // 4
     if op == "indexer_rows":
-        tables, pages = _tables(rng, rows, n)
-        batch, singles = _batch({4: tables}, rows, ctx)
-        q = mx.random.normal((rows, NI, DI)).astype(mx.bfloat16)
-        w = mx.random.normal((rows, NI)) * (DI**-0.5 * NI**-0.5)
-        keys = mx.random.normal((pages, PAGE, DI)).astype(mx.bfloat16)
-        mx.eval(q, w, keys)
+        n = ctx // 4
+        batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # linked by data (ids are >= -1, so the weights pass unchanged): an edge in MLX's CUDA graph,
@@ -115,18 +138,8 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
             return impl(b, q, wl, keys, topk=TOPK)
 
         return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
-    n = ctx // ratio
-    tables, pages = _tables(rng, rows, n)
-    batch, singles = _batch({ratio: tables}, rows, ctx)
-    q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
-    window = mx.random.normal((rows, W, D)).astype(mx.bfloat16)
-    pool = mx.random.normal((pages, PAGE, D)).astype(mx.bfloat16)
-    # CSA: TOPK selected entries; HCA: None, every entry of the row's table
-    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32)) \
-        if ratio == 4 else None  # fmt: skip
-    keys = TOPK if ratio == 4 else n
-    sinks = mx.random.normal((NH,))
-    mx.eval(q, window, pool, sinks, *([] if ind is None else [ind]))
+    batch, singles, q, window, pool, ind, sinks = attention_inputs(rng, rows, ctx, ratio)
+    keys = TOPK if ratio == 4 else ctx // ratio
 
     def call_a(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
         # the previous call's output (q's shape and dtype) is this call's q: a data link, no extra op

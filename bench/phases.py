@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
-from bench.cases import DI, NH, NI, PAGE, TOPK, D, W, _batch, _tables  # noqa: E402
+from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
 from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
 TIMER = r"""
@@ -132,14 +132,7 @@ SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int
 
 
 def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    n = ctx // 4
-    tables, pages = _tables(rng, rows, n)
-    batch, _ = _batch({4: tables}, rows, ctx)
-    q = mx.random.normal((rows, NI, DI)).astype(mx.bfloat16)
-    w = mx.random.normal((rows, NI)) * (DI**-0.5 * NI**-0.5)
-    keys = mx.random.normal((pages, PAGE, DI)).astype(mx.bfloat16)
-    mx.eval(q, w, keys)
+    batch, _, q, w, keys = indexer_inputs(np.random.default_rng(0), rows, ctx)
     plan = ki.Plan(batch, q, keys, TOPK)
     assert not plan.one, "the probe covers segment + merge (rows of more than ONE_MAX entries)"
     nseg_blocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
@@ -172,17 +165,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
 
 def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]:
     """ratio 4: CSA (window + TOPK selected ids), 128: HCA (window + every entry), 0: sliding (window)."""
-    rng = np.random.default_rng(0)
-    n = ctx // ratio if ratio else 0
-    tables, pages = _tables(rng, rows, max(n, 1))
-    batch, _ = _batch({ratio or 4: tables}, rows, ctx)
-    q = mx.random.normal((rows, NH, D)).astype(mx.bfloat16)
-    window = mx.random.normal((rows, W, D)).astype(mx.bfloat16)
-    pool = mx.random.normal((pages, PAGE, D)).astype(mx.bfloat16) if ratio else None
-    ind = mx.array(np.stack([rng.choice(n, TOPK, replace=False) for _ in range(rows)]).astype(np.int32)) \
-        if ratio == 4 else None  # fmt: skip
-    sinks = mx.random.normal((NH,))
-    mx.eval(q, window, sinks, *([] if ind is None else [ind]), *([] if pool is None else [pool]))
+    batch, _, q, window, pool, ind, sinks = attention_inputs(np.random.default_rng(0), rows, ctx, ratio)
     scale = D**-0.5
     plan = ka.Plan(batch, q, window, pool, ind, scale, ratio or None)
     if pool is None:

@@ -81,9 +81,38 @@ __device__ __forceinline__ void dsv4_qk_wmma(const T* Qs, const T* Kb, float* Ss
   }
   wmma::store_matrix_sync(Ss + half * HG * CK + kt * 16, acc, CK, wmma::mem_row_major);
 }
-// Online softmax update over one 64-key chunk, warp w for heads HPW w .. HPW w + HPW - 1 at once (their
-// shuffle reductions interleaved): P (numerators at the new max) to Ps, the running (max, sum) updated,
-// alpha = the old O's rescale factor per head.
+// A warp's softmax numerators over one 64-key chunk for its HPW heads h0 .., all at once (their shuffle
+// reductions interleaved level by level: one head after another left each reduction's latency exposed).
+// s0 / s1: the lane's keys lane, lane + 32 (scaled; v0 / v1 false where masked). m: the max over the
+// chunk and, with `mfloor`, over mfloor[h] (an online softmax's running max); P at m to Ps; l: sum of P.
+template <typename T, int HPW, int LDP>
+__device__ __forceinline__ void dsv4_warp_softmax(const float* s0, const float* s1, bool v0, bool v1, int h0,
+                                                  const float* mfloor, float* m, float* l, T* Ps) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(s0[hh], s1[hh]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+  }
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    const int h = h0 + hh;
+    if (mfloor) m[hh] = fmaxf(mfloor[h], m[hh]);
+    const float p0 = v0 ? __expf(s0[hh] - m[hh]) : 0.f, p1 = v1 ? __expf(s1[hh] - m[hh]) : 0.f;
+    l[hh] = p0 + p1;
+    Ps[h * LDP + lane] = dsv4_t<T>(p0);
+    Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+  }
+}
+// Online softmax update over one 64-key chunk (warp w: heads HPW w ..): P (numerators at the new max) to
+// Ps, the running (max, sum) updated, alpha = the old O's rescale factor per head.
 template <typename T, int HG, int CK, int LDP, int NWARP>
 __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long long* koff, float scale, float* mrun,
                                                     float* lrun, float* alpha, T* Ps) {
@@ -96,27 +125,8 @@ __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long 
     const int h = warp * HPW + hh;
     s0[hh] = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
     s1[hh] = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
-    m[hh] = fmaxf(s0[hh], s1[hh]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-    for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
-  }
-#pragma unroll
-  for (int hh = 0; hh < HPW; ++hh) {
-    const int h = warp * HPW + hh;
-    m[hh] = fmaxf(mrun[h], m[hh]);  // the new max
-    const float p0 = v0 ? __expf(s0[hh] - m[hh]) : 0.f, p1 = v1 ? __expf(s1[hh] - m[hh]) : 0.f;
-    l[hh] = p0 + p1;
-    Ps[h * LDP + lane] = dsv4_t<T>(p0);
-    Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-    for (int hh = 0; hh < HPW; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-  }
+  dsv4_warp_softmax<T, HPW, LDP>(s0, s1, v0, v1, warp * HPW, mrun, m, l, Ps);
   __syncwarp();
   if (lane == 0) {
 #pragma unroll
@@ -204,8 +214,7 @@ WIDE = (
     }
   }
   __syncthreads();
-  {  // this chunk's softmax numerators: warp w takes heads HPW w .. HPW w + HPW - 1, all at once (their
-     // shuffle reductions interleaved: one head after another left each reduction's latency exposed)
+  {  // this chunk's softmax numerators, warp w for heads HPW w .. (one chunk: no running max)
     constexpr int HPW = HG / NWARP;
     const bool v0 = koff[lane] >= 0, v1 = koff[lane + 32] >= 0;
     float s0[HPW], s1[HPW], m[HPW], l[HPW];
@@ -214,26 +223,8 @@ WIDE = (
       const int h = warp * HPW + hh;
       s0[hh] = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
       s1[hh] = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
-      m[hh] = fmaxf(s0[hh], s1[hh]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < HPW; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
-    }
-#pragma unroll
-    for (int hh = 0; hh < HPW; ++hh) {
-      const int h = warp * HPW + hh;
-      const float p0 = v0 ? __expf(s0[hh] - m[hh]) : 0.f, p1 = v1 ? __expf(s1[hh] - m[hh]) : 0.f;
-      l[hh] = p0 + p1;
-      Ps[h * LDP + lane] = dsv4_t<T>(p0);
-      Ps[h * LDP + lane + 32] = dsv4_t<T>(p1);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < HPW; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-    }
+    dsv4_warp_softmax<T, HPW, LDP>(s0, s1, v0, v1, warp * HPW, nullptr, m, l, Ps);
     if (lane == 0) {
 #pragma unroll
       for (int hh = 0; hh < HPW; ++hh) {
