@@ -6,6 +6,7 @@
 #   attn     the attention gpu tests; `wide` at 256 vs 512 threads (host_cost)
 #   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
+#   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   kgpu     every gpu-marked test file, no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
@@ -55,6 +56,12 @@ for part in ${PART:-inplace}; do
           --cases "compressor_rows:128:8:8192,sparse_attention_rows:128:8:8192,sparse_attention_rows:8:8192" 2>&1 \
           | grep -v trivial
       done ;;
+    memloc)
+      echo "== where small inputs live: read latency, a scale read per call, ops with the batch in device memory"
+      timeout 330 python3 bench/memloc.py --reps 10 --out "$OUT" 2>&1 | tail -20
+      echo "== dsplit outside its loop"
+      timeout 120 python3 bench/phases.py --cases outer:128:8:8192,outer:0:8:8192,outer:128:1:8192 --out "$OUT" \
+        2>&1 | tail -4 ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -82,6 +82,9 @@ def wrap_loop(src: str, top: str, marks: list[str], end: str) -> str:
 DSPLIT_LOOP = ("  for (int c = 0; c < nchunk; ++c) {", ["    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, kb, Ss);",
                "    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko,", "    if (warp < NT16) {  // O[:, slice]"],
                "  // the sink joins the denominator here")  # fmt: skip
+# dsplit outside its loop: row lookup + Q load + O init | chunk 0's offsets | the loop | the epilogue
+DSPLIT_OUTER = {"pre": "  offsets(0);\n  __syncthreads();", "offsets": "  fetch(0);\n  for (int c = 0;",
+                "loop": "  // the sink joins the denominator here"}  # fmt: skip
 WIDE_MARKS = {"load": "  {  // S = Q K^T", "qk": "  {  // this chunk's softmax numerators",
               "softmax": "  {  // O = P V"}  # fmt: skip
 
@@ -163,7 +166,7 @@ def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
     return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
 
 
-def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]:
+def attention_case(rows: int, ctx: int, ratio: int, reps: int, outer: bool = False) -> dict[str, Any]:
     """ratio 4: CSA (window + TOPK selected ids), 128: HCA (window + every entry), 0: sliding (window)."""
     batch, _, q, window, pool, ind, sinks = attention_inputs(np.random.default_rng(0), rows, ctx, ratio)
     scale = D**-0.5
@@ -181,7 +184,8 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]
     smem = {"dsplit": lambda: ka.dsplit_smem(D, tmpl["DS"]), "wide": lambda: ka.wide_smem(D, tmpl["HG"]),
             "partial": lambda: ka.smem_bytes(D, tmpl["ONE"])}[kind]()  # fmt: skip
     part = probe(f"attn_{kind}", list(ka.PART_IN), ["out" if plan.final else "part"], body, smem, ka.ATTN_HELPERS,
-                 WIDE_MARKS if kind == "wide" else None, DSPLIT_LOOP if kind == "dsplit" else None)  # fmt: skip
+                 WIDE_MARKS if kind == "wide" else (DSPLIT_OUTER if outer else None),
+                 DSPLIT_LOOP if kind == "dsplit" and not outer else None)  # fmt: skip
     nblk = plan.part_grid[0] // plan.nt * plan.part_grid[1] * plan.part_grid[2]
     comb = None if plan.final else probe("attn_combine", list(ka.COMB_IN), ["out"], ka.COMBINE, 0, "")
 
@@ -206,7 +210,8 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int) -> dict[str, Any]
         r = run()
         mx.eval(r)
         runs.append([np.array(x) for x in r[1:]])
-    ph = {"wide": ["load", "qk", "softmax", "pv"], "dsplit": ["wait", "qk", "softmax", "pv"]}
+    ph = {"wide": ["load", "qk", "softmax", "pv"],
+          "dsplit": ["pre", "offsets", "loop", "epilogue"] if outer else ["wait", "qk", "softmax", "pv"]}
     return {"kind": kind, "blocks": nblk} | summarize(runs, [kind] + ([] if comb is None else ["combine"]), ph)
 
 
@@ -223,9 +228,9 @@ def main() -> None:
         op = parts[0]
         if op == "indexer":
             r = indexer_case(int(parts[1]), int(parts[2]), a.reps)
-        elif op in ("attention", "sliding"):
+        elif op in ("attention", "sliding", "outer"):  # outer: dsplit's phases outside its loop (HCA / sliding)
             ratio = 0 if op == "sliding" else (int(parts[1]) if len(parts) == 4 else 4)
-            r = attention_case(int(parts[-2]), int(parts[-1]), ratio, a.reps)
+            r = attention_case(int(parts[-2]), int(parts[-1]), ratio, a.reps, outer=op == "outer")
         else:
             raise SystemExit(f"unknown case {c}")
         res[c] = r
