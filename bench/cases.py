@@ -70,7 +70,9 @@ def _tables(rng: np.random.Generator, rows: int, entries: int, distinct: bool = 
 def _batch(tables: dict[int, list[list[int]]], rows: int, ctx: int) -> tuple[RowBatch, list[RowBatch]]:
     rs = [Row(i, ctx - 1, i, {r: tuple(t[i]) for r, t in tables.items()}) for i in range(rows)]
     widths = {r: max(len(x) for x in t) for r, t in tables.items()}
-    return RowBatch.build(rs, PAGE, widths), [RowBatch.build([r], PAGE, widths) for r in rs]
+    b, singles = RowBatch.build(rs, PAGE, widths), [RowBatch.build([r], PAGE, widths) for r in rs]
+    mx.eval([(x.slots, x.positions, x.q_rows, *x.tables.values()) for x in (b, *singles)])  # not inside a trace
+    return b, singles
 
 
 def indexer_inputs(rng: np.random.Generator, rows: int, ctx: int) -> tuple[RowBatch, list[RowBatch], mx.array,

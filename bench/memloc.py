@@ -40,6 +40,7 @@ import kernels.cuda.compressor as kcomp  # noqa: E402
 import kernels.cuda.compressor_inplace as kcin  # noqa: E402
 from bench.kernels import interleave  # noqa: E402
 from kernels import RowBatch  # noqa: E402
+from kernels.upload import upload  # noqa: E402
 
 LAT = r"""
   if (threadIdx.x == 0) {
@@ -89,6 +90,7 @@ def latency(reps: int) -> dict[str, Any]:
         out[name] = [run(p) for _ in range(reps)]
     out["fresh_managed"] = [run(mx.array(np.full(64, i, np.int32))) for i in range(reps)]
     out["fresh_small"] = [run(mx.array([i], dtype=mx.int32)) for i in range(reps)]
+    out["fresh_upload"] = [run(upload([i, i + 1, i + 2])) for i in range(reps)]  # kernels/upload.py
     return out
 
 

@@ -24,6 +24,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
+import kernels.upload as kupload  # noqa: E402
 from bench.floors import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from model import attention  # noqa: E402
@@ -171,7 +172,8 @@ def main() -> None:
                     "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
                     "decode loop, each token read back before / after the next step is queued: time_loop); "
                     "fast_functional / fast_pipe_functional: fast / fast_pipe with the functional compressor "
-                    "(model.attention.INPLACE_COMPRESSOR off; the in-place one is the default)")
+                    "(model.attention.INPLACE_COMPRESSOR off; the in-place one is the default); any arm + "
+                    "`_noupload`: the rows' arrays and tokens host-built (managed memory, kernels/upload.py off)")
     opt = ap.parse_args()
     args = flash_args(opt.layers)
     t0 = time.perf_counter()
@@ -187,7 +189,10 @@ def main() -> None:
         fill_state(pools, handles, ctx)
         for rows in rows_list:
             arm = {}
-            for mode in opt.arms.split(",") * 2:  # interleaved arms
+            for arm_name in opt.arms.split(",") * 2:  # interleaved arms
+                mode = arm_name.removesuffix("_noupload")
+                kupload.ENABLED = mode == arm_name
+                kupload._cache.clear()
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
                 set_hc_kernel(mode != "fast_nohc")
@@ -198,7 +203,7 @@ def main() -> None:
                     ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode != "fast_sync")
                 else:
                     ts = time_steps(model, pools, handles[:rows], ctx, opt.reps)
-                arm.setdefault(mode, []).extend(ts)
+                arm.setdefault(arm_name, []).extend(ts)
             set_op_compile(False)
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw

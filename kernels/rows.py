@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kernels.upload import upload
+
 MAX_ROWS = 8
 INT32_MAX = 2**31 - 1
 
@@ -68,12 +70,13 @@ class RowBatch:
         tables = {}
         for ratio, w in widths.items():
             padded = [list(r.tables.get(ratio, ())) + [0] * (w - len(r.tables.get(ratio, ()))) for r in rows]
-            tables[ratio] = mx.array(padded, dtype=mx.int32) if rows else mx.zeros((0, w), mx.int32)
+            tables[ratio] = upload(padded) if rows else mx.zeros((0, w), mx.int32)
+        # device memory on CUDA (kernels/upload.py): a host-built array costs the GPU a page fault
         return cls(
             rows=rows,
-            slots=mx.array([r.slot for r in rows], dtype=mx.int32),
-            positions=mx.array([r.position for r in rows], dtype=mx.int32),
-            q_rows=mx.array([r.q_row for r in rows], dtype=mx.int32),
+            slots=upload([r.slot for r in rows]),
+            positions=upload([r.position for r in rows]),
+            q_rows=upload([r.q_row for r in rows]),
             tables=tables,
             page_size=page_size,
         )

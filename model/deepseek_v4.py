@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels import Row, RowBatch
+from kernels.upload import upload
 from model.attention import Attention
 from model.config import ModelArgs
 from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq, rope_angles
@@ -135,7 +136,7 @@ class DeepseekV4(nn.Module):
     ) -> mx.array:
         """Build the rows, run one step and evaluate logits and the updated state together."""
         batch = self.make_batch(pools, handles, positions)
-        logits = self.step(batch, mx.array([int(t) for t in token_ids], dtype=mx.int32), pools)
+        logits = self.step(batch, upload([int(t) for t in token_ids]), pools)
         mx.eval(logits, pools.arrays())
         return logits
 

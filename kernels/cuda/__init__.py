@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels import backend
+from kernels import backend, upload
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
@@ -91,6 +91,7 @@ def precompile(
     the in-place compressor's variants (what the model runs), else the functional one's
     (DSV4_INPLACE_COMPRESSOR=0)."""
     ratios = tuple(sorted(set(r for r in ratios if r)))
+    upload.warm()
     batch = _batch(page_size, ratios or (4,))
     calls: list[Any] = []
     half = rope_dim // 2

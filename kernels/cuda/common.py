@@ -15,6 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kernels.upload import upload
+
 # Type conversions shared by every kernel (T is float, __nv_bfloat16 or __half).
 HEADER = r"""
 #include <mma.h>
@@ -125,7 +127,9 @@ def f32_params(*values: float) -> mx.array:
     """A cached float32 array of scalar parameters (eps, scale): no host upload per call."""
     key = ("f32",) + tuple(float(v) for v in values)
     if key not in _consts:
-        _consts[key] = mx.array(list(key[1:]), dtype=mx.float32)
+        # device memory (kernels/upload.py): a 4-byte host-built array is read over the host link by every block
+        _consts[key] = upload(list(key[1:]), mx.float32)
+        mx.eval(_consts[key])
     return _consts[key]
 
 

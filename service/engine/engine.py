@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from kernels.upload import upload
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.state import StateHandle, StatePools
@@ -137,7 +138,7 @@ class Engine:
         handles = [f[0] for f in feeds]
         batch = self.model.make_batch(self.pools, handles, [f[2] for f in feeds])
         if tokens is None:
-            tokens = mx.array([f[1] for f in feeds], dtype=mx.int32)
+            tokens = upload([f[1] for f in feeds])
         elif tokens.shape != (len(feeds),):
             raise ValueError(f"step: tokens must have shape ({len(feeds)},), got {tokens.shape}")
         logits = self.model.step(batch, tokens, self.pools)

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kernels.upload import upload
 from service.engine.request import SamplingParams
 from service.engine.scheduler import Sampled
 
@@ -57,8 +58,8 @@ def _fmix32(h: mx.array) -> mx.array:
 def gumbel_noise(keys: Sequence[int], vocab: int) -> mx.array:
     """[B, V] f32 standard Gumbel noise; row b depends only on keys[b]."""
     k = np.asarray(keys, dtype=np.uint64)
-    k1 = mx.array((k & 0xFFFFFFFF).astype(np.uint32))[:, None]
-    k2 = mx.array((k >> np.uint64(32)).astype(np.uint32))[:, None]
+    k1 = upload((k & 0xFFFFFFFF).astype(np.uint32), mx.uint32)[:, None]
+    k2 = upload((k >> np.uint64(32)).astype(np.uint32), mx.uint32)[:, None]
     idx = mx.arange(vocab, dtype=mx.uint32)[None, :]
     # XOR (not add) the key in: adding would make nearby keys shifted copies of one sequence.
     h = _fmix32((idx * mx.array(0x9E3779B9, dtype=mx.uint32)) ^ k1)
@@ -81,7 +82,7 @@ def _row_mask(rows_ids: list[np.ndarray], shape: tuple[int, int], counts: bool =
 
 
 def _col(values: list[float]) -> mx.array:
-    return mx.array(values, dtype=mx.float32)[:, None]
+    return upload(values, mx.float32)[:, None]
 
 
 def apply_penalties(
@@ -189,7 +190,7 @@ def sample_lazy(
             s = _top_k_top_p(s, params)
         keys = [row_key(p.seed, n) for p, n in zip(params, generated_counts, strict=True)]
         drawn = mx.argmax(s + gumbel_noise(keys, v), axis=-1)
-        token = mx.where(mx.array(random_rows), drawn, greedy_tok)
+        token = mx.where(upload(random_rows), drawn, greedy_tok)  # int32: nonzero picks `drawn`
     else:
         token = greedy_tok
 
@@ -211,7 +212,7 @@ def _top_k_top_p(s: mx.array, params: Sequence[SamplingParams]) -> mx.array:
     v = s.shape[-1]
     srt = -mx.sort(-s, axis=-1)  # descending
     pos = mx.arange(v)[None, :]
-    kk = mx.array([p.top_k if 0 < p.top_k < v else v for p in params])[:, None]
+    kk = upload([p.top_k if 0 < p.top_k < v else v for p in params])[:, None]
     srt = mx.where(pos < kk, srt, -mx.inf)
     probs = mx.softmax(srt, axis=-1)
     before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above this entry

@@ -76,6 +76,8 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
     ahead). `sample` is sampler.sample_lazy."""
     import mlx.core as mx
 
+    from kernels.upload import upload
+
     t0 = ahead[1] if ahead is not None else time.perf_counter()
     nxt: Ahead | None = None
     spec_failed: tuple[list[Request], Exception] | None = None
@@ -84,7 +86,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
         if idx:
-            rows = logits if len(idx) == len(plan) else logits[mx.array(idx)]
+            rows = logits if len(idx) == len(plan) else logits[upload(idx)]
             reqs = [plan[i] for i in idx]
             pending = sample(
                 rows,
@@ -97,7 +99,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
                 if keep:
                     nrows = [plan[i] for i in keep]
-                    tokens = pending.tokens if len(keep) == len(plan) else pending.tokens[mx.array(keep)]
+                    tokens = pending.tokens if len(keep) == len(plan) else pending.tokens[upload(keep)]
                     try:
                         feeds = [(sched.handles[r.request_id], None, r.fed + 1) for r in nrows]
                         nxt = Ahead(nrows, engine.step(feeds, tokens=tokens), 0.0)
@@ -143,10 +145,10 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     the new queue counts). Returns the outcome and the step queued ahead, if any (`pipeline`)."""
     live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
     if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
-        import mlx.core as mx
+        from kernels.upload import upload
 
         plan = sched.resume([ahead.rows[i] for i in live])  # rows aborted since it was queued drop out
-        logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[mx.array(live)]
+        logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[upload(live)]
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline)
         out = Outcome(step_events, ahead=True)
         if dt is not None:
