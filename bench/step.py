@@ -192,7 +192,7 @@ def main() -> None:
             for arm_name in opt.arms.split(",") * 2:  # interleaved arms
                 mode = arm_name.removesuffix("_noupload")
                 kupload.ENABLED = mode == arm_name
-                kupload._cache.clear()
+                kupload.clear()
                 os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
                 set_op_compile(mode == "fast_opc")
                 set_hc_kernel(mode != "fast_nohc")

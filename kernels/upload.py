@@ -18,6 +18,7 @@ repeat from step to step, so a steady decode step uploads its positions and toke
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -34,9 +35,21 @@ CACHE_SIZE = 256
 ENABLED = os.environ.get("DSV4_UPLOAD", "1").strip() not in ("0", "")
 DTYPES = {np.dtype(np.int32): mx.int32, np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 
-_cache: OrderedDict[tuple[Any, ...], mx.array] = OrderedDict()
+# per thread: an array not evaluated yet belongs to its thread's stream (MLX raises on another thread)
+_local = threading.local()
 _kernels: dict[int, Any] = {}
 _zero: dict[Any, mx.array] = {}
+
+
+def _cache() -> OrderedDict[tuple[Any, ...], mx.array]:
+    if not hasattr(_local, "cache"):
+        _local.cache = OrderedDict()
+    return _local.cache
+
+
+def clear() -> None:
+    """Forget this thread's uploads."""
+    _cache().clear()
 
 
 def _kernel(k: int) -> Any:
@@ -62,8 +75,9 @@ def _pieces(a: np.ndarray, dt: mx.Dtype) -> mx.array:
     ps = [mx.array(flat[i : i + 2]) for i in range(0, flat.size, 2)]  # 8 bytes each: MLX's small pool
     k = next(b for b in BUCKETS if b >= len(ps))
     if k > len(ps):
-        if dt not in _zero:
+        if dt not in _zero:  # shared by every thread: evaluated here, not left on this thread's stream
             _zero[dt] = mx.zeros((2,), dt)
+            mx.eval(_zero[dt])
         ps += [_zero[dt]] * (k - len(ps))
     return _kernel(k)(inputs=ps, grid=(2 * k, 1, 1), threadgroup=(2 * k, 1, 1), output_shapes=[(2 * k,)],
                       output_dtypes=[dt])[0]  # fmt: skip
@@ -82,15 +96,16 @@ def upload(values: Any, dtype: mx.Dtype = mx.int32) -> mx.array:
     if not (ENABLED and a.size and cuda_available()):
         return mx.array(a)
     key = (a.dtype.str, a.shape, a.tobytes())
-    out = _cache.get(key)
+    cache = _cache()
+    out = cache.get(key)
     if out is not None:
-        _cache.move_to_end(key)
+        cache.move_to_end(key)
         return out
     buf = _pieces(a, dtype) if a.size <= 2 * MAX_PIECES else _copy(a, dtype)
     out = buf if buf.shape == a.shape else buf[: a.size].reshape(a.shape)
-    _cache[key] = out
-    if len(_cache) > CACHE_SIZE:
-        _cache.popitem(last=False)
+    cache[key] = out
+    if len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
     return out
 
 

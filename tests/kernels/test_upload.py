@@ -51,7 +51,7 @@ def test_upload_caches_by_content() -> None:
 @pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
 def test_upload_on_cuda_uses_the_pieces_and_the_copy() -> None:
     assert upload.ENABLED
-    upload._cache.clear()
+    upload.clear()
     upload.warm()
     assert set(upload._kernels) == {*upload.BUCKETS, 0}  # every variant compiled by warm()
     for n in SIZES:
