@@ -7,6 +7,7 @@
 #   phases   per-block start / end and the indexer segment's phases (bench/phases.py)
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   upload   kernels/upload.py: its gpu test, the engine tests, memloc, step.py with / without it
+#   check11  upload + engine tests, phases (session 11)
 #   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   kgpu     every gpu-marked test file, no -x (one call)
@@ -66,6 +67,14 @@ for part in ${PART:-inplace}; do
       echo "== step: uploaded vs host-built rows' arrays"
       timeout 230 python3 bench/step.py --rows 1,8 --contexts 4096 --reps 12 \
         --arms fast,fast_noupload,fast_pipe,fast_pipe_noupload --out "$OUT/step.json" 2>&1 | tail -11 ;;
+    check11)
+      echo "== upload + engine tests on the GPU"
+      timeout 200 python3 -m pytest tests/kernels/test_upload.py tests/service/test_worker.py tests/service/test_pipeline.py \
+        -q -p no:cacheprovider 2>&1 | tail -4
+      echo "== phases with the rows' arrays in device memory"
+      timeout 150 python3 bench/phases.py --out "$OUT" \
+        --cases indexer:8:131072,indexer:1:131072,attention:8:131072,attention:8:8192,outer:128:8:8192,outer:0:8:8192,sliding:8:8192 \
+        2>&1 | tail -8 ;;
     memloc)
       echo "== where small inputs live: read latency, a scale read per call, ops with the batch in device memory"
       timeout 330 python3 bench/memloc.py --reps 10 --out "$OUT" 2>&1 | tail -20

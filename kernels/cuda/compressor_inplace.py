@@ -168,8 +168,9 @@ class Plan:
         tail = [("NT", NT), ("NSPLIT", ns)]
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + tail
         self.grid = (b * ns * NT, 1, 1)
-        # the token; split rows: also the pooled features and the tickets (zeroed)
-        self.out_shape, self.init = ((1,), None) if ns == 1 else ((b * head_dim + b,), 0)
+        # the token; split rows: also the pooled features and the tickets (zeroed). 4 ints, not 1: MLX puts
+        # outputs of <= 8 bytes in managed memory (kernels/upload.py), where the token's write crosses the host link
+        self.out_shape, self.init = ((4,), None) if ns == 1 else ((b * head_dim + b,), 0)
         self.compiled = mx.compile(self.launch)
 
     def launch(self, *inputs: mx.array) -> mx.array:
