@@ -10,7 +10,7 @@
 #   check11  upload + engine tests, phases (session 11)
 #   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
-#   kgpu     every gpu-marked test file, no -x (one call)
+#   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
@@ -89,7 +89,7 @@ for part in ${PART:-inplace}; do
     kgpu)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc)"
       timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
-        tests/kernels/test_cuda_hc.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
+        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
     bench)
       echo "== kernels, 8 rows"
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24
