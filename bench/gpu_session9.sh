@@ -8,6 +8,7 @@
 #   ab       short-row attention: dsplit vs split-K + combine, in the data-linked chain43 and per call
 #   upload   kernels/upload.py: its gpu test, the engine tests, memloc, step.py with / without it
 #   check11  upload + engine tests, phases (session 11)
+#   attn11   attention gpu tests, phases and kernels.py after the combine change (session 11)
 #   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
@@ -75,6 +76,13 @@ for part in ${PART:-inplace}; do
       timeout 150 python3 bench/phases.py --out "$OUT" \
         --cases indexer:8:131072,indexer:1:131072,attention:8:131072,attention:8:8192,outer:128:8:8192,outer:0:8:8192,sliding:8:8192 \
         2>&1 | tail -8 ;;
+    attn11)
+      echo "== attention gpu tests (combine: the splits' (m, l) read at once)"
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
+      echo "== combine's span"
+      timeout 60 python3 bench/phases.py --out "$OUT" --cases attention:8:131072,attention:1:1048576 2>&1 | tail -3
+      echo "== attention + chain43, bench/kernels.py"
+      timeout 200 python3 bench/kernels.py --reps 6 --rows 8 --ops sparse_attention_rows --out "$OUT" 2>&1 | tail -8 ;;
     memloc)
       echo "== where small inputs live: read latency, a scale read per call, ops with the batch in device memory"
       timeout 330 python3 bench/memloc.py --reps 10 --out "$OUT" 2>&1 | tail -20

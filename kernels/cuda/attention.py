@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
-from kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, WIDE
+from kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE_MAX_SPLITS, WIDE
 from kernels.cuda.attention_wmma_src import DSPLIT, PARTIAL
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, check_after, checked
@@ -150,6 +150,7 @@ class Plan:
             self.part_grid = (ns * THREADS, groups, b)
             self.part_shapes = [(b, ns, nh, d + 2)]
         if not self.final:
+            assert self.part_shapes[0][1] <= COMBINE_MAX_SPLITS, "attention: more splits than the combine takes"
             self.comb = kernel("attn_combine", COMB_IN, ("out",), COMBINE)
             self.comb_tmpl = [("T", q.dtype), ("D", d)]
             self.comb_grid = (bq * nh * 128, 1, 1)

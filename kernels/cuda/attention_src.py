@@ -267,7 +267,8 @@ WIDE = (
 """
 )
 
-COMBINE = r"""
+COMBINE_MAX_SPLITS = 1024  # splits per row the combine takes (the plans make at most ~530)
+COMBINE = (r"""
   const int NH = sinks_shape[0], B = q_rows_shape[0], NS = part_shape[1];
   const float* opart = part;
   const float* ml = part + (size_t)B * NS * NH * D;
@@ -279,28 +280,43 @@ COMBINE = r"""
     for (int d = tid; d < D; d += blockDim.x) o[d] = dsv4_t<T>(0.f);
     return;
   }
-  const float sink = sinks[h];
-  float M = sink;
-  for (int s = 0; s < NS; ++s) M = fmaxf(M, ml[(((size_t)b * NS + s) * NH + h) * 2]);
-  float den = __expf(sink - M);
-  for (int s = 0; s < NS; ++s) {
-    const float m = ml[(((size_t)b * NS + s) * NH + h) * 2];
-    if (m != -INFINITY) den += ml[(((size_t)b * NS + s) * NH + h) * 2 + 1] * __expf(m - M);
+  // every split's (m, l) read at once into shared memory, not one dependent global read after another;
+  // warp 0 reduces the max and the denominator; then each split's weight exp(m - M) (0: an empty split,
+  // whose O was never written) is in shared memory and the O loads of the splits are independent
+  __shared__ float sw[COMBINE_MAX_SPLITS], sl[COMBINE_MAX_SPLITS];
+  __shared__ float sM, sinv;
+  for (int s = tid; s < NS; s += blockDim.x) {
+    const size_t row = ((size_t)b * NS + s) * NH + h;
+    sw[s] = ml[row * 2];
+    sl[s] = ml[row * 2 + 1];
   }
-  const float inv = 1.f / den;
+  __syncthreads();
+  if (tid < 32) {
+    const float sink = sinks[h];
+    float M = sink;
+    for (int s = tid; s < NS; s += 32) M = fmaxf(M, sw[s]);
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float den = 0.f;
+    for (int s = tid; s < NS; s += 32) if (sw[s] != -INFINITY) den += sl[s] * __expf(sw[s] - M);
+    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+    if (tid == 0) { sM = M; sinv = 1.f / (den + __expf(sink - M)); }
+  }
+  __syncthreads();
+  const float M = sM, inv = sinv;
+  for (int s = tid; s < NS; s += blockDim.x) sw[s] = sw[s] == -INFINITY ? 0.f : __expf(sw[s] - M);
+  __syncthreads();
+  const float4* vp = reinterpret_cast<const float4*>(opart + ((size_t)b * NS * NH + h) * D);
   for (int d4 = tid; d4 < D / 4; d4 += blockDim.x) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
     for (int s = 0; s < NS; ++s) {
-      const size_t row = ((size_t)b * NS + s) * NH + h;
-      const float m = ml[row * 2];
-      if (m == -INFINITY) continue;
-      const float w = __expf(m - M);
-      const float4 v = reinterpret_cast<const float4*>(opart + row * D)[d4];
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+      const float w = sw[s];
+      const float4 v = vp[(size_t)s * NH * (D / 4) + d4];
+      if (w != 0.f) { acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w; }
     }
     o[4 * d4] = dsv4_t<T>(acc.x * inv);
     o[4 * d4 + 1] = dsv4_t<T>(acc.y * inv);
     o[4 * d4 + 2] = dsv4_t<T>(acc.z * inv);
     o[4 * d4 + 3] = dsv4_t<T>(acc.w * inv);
   }
-"""
+""").replace("COMBINE_MAX_SPLITS", str(COMBINE_MAX_SPLITS))
