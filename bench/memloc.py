@@ -12,8 +12,10 @@ are built on the host every step; f32_params (a kernel's scale / eps) is 4 bytes
    (device memory).
 2. `chain`: a compiled chain of 40 dependent one-block kernels that each read a scale: from the
    small pool vs from device memory.
-3. `ops`: bench/cases ops and chain43, compiled chains, as built today (`base`) vs with the batch's
-   arrays and the f32 params copied to device memory (`dev`), interleaved.
+3. `ops`: bench/cases ops and chain43, compiled chains, with the batch as RowBatch.build makes it
+   (`base`) vs its arrays and the f32 params copied to device memory (`dev`), interleaved. Before
+   kernels/upload.py `base` was host-built (memloc-h200-session11-before.log); since, both arms are
+   in device memory and measure the same (memloc-h200-session11.json).
 
     python bench/memloc.py [--reps 10] [--out DIR]
 """
