@@ -13,6 +13,8 @@
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
+#   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
+#            the indexer gpu tests (session 12)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -89,6 +91,12 @@ for part in ${PART:-inplace}; do
       echo "== dsplit outside its loop"
       timeout 120 python3 bench/phases.py --cases outer:128:8:8192,outer:0:8:8192,outer:128:1:8192 --out "$OUT" \
         2>&1 | tail -4 ;;
+    idx12)
+      echo "== indexer gpu tests"
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      echo "== segment variants (span, phases) and the merge's loads in flight"
+      timeout 300 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 \
+        --seg-variants "${VARIANTS:-base,bulk,st5,bulk5,compute,load}" --merge-ur 16,1 2>&1 | tail -4 ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -24,6 +24,7 @@ from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
+from kernels.cuda import indexer_src as isrc  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
@@ -43,6 +44,9 @@ def units() -> dict[str, str]:
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
                                     seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
+    out["idx_segment_bulk"] = standalone("idx_segment", seg_in, [("cand", U32)],
+                                         seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], isrc.segment(True),
+                                         header=HELPERS + isrc.BULK_HELPERS)  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):
@@ -55,7 +59,8 @@ def units() -> dict[str, str]:
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
-                                  [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP)],
+                                  [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP),
+                                   ("UR", ix.MERGE_UR)],
                                   ix.MERGE, header=HELPERS)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(

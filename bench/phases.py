@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
+import kernels.cuda.indexer_src as isrc  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
 from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
@@ -134,36 +135,67 @@ SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int
              "select": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
 
 
-def indexer_case(rows: int, ctx: int, reps: int) -> dict[str, Any]:
+# Scoring-loop variants of the segment kernel: (bulk loader, stages, diagnostic). A diagnostic computes on
+# stale buffers (`compute`: no loads in the loop) or skips the mma (`load`): timing only, output unchecked.
+SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
+                "compute": (False, None, "compute"), "load": (False, None, "load")}  # fmt: skip
+
+
+def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
+    """(source, header, stages, checked) of a segment variant."""
+    bulk, st, diag = SEG_VARIANTS[name]
+    src = isrc.segment(bulk)
+    if diag == "compute":
+        src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
+    elif diag == "load":
+        src = src.replace("dsv4_mma(acc, qa[ks], bf[0], bf[1], T());", "acc[0] += __uint_as_float(bf[0] ^ bf[1]);")
+        src = src.replace("dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());", "acc[1] += __uint_as_float(bf[2] ^ bf[3]);")
+    return src, ki.HELPERS + (isrc.BULK_HELPERS if bulk else ""), st, not diag
+
+
+def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs: list[int]) -> dict[str, Any]:
+    """The segment kernel's variants (each followed by the merge), then the merge at each UR."""
     batch, _, q, w, keys = indexer_inputs(np.random.default_rng(0), rows, ctx)
     plan = ki.Plan(batch, q, keys, TOPK)
     assert not plan.one, "the probe covers segment + merge (rows of more than ONE_MAX entries)"
     nseg_blocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
-    seg = probe("seg", list(ki.SEG_IN), ["cand"], ki.SEGMENT, ki.smem_bytes(NI, DI, dict(plan.seg_tmpl)["SEG"] + 2048),
-                ki.HELPERS, SEG_MARKS)  # fmt: skip
-    merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS)
     args = [batch.positions, batch.q_rows, batch.tables[4], q, w, keys, i32_dummy((1,))]
-
-    def run() -> list[mx.array]:
-        cand, ts1 = seg(inputs=args, template=plan.seg_tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
-                        output_shapes=[plan.seg_shapes[0], (nseg_blocks * NSLOT,)],
-                        output_dtypes=[mx.uint32, mx.uint32], init_value=0)  # fmt: skip
-        ids, ts2 = merge(inputs=[batch.positions, batch.q_rows, cand], template=plan.merge_tmpl,
-                         grid=plan.merge_grid, threadgroup=(1024, 1, 1),
-                         output_shapes=[plan.out_shape, (rows * NSLOT,)], output_dtypes=[mx.int32, mx.uint32],
-                         init_value=0)  # fmt: skip
-        return [ids, ts1, ts2]
-
     want = ki.indexer_rows_cuda(batch, q, w, keys, topk=TOPK)
-    got = run()
-    mx.eval(want, got)
-    assert np.array_equal(np.array(want), np.array(got[0])), "instrumented indexer differs from the real one"
-    runs = []
-    for _ in range(reps):
-        r = run()
-        mx.eval(r)
-        runs.append([np.array(r[1]), np.array(r[2])])
-    return summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
+    mx.eval(want)
+    want_np = np.array(want)
+    seg_words = dict(plan.seg_tmpl)["SEG"] + 2048
+    out: dict[str, Any] = {}
+    for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
+        src, header, st, checked = seg_variant(v)
+        tmpl = [(k, st if (k == "ST" and st) else x) for k, x in plan.seg_tmpl]
+        seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
+                    header, SEG_MARKS)  # fmt: skip
+        merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS)
+        mtmpl = [(k, ur if k == "UR" else x) for k, x in plan.merge_tmpl]
+
+        def run(seg: Any = seg, tmpl: Any = tmpl, merge: Any = merge, mtmpl: Any = mtmpl) -> list[mx.array]:
+            cand, ts1 = seg(inputs=args, template=tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
+                            output_shapes=[plan.seg_shapes[0], (nseg_blocks * NSLOT,)],
+                            output_dtypes=[mx.uint32, mx.uint32], init_value=0)  # fmt: skip
+            ids, ts2 = merge(inputs=[batch.positions, batch.q_rows, cand], template=mtmpl,
+                             grid=plan.merge_grid, threadgroup=(1024, 1, 1),
+                             output_shapes=[plan.out_shape, (rows * NSLOT,)], output_dtypes=[mx.int32, mx.uint32],
+                             init_value=0)  # fmt: skip
+            return [ids, ts1, ts2]
+
+        got = run()
+        mx.eval(got)
+        if checked:
+            assert np.array_equal(want_np, np.array(got[0])), f"instrumented indexer ({v}, UR {ur}) differs"
+        runs = []
+        for _ in range(reps):
+            r = run()
+            mx.eval(r)
+            runs.append([np.array(r[1]), np.array(r[2])])
+        key = v if vi < len(variants) else f"merge_ur{ur}"
+        out[key] = summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
+        out[key]["merge_ur"] = ur
+    return out if len(out) > 1 else out[variants[0]]
 
 
 def attention_case(rows: int, ctx: int, ratio: int, reps: int, outer: bool = False) -> dict[str, Any]:
@@ -220,6 +252,9 @@ def main() -> None:
     ap.add_argument("--cases", default="indexer:8:131072,indexer:1:131072,indexer:8:1048576,"
                     "attention:8:131072,attention:8:8192,attention:128:8:8192,sliding:8:8192")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seg-variants", default="base", help=f"indexer segment variants: {','.join(SEG_VARIANTS)}")
+    ap.add_argument("--merge-ur", default=str(ki.MERGE_UR),
+                    help="merge list loads per lane in flight (the first: with every variant)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = {}
@@ -227,7 +262,8 @@ def main() -> None:
         parts = c.split(":")
         op = parts[0]
         if op == "indexer":
-            r = indexer_case(int(parts[1]), int(parts[2]), a.reps)
+            r = indexer_case(int(parts[1]), int(parts[2]), a.reps, a.seg_variants.split(","),
+                             [int(u) for u in a.merge_ur.split(",")])  # fmt: skip
         elif op in ("attention", "sliding", "outer"):  # outer: dsplit's phases outside its loop (HCA / sliding)
             ratio = 0 if op == "sliding" else (int(parts[1]) if len(parts) == 4 else 4)
             r = attention_case(int(parts[-2]), int(parts[-1]), ratio, a.reps, outer=op == "outer")

@@ -35,7 +35,7 @@ import mlx.core as mx
 from kernels.cuda import common
 from kernels.cuda.common import i32_dummy, kernel, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
-from kernels.cuda.indexer_src import MERGE, SEGMENT
+from kernels.cuda.indexer_src import BULK, BULK_HELPERS, MERGE, SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, check_after, checked
@@ -44,6 +44,8 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
+MERGE_UR = 16  # the merge's list loads in flight per lane
+SEG_HELPERS = HELPERS + (BULK_HELPERS if BULK else "")  # the scoring kernels' device functions
 # A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
 # H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
@@ -51,6 +53,7 @@ ONE_MAX = 8192
 ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
+
 
 def segment_size(cap: int, topk: int) -> int:
     """Entries per segment block (rows of more than ONE_MAX entries): at most ~32 segments per row (the
@@ -110,7 +113,7 @@ class Plan:
             capn = -(-cap // 4) * 4
             capl = ONE_STAGES * CH * (di + 8) * 2 // 4
             self.seg = kernel("idx_one", SEG_IN, ("out",), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
-                              HELPERS + ONE_HELPERS)  # fmt: skip
+                              SEG_HELPERS + ONE_HELPERS)  # fmt: skip
             self.nt = one_threads(cap)
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
             self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
@@ -122,13 +125,15 @@ class Plan:
             nseg = -(-cap // seg)
             cand = nseg * topk
             ld = -(-cand // 4) * 4
-            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048), HELPERS)
+            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
+                              SEG_HELPERS)  # fmt: skip
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
             self.seg_shapes = [(b * (2 * ld + nseg),)]  # keys, ids, bounds planes (indexer_src.CAND)
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
-            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP)]
+            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP),
+                               ("UR", MERGE_UR)]  # fmt: skip
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 

@@ -26,7 +26,9 @@ CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
   int* cids = reinterpret_cast<int*>(cand + NBL);
   unsigned int* cbound = cand + 2 * NBL;
 """
-HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
+HEAD_SEG = (
+    CAND
+    + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
@@ -40,6 +42,7 @@ HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
     return;
   }
 """
+)
 SCORE = r"""  const int tw = table_shape[1];
   const int qr = q_rows[b];
   const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
@@ -56,39 +59,12 @@ SCORE = r"""  const int tw = table_shape[1];
   }
   const float w0 = weights[(size_t)qr * NI + ht * 16 + g], w1 = weights[(size_t)qr * NI + ht * 16 + g + 8];
   const int nch = (nv + CH - 1) / CH;
-  auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
-    if (c < nch) {
-      T* dst = Ks + (c % ST) * CH * LDK;
-      if (PAGE % CH == 0) {  // the chunk lies in one page (chunks start at multiples of CH): one table read
-        const int idx0 = s0 + c * CH;
-        const T* base = keys + ((size_t)table[(size_t)b * tw + idx0 / PAGE] * PAGE + idx0 % PAGE) * DI;
-        for (int i = tid; i < CH * VPR; i += NT) {
-          const int e = i / VPR, v = i - e * VPR;
-          const bool ok = c * CH + e < nv;
-          dsv4_cp16(dst + e * LDK + v * 8, ok ? base + e * DI + v * 8 : keys, ok ? 16 : 0);
-        }
-      } else {
-        for (int i = tid; i < CH * VPR; i += NT) {
-          const int e = i / VPR, v = i - e * VPR;
-          const int idx = s0 + c * CH + e;
-          const T* src = keys;
-          int bytes = 0;
-          if (c * CH + e < nv) {
-            const int pg = table[(size_t)b * tw + idx / PAGE];
-            src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
-            bytes = 16;
-          }
-          dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
-        }
-      }
-    }
-    dsv4_cp_commit();
-  };
+  LOADER
 #pragma unroll
   for (int c = 0; c < ST - 1; ++c) load(c);
   for (int c = 0; c < nch; ++c) {
-    dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)
-    __syncthreads();         // ... everyone's; and everyone is done with chunk c - 1's buffer
+    WAIT
+    __syncthreads();  // ... everyone's; and everyone is done with chunk c - 1's buffer and `part`
     load(c + ST - 1);
     const T* kb = Ks + (c % ST) * CH * LDK;
     // the warp's CH / 8 / KG entry tiles, unrolled: independent mma chains that the scheduler interleaves
@@ -121,6 +97,91 @@ SCORE = r"""  const int tw = table_shape[1];
   }
   __syncthreads();
 """
+# Chunk loaders of SCORE (LOADER: the `load(c)` lambda that fills buffer c % ST; WAIT: chunk c has landed).
+# cp.async: every thread copies 16-byte pieces (its groups: one per chunk, maybe empty).
+LOAD_CP = r"""auto load = [&](int c) {  // chunk c into buffer c % ST; always commits a group (maybe empty)
+    if (c < nch) {
+      T* dst = Ks + (c % ST) * CH * LDK;
+      if (PAGE % CH == 0) {  // the chunk lies in one page (chunks start at multiples of CH): one table read
+        const int idx0 = s0 + c * CH;
+        const T* base = keys + ((size_t)table[(size_t)b * tw + idx0 / PAGE] * PAGE + idx0 % PAGE) * DI;
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const bool ok = c * CH + e < nv;
+          dsv4_cp16(dst + e * LDK + v * 8, ok ? base + e * DI + v * 8 : keys, ok ? 16 : 0);
+        }
+      } else {
+        for (int i = tid; i < CH * VPR; i += NT) {
+          const int e = i / VPR, v = i - e * VPR;
+          const int idx = s0 + c * CH + e;
+          const T* src = keys;
+          int bytes = 0;
+          if (c * CH + e < nv) {
+            const int pg = table[(size_t)b * tw + idx / PAGE];
+            src = keys + ((size_t)pg * PAGE + idx % PAGE) * DI + v * 8;
+            bytes = 16;
+          }
+          dsv4_cp16(dst + e * LDK + v * 8, src, bytes);
+        }
+      }
+    }
+    dsv4_cp_commit();
+  };"""
+WAIT_CP = "dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)"
+# Bulk (Hopper TMA, cp.async.bulk): warp 0 issues one copy per entry (DI * 2 bytes into its padded row)
+# and the chunk's mbarrier counts the bytes; every thread waits on that barrier's phase. Rows past nv
+# keep stale data: their scores are never emitted.
+LOAD_BULK = r"""__shared__ __align__(8) unsigned long long bars[ST];
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) dsv4_mbar_init(&bars[s]);
+    dsv4_mbar_fence_init();
+  }
+  __syncthreads();
+  auto load = [&](int c) {
+    if (c < nch && warp == 0) {
+      T* dst = Ks + (c % ST) * CH * LDK;
+      const int ne = min(CH, nv - c * CH);
+      if (lane == 0) dsv4_mbar_expect(&bars[c % ST], ne * DI * (int)sizeof(T));
+      __syncwarp();
+      for (int e = lane; e < ne; e += 32) {
+        const int idx = s0 + c * CH + e;
+        const T* src = keys + ((size_t)table[(size_t)b * tw + idx / PAGE] * PAGE + idx % PAGE) * DI;
+        dsv4_bulk(dst + e * LDK, src, DI * (int)sizeof(T), &bars[c % ST]);
+      }
+    }
+  };"""
+WAIT_BULK = "dsv4_mbar_wait(&bars[c % ST], (c / ST) & 1);  // chunk c has landed"
+# mbarrier + bulk-copy helpers (sm_90).
+BULK_HELPERS = r"""
+__device__ __forceinline__ unsigned int dsv4_sa(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void dsv4_mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(dsv4_sa(bar)) : "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_expect(unsigned long long* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(dsv4_sa(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void dsv4_bulk(void* dst, const void* src, int bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dsv4_sa(dst)), "l"(src), "r"(bytes), "r"(dsv4_sa(bar)) : "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int parity) {
+  unsigned int ok = 0;
+  while (!ok) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(dsv4_sa(bar)), "r"(parity) : "memory");
+  }
+}
+"""
+
+
+def score(bulk: bool) -> str:
+    """SCORE with its chunk loader."""
+    return SCORE.replace("LOADER", LOAD_BULK if bulk else LOAD_CP).replace("WAIT", WAIT_BULK if bulk else WAIT_CP)
+
+
 # The chunk's scores to their keys in shared memory (segment).
 EMIT_SMEM = r"""if (tid < CH && c * CH + tid < nv) {
       float s = 0.f;
@@ -148,10 +209,17 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
-SEGMENT = PRE + HEAD_SEG + SCORE.replace("EMIT", EMIT_SMEM) + TAIL_SEG
+BULK = False  # the scoring loop's loader: bulk copies (True) or cp.async
+
+
+def segment(bulk: bool = BULK) -> str:
+    return PRE + HEAD_SEG + score(bulk).replace("EMIT", EMIT_SMEM) + TAIL_SEG
+
+
+SEGMENT = segment()
 
 MERGE = r"""
-  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;  // UR: template
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
   int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
@@ -184,10 +252,17 @@ MERGE = r"""
   }
   __syncthreads();
   const unsigned int bound = (unsigned int)sh[2];
-  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write)
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write); UR loads
+  // per lane in flight (the list is in L2: one round trip per UR * 32 candidates, not per 32)
   const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
   int cnt = 0;
-  for (int i = w0 + lane; i < w1; i += 32) cnt += keys[i] >= bound ? 1 : 0;
+  for (int base = w0; base < w1; base += 32 * UR) {
+    unsigned int v[UR];
+#pragma unroll
+    for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+#pragma unroll
+    for (int u = 0; u < UR; ++u) cnt += (base + u * 32 + lane < w1 && v[u] >= bound) ? 1 : 0;
+  }
   for (int sft = 16; sft > 0; sft >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
   const int off = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? cnt : 0, wsum), 0);
   if (warp == NW - 1 && lane == 0) sh[2] = off + cnt;
@@ -197,17 +272,22 @@ MERGE = r"""
   int need_eq;
   if (n2 <= CAPC) {
     int pos = off;
-    for (int base = w0; base < w1; base += 32) {
-      const int i = base + lane;
-      const unsigned int v = i < w1 ? keys[i] : 0u;
-      const bool t = i < w1 && v >= bound;
-      const unsigned int bal = __ballot_sync(0xffffffffu, t);
-      if (t) {
-        const int q = pos + __popc(bal & ((1u << lane) - 1u));
-        ck[q] = v;
-        cpos[q] = i;
+    for (int base = w0; base < w1; base += 32 * UR) {
+      unsigned int v[UR];
+#pragma unroll
+      for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+#pragma unroll
+      for (int u = 0; u < UR; ++u) {
+        const int i = base + u * 32 + lane;
+        const bool t = i < w1 && v[u] >= bound;
+        const unsigned int bal = __ballot_sync(0xffffffffu, t);
+        if (t) {
+          const int q = pos + __popc(bal & ((1u << lane) - 1u));
+          ck[q] = v[u];
+          cpos[q] = i;
+        }
+        pos += __popc(bal);
       }
-      pos += __popc(bal);
     }
     __syncthreads();
     dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
