@@ -15,6 +15,7 @@
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
 #            the indexer gpu tests (session 12)
+#   ab12     attention gpu tests; bench/kernels.py for the indexer and attention at 8 rows (session 12)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -96,7 +97,13 @@ for part in ${PART:-inplace}; do
       timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== segment variants (span, phases) and the merge's loads in flight"
       timeout 300 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 \
-        --seg-variants "${VARIANTS:-base,bulk,st5,bulk5,compute,load}" --merge-ur 16,1 2>&1 | tail -4 ;;
+        --seg-variants "${VARIANTS:-base,bulk,st5,bulk5,compute,load}" --merge-ur "${URS:-16,1}" 2>&1 | tail -4 ;;
+    ab12)
+      echo "== attention gpu tests (wide: a k-step's PV fragments loaded first)"
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "attention" 2>&1 | tail -3
+      echo "== indexer + attention, bench/kernels.py, 8 rows"
+      timeout 300 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows,sparse_attention_rows --out "$OUT" \
+        --no-chain43 2>&1 | tail -9 ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -138,19 +138,20 @@ SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int
 # Scoring-loop variants of the segment kernel: (bulk loader, stages, diagnostic). A diagnostic computes on
 # stale buffers (`compute`: no loads in the loop) or skips the mma (`load`): timing only, output unchecked.
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
-                "compute": (False, None, "compute"), "load": (False, None, "load")}  # fmt: skip
+                "compute": (False, None, "compute"), "load": (False, None, "load"), "split": (False, None, "split"),
+                "split_compute": (False, None, "split+compute")}  # fmt: skip
 
 
 def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
     """(source, header, stages, checked) of a segment variant."""
     bulk, st, diag = SEG_VARIANTS[name]
-    src = isrc.segment(bulk)
-    if diag == "compute":
+    src = isrc.segment(bulk, "split" in diag)
+    if "compute" in diag:
         src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
     elif diag == "load":
         src = src.replace("dsv4_mma(acc, qa[ks], bf[0], bf[1], T());", "acc[0] += __uint_as_float(bf[0] ^ bf[1]);")
         src = src.replace("dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());", "acc[1] += __uint_as_float(bf[2] ^ bf[3]);")
-    return src, ki.HELPERS + (isrc.BULK_HELPERS if bulk else ""), st, not diag
+    return src, ki.HELPERS + (isrc.BULK_HELPERS if bulk else ""), st, diag in ("", "split")
 
 
 def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs: list[int]) -> dict[str, Any]:

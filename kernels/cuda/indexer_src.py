@@ -10,6 +10,8 @@ from __future__ import annotations
 
 PRE = r"""
   constexpr int NT = 256, NWARP = 8, HT = NI / 16, KG = NWARP / HT, KS = DI / 16, LDK = DI + 8, VPR = DI / 8;
+  constexpr int NJ = CH / 8 / KG;  // entry tiles of 8 per warp and chunk
+  static_assert(NJ >= 1 && KG * NJ * 8 == CH, "CH / 8 entry tiles over the warps of a head tile");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw);                               // [ST][CH][LDK]: ST-stage pipeline
   float* part = reinterpret_cast<float*>(Ks + ST * CH * LDK);           // [HT][CH]
@@ -67,30 +69,51 @@ SCORE = r"""  const int tw = table_shape[1];
     __syncthreads();  // ... everyone's; and everyone is done with chunk c - 1's buffer and `part`
     load(c + ST - 1);
     const T* kb = Ks + (c % ST) * CH * LDK;
-    // the warp's CH / 8 / KG entry tiles, unrolled: independent mma chains that the scheduler interleaves
+    // The warp's NJ entry tiles as NJ independent mma chains, interleaved in program order: the mma and
+    // ldmatrix asm is volatile, so the compiler keeps one tile's 8-deep chain whole if the source does
+    // (SASS showed it: 4 chains one after another, the score loop latency-bound; bench/phases.py).
+    float acc[NJ][4];
 #pragma unroll
-    for (int j = 0; j < CH / 8 / KG; ++j) {
-      const int kt = kg + j * KG;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
-      // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
-      const T* kr = kb + (kt * 8 + (lane & 7)) * LDK + (lane >> 4) * 16 + ((lane >> 3) & 1) * 8;
+    for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    DECL2
+    // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
+    // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
+    const T* kr = kb + (kg * 8 + (lane & 7)) * LDK + (lane >> 4) * 16 + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int ks = 0; ks < KS; ks += 2) {
-        uint32_t bf[4];
-        dsv4_ldsm4(bf, kr + ks * 16);
-        dsv4_mma(acc, qa[ks], bf[0], bf[1], T());
-        if (ks + 1 < KS) dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());
+    for (int ks = 0; ks < KS; ks += 2) {
+      uint32_t bf[NJ][4];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) dsv4_ldsm4(bf[j], kr + j * KG * 8 * LDK + ks * 16);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) dsv4_mma(acc[j], qa[ks], bf[j][0], bf[j][1], T());
+      if (ks + 1 < KS) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) dsv4_mma(ACC2[j], qa[ks + 1], bf[j][2], bf[j][3], T());
       }
-      // acc: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
-      float sa = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);
-      float sb = w0 * fmaxf(acc[1], 0.f) + w1 * fmaxf(acc[3], 0.f);
+    }
+    SUM2
+    // acc[j]: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
+    float sa[NJ], sb[NJ];
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        sa += __shfl_xor_sync(0xffffffffu, sa, o);
-        sb += __shfl_xor_sync(0xffffffffu, sb, o);
+    for (int j = 0; j < NJ; ++j) {
+      sa[j] = w0 * fmaxf(acc[j][0], 0.f) + w1 * fmaxf(acc[j][2], 0.f);
+      sb[j] = w0 * fmaxf(acc[j][1], 0.f) + w1 * fmaxf(acc[j][3], 0.f);
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        sa[j] += __shfl_xor_sync(0xffffffffu, sa[j], o);
+        sb[j] += __shfl_xor_sync(0xffffffffu, sb[j], o);
       }
-      if (lane < 4) { part[ht * CH + kt * 8 + c2] = sa; part[ht * CH + kt * 8 + c2 + 1] = sb; }
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int kt = kg + j * KG;
+        part[ht * CH + kt * 8 + c2] = sa[j];
+        part[ht * CH + kt * 8 + c2 + 1] = sb[j];
+      }
     }
     __syncthreads();  // part is full
     EMIT
@@ -177,9 +200,19 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 """
 
 
-def score(bulk: bool) -> str:
-    """SCORE with its chunk loader."""
-    return SCORE.replace("LOADER", LOAD_BULK if bulk else LOAD_CP).replace("WAIT", WAIT_BULK if bulk else WAIT_CP)
+# Two accumulators per tile (odd k-steps apart): chains half as deep, twice as many.
+DECL2_SPLIT = r"""float acc2[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;"""
+SUM2_SPLIT = r"""#pragma unroll
+    for (int j = 0; j < NJ; ++j) for (int i = 0; i < 4; ++i) acc[j][i] += acc2[j][i];"""
+
+
+def score(bulk: bool, split: bool = False) -> str:
+    """SCORE with its chunk loader; `split`: two accumulator chains per tile."""
+    s = SCORE.replace("DECL2", DECL2_SPLIT if split else "").replace("SUM2", SUM2_SPLIT if split else "")
+    s = s.replace("ACC2", "acc2" if split else "acc")
+    return s.replace("LOADER", LOAD_BULK if bulk else LOAD_CP).replace("WAIT", WAIT_BULK if bulk else WAIT_CP)
 
 
 # The chunk's scores to their keys in shared memory (segment).
@@ -210,10 +243,11 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
 BULK = False  # the scoring loop's loader: bulk copies (True) or cp.async
+SPLIT = False  # two accumulator chains per entry tile
 
 
-def segment(bulk: bool = BULK) -> str:
-    return PRE + HEAD_SEG + score(bulk).replace("EMIT", EMIT_SMEM) + TAIL_SEG
+def segment(bulk: bool = BULK, split: bool = SPLIT) -> str:
+    return PRE + HEAD_SEG + score(bulk, split).replace("EMIT", EMIT_SMEM) + TAIL_SEG
 
 
 SEGMENT = segment()

@@ -4,7 +4,7 @@
 - `dsv4_radix_kth`: the k-th largest of n uint32 keys (radix select, 11 + 11 + 10 bits, warp-aggregated
   shared-memory histograms) and how many keys equal to it belong to the top k.
 - `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
-  equal to it: ties go to the lowest index), in index order.
+  equal to it: ties go to the lowest index), in index order; warps take contiguous runs.
 """
 
 # Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
@@ -122,22 +122,35 @@ __device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, 
 }
 
 // Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
-// order; emit(position, index, key). Thread t takes a contiguous run of indices.
+// order; emit(position, index, key). Warp w takes a contiguous run of indices and its lanes read
+// consecutive keys (no shared-memory bank conflicts, coalesced in global memory); ballots keep the order.
 template <int NT, typename F>
 __device__ void dsv4_take(const unsigned int* keys, int n, unsigned int thr, int need_eq, int* wsum, F emit) {
-  const int per = (n + NT - 1) / NT;
-  const int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);
+  constexpr int NW = NT / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned int below = (1u << lane) - 1u;
+  const int per = ((n + NW - 1) / NW + 31) & ~31;
+  const int w0 = min(n, warp * per), w1 = min(n, w0 + per);
   int eq = 0, gt = 0;
-  for (int i = i0; i < i1; ++i) { const unsigned int v = keys[i]; eq += v == thr; gt += v > thr; }
-  const int eq_before = dsv4_block_excl<NT>(eq, wsum);
+  for (int i = w0 + lane; i < w1; i += 32) { const unsigned int v = keys[i]; eq += v == thr; gt += v > thr; }
+  for (int s = 16; s > 0; s >>= 1) {
+    eq += __shfl_xor_sync(0xffffffffu, eq, s);
+    gt += __shfl_xor_sync(0xffffffffu, gt, s);
+  }
+  const int eq_before = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? eq : 0, wsum), 0);
   const int take_eq = max(0, min(eq, need_eq - eq_before));
-  int pos = dsv4_block_excl<NT>(gt + take_eq, wsum);
-  int r = eq_before;
-  for (int i = i0; i < i1; ++i) {
-    const unsigned int v = keys[i];
-    bool take = v > thr;
-    if (v == thr) { take = r < need_eq; ++r; }
-    if (take) emit(pos++, i, v);
+  int pos = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? gt + take_eq : 0, wsum), 0);
+  int r = eq_before;  // keys == thr before this run of 32
+  for (int base = w0; base < w1; base += 32) {
+    const int i = base + lane;
+    const unsigned int v = i < w1 ? keys[i] : 0u;
+    const bool is_eq = i < w1 && v == thr;
+    const unsigned int beq = __ballot_sync(0xffffffffu, is_eq);
+    const bool take = i < w1 && (v > thr || (is_eq && r + __popc(beq & below) < need_eq));
+    const unsigned int bt = __ballot_sync(0xffffffffu, take);
+    if (take) emit(pos + __popc(bt & below), i, v);
+    pos += __popc(bt);
+    r += __popc(beq);
   }
 }
 """
