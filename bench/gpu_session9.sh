@@ -98,6 +98,14 @@ for part in ${PART:-inplace}; do
       echo "== segment variants (span, phases) and the merge's loads in flight"
       timeout 300 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 \
         --seg-variants "${VARIANTS:-base,bulk,st5,bulk5,compute,load}" --merge-ur "${URS:-16,1}" 2>&1 | tail -4 ;;
+    idx12b)
+      echo "== indexer gpu tests"
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      echo "== phases: indexer (segment variants, merge phases), wide"
+      timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base,compute}" \
+        --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576,attention:8:131072,attention:8:8192 2>&1 | tail -5
+      echo "== indexer, bench/kernels.py, 8 rows"
+      timeout 200 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows --out "$OUT" --no-chain43 2>&1 | tail -5 ;;
     ab12)
       echo "== attention gpu tests (wide: a k-step's PV fragments loaded first)"
       timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "attention" 2>&1 | tail -3

@@ -154,6 +154,11 @@ def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
     return src, ki.HELPERS + (isrc.BULK_HELPERS if bulk else ""), st, diag in ("", "split")
 
 
+MERGE_MARKS = {"bound": "  // warp w filters its contiguous run",
+               "filter": "    dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);",
+               "select": "    dsv4_take<NT>(ck, n2, thr, need_eq"}  # fmt: skip
+
+
 def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs: list[int]) -> dict[str, Any]:
     """The segment kernel's variants (each followed by the merge), then the merge at each UR."""
     batch, _, q, w, keys = indexer_inputs(np.random.default_rng(0), rows, ctx)
@@ -171,7 +176,7 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
         tmpl = [(k, st if (k == "ST" and st) else x) for k, x in plan.seg_tmpl]
         seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
                     header, SEG_MARKS)  # fmt: skip
-        merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS)
+        merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS, MERGE_MARKS)
         mtmpl = [(k, ur if k == "UR" else x) for k, x in plan.merge_tmpl]
 
         def run(seg: Any = seg, tmpl: Any = tmpl, merge: Any = merge, mtmpl: Any = mtmpl) -> list[mx.array]:
@@ -194,7 +199,8 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
             mx.eval(r)
             runs.append([np.array(r[1]), np.array(r[2])])
         key = v if vi < len(variants) else f"merge_ur{ur}"
-        out[key] = summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"]})
+        out[key] = summarize(runs, ["segment", "merge"], {"segment": ["q", "score", "select", "take"],
+                                                          "merge": ["bound", "filter", "select", "take"]})  # fmt: skip
         out[key]["merge_ur"] = ur
     return out if len(out) > 1 else out[variants[0]]
 
