@@ -15,6 +15,7 @@
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
 #            the indexer gpu tests (session 12)
+#   final12  every gpu-marked test file; the indexer's phases (session 12)
 #   ab12     attention gpu tests; bench/kernels.py for the indexer and attention at 8 rows (session 12)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
@@ -106,6 +107,13 @@ for part in ${PART:-inplace}; do
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576,attention:8:131072,attention:8:8192 2>&1 | tail -5
       echo "== indexer, bench/kernels.py, 8 rows"
       timeout 200 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows --out "$OUT" --no-chain43 2>&1 | tail -5 ;;
+    final12)
+      echo "== every gpu-marked test"
+      timeout 400 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py -m gpu -q -p no:cacheprovider --durations=3 2>&1 | tail -8
+      echo "== phases: indexer, wide"
+      timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 \
+        --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     ab12)
       echo "== attention gpu tests (wide: a k-step's PV fragments loaded first)"
       timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "attention" 2>&1 | tail -3

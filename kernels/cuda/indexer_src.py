@@ -271,35 +271,40 @@ MERGE = r"""
   const int r = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = positions_shape[0];
   int b = -1;
-  for (int i = 0; i < nb; ++i) if (q_rows[i] == r) b = i;
+  for (int i0 = 0; i0 < nb; i0 += 32) {  // every warp finds the batch row itself: a load per lane, a ballot
+    const unsigned int m = __ballot_sync(0xffffffffu, i0 + lane < nb && q_rows[i0 + lane] == r);
+    if (m) b = i0 + 31 - __clz(m);  // the last batch row naming r
+  }
   int* o = out + (size_t)r * TOPK;
+  const size_t NBL = (size_t)nb * LDC;
   int K = 0;
-  if (b >= 0) {
+  unsigned int bnd = 0xffffffffu;  // warp 0: the least of the segments' bounds (at least K candidates are >= it)
+  if (b >= 0) {  // the position and the bounds load together (neither waits for the other)
     const int p = positions[b];
+    if (warp == 0) for (int s = lane; s < NSEG; s += 32) bnd = min(bnd, cand[2 * NBL + (size_t)b * NSEG + s]);
     K = min(TOPK, dsv4_emitted(p, 4));
   }
   if (K == 0) {
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
     return;
   }
-  const size_t NBL = (size_t)nb * LDC;
   const unsigned int* keys = cand + (size_t)b * LDC;
   const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)b * LDC;
-  const unsigned int* cbound = cand + 2 * NBL;
-  if (warp == 0) {  // the least of the segments' bounds: at least K candidates are >= it
-    unsigned int v = 0xffffffffu;
-    for (int s = lane; s < NSEG; s += 32) v = min(v, cbound[(size_t)b * NSEG + s]);
-    for (int sft = 16; sft > 0; sft >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, sft));
-    if (lane == 0) sh[2] = (int)v;
+  if (warp == 0) {
+    for (int sft = 16; sft > 0; sft >>= 1) bnd = min(bnd, __shfl_xor_sync(0xffffffffu, bnd, sft));
+    if (lane == 0) sh[2] = (int)bnd;
   }
   __syncthreads();
   const unsigned int bound = (unsigned int)sh[2];
-  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write); UR loads
-  // per lane in flight (the list is in L2: one round trip per UR * 32 candidates, not per 32)
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write) in chunks of
+  // 32 * UR: UR loads per lane in flight (the list is in L2), the count runs last chunk first so that the
+  // first stays in registers for the write (one chunk: the list is read once).
   const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
+  const int nck = (w1 - w0 + 32 * UR - 1) / (32 * UR);
+  unsigned int v[UR];
   int cnt = 0;
-  for (int base = w0; base < w1; base += 32 * UR) {
-    unsigned int v[UR];
+  for (int ci = nck - 1; ci >= 0; --ci) {
+    const int base = w0 + ci * 32 * UR;
 #pragma unroll
     for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
 #pragma unroll
@@ -314,10 +319,12 @@ MERGE = r"""
   int need_eq;
   if (n2 <= CAPC) {
     int pos = off;
-    for (int base = w0; base < w1; base += 32 * UR) {
-      unsigned int v[UR];
+    for (int ci = 0; ci < nck; ++ci) {
+      const int base = w0 + ci * 32 * UR;
+      if (ci) {
 #pragma unroll
-      for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+        for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+      }
 #pragma unroll
       for (int u = 0; u < UR; ++u) {
         const int i = base + u * 32 + lane;
