@@ -24,7 +24,6 @@ from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
-from kernels.cuda import indexer_src as isrc  # noqa: E402
 from kernels.cuda.common import standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
@@ -44,9 +43,6 @@ def units() -> dict[str, str]:
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
                                     seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
-    out["idx_segment_bulk"] = standalone("idx_segment", seg_in, [("cand", U32)],
-                                         seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], isrc.segment(True),
-                                         header=HELPERS + isrc.BULK_HELPERS)  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):

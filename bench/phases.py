@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 
 import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
-import kernels.cuda.indexer_src as isrc  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
+from bench.idx_variants import SEG_VARIANTS, seg_variant  # noqa: E402
 from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
 TIMER = r"""
@@ -133,25 +133,6 @@ def summarize(runs: list[list[np.ndarray]], names: list[str], phases: dict[str, 
 
 SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int K = min(TOPK, nv);",
              "select": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
-
-
-# Scoring-loop variants of the segment kernel: (bulk loader, stages, diagnostic). A diagnostic computes on
-# stale buffers (`compute`: no loads in the loop) or skips the mma (`load`): timing only, output unchecked.
-SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
-                "compute": (False, None, "compute"), "load": (False, None, "load"), "split": (False, None, "split"),
-                "split_compute": (False, None, "split+compute")}  # fmt: skip
-
-
-def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
-    """(source, header, stages, checked) of a segment variant."""
-    bulk, st, diag = SEG_VARIANTS[name]
-    src = isrc.segment(bulk, "split" in diag)
-    if "compute" in diag:
-        src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
-    elif diag == "load":
-        src = src.replace("dsv4_mma(acc, qa[ks], bf[0], bf[1], T());", "acc[0] += __uint_as_float(bf[0] ^ bf[1]);")
-        src = src.replace("dsv4_mma(acc, qa[ks + 1], bf[2], bf[3], T());", "acc[1] += __uint_as_float(bf[2] ^ bf[3]);")
-    return src, ki.HELPERS + (isrc.BULK_HELPERS if bulk else ""), st, diag in ("", "split")
 
 
 MERGE_MARKS = {"bound": "  // warp w filters its contiguous run",

@@ -6,14 +6,15 @@ writes the ids (a radix select over the k-th key's bin only, then an ordered com
 Beyond (128K, 1M context):
 1. `segment`: grid (segments of SEG entries, rows), 8 warps. A block streams its segment's keys
    through the row's block table into shared memory (cp.async, 4 chunks of 64 entries in flight;
-   one table read per chunk when pages hold whole chunks) and scores them with mma.sync m16n8k16
-   (bf16/f16 in, f32 accumulation; B fragments by ldmatrix): warp w holds the q fragments of head
-   tile w % (NI/16) in registers for the whole segment, and `w_h relu(.)` is summed over its 16
-   heads in registers (shuffles) before the head tiles are added (the scoring body both kernels
-   share). The segment's order-preserving uint32 score keys stay in shared memory; a radix select
-   (11+11+10 bits) finds its k-th largest, and an ordered compaction writes its top min(k, entries)
-   candidates (key, id) in id order, padded with key 0 (below every score). It also writes a lower
-   bound of its m-th largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
+   one table read and fixed-offset copies per chunk when pages hold whole chunks) and scores them
+   with mma.sync m16n8k16 (bf16/f16 in, f32 accumulation; B fragments by ldmatrix): warp w holds the
+   q fragments of head tile w % (NI/16) in registers for the whole segment, its entry tiles' mma
+   chains run interleaved, and `w_h relu(.)` is summed over its 16 heads in registers (shuffles)
+   before the head tiles are added (the scoring body both kernels share). The segment's
+   order-preserving uint32 score keys stay in shared memory; a radix select (11+11+10 bits) finds
+   its k-th largest, and an ordered compaction writes its top min(k, entries) candidates (key, id)
+   in id order, padded with key 0 (below every score). It also writes a lower bound of its m-th
+   largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
    the select's first radix pass): the least of those bounds has at least k keys above it. One
    output, three planes.
 2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
@@ -35,7 +36,7 @@ import mlx.core as mx
 from kernels.cuda import common
 from kernels.cuda.common import i32_dummy, kernel, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
-from kernels.cuda.indexer_src import BULK, BULK_HELPERS, MERGE, SEGMENT
+from kernels.cuda.indexer_src import MERGE, SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, check_after, checked
@@ -44,8 +45,7 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
-MERGE_UR = 16  # the merge's list loads in flight per lane
-SEG_HELPERS = HELPERS + (BULK_HELPERS if BULK else "")  # the scoring kernels' device functions
+MERGE_UR = 16  # the merge's list loads in flight per lane (bench/phases.py --merge-ur: 16 vs 1, 10.8 vs 11.7 us)
 # A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
 # H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
@@ -113,7 +113,7 @@ class Plan:
             capn = -(-cap // 4) * 4
             capl = ONE_STAGES * CH * (di + 8) * 2 // 4
             self.seg = kernel("idx_one", SEG_IN, ("out",), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
-                              SEG_HELPERS + ONE_HELPERS)  # fmt: skip
+                              HELPERS + ONE_HELPERS)  # fmt: skip
             self.nt = one_threads(cap)
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
             self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
@@ -126,7 +126,7 @@ class Plan:
             cand = nseg * topk
             ld = -(-cand // 4) * 4
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
-                              SEG_HELPERS)  # fmt: skip
+                              HELPERS)  # fmt: skip
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)

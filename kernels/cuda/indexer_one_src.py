@@ -16,7 +16,7 @@ more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-m
 
 from __future__ import annotations
 
-from kernels.cuda.indexer_src import BULK, PRE, SPLIT, score
+from kernels.cuda.indexer_src import PRE, score
 
 # Helpers (after select.HELPERS: dsv4_block_excl, the radix selects). Loads of `scratch` written by other
 # blocks of this launch go through L2 (__ldcg): no SM may serve them from a stale L1 line.
@@ -200,6 +200,6 @@ assert _NT in PRE
 ONE = (
     PRE.replace(_SKEY, _OWN_HIST).replace(_HIST, "").replace(_NT, "constexpr int NT = NTO, NWARP = NTO / 32,")
     + HEAD_ONE
-    + score(BULK, SPLIT).replace("EMIT", EMIT_GLOBAL)
+    + score().replace("EMIT", EMIT_GLOBAL)
     + TAIL_ONE
 )

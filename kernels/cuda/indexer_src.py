@@ -75,7 +75,6 @@ SCORE = r"""  const int tw = table_shape[1];
     float acc[NJ][4];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    DECL2
     // B fragments by ldmatrix.x4: lanes 8i..8i+7 address rows (entries) of 8x8 matrix i = (k-step
     // ks + i / 2, dims +8 * (i % 2)); lane gets (entry g, dims c2, c2 + 1) of each matrix
     const T* kr = kb + (kg * 8 + (lane & 7)) * LDK + (lane >> 4) * 16 + ((lane >> 3) & 1) * 8;
@@ -88,10 +87,9 @@ SCORE = r"""  const int tw = table_shape[1];
       for (int j = 0; j < NJ; ++j) dsv4_mma(acc[j], qa[ks], bf[j][0], bf[j][1], T());
       if (ks + 1 < KS) {
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) dsv4_mma(ACC2[j], qa[ks + 1], bf[j][2], bf[j][3], T());
+        for (int j = 0; j < NJ; ++j) dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());
       }
     }
-    SUM2
     // acc[j]: (head g, entry c2), (g, c2+1), (g+8, c2), (g+8, c2+1): ReLU, head weights, sum over heads
     float sa[NJ], sb[NJ];
 #pragma unroll
@@ -159,68 +157,9 @@ LOAD_CP = r"""// LEAN: a chunk lies in one page (chunks start at multiples of CH
     dsv4_cp_commit();
   };"""
 WAIT_CP = "dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)"
-# Bulk (Hopper TMA, cp.async.bulk): warp 0 issues one copy per entry (DI * 2 bytes into its padded row)
-# and the chunk's mbarrier counts the bytes; every thread waits on that barrier's phase. Rows past nv
-# keep stale data: their scores are never emitted.
-LOAD_BULK = r"""__shared__ __align__(8) unsigned long long bars[ST];
-  if (tid == 0) {
-    for (int s = 0; s < ST; ++s) dsv4_mbar_init(&bars[s]);
-    dsv4_mbar_fence_init();
-  }
-  __syncthreads();
-  auto load = [&](int c) {
-    if (c < nch && warp == 0) {
-      T* dst = Ks + (c % ST) * CH * LDK;
-      const int ne = min(CH, nv - c * CH);
-      if (lane == 0) dsv4_mbar_expect(&bars[c % ST], ne * DI * (int)sizeof(T));
-      __syncwarp();
-      for (int e = lane; e < ne; e += 32) {
-        const int idx = s0 + c * CH + e;
-        const T* src = keys + ((size_t)table[(size_t)b * tw + idx / PAGE] * PAGE + idx % PAGE) * DI;
-        dsv4_bulk(dst + e * LDK, src, DI * (int)sizeof(T), &bars[c % ST]);
-      }
-    }
-  };"""
-WAIT_BULK = "dsv4_mbar_wait(&bars[c % ST], (c / ST) & 1);  // chunk c has landed"
-# mbarrier + bulk-copy helpers (sm_90).
-BULK_HELPERS = r"""
-__device__ __forceinline__ unsigned int dsv4_sa(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void dsv4_mbar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(dsv4_sa(bar)) : "memory");
-}
-__device__ __forceinline__ void dsv4_mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void dsv4_mbar_expect(unsigned long long* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(dsv4_sa(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void dsv4_bulk(void* dst, const void* src, int bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dsv4_sa(dst)), "l"(src), "r"(bytes), "r"(dsv4_sa(bar)) : "memory");
-}
-__device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int parity) {
-  unsigned int ok = 0;
-  while (!ok) {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(ok) : "r"(dsv4_sa(bar)), "r"(parity) : "memory");
-  }
-}
-"""
-
-
-# Two accumulators per tile (odd k-steps apart): chains half as deep, twice as many.
-DECL2_SPLIT = r"""float acc2[NJ][4];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;"""
-SUM2_SPLIT = r"""#pragma unroll
-    for (int j = 0; j < NJ; ++j) for (int i = 0; i < 4; ++i) acc[j][i] += acc2[j][i];"""
-
-
-def score(bulk: bool, split: bool = False) -> str:
-    """SCORE with its chunk loader; `split`: two accumulator chains per tile."""
-    s = SCORE.replace("DECL2", DECL2_SPLIT if split else "").replace("SUM2", SUM2_SPLIT if split else "")
-    s = s.replace("ACC2", "acc2" if split else "acc")
-    return s.replace("LOADER", LOAD_BULK if bulk else LOAD_CP).replace("WAIT", WAIT_BULK if bulk else WAIT_CP)
+def score(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
+    """SCORE with its chunk loader (bench/phases.py swaps in others to time them)."""
+    return SCORE.replace("LOADER", loader).replace("WAIT", wait)
 
 
 # The chunk's scores to their keys in shared memory (segment).
@@ -250,12 +189,8 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
-BULK = False  # the scoring loop's loader: bulk copies (True) or cp.async
-SPLIT = False  # two accumulator chains per entry tile
-
-
-def segment(bulk: bool = BULK, split: bool = SPLIT) -> str:
-    return PRE + HEAD_SEG + score(bulk, split).replace("EMIT", EMIT_SMEM) + TAIL_SEG
+def segment(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
+    return PRE + HEAD_SEG + score(loader, wait).replace("EMIT", EMIT_SMEM) + TAIL_SEG
 
 
 SEGMENT = segment()

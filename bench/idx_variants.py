@@ -1,0 +1,81 @@
+"""Source variants of the indexer segment kernel's scoring loop, for bench/phases.py to time (probe only).
+
+Measured on the H200 (session 12, bench/results/session12-h200.md), none beat the kernel's own loop:
+- `bulk`: Hopper bulk copies (cp.async.bulk, one per entry, an mbarrier per stage) instead of cp.async:
+  the scoring loop took 2x as long (96.7K vs 49.1K cycles at 8 rows, 128K).
+- `st5`: five stages in flight instead of four: no change (more bytes in flight did not help).
+- diagnostics `compute` (no loads in the loop: computes on stale buffers) and `load` (no mma): each
+  alone took ~80% of the loop's time, so the loop was bound by its instruction latency chain.
+"""
+
+from __future__ import annotations
+
+import kernels.cuda.indexer as ki
+import kernels.cuda.indexer_src as isrc
+
+# Bulk (Hopper TMA, cp.async.bulk): warp 0 issues one copy per entry (DI * 2 bytes into its padded row)
+# and the chunk's mbarrier counts the bytes; every thread waits on that barrier's phase. Rows past nv
+# keep stale data: their scores are never emitted.
+LOAD_BULK = r"""__shared__ __align__(8) unsigned long long bars[ST];
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) dsv4_mbar_init(&bars[s]);
+    dsv4_mbar_fence_init();
+  }
+  __syncthreads();
+  auto load = [&](int c) {
+    if (c < nch && warp == 0) {
+      T* dst = Ks + (c % ST) * CH * LDK;
+      const int ne = min(CH, nv - c * CH);
+      if (lane == 0) dsv4_mbar_expect(&bars[c % ST], ne * DI * (int)sizeof(T));
+      __syncwarp();
+      for (int e = lane; e < ne; e += 32) {
+        const int idx = s0 + c * CH + e;
+        const T* src = keys + ((size_t)table[(size_t)b * tw + idx / PAGE] * PAGE + idx % PAGE) * DI;
+        dsv4_bulk(dst + e * LDK, src, DI * (int)sizeof(T), &bars[c % ST]);
+      }
+    }
+  };"""
+WAIT_BULK = "dsv4_mbar_wait(&bars[c % ST], (c / ST) & 1);  // chunk c has landed"
+# mbarrier + bulk-copy helpers (sm_90).
+BULK_HELPERS = r"""
+__device__ __forceinline__ unsigned int dsv4_sa(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void dsv4_mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(dsv4_sa(bar)) : "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_expect(unsigned long long* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(dsv4_sa(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void dsv4_bulk(void* dst, const void* src, int bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dsv4_sa(dst)), "l"(src), "r"(bytes), "r"(dsv4_sa(bar)) : "memory");
+}
+__device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int parity) {
+  unsigned int ok = 0;
+  while (!ok) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(dsv4_sa(bar)), "r"(parity) : "memory");
+  }
+}
+"""
+
+
+# name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
+SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
+                "compute": (False, None, "compute"), "load": (False, None, "load")}  # fmt: skip
+
+
+def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
+    """(source, header, stages, checked) of a segment variant."""
+    bulk, st, diag = SEG_VARIANTS[name]
+    src = isrc.segment(LOAD_BULK, WAIT_BULK) if bulk else isrc.SEGMENT
+    if diag == "compute":
+        src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
+    elif diag == "load":
+        src = src.replace("dsv4_mma(acc[j], qa[ks], bf[j][0], bf[j][1], T());",
+                          "acc[j][0] += __uint_as_float(bf[j][0]);")
+        src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
+                          "acc[j][1] += __uint_as_float(bf[j][2]);")
+    return src, ki.HELPERS + (BULK_HELPERS if bulk else ""), st, not diag
