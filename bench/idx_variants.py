@@ -6,6 +6,10 @@ Measured on the H200 (session 12, bench/results/session12-h200.md), none beat th
 - `st5`: five stages in flight instead of four: no change (more bytes in flight did not help).
 - diagnostics `compute` (no loads in the loop: computes on stale buffers) and `load` (no mma): each
   alone took ~80% of the loop's time, so the loop was bound by its instruction latency chain.
+Not yet timed (no device time left in session 12):
+- `bounds`: the same source under `__launch_bounds__(256, 2)`. MLX's `cuda_kernel` writes the kernel's
+  signature itself, so a header macro adds the bound to the `__global__` that follows it. Offline
+  (nvcc sm_90a), ptxas then runs the 4 entry tiles' mma chains side by side (112 registers, not 57).
 """
 
 from __future__ import annotations
@@ -62,9 +66,14 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 """
 
 
+# `__launch_bounds__` on the kernel MLX generates right after the header (`__location__` is what the CUDA
+# headers' own `__global__` expands to).
+BOUNDS = "\n#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, 2)\n"
+
 # name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
-                "compute": (False, None, "compute"), "load": (False, None, "load")}  # fmt: skip
+                "bounds": (False, None, "bounds"), "compute": (False, None, "compute"),
+                "load": (False, None, "load")}  # fmt: skip
 
 
 def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
@@ -78,4 +87,5 @@ def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
                           "acc[j][0] += __uint_as_float(bf[j][0]);")
         src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
                           "acc[j][1] += __uint_as_float(bf[j][2]);")
-    return src, ki.HELPERS + (BULK_HELPERS if bulk else ""), st, not diag
+    header = ki.HELPERS + (BULK_HELPERS if bulk else "") + (BOUNDS if diag == "bounds" else "")
+    return src, header, st, diag in ("", "bounds")

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from bench.idx_variants import BOUNDS  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
@@ -43,6 +44,9 @@ def units() -> dict[str, str]:
     out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
                                     seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                     header=HELPERS)  # fmt: skip
+    out["idx_segment_bounds"] = standalone("idx_segment", seg_in, [("cand", U32)],  # bench/idx_variants.py
+                                           seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
+                                           header=HELPERS + BOUNDS)  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):
