@@ -247,14 +247,13 @@ WIDE = (
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < KT; ++ks) {  // a k-step's 4 fragment loads first: the asm is volatile (kept in order)
-        uint32_t bv[4][4];
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) dsv4_ldsm4t(bv[jj], vb + ks * 16 * LDK + d0 + jj * 16);
+      for (int ks = 0; ks < KT; ++ks) {
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-          dsv4_mma(acc[2 * jj], pa[ks], bv[jj][0], bv[jj][1], T());
-          dsv4_mma(acc[2 * jj + 1], pa[ks], bv[jj][2], bv[jj][3], T());
+          uint32_t bv[4];
+          dsv4_ldsm4t(bv, vb + ks * 16 * LDK + d0 + jj * 16);
+          dsv4_mma(acc[2 * jj], pa[ks], bv[0], bv[1], T());
+          dsv4_mma(acc[2 * jj + 1], pa[ks], bv[2], bv[3], T());
         }
       }
       float* orow = opart + (ob + mt * 16 + g) * D + d0 + c2;
