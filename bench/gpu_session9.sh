@@ -109,7 +109,7 @@ for part in ${PART:-inplace}; do
       timeout 200 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows --out "$OUT" --no-chain43 2>&1 | tail -5 ;;
     final12)
       echo "== every gpu-marked test"
-      timeout 400 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+      timeout 540 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
         tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py -m gpu -q -p no:cacheprovider --durations=3 2>&1 | tail -8
       echo "== phases: indexer, wide"
       timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 \
