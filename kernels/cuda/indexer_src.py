@@ -28,9 +28,7 @@ CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
   int* cids = reinterpret_cast<int*>(cand + NBL);
   unsigned int* cbound = cand + 2 * NBL;
 """
-HEAD_SEG = (
-    CAND
-    + r"""  const int seg = blockIdx.x, b = blockIdx.y;
+HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
@@ -44,7 +42,6 @@ HEAD_SEG = (
     return;
   }
 """
-)
 SCORE = r"""  const int tw = table_shape[1];
   const int qr = q_rows[b];
   const int ht = warp % HT, kg = warp / HT, g = lane >> 2, c2 = (lane & 3) * 2;
@@ -69,9 +66,9 @@ SCORE = r"""  const int tw = table_shape[1];
     __syncthreads();  // ... everyone's; and everyone is done with chunk c - 1's buffer and `part`
     load(c + ST - 1);
     const T* kb = Ks + (c % ST) * CH * LDK;
-    // The warp's NJ entry tiles as NJ independent mma chains, interleaved in program order: the mma and
-    // ldmatrix asm is volatile, so the compiler keeps one tile's 8-deep chain whole if the source does
-    // (SASS showed it: 4 chains one after another, the score loop latency-bound; bench/phases.py).
+    // The warp's NJ entry tiles as NJ independent mma chains, interleaved in program order. Written one
+    // tile after another they ran as 4 serial 8-deep HMMA chains (SASS), and the loop was latency-bound;
+    // ptxas still keeps most of each chain together at its register choice (bench/idx_variants.py BOUNDS).
     float acc[NJ][4];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -157,6 +154,8 @@ LOAD_CP = r"""// LEAN: a chunk lies in one page (chunks start at multiples of CH
     dsv4_cp_commit();
   };"""
 WAIT_CP = "dsv4_cp_wait<ST - 2>();  // chunk c has landed (this thread's copies)"
+
+
 def score(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
     """SCORE with its chunk loader (bench/phases.py swaps in others to time them)."""
     return SCORE.replace("LOADER", loader).replace("WAIT", wait)
@@ -189,6 +188,8 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
+
+
 def segment(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
     return PRE + HEAD_SEG + score(loader, wait).replace("EMIT", EMIT_SMEM) + TAIL_SEG
 
@@ -196,7 +197,7 @@ def segment(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
 SEGMENT = segment()
 
 MERGE = r"""
-  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;  // UR: template
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
   int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
@@ -237,11 +238,14 @@ MERGE = r"""
   const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
   const int nck = (w1 - w0 + 32 * UR - 1) / (32 * UR);
   unsigned int v[UR];
+  auto fetch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+  };
   int cnt = 0;
   for (int ci = nck - 1; ci >= 0; --ci) {
     const int base = w0 + ci * 32 * UR;
-#pragma unroll
-    for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
+    fetch(base);
 #pragma unroll
     for (int u = 0; u < UR; ++u) cnt += (base + u * 32 + lane < w1 && v[u] >= bound) ? 1 : 0;
   }
@@ -256,10 +260,7 @@ MERGE = r"""
     int pos = off;
     for (int ci = 0; ci < nck; ++ci) {
       const int base = w0 + ci * 32 * UR;
-      if (ci) {
-#pragma unroll
-        for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
-      }
+      if (ci) fetch(base);
 #pragma unroll
       for (int u = 0; u < UR; ++u) {
         const int i = base + u * 32 + lane;
