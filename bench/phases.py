@@ -151,16 +151,16 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
     mx.eval(want)
     want_np = np.array(want)
     seg_words = dict(plan.seg_tmpl)["SEG"] + 2048
+    merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS, MERGE_MARKS)
     out: dict[str, Any] = {}
     for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
         src, header, st, checked = seg_variant(v)
         tmpl = [(k, st if (k == "ST" and st) else x) for k, x in plan.seg_tmpl]
         seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
                     header, SEG_MARKS)  # fmt: skip
-        merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS, MERGE_MARKS)
         mtmpl = [(k, ur if k == "UR" else x) for k, x in plan.merge_tmpl]
 
-        def run(seg: Any = seg, tmpl: Any = tmpl, merge: Any = merge, mtmpl: Any = mtmpl) -> list[mx.array]:
+        def run(seg: Any = seg, tmpl: Any = tmpl, mtmpl: Any = mtmpl) -> list[mx.array]:
             cand, ts1 = seg(inputs=args, template=tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
                             output_shapes=[plan.seg_shapes[0], (nseg_blocks * NSLOT,)],
                             output_dtypes=[mx.uint32, mx.uint32], init_value=0)  # fmt: skip
