@@ -17,6 +17,8 @@
 #            the indexer gpu tests (session 12)
 #   final12  every gpu-marked test file; the indexer's phases (session 12)
 #   ab12     attention gpu tests; bench/kernels.py for the indexer and attention at 8 rows (session 12)
+#   idx13    indexer: the segment under __launch_bounds__ (phases variants); host / total of the indexer and
+#            attention at 128K per MLX commit size (OPS, each in its own process) (session 13)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -120,6 +122,15 @@ for part in ${PART:-inplace}; do
       echo "== indexer + attention, bench/kernels.py, 8 rows"
       timeout 300 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows,sparse_attention_rows --out "$OUT" \
         --no-chain43 2>&1 | tail -9 ;;
+    idx13)
+      echo "== segment variants: base, bounds, compute"
+      timeout 300 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 \
+        --seg-variants "${VARIANTS:-base,bounds,compute}" --merge-ur 16 2>&1 | tail -4
+      for ops in ${OPS:-100 4 100 4}; do
+        echo "== host / total, MLX_MAX_OPS_PER_BUFFER=$ops"
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 90 python3 bench/host_cost.py --reps 10 --no-chain43 \
+          --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072" 2>&1 | grep -v trivial
+      done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)
