@@ -25,7 +25,7 @@ from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
-from kernels.cuda.common import standalone  # noqa: E402
+from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
@@ -47,6 +47,9 @@ def units() -> dict[str, str]:
     out["idx_segment_bounds"] = standalone("idx_segment", seg_in, [("cand", U32)],  # bench/idx_variants.py
                                            seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
                                            header=HELPERS + BOUNDS)  # fmt: skip
+    for name, hdr in (("idx_segment_1m", HELPERS), ("idx_segment_1m_bounds", HELPERS + BOUNDS)):  # 1M
+        out[name] = standalone("idx_segment", seg_in, [("cand", U32)],
+                               seg_t + [("SEG", 8192), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT, header=hdr)
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):
@@ -58,6 +61,13 @@ def units() -> dict[str, str]:
     out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
+    for mb in (0, 2, 3):  # the score kernel (LONG "select") at 128K / 8 rows, per launch bound
+        out[f"idx_score_b{mb}"] = standalone("idx_score", seg_in, [("skeys", U32)],
+                                             seg_t + [("SEG", 1024), ("CAPN", 32768)], ix.SCORE_KEYS,
+                                             header=launch_bounds(ix.NT, mb))  # fmt: skip
+    out["idx_select"] = standalone("idx_select", merge_in[:2] + [("skeys", U32, False)], [("out", I32)],
+                                   [("TOPK", 512), ("CAPN", 32768), ("CAPL", ix.SELECT_CAPL)], ix.SELECT,
+                                   header=HELPERS + ix.ONE_HELPERS + launch_bounds(1024, 1))  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
                                   [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP),
                                    ("UR", ix.MERGE_UR)],

@@ -84,7 +84,7 @@ CUDA_TYPES = {
 # call). `DSV4_CUDA_COMPILE=0` turns it off; bench/kernels.py times both.
 COMPILE = os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
 
-_kernels: dict[tuple[str, int], Any] = {}  # one source per name
+_kernels: dict[tuple[str, str, int], Any] = {}
 _consts: dict[tuple[Any, ...], mx.array] = {}
 
 
@@ -108,9 +108,9 @@ def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str
     """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest.
 
     `header`: device functions of this kernel, after the shared `HEADER`."""
-    key = (name, shared_memory)
+    digest = hashlib.sha1((HEADER + header + source).encode()).hexdigest()[:10]
+    key = (name, digest, shared_memory)
     if key not in _kernels:
-        digest = hashlib.sha1((HEADER + header + source).encode()).hexdigest()[:10]
         _kernels[key] = mx.fast.cuda_kernel(
             name=f"dsv4_{name}_{digest}",
             input_names=list(inputs),
@@ -121,6 +121,16 @@ def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str
             shared_memory=shared_memory,
         )
     return _kernels[key]
+
+
+def launch_bounds(threads: int, min_blocks: int) -> str:
+    """Header text that puts `__launch_bounds__(threads, min_blocks)` on the kernel MLX writes right after
+    the header (`cuda_kernel` writes the signature itself; `__location__(global)` is what the CUDA headers'
+    `__global__` expands to). ptxas may then spend registers up to 64K / (threads x min_blocks): at the
+    indexer's default ~57 it ran each warp's mma chains one after another (bench/results/session12-h200.md)."""
+    if min_blocks <= 0:
+        return ""
+    return f"\n#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
 def f32_params(*values: float) -> mx.array:
