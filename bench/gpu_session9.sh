@@ -19,8 +19,9 @@
 #   ab12     attention gpu tests; bench/kernels.py for the indexer and attention at 8 rows (session 12)
 #   idx13    indexer: the segment under __launch_bounds__ (phases variants); host / total of the indexer and
 #            attention at 128K per MLX commit size (OPS, each in its own process) (session 13)
-#   idx13b   indexer "select" (score kernel + per-row select block): phases per score launch bound, host / total
-#            of select vs merge, the indexer gpu tests (session 13)
+#   idx13c   the indexer gpu tests (segment launch-bounded up to SEG_BOUNDED_MAX); phases base vs nobounds;
+#            host / total of the ops at 128K and chain43 per MLX commit size (OPS) (session 13)
+#   ops13    bench/step.py (fast arm) per MLX commit size (OPS), interleaved (session 13)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -133,18 +134,23 @@ for part in ${PART:-inplace}; do
         MLX_MAX_OPS_PER_BUFFER=$ops timeout 90 python3 bench/host_cost.py --reps 10 --no-chain43 \
           --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072" 2>&1 | grep -v trivial
       done ;;
-    idx13b)
-      echo "== phases: score + select per score launch bound; segment + merge"
-      timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --score-bounds "${BOUNDS:-2,0,3}" \
-        --cases select:8:131072,select:1:131072,select:8:1048576,indexer:8:131072 2>&1 | tail -4
-      for ops in ${OPS:-100 4}; do
-        echo "== host / total per long-row path, MLX_MAX_OPS_PER_BUFFER=$ops"
-        MLX_MAX_OPS_PER_BUFFER=$ops timeout 120 python3 bench/host_cost.py --reps 10 --no-chain43 \
-          --idx-long "${LONGS:-select:2,select:0,merge:0}" \
-          --cases "indexer_rows:8:131072,indexer_rows:1:131072,indexer_rows:8:1048576" 2>&1 | grep -v trivial
-      done
+    idx13c)
       echo "== indexer gpu tests"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3 ;;
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      echo "== phases: the segment as planned (base) vs without a launch bound"
+      timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,nobounds \
+        --cases indexer:8:131072,indexer:1:131072 2>&1 | tail -2
+      for ops in ${OPS:-100 4 8}; do
+        echo "== host / total, MLX_MAX_OPS_PER_BUFFER=$ops"
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 100 python3 bench/host_cost.py --reps 10 \
+          --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072,compressor_rows:8:131072" 2>&1 | grep -v trivial
+      done ;;
+    ops13)
+      for r in 1 2; do for ops in ${OPS:-100 4}; do
+        echo "== step, MLX_MAX_OPS_PER_BUFFER=$ops (round $r)"
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 140 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast \
+          --reps 10 --out "$OUT/step-ops$ops-r$r.json" 2>&1 | grep -E "^ +[0-9]|ms"
+      done; done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -32,7 +32,7 @@ from bench.cases import chain43, make_case  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 
-ONE_MAX, WIDE_HG, LONG, SCORE_MIN_BLOCKS = ix.ONE_MAX, at.WIDE_HG, ix.LONG, ix.SCORE_MIN_BLOCKS
+ONE_MAX, WIDE_HG = ix.ONE_MAX, at.WIDE_HG
 
 ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
 
@@ -112,8 +112,6 @@ def main() -> None:
     ap.add_argument("--dsplit-chunks", type=int, default=None,
                     help="attention rows of up to this many 64-key chunks take `dsplit` (kernels/cuda/attention.py; "
                     "0: every row takes split-K + combine)")
-    ap.add_argument("--idx-long", default="",
-                    help="indexer cases per long-row path and score launch bound, e.g. select:2,select:0,merge:0")
     ap.add_argument("--wide-threads", type=int, default=None, help="threads per `wide` attention block (256, 512)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
@@ -136,21 +134,18 @@ def main() -> None:
         emit(f"trivial:inputs={n_in}:pad={pad}", split(trivial(n_in, pad), opt.reps, 100))
     for spec in filter(None, opt.cases.split(",")):
         op, rows, ctx = spec.rsplit(":", 2)  # op may carry ":128" (bench.cases.make_case)
-        paths: list[tuple[str, list[tuple[str, Any]]]] = [("", [])]
+        paths: list[tuple[str, Any]] = [("", None)]
         if op == "indexer_rows" and opt.indexer_paths:
-            paths = [(":one", [("ONE_MAX", 1 << 40)]), (":segment", [("ONE_MAX", 0)])]
-        if op == "indexer_rows" and opt.idx_long:
-            paths = [(f":{v}", [("LONG", v.split(":")[0]), ("SCORE_MIN_BLOCKS", int(v.split(":")[1]))])
-                     for v in opt.idx_long.split(",")]  # fmt: skip
+            paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0))]
         if op == "sparse_attention_rows" and opt.wide_heads:
-            paths = [(f":wide{h}", [("WIDE_HG", int(h))]) for h in opt.wide_heads.split(",")]
-        for tag, settings in paths:
-            for name, value in settings:  # module settings read when a launch plan is made (part of its key)
-                setattr(at if name == "WIDE_HG" else ix, name, value)
+            paths = [(f":wide{h}", ("WIDE_HG", int(h))) for h in opt.wide_heads.split(",")]
+        for tag, setting in paths:
+            if setting:  # a module setting read when a launch plan is made (part of its key)
+                setattr(at if setting[0] == "WIDE_HG" else ix, *setting)
             case = make_case(op, int(rows), int(ctx))
             emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
             del case
-        ix.ONE_MAX, at.WIDE_HG, ix.LONG, ix.SCORE_MIN_BLOCKS = ONE_MAX, WIDE_HG, LONG, SCORE_MIN_BLOCKS
+        ix.ONE_MAX, at.WIDE_HG = ONE_MAX, WIDE_HG
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))

@@ -6,16 +6,19 @@ Measured on the H200 (session 12, bench/results/session12-h200.md), none beat th
 - `st5`: five stages in flight instead of four: no change (more bytes in flight did not help).
 - diagnostics `compute` (no loads in the loop: computes on stale buffers) and `load` (no mma): each
   alone took ~80% of the loop's time, so the loop was bound by its instruction latency chain.
-Not yet timed (no device time left in session 12):
-- `bounds`: the same source under `__launch_bounds__(256, 2)`. MLX's `cuda_kernel` writes the kernel's
-  signature itself, so a header macro adds the bound to the `__global__` that follows it. Offline
-  (nvcc sm_90a), ptxas then runs the 4 entry tiles' mma chains side by side (112 registers, not 57).
+The launch bound (session 13, `bounds` / `nobounds` against the plan's own choice, `base`):
+- `__launch_bounds__(256, 2)` (kernels/cuda/common.launch_bounds: MLX's `cuda_kernel` writes the kernel's
+  signature itself, so a header macro adds the bound to the `__global__` that follows it): ptxas then runs
+  the 4 entry tiles' mma chains side by side (112 registers, not 57). 8 rows, 128K: segment span 35.7 ->
+  32.3 us; 1 row: 24.9 -> 20.7; but 8 rows, 1M: 211 -> 305 us. The plan bounds segments of up to
+  indexer.SEG_BOUNDED_MAX entries only.
 """
 
 from __future__ import annotations
 
 import kernels.cuda.indexer as ki
 import kernels.cuda.indexer_src as isrc
+from kernels.cuda.common import launch_bounds
 
 # Bulk (Hopper TMA, cp.async.bulk): warp 0 issues one copy per entry (DI * 2 bytes into its padded row)
 # and the chunk's mbarrier counts the bytes; every thread waits on that barrier's phase. Rows past nv
@@ -66,18 +69,16 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 """
 
 
-# `__launch_bounds__` on the kernel MLX generates right after the header (`__location__` is what the CUDA
-# headers' own `__global__` expands to).
-BOUNDS = "\n#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, 2)\n"
-
 # name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
-                "bounds": (False, None, "bounds"), "compute": (False, None, "compute"),
+                "bounds": (False, None, "bounds"), "nobounds": (False, None, "nobounds"),
+                "compute": (False, None, "compute"),
                 "load": (False, None, "load")}  # fmt: skip
 
 
-def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
-    """(source, header, stages, checked) of a segment variant."""
+def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
+    """(source, header, stages, checked) of a segment variant for `seg`-entry segments (the launch bound
+    as the kernel's plan picks it, or forced on / off)."""
     bulk, st, diag = SEG_VARIANTS[name]
     src = isrc.segment(LOAD_BULK, WAIT_BULK) if bulk else isrc.SEGMENT
     if diag == "compute":
@@ -87,5 +88,6 @@ def seg_variant(name: str) -> tuple[str, str, int | None, bool]:
                           "acc[j][0] += __uint_as_float(bf[j][0]);")
         src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
                           "acc[j][1] += __uint_as_float(bf[j][2]);")
-    header = ki.HELPERS + (BULK_HELPERS if bulk else "") + (BOUNDS if diag == "bounds" else "")
-    return src, header, st, diag in ("", "bounds")
+    bounded = diag == "bounds" or (diag != "nobounds" and seg <= ki.SEG_BOUNDED_MAX)
+    header = ki.HELPERS + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, 2 if bounded else 0)
+    return src, header, st, diag in ("", "bounds", "nobounds")

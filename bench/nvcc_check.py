@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.idx_variants import BOUNDS  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
@@ -26,6 +25,8 @@ from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
+
+BOUNDS = launch_bounds(ix.NT, 2)
 from kernels.cuda.select import HELPERS  # noqa: E402
 
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
@@ -61,13 +62,6 @@ def units() -> dict[str, str]:
     out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
-    for mb in (0, 2, 3):  # the score kernel (LONG "select") at 128K / 8 rows, per launch bound
-        out[f"idx_score_b{mb}"] = standalone("idx_score", seg_in, [("skeys", U32)],
-                                             seg_t + [("SEG", 1024), ("CAPN", 32768)], ix.SCORE_KEYS,
-                                             header=launch_bounds(ix.NT, mb))  # fmt: skip
-    out["idx_select"] = standalone("idx_select", merge_in[:2] + [("skeys", U32, False)], [("out", I32)],
-                                   [("TOPK", 512), ("CAPN", 32768), ("CAPL", ix.SELECT_CAPL)], ix.SELECT,
-                                   header=HELPERS + ix.ONE_HELPERS + launch_bounds(1024, 1))  # fmt: skip
     out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
                                   [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP),
                                    ("UR", ix.MERGE_UR)],

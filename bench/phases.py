@@ -29,7 +29,7 @@ import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
 from bench.idx_variants import SEG_VARIANTS, seg_variant  # noqa: E402
-from kernels.cuda.common import f32_params, i32_dummy, launch_bounds  # noqa: E402
+from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
 TIMER = r"""
 __device__ __forceinline__ unsigned long long dsv4_gt() {
@@ -143,7 +143,6 @@ MERGE_MARKS = {"bound": "  // warp w filters its contiguous run",
 def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs: list[int]) -> dict[str, Any]:
     """The segment kernel's variants (each followed by the merge), then the merge at each UR."""
     batch, _, q, w, keys = indexer_inputs(np.random.default_rng(0), rows, ctx)
-    ki.LONG = "merge"
     plan = ki.Plan(batch, q, keys, TOPK)
     assert not plan.one, "the probe covers segment + merge (rows of more than ONE_MAX entries)"
     nseg_blocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
@@ -155,7 +154,7 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
     merge = probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, ki.HELPERS, MERGE_MARKS)
     out: dict[str, Any] = {}
     for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
-        src, header, st, checked = seg_variant(v)
+        src, header, st, checked = seg_variant(v, seg_words - 2048)
         tmpl = [(k, st if (k == "ST" and st) else x) for k, x in plan.seg_tmpl]
         seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
                     header, SEG_MARKS)  # fmt: skip
@@ -185,50 +184,6 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
                                                           "merge": ["bound", "filter", "select", "take"]})  # fmt: skip
         out[key]["merge_ur"] = ur
     return out if len(out) > 1 else out[variants[0]]
-
-
-SELECT_MARKS = {"hist": "    dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);",
-                "bin": "  dsv4_take_ordered<NT>(rk, n, thr, need_eq"}  # fmt: skip
-
-
-def select_case(rows: int, ctx: int, reps: int, bounds: list[int]) -> dict[str, Any]:
-    """The long-row path "select": the score kernel per launch bound (its span), then the select kernel
-    (phases: row lookup + histogram sweep | bin, collect, radix | ordered compaction)."""
-    batch, _, q, w, keys = indexer_inputs(np.random.default_rng(0), rows, ctx)
-    ki.LONG = "select"
-    plan = ki.Plan(batch, q, keys, TOPK)
-    assert not plan.one, "the probe covers score + select (rows of more than ONE_MAX entries)"
-    nblocks = plan.seg_grid[0] // plan.nt * plan.seg_grid[1]
-    args = [batch.positions, batch.q_rows, batch.tables[4], q, w, keys, i32_dummy((1,))]
-    want = np.array(ki.indexer_rows_reference(batch, q, w, keys, topk=TOPK))
-    sel = probe("select", list(ki.SELECT_IN), ["out"], ki.SELECT, 4 * ki.SELECT_CAPL,
-                ki.HELPERS + ki.ONE_HELPERS + launch_bounds(1024, 1), SELECT_MARKS)  # fmt: skip
-    out: dict[str, Any] = {}
-    for mb in bounds:
-        score = probe(f"score_b{mb}", list(ki.SEG_IN), ["skeys"], ki.SCORE_KEYS, ki.smem_bytes(NI, DI, 0),
-                      launch_bounds(ki.NT, mb))  # fmt: skip
-
-        def run(score: Any = score) -> list[mx.array]:
-            sk, ts1 = score(inputs=args, template=plan.seg_tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
-                            output_shapes=[plan.seg_shapes[0], (nblocks * NSLOT,)],
-                            output_dtypes=[mx.uint32, mx.uint32], init_value=0)  # fmt: skip
-            ids, ts2 = sel(inputs=[batch.positions, batch.q_rows, sk], template=plan.merge_tmpl,
-                           grid=plan.merge_grid, threadgroup=(1024, 1, 1),
-                           output_shapes=[plan.out_shape, (q.shape[0] * NSLOT,)], output_dtypes=[mx.int32, mx.uint32],
-                           init_value=0)  # fmt: skip
-            return [ids, ts1, ts2]
-
-        got = run()
-        mx.eval(got)
-        ok = bool(np.array_equal(want, np.array(got[0])))
-        runs = []
-        for _ in range(reps):
-            r = run()
-            mx.eval(r)
-            runs.append([np.array(r[1]), np.array(r[2])])
-        out[f"bounds{mb}"] = summarize(runs, ["score", "select"], {"select": ["hist", "bin", "take"]})
-        out[f"bounds{mb}"]["equal_to_reference"] = ok  # exact ties aside, random scores: the same ids
-    return out
 
 
 def attention_case(rows: int, ctx: int, ratio: int, reps: int, outer: bool = False) -> dict[str, Any]:
@@ -288,8 +243,6 @@ def main() -> None:
     ap.add_argument("--seg-variants", default="base", help=f"indexer segment variants: {','.join(SEG_VARIANTS)}")
     ap.add_argument("--merge-ur", default=str(ki.MERGE_UR),
                     help="merge list loads per lane in flight (the first: with every variant)")
-    ap.add_argument("--score-bounds", default=str(ki.SCORE_MIN_BLOCKS),
-                    help="select cases: the score kernel per __launch_bounds__ min blocks (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = {}
@@ -299,8 +252,6 @@ def main() -> None:
         if op == "indexer":
             r = indexer_case(int(parts[1]), int(parts[2]), a.reps, a.seg_variants.split(","),
                              [int(u) for u in a.merge_ur.split(",")])  # fmt: skip
-        elif op == "select":
-            r = select_case(int(parts[1]), int(parts[2]), a.reps, [int(x) for x in a.score_bounds.split(",")])
         elif op in ("attention", "sliding", "outer"):  # outer: dsplit's phases outside its loop (HCA / sliding)
             ratio = 0 if op == "sliding" else (int(parts[1]) if len(parts) == 4 else 4)
             r = attention_case(int(parts[-2]), int(parts[-1]), ratio, a.reps, outer=op == "outer")

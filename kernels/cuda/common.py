@@ -116,7 +116,8 @@ def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str
             input_names=list(inputs),
             output_names=list(outputs),
             source=minify(source),
-            header=minify(HEADER + header),
+            header=minify(HEADER + header) + "\n",  # MLX appends its namespace line right after: a last
+            # `#define` line (common.launch_bounds) must end before it
             ensure_row_contiguous=True,
             shared_memory=shared_memory,
         )

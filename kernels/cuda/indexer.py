@@ -36,7 +36,6 @@ import mlx.core as mx
 from kernels.cuda import common
 from kernels.cuda.common import i32_dummy, kernel, launch_bounds, next_pow2, plan_cached
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
-from kernels.cuda.indexer_select_src import SCORE_KEYS, SELECT
 from kernels.cuda.indexer_src import MERGE, SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
@@ -52,13 +51,11 @@ MERGE_UR = 16  # the merge's list loads in flight per lane (bench/phases.py --me
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
 ONE_MAX = 8192
 ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
-# Rows beyond ONE_MAX: "select" (score kernel + one 1024-thread select block per row, indexer_select_src)
-# or "merge" (segment top-k + merge, indexer_src). bench/host_cost.py --idx-long A/Bs them.
-LONG = "select"
-SCORE_MIN_BLOCKS = 2  # __launch_bounds__(256, this) on the score kernel (0: none; common.launch_bounds)
-SCORE_TARGET = 264  # score blocks wanted over the batch: two per multiprocessor on the H200 (132 SMs)
-SELECT_CAPL = 16384  # keys of the k-th key's bin the select holds in shared memory (more: radix in L2)
-SELECT_IN = ("positions", "q_rows", "skeys")
+# __launch_bounds__(NT, 2) on the segment kernel up to this many entries per segment (128K context: 1024).
+# ptxas then runs each warp's 4 entry tiles' mma chains side by side (112 registers, not 57); H200, 8 rows,
+# 128K: segment span 35.7 -> 32.3 us (1 row: 24.9 -> 20.7). At 1M (8192-entry segments) the same bound took
+# 211 -> 305 us (bench/phases.py, idx variant `bounds`; session 13), so longer segments keep no bound.
+SEG_BOUNDED_MAX = 4096
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
 
@@ -69,12 +66,6 @@ def segment_size(cap: int, topk: int) -> int:
     scored)."""
     lo = max(1024, 2 * next_pow2(topk))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
-
-
-def score_segment(cap: int, rows: int) -> int:
-    """Entries per score block (rows beyond ONE_MAX, "select"): about SCORE_TARGET blocks over the batch,
-    whole pipeline chunks, at least 4 chunks (the pipeline's depth) per block."""
-    return min(MAX_SEG, max(4 * CH, next_pow2(math.ceil(cap * rows / SCORE_TARGET))))
 
 
 def one_block(cap: int) -> int:
@@ -134,26 +125,14 @@ class Plan:
             # one output: the top-k ids, then the scratch planes (indexer_one_src); one output and one
             # init_value fill cost the host less than two of each
             self.seg_shapes = [(-(-(q.shape[0] * topk) // 4) * 4 + -(-b // 4) * 4 + b * (2048 + capn),)]
-        elif LONG == "select":
-            seg = score_segment(cap, b)
-            capn = -(-cap // seg) * seg
-            self.seg = kernel("idx_score", SEG_IN, ("skeys",), SCORE_KEYS, smem_bytes(ni, di, 0),
-                              launch_bounds(NT, SCORE_MIN_BLOCKS))  # fmt: skip
-            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("CAPN", capn)]
-            self.nt = NT
-            self.seg_grid = (capn // seg * NT, b, 1)
-            self.seg_shapes = [(b * capn,)]
-            self.merge = kernel("idx_select", SELECT_IN, ("out",), SELECT, 4 * SELECT_CAPL,
-                                HELPERS + ONE_HELPERS + launch_bounds(1024, 1))  # fmt: skip
-            self.merge_tmpl = [("TOPK", topk), ("CAPN", capn), ("CAPL", SELECT_CAPL)]
-            self.merge_grid = (q.shape[0] * 1024, 1, 1)
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
             cand = nseg * topk
             ld = -(-cand // 4) * 4
+            bound = launch_bounds(NT, 2 if seg <= SEG_BOUNDED_MAX else 0)
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
-                              HELPERS)  # fmt: skip
+                              HELPERS + bound)  # fmt: skip
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
@@ -204,7 +183,7 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         raise
 
     def make() -> Plan:
-        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX, LONG, SCORE_MIN_BLOCKS)
+        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
         return plan_cached(pk, lambda: Plan(batch, q, keys, topk))
 
     plan: Plan = checked(batch, key, check, make)

@@ -150,14 +150,13 @@ TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
   // the row's last block: its top-k
   int* o = out + (size_t)q_rows[b] * TOPK;
   const unsigned int* rk = gkeys + (size_t)b * CAPN;  // the row's keys
-"""
-# The top-k of a row from its keys rk[0..n) in global memory, into o (the ONE kernel's last block of the row;
-# the select kernel's block, indexer_select_src.py). FILL_HIST: the shared histogram of the keys' top 11 bits.
-SELECT_ROW = r"""  const int K = min(TOPK, n);
+  const int K = min(TOPK, n);
   unsigned int thr = 0u;  // keys are >= 1 (0 only for NaN): with thr 0 and need_eq n every entry is taken
   int need_eq = n;
   if (n > TOPK) {
-FILL_HIST    dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);
+    for (int i = tid; i < 2048; i += NT) hist[i] = __ldcg(ghist + (size_t)b * 2048 + i);
+    __syncthreads();
+    dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);
     const unsigned int top = (unsigned int)sh[0];
     const int rem = sh[1];
     __syncthreads();
@@ -189,9 +188,6 @@ FILL_HIST    dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);
   dsv4_take_ordered<NT>(rk, n, thr, need_eq, wsum, [&](int r, int i, unsigned int) { o[r] = i; });
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """
-ONE_HIST = r"""    for (int i = tid; i < 2048; i += NT) hist[i] = __ldcg(ghist + (size_t)b * 2048 + i);
-    __syncthreads();
-"""
 
 # The segment kernel's shared key array `skey` becomes this kernel's shared histogram; `skey` here is
 # the block's run of the row's global key plane (where the shared scoring body writes).
@@ -206,5 +202,4 @@ ONE = (
     + HEAD_ONE
     + score().replace("EMIT", EMIT_GLOBAL)
     + TAIL_ONE
-    + SELECT_ROW.replace("FILL_HIST", ONE_HIST)
 )
