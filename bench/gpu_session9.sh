@@ -22,6 +22,8 @@
 #   idx13c   the indexer gpu tests (segment launch-bounded up to SEG_BOUNDED_MAX); phases base vs nobounds;
 #            host / total of the ops at 128K and chain43 per MLX commit size (OPS) (session 13)
 #   ops13    bench/step.py (fast arm) per MLX commit size (OPS), interleaved (session 13)
+#   final13  bench/kernels.py --rows 8, bench/step.py (fast, reference) under the product's commit size (8), then
+#            host / total of the ops and chain43 with MLX_MAX_OPS_PER_BUFFER=100 and 8 (session 13)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -151,6 +153,17 @@ for part in ${PART:-inplace}; do
         MLX_MAX_OPS_PER_BUFFER=$ops timeout 140 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast \
           --reps 10 --out "$OUT/step-ops$ops-r$r.json" 2>&1 | grep -E "^ +[0-9]|ms"
       done; done ;;
+    final13)
+      echo "== kernels, 8 rows"
+      timeout 330 python3 bench/kernels.py --reps "${REPS:-5}" --rows 8 --out "$OUT" 2>&1 | tail -24
+      echo "== step"
+      timeout 160 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
+        --out "$OUT/step.json" 2>&1 | tail -9
+      for ops in 100 8; do
+        echo "== host / total, MLX_MAX_OPS_PER_BUFFER=$ops"
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 80 python3 bench/host_cost.py --reps 10 \
+          --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072" 2>&1 | grep -v trivial
+      done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
     tests)

@@ -17,6 +17,8 @@ from kernels.rope import rope, rope_apply, rope_tables
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
+backend.tune_cuda_commits()  # before any GPU eval
+
 __all__ = [
     "Row",
     "RowBatch",

@@ -53,6 +53,21 @@ def cuda_available() -> bool:
     return ok and mx.default_device().type == mx.gpu
 
 
+# MLX commits its CUDA graph once it holds more than this many nodes (MLX_MAX_OPS_PER_BUFFER; 100 on sm_90):
+# smaller graphs let the GPU start while the host still builds the rest of the step. H200, session 13
+# (bench/host_cost.py, one host): chain43 at 8 rows 2.73 -> 2.20 ms per step; per chained call at 8 rows,
+# 128K: indexer 100 -> 70 us, compressor 21.8 -> 18.9, attention 32.9 -> 33.3. 4 was better still per op
+# but worse for chain43 (3.44 ms). MLX reads it when it builds its first command encoder (the first GPU
+# eval), so `kernels` sets it on import; a value already in the environment wins.
+CUDA_COMMIT_OPS = 8
+
+
+def tune_cuda_commits() -> None:
+    """Set MLX's CUDA-graph commit size (CUDA builds only: Metal reads the same variable)."""
+    if cuda_available():
+        os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", str(CUDA_COMMIT_OPS))
+
+
 def _mode() -> str:
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in ("auto", "reference", "cuda"):

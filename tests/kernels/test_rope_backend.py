@@ -4,6 +4,7 @@ override, fast-path registry)."""
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -102,3 +103,17 @@ def test_backend_env_errors(fresh_backend: pytest.MonkeyPatch) -> None:
         backend.name()
     with pytest.raises(ValueError, match="op"):
         backend.register("rows_gather", lambda: None)
+
+
+def test_cuda_commit_size_only_on_cuda_and_never_over_the_user(fresh_backend: pytest.MonkeyPatch) -> None:
+    """MLX_MAX_OPS_PER_BUFFER: set on CUDA builds only (Metal reads it too), an explicit value kept."""
+    fresh_backend.delenv("MLX_MAX_OPS_PER_BUFFER", raising=False)
+    fresh_backend.setattr(backend, "cuda_available", lambda: False)
+    backend.tune_cuda_commits()
+    assert "MLX_MAX_OPS_PER_BUFFER" not in os.environ
+    fresh_backend.setattr(backend, "cuda_available", lambda: True)
+    backend.tune_cuda_commits()
+    assert os.environ["MLX_MAX_OPS_PER_BUFFER"] == str(backend.CUDA_COMMIT_OPS)
+    fresh_backend.setenv("MLX_MAX_OPS_PER_BUFFER", "100")
+    backend.tune_cuda_commits()
+    assert os.environ["MLX_MAX_OPS_PER_BUFFER"] == "100"
