@@ -24,6 +24,7 @@
 #   ops13    bench/step.py (fast arm) per MLX commit size (OPS), interleaved (session 13)
 #   final13  bench/kernels.py --rows 8, bench/step.py (fast, reference) under the product's commit size (8), then
 #            host / total of the ops and chain43 with MLX_MAX_OPS_PER_BUFFER=100 and 8 (session 13)
+#   ab13     bench/kernels.py (indexer, attention; 8 rows, 128K and 1M) with MLX_MAX_OPS_PER_BUFFER 100 and 8 (session 13)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -163,6 +164,12 @@ for part in ${PART:-inplace}; do
         echo "== host / total, MLX_MAX_OPS_PER_BUFFER=$ops"
         MLX_MAX_OPS_PER_BUFFER=$ops timeout 80 python3 bench/host_cost.py --reps 10 \
           --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072" 2>&1 | grep -v trivial
+      done ;;
+    ab13)
+      for ops in 100 8; do
+        echo "== kernels, MLX_MAX_OPS_PER_BUFFER=$ops"
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 170 python3 bench/kernels.py --reps 4 --rows 8 --ctxs 131072,1048576 \
+          --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/ops$ops" 2>&1 | tail -7
       done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
