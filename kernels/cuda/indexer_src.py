@@ -68,7 +68,7 @@ SCORE = r"""  const int tw = table_shape[1];
     const T* kb = Ks + (c % ST) * CH * LDK;
     // The warp's NJ entry tiles as NJ independent mma chains, interleaved in program order. Written one
     // tile after another they ran as 4 serial 8-deep HMMA chains (SASS), and the loop was latency-bound;
-    // ptxas still keeps most of each chain together at its register choice (bench/idx_variants.py BOUNDS).
+    // ptxas keeps most of each chain together at its default ~57 registers; indexer.SEG_BOUNDED_MAX bounds it.
     float acc[NJ][4];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
