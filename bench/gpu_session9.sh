@@ -25,7 +25,7 @@
 #   final13  bench/kernels.py --rows 8, bench/step.py (fast, reference) under the product's commit size (8), then
 #            host / total of the ops and chain43 with MLX_MAX_OPS_PER_BUFFER=100 and 8 (session 13)
 #   ab13     bench/kernels.py (indexer, attention; 8 rows, 128K and 1M) with MLX_MAX_OPS_PER_BUFFER 100 and 8 (session 13)
-#   step13   bench/step.py (fast, 1 and 8 rows, 4K) with MLX_MAX_OPS_PER_BUFFER 100 and 8, interleaved (session 13)
+#   step13   bench/step.py (fast, 1 and 8 rows, 4K) with MLX_MAX_OPS_PER_BUFFER 100 and 8, two rounds (session 13)
 #   bench    bench/kernels.py --rows 8 and bench/step.py (fast, fast_functional, reference, fast_pipe)
 # Writes under $OUT.
 set -u
@@ -173,7 +173,7 @@ for part in ${PART:-inplace}; do
           --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/ops$ops" 2>&1 | tail -7
       done ;;
     step13)
-      for r in 1 2 3; do for ops in 100 8; do
+      for r in 1 2; do for ops in 100 8; do
         echo "== step, MLX_MAX_OPS_PER_BUFFER=$ops (round $r)"
         MLX_MAX_OPS_PER_BUFFER=$ops timeout 50 python3 bench/step.py --rows 1,8 --contexts 4096 --arms fast \
           --reps 10 --out "$OUT/step13-ops$ops-r$r.json" 2>&1 | grep -E "^ +[0-9]"
