@@ -25,9 +25,9 @@ from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
-
-BOUNDS = launch_bounds(ix.NT, 2)
 from kernels.cuda.select import HELPERS  # noqa: E402
+
+BOUNDS = launch_bounds(ix.NT, 2)  # the segment kernel's bound up to indexer.SEG_BOUNDED_MAX entries
 
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
 
