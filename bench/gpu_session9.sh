@@ -19,7 +19,8 @@
 #   ab12     attention gpu tests; bench/kernels.py for the indexer and attention at 8 rows (session 12)
 #   idx13    indexer: the segment under __launch_bounds__ (phases variants); host / total of the indexer and
 #            attention at 128K per MLX commit size (OPS, each in its own process) (session 13)
-#   idx13c   the indexer gpu tests (segment launch-bounded up to SEG_BOUNDED_MAX); phases base vs nobounds;
+#   idx13c   the indexer gpu tests (segment launch-bounded up to SEG_BOUNDED_MAX); phases base vs nobounds
+#            (VARIANTS, CASES: e.g. VARIANTS=base,plainhist CASES=indexer:8:131072,indexer:8:1048576);
 #            host / total of the ops at 128K and chain43 per MLX commit size (OPS) (session 13)
 #   ops13    bench/step.py (fast arm) per MLX commit size (OPS), interleaved (session 13)
 #   final13  bench/kernels.py --rows 8, bench/step.py (fast, reference) under the product's commit size (8), then
@@ -142,8 +143,8 @@ for part in ${PART:-inplace}; do
       echo "== indexer gpu tests"
       timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== phases: the segment as planned (base) vs without a launch bound"
-      timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,nobounds \
-        --cases indexer:8:131072,indexer:1:131072 2>&1 | tail -2
+      timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base,nobounds}" \
+        --cases "${CASES:-indexer:8:131072,indexer:1:131072}" 2>&1 | tail -3
       for ops in ${OPS:-100 4 8}; do
         echo "== host / total, MLX_MAX_OPS_PER_BUFFER=$ops"
         MLX_MAX_OPS_PER_BUFFER=$ops timeout 100 python3 bench/host_cost.py --reps 10 \

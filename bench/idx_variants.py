@@ -12,6 +12,7 @@ The launch bound (session 13, `bounds` / `nobounds` against the plan's own choic
   the 4 entry tiles' mma chains side by side (112 registers, not 57). 8 rows, 128K: segment span 35.7 ->
   32.3 us; 1 row: 24.9 -> 20.7; but 8 rows, 1M: 211 -> 305 us. The plan bounds segments of up to
   indexer.SEG_BOUNDED_MAX entries only.
+Not yet timed: `plainhist` (the select's histogram by plain shared atomics, no MATCH.ANY; below).
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 """
 
 
+# The select helpers' histogram without warp aggregation: one shared atomic per key. Aggregation costs a
+# MATCH.ANY per key (SASS), and 1024 threads sweeping 32K keys that way took 50K cycles (session 13's
+# select kernel); whether plain atomics on a few hot bins cost less is what `plainhist` measures.
+AGG = """        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+        if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));"""
+assert AGG in ki.HELPERS
+PLAIN_HELPERS = ki.HELPERS.replace(AGG, "        if (ok[u]) atomicAdd(&hist[bin], 1u);")
+
 # name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
                 "bounds": (False, None, "bounds"), "nobounds": (False, None, "nobounds"),
-                "compute": (False, None, "compute"),
+                "plainhist": (False, None, "plainhist"), "compute": (False, None, "compute"),
                 "load": (False, None, "load")}  # fmt: skip
 
 
@@ -89,5 +98,6 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
         src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
                           "acc[j][1] += __uint_as_float(bf[j][2]);")
     bounded = diag == "bounds" or (diag != "nobounds" and seg <= ki.SEG_BOUNDED_MAX)
-    header = ki.HELPERS + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, 2 if bounded else 0)
-    return src, header, st, diag in ("", "bounds", "nobounds")
+    helpers = PLAIN_HELPERS if diag == "plainhist" else ki.HELPERS
+    header = helpers + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, 2 if bounded else 0)
+    return src, header, st, diag in ("", "bounds", "nobounds", "plainhist")
