@@ -97,7 +97,7 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
                           "acc[j][0] += __uint_as_float(bf[j][0]);")
         src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
                           "acc[j][1] += __uint_as_float(bf[j][2]);")
-    bounded = diag == "bounds" or (diag != "nobounds" and seg <= ki.SEG_BOUNDED_MAX)
+    mb = {"bounds": 2, "nobounds": 0}.get(diag, ki.segment_min_blocks(seg))
     helpers = PLAIN_HELPERS if diag == "plainhist" else ki.HELPERS
-    header = helpers + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, 2 if bounded else 0)
+    header = helpers + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, mb)
     return src, header, st, diag in ("", "bounds", "nobounds", "plainhist")

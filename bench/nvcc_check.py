@@ -27,8 +27,6 @@ from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
-BOUNDS = launch_bounds(ix.NT, 2)  # the segment kernel's bound up to indexer.SEG_BOUNDED_MAX entries
-
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
 
 
@@ -42,15 +40,11 @@ def units() -> dict[str, str]:
                ("fparams", F32, False), ("sinks", F32, False), ("after", I32, False)]  # fmt: skip
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
-    out["idx_segment"] = standalone("idx_segment", seg_in, [("cand", U32)],
-                                    seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
-                                    header=HELPERS)  # fmt: skip
-    out["idx_segment_bounds"] = standalone("idx_segment", seg_in, [("cand", U32)],  # bench/idx_variants.py
-                                           seg_t + [("SEG", 1024), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
-                                           header=HELPERS + BOUNDS)  # fmt: skip
-    for name, hdr in (("idx_segment_1m", HELPERS), ("idx_segment_1m_bounds", HELPERS + BOUNDS)):  # 1M
+    for name, seg, mb in (("idx_segment", 1024, 0), ("idx_segment_bounds", 1024, 2), ("idx_segment_1m", 8192, 0),
+                          ("idx_segment_1m_bounds", 8192, 2)):  # 128K / 1M segments, without / with the bound
         out[name] = standalone("idx_segment", seg_in, [("cand", U32)],
-                               seg_t + [("SEG", 8192), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT, header=hdr)
+                               seg_t + [("SEG", seg), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
+                               header=HELPERS + launch_bounds(ix.NT, mb))  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     for eb in (128, 256, 512):

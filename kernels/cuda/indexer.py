@@ -68,6 +68,11 @@ def segment_size(cap: int, topk: int) -> int:
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
 
+def segment_min_blocks(seg: int) -> int:
+    """The segment kernel's `__launch_bounds__` min blocks per SM for `seg`-entry segments (0: no bound)."""
+    return 2 if seg <= SEG_BOUNDED_MAX else 0
+
+
 def one_block(cap: int) -> int:
     """Entries per block of the one-launch kernel: enough blocks to fill the GPU at 8 rows."""
     return 128 if cap <= 8192 else (256 if cap <= 65536 else 512)
@@ -130,9 +135,8 @@ class Plan:
             nseg = -(-cap // seg)
             cand = nseg * topk
             ld = -(-cand // 4) * 4
-            bound = launch_bounds(NT, 2 if seg <= SEG_BOUNDED_MAX else 0)
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
-                              HELPERS + bound)  # fmt: skip
+                              HELPERS + launch_bounds(NT, segment_min_blocks(seg)))  # fmt: skip
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
