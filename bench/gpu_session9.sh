@@ -11,6 +11,8 @@
 #   attn11   attention gpu tests, phases and kernels.py after the combine change (session 11)
 #   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
+#   inc14    kernels' code in include files vs inline: host / total of chain43 and the ops (2 rounds); commit
+#            size 16; the select's histograms by plain atomics (phases, segment + merge) (session 14)
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
@@ -181,6 +183,19 @@ for part in ${PART:-inplace}; do
       done; done ;;
     prof)
       OPS=100 timeout 330 bash bench/gpu_chain43_link.sh 2>&1 | tail -14 ;;
+    inc14)
+      # the kernels' code in include files (kernels/cuda/include.py) vs inline (DSV4_CUDA_INCLUDE=0): host / total
+      # of chain43 and the ops at 128K, each setting in its own process, two rounds; commit size 16 once
+      for r in 1 2; do for inc in 0 1; do
+        echo "== host / total, DSV4_CUDA_INCLUDE=$inc, round $r"
+        DSV4_CUDA_INCLUDE=$inc timeout 100 python3 bench/host_cost.py --reps 10 \
+          --cases "indexer_rows:8:131072,sparse_attention_rows:8:131072" 2>&1 | grep -v "pad=0"
+      done; done
+      echo "== host / total, include, MLX_MAX_OPS_PER_BUFFER=16"
+      MLX_MAX_OPS_PER_BUFFER=16 timeout 80 python3 bench/host_cost.py --reps 10 --cases "" 2>&1 | grep -v trivial
+      echo "== phases: select histograms by MATCH.ANY (base) vs plain shared atomics (segment + merge)"
+      timeout 150 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,plainhist \
+        --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     tests)
       echo "== all gpu tests"
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
