@@ -11,7 +11,8 @@
 #   attn11   attention gpu tests, phases and kernels.py after the combine change (session 11)
 #   memloc   bench/memloc.py (managed vs device memory for the small inputs) + dsplit's outer phases
 #   prof     chain43 (data-linked) per-kernel GPU time (ncu) + host / total, linked by data and by depends
-#   inc14    kernels' code in include files vs inline: host / total of chain43 and the ops (2 rounds); commit
+#   inc14    kernels' code in include files vs inline (code at 8d24928, reverted: no measured gain): host / total
+#            of chain43 and the ops (2 rounds); commit
 #            size 16; the select's histograms by plain atomics (phases, segment + merge) (session 14)
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)

@@ -34,8 +34,7 @@ from kernels.cuda import indexer as ix  # noqa: E402
 
 ONE_MAX, WIDE_HG = ix.ONE_MAX, at.WIDE_HG
 
-ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE",
-       "DSV4_CUDA_INCLUDE")
+ENV = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "DSV4_CUDA_COMPILE")
 
 
 def split(run: Callable[[], Any], reps: int, per: int) -> dict[str, float]:

@@ -8,8 +8,5 @@ mantissa cannot meet. MLX reads the variable once, at its first matmul: set it b
 from __future__ import annotations
 
 import os
-import tempfile
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
-# the CUDA kernels' include files (kernels/cuda/include.py) go to a folder of this run, not ~/.cache
-os.environ.setdefault("DSV4_CUDA_INCLUDE_DIR", tempfile.mkdtemp(prefix="dsv4-cuda-include-"))

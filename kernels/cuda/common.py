@@ -15,7 +15,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda import include
 from kernels.upload import upload
 
 # Type conversions shared by every kernel (T is float, __nv_bfloat16 or __half).
@@ -109,30 +108,20 @@ def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str
     """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest.
 
     `header`: device functions of this kernel, after the shared `HEADER`."""
-    kname, head, body = mlx_texts(name, inputs, source, header)
-    key = (kname, head, shared_memory)
+    digest = hashlib.sha1((HEADER + header + source).encode()).hexdigest()[:10]
+    key = (name, digest, shared_memory)
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(
-            name=kname,
+            name=f"dsv4_{name}_{digest}",
             input_names=list(inputs),
             output_names=list(outputs),
-            source=body,
-            header=head,
+            source=minify(source),
+            header=minify(HEADER + header) + "\n",  # MLX appends its namespace line right after: a last
+            # `#define` line (common.launch_bounds) must end before it
             ensure_row_contiguous=True,
             shared_memory=shared_memory,
         )
     return _kernels[key]
-
-
-def mlx_texts(name: str, inputs: Sequence[str], source: str, header: str = "") -> tuple[str, str, str]:
-    """(kernel name, header, source) as MLX gets them: the name carries the code's digest; the code sits in an
-    include file (kernels/cuda/include.py) or, failing that, inline, minified."""
-    digest = hashlib.sha1((HEADER + header + source).encode()).hexdigest()[:10]
-    kname = f"dsv4_{name}_{digest}"
-    # MLX appends its namespace line right after the header: a last `#define` line
-    # (launch_bounds) must end before it
-    head, body = minify(HEADER + header) + "\n", minify(source)
-    return (kname, *(include.split(kname, inputs, head, body) or (head, body)))
 
 
 def launch_bounds(threads: int, min_blocks: int) -> str:
@@ -176,19 +165,17 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
     `inputs`: (name, dtype, uses_shape). Mirrors mlx/backend/cuda/custom_kernel.cpp's layout.
     """
     del shared_memory
-    _, head, body = mlx_texts(name, [n for n, _, _ in inputs], source, header)
     lines = [
         "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
         "#include <cooperative_groups.h>", "#include <cuda/std/limits>",
         "struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };",
-        head, "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
+        minify(HEADER + header), "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
         f"__global__ void {name}(",
     ]
     params = []
     for n, dt, shp in inputs:
         params.append(f"    const {CUDA_TYPES[dt]}* {n}")
-        if f"{n}_shape" in body:  # MLX's rule (custom_kernel.cpp); `shp`: the kernel's own source names it
-            assert shp, f"{name}: {n}_shape named but not expected"
+        if shp:
             params.append(f"    const __grid_constant__ Shape {n}_shape")
     for n, dt in outputs:
         params.append(f"    {CUDA_TYPES[dt]}* {n}")
@@ -200,7 +187,7 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
             lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
         else:
             lines.append(f"  constexpr int {n} = {v};")
-    lines += [body, "}", "}"]
+    lines += [minify(source), "}", "}"]
     return "\n".join(lines)
 
 
