@@ -14,6 +14,8 @@
 #   inc14    kernels' code in include files vs inline (code at 8d24928, reverted: no measured gain): host / total
 #            of chain43 and the ops (2 rounds); commit
 #            size 16; the select's histograms by plain atomics (phases, segment + merge) (session 14)
+#   final14  bench/kernels.py --rows 8 (chains of 10), indexer + attention in chains of 21 (session 14)
+#   step14   bench/step.py (fast, reference); phases of the select's histograms, plain vs MATCH.ANY (session 14)
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
@@ -23,7 +25,7 @@
 #   idx13    indexer: the segment under __launch_bounds__ (phases variants); host / total of the indexer and
 #            attention at 128K per MLX commit size (OPS, each in its own process) (session 13)
 #   idx13c   the indexer gpu tests (segment launch-bounded up to SEG_BOUNDED_MAX); phases base vs nobounds
-#            (VARIANTS, CASES: e.g. VARIANTS=base,plainhist CASES=indexer:8:131072,indexer:8:1048576);
+#            (VARIANTS, CASES: e.g. VARIANTS=base,matchany CASES=indexer:8:131072,indexer:8:1048576);
 #            host / total of the ops at 128K and chain43 per MLX commit size (OPS) (session 13)
 #   ops13    bench/step.py (fast arm) per MLX commit size (OPS), interleaved (session 13)
 #   final13  bench/kernels.py --rows 8, bench/step.py (fast, reference) under the product's commit size (8), then
@@ -194,9 +196,23 @@ for part in ${PART:-inplace}; do
       done; done
       echo "== host / total, include, MLX_MAX_OPS_PER_BUFFER=16"
       MLX_MAX_OPS_PER_BUFFER=16 timeout 80 python3 bench/host_cost.py --reps 10 --cases "" 2>&1 | grep -v trivial
-      echo "== phases: select histograms by MATCH.ANY (base) vs plain shared atomics (segment + merge)"
-      timeout 150 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,plainhist \
+      echo "== phases: select histograms by plain shared atomics (base, since session 14) vs MATCH.ANY (segment + merge)"
+      timeout 150 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,matchany \
         --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -3 ;;
+    final14)
+      echo "== kernels, 8 rows (chains of 10 calls)"
+      timeout 330 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -24
+      echo "== indexer + attention, 8 rows, 128K and 1M, chains of 21 calls (a step's CSA layers)"
+      mkdir -p "$OUT/chain21"
+      timeout 160 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
+        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7 ;;
+    step14)
+      echo "== step"
+      timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
+        --out "$OUT/step.json" 2>&1 | tail -9
+      echo "== phases: select histograms by plain shared atomics (base) vs MATCH.ANY (segment + merge)"
+      timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,matchany \
+        --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     tests)
       echo "== all gpu tests"
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;

@@ -12,7 +12,7 @@ The launch bound (session 13, `bounds` / `nobounds` against the plan's own choic
   the 4 entry tiles' mma chains side by side (112 registers, not 57). 8 rows, 128K: segment span 35.7 ->
   32.3 us; 1 row: 24.9 -> 20.7; but 8 rows, 1M: 211 -> 305 us. The plan bounds segments of up to
   indexer.SEG_BOUNDED_MAX entries only.
-Not yet timed: `plainhist` (the select's histogram by plain shared atomics, no MATCH.ANY; below).
+The select's histograms (session 14): `matchany`, the MATCH.ANY aggregation the kernels had up to session 13.
 """
 
 from __future__ import annotations
@@ -70,18 +70,22 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 """
 
 
-# The select helpers' histogram without warp aggregation: one shared atomic per key. Aggregation costs a
-# MATCH.ANY per key (SASS), and 1024 threads sweeping 32K keys that way took 50K cycles (session 13's
-# select kernel); whether plain atomics on a few hot bins cost less is what `plainhist` measures.
-AGG = """        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+# The select helpers' histogram as it was up to session 13: a warp's equal bins aggregated by MATCH.ANY, one
+# atomic per distinct bin. Session 14 (`plainhist`, then the kernels' own form) measured one plain shared
+# atomic per key as faster: 8 rows, segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; merge
+# select 8.5K -> 7.6K. `matchany` keeps the old form to time against.
+PLAIN = "        if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);"
+AGG = """        const unsigned int lane = threadIdx.x & 31;
+        const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
         if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));"""
-assert AGG in ki.HELPERS
-PLAIN_HELPERS = ki.HELPERS.replace(AGG, "        if (ok[u]) atomicAdd(&hist[bin], 1u);")
+assert PLAIN in ki.HELPERS
+MATCH_HELPERS = ki.HELPERS.replace(PLAIN, AGG)
 
 # name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
                 "bounds": (False, None, "bounds"), "nobounds": (False, None, "nobounds"),
-                "plainhist": (False, None, "plainhist"), "compute": (False, None, "compute"),
+                "matchany": (False, None, "matchany"), "compute": (False, None, "compute"),
                 "load": (False, None, "load")}  # fmt: skip
 
 
@@ -98,6 +102,6 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
         src = src.replace("dsv4_mma(acc[j], qa[ks + 1], bf[j][2], bf[j][3], T());",
                           "acc[j][1] += __uint_as_float(bf[j][2]);")
     mb = {"bounds": 2, "nobounds": 0}.get(diag, ki.segment_min_blocks(seg))
-    helpers = PLAIN_HELPERS if diag == "plainhist" else ki.HELPERS
+    helpers = MATCH_HELPERS if diag == "matchany" else ki.HELPERS
     header = helpers + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, mb)
-    return src, header, st, diag in ("", "bounds", "nobounds", "plainhist")
+    return src, header, st, diag in ("", "bounds", "nobounds", "matchany")

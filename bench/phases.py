@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
-from bench.idx_variants import PLAIN_HELPERS, SEG_VARIANTS, seg_variant  # noqa: E402
+from bench.idx_variants import MATCH_HELPERS, SEG_VARIANTS, seg_variant  # noqa: E402
 from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
 TIMER = r"""
@@ -152,7 +152,7 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
     want_np = np.array(want)
     seg_words = dict(plan.seg_tmpl)["SEG"] + 2048
     merges = {h: probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, h, MERGE_MARKS)
-              for h in {ki.HELPERS, *(PLAIN_HELPERS for v in variants if v == "plainhist")}}  # fmt: skip
+              for h in {ki.HELPERS, *(MATCH_HELPERS for v in variants if v == "matchany")}}  # fmt: skip
     out: dict[str, Any] = {}
     for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
         src, header, st, checked = seg_variant(v, seg_words - 2048)
@@ -160,7 +160,7 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
         seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
                     header, SEG_MARKS)  # fmt: skip
         mtmpl = [(k, ur if k == "UR" else x) for k, x in plan.merge_tmpl]
-        merge = merges[PLAIN_HELPERS if v == "plainhist" else ki.HELPERS]  # plainhist: the merge's select too
+        merge = merges[MATCH_HELPERS if v == "matchany" else ki.HELPERS]  # matchany: the merge's select too
 
         def run(seg: Any = seg, tmpl: Any = tmpl, mtmpl: Any = mtmpl, merge: Any = merge) -> list[mx.array]:
             cand, ts1 = seg(inputs=args, template=tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
