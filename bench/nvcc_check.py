@@ -41,9 +41,12 @@ def units() -> dict[str, str]:
     part_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", 4), ("HG", at.HG), ("CK", at.CK), ("THREADS", at.THREADS)]
     out: dict[str, str] = {}
     for name, seg, mb in (("idx_segment", 1024, 0), ("idx_segment_bounds", 1024, 2), ("idx_segment_1m", 8192, 0),
-                          ("idx_segment_1m_bounds", 8192, 2)):  # 128K / 1M segments, without / with the bound
+                          ("idx_segment_1m_bounds", 8192, 2), ("idx_segment_dense", 1024, 2)):  # fmt: skip
+        # 128K / 1M segments, without / with the bound; dense: 128K as planned (every key to the merge)
+        dense = name.endswith("dense")
         out[name] = standalone("idx_segment", seg_in, [("cand", U32)],
-                               seg_t + [("SEG", seg), ("LDC", 16384), ("NSEG", 32)], ix.SEGMENT,
+                               seg_t + [("SEG", seg), ("LDC", 32768 if dense else 16384), ("NSEG", 32),
+                                        ("DENSE", dense)], ix.SEGMENT,
                                header=HELPERS + launch_bounds(ix.NT, mb))  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
@@ -56,10 +59,12 @@ def units() -> dict[str, str]:
     out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
-    out["idx_merge"] = standalone("idx_merge", merge_in, [("out", I32)],
-                                  [("TOPK", 512), ("L", 16384), ("LDC", 16384), ("NSEG", 32), ("CAPC", ix.MERGE_CAP),
-                                   ("UR", ix.MERGE_UR)],
-                                  ix.MERGE, header=HELPERS)  # fmt: skip
+    for dense in (False, True):
+        ll = 32768 if dense else 16384
+        out["idx_merge" + ("_dense" if dense else "")] = standalone(
+            "idx_merge", merge_in, [("out", I32)],
+            [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("CAPC", ix.MERGE_CAP), ("UR", ix.MERGE_UR),
+             ("DENSE", dense)], ix.MERGE, header=HELPERS)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("part", F32)], part_t + [("ONE", one)],

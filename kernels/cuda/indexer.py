@@ -16,7 +16,9 @@ Beyond (128K, 1M context):
    in id order, padded with key 0 (below every score). It also writes a lower bound of its m-th
    largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
    the select's first radix pass): the least of those bounds has at least k keys above it. One
-   output, three planes.
+   output, three planes. Segments of at most 2 k entries (`dense_segments`) skip the select and the
+   compaction: they write every key at its entry's place (the list position is the id; no ids plane)
+   and the bound from the first radix pass alone.
 2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
    of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
    compaction over the kept ones write the ids in ascending order (the list is in id order, so
@@ -66,6 +68,13 @@ def segment_size(cap: int, topk: int) -> int:
     scored)."""
     lo = max(1024, 2 * next_pow2(topk))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
+
+
+def dense_segments(seg: int, topk: int) -> bool:
+    """Whether segments skip their own top-k and hand the merge every key (DENSE): a select there would keep
+    at least half the segment (128K context at top-512: 1024-entry segments). H200, 8 rows, 128K: the
+    segment's select + take were 12.3K of its ~50K cycles (bench/phases.py, session 14)."""
+    return seg <= 2 * topk
 
 
 def segment_min_blocks(seg: int) -> int:
@@ -133,17 +142,19 @@ class Plan:
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
-            cand = nseg * topk
+            dense = dense_segments(seg, topk)
+            cand = nseg * (seg if dense else topk)
             ld = -(-cand // 4) * 4
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
                               HELPERS + launch_bounds(NT, segment_min_blocks(seg)))  # fmt: skip
-            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg)]
+            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg), ("DENSE", dense)]
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
-            self.seg_shapes = [(b * (2 * ld + nseg),)]  # keys, ids, bounds planes (indexer_src.CAND)
+            # keys, ids (not DENSE), bounds planes (indexer_src.CAND)
+            self.seg_shapes = [(b * ((1 if dense else 2) * ld + nseg),)]
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
             self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP),
-                               ("UR", MERGE_UR)]  # fmt: skip
+                               ("UR", MERGE_UR), ("DENSE", dense)]  # fmt: skip
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 

@@ -3,7 +3,8 @@
 `SEGMENT` (score + top-k of one segment, + its filter bound) and indexer_one_src.ONE (the one-launch
 kernel) share the scoring body `SCORE` (its `EMIT` says where a chunk's keys go); `MERGE` is the
 per-row top-k over the segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST
-(+ LDC, NSEG: segment; TOPK, L, LDC, NSEG, CAPC: merge). Block-wide select helpers: kernels/cuda/select.py.
+(+ LDC, NSEG, DENSE: segment; TOPK, L, LDC, NSEG, CAPC, DENSE: merge). Block-wide select helpers:
+kernels/cuda/select.py.
 """
 
 from __future__ import annotations
@@ -22,22 +23,24 @@ PRE = r"""
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 """
 # One output buffer `cand` in three planes (one output, not three: MLX's host cost grows with each):
-# keys [B][LDC] uint32, ids [B][LDC] int32, bounds [B][NSEG] uint32.
+# keys [B][LDC] uint32, ids [B][LDC] int32, bounds [B][NSEG] uint32. DENSE (segments of at most 2 * TOPK
+# entries): every key of the segment at its entry's place (the list position is the id), no ids plane.
 CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
   unsigned int* ckeys = cand;
   int* cids = reinterpret_cast<int*>(cand + NBL);
-  unsigned int* cbound = cand + 2 * NBL;
+  unsigned int* cbound = cand + (DENSE ? 1 : 2) * NBL;
 """
 HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
   const int n = dsv4_emitted(p, 4);
   const int s0 = seg * SEG;
   const int nv = max(0, min(SEG, n - s0));
-  const size_t obase = (size_t)b * LDC + (size_t)seg * TOPK;
+  constexpr int PER = DENSE ? SEG : TOPK;  // list entries a segment writes
+  const size_t obase = (size_t)b * LDC + (size_t)seg * PER;
   unsigned int* ok = ckeys + obase;
   int* oi = cids + obase;
   if (nv == 0) {
-    for (int i = tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
+    for (int i = tid; i < PER; i += NT) { ok[i] = 0u; if (!DENSE) oi[i] = -1; }
     if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
     return;
   }
@@ -178,13 +181,19 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   unsigned int bm = 0u;
-  if (nv > TOPK) {
+  if (DENSE) {  // a select would keep at least half the segment: the merge takes every key, and the bound
+    if (nv >= m) bm = dsv4_kth_floor<NT>(skey, nv, m, hist, wsum, sh);  // is the first radix pass's
+  } else if (nv > TOPK) {
     dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
   } else if (nv >= m) {
     int e2;
     dsv4_radix_kth<NT>(skey, nv, m, hist, wsum, sh, bm, e2);
   }
   if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
+  if (DENSE) {  // key 0 past the row's entries: below every score, and after every entry in the list
+    for (int i = tid; i < SEG; i += NT) ok[i] = i < nv ? skey[i] : 0u;
+    return;
+  }
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
   for (int i = K + tid; i < TOPK; i += NT) { ok[i] = 0u; oi[i] = -1; }
 """
@@ -213,11 +222,12 @@ MERGE = r"""
   }
   int* o = out + (size_t)r * TOPK;
   const size_t NBL = (size_t)nb * LDC;
+  const unsigned int* cbounds = cand + (DENSE ? 1 : 2) * NBL;
   int K = 0;
   unsigned int bnd = 0xffffffffu;  // warp 0: the least of the segments' bounds (at least K candidates are >= it)
   if (b >= 0) {  // the position and the bounds load together (neither waits for the other)
     const int p = positions[b];
-    if (warp == 0) for (int s = lane; s < NSEG; s += 32) bnd = min(bnd, cand[2 * NBL + (size_t)b * NSEG + s]);
+    if (warp == 0) for (int s = lane; s < NSEG; s += 32) bnd = min(bnd, cbounds[(size_t)b * NSEG + s]);
     K = min(TOPK, dsv4_emitted(p, 4));
   }
   if (K == 0) {
@@ -276,10 +286,11 @@ MERGE = r"""
     }
     __syncthreads();
     dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
-    dsv4_take<NT>(ck, n2, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[cpos[i]]; });
+    dsv4_take<NT>(ck, n2, thr, need_eq, wsum,
+                  [&](int q, int i, unsigned int v) { o[q] = DENSE ? cpos[i] : ids[cpos[i]]; });
   } else {  // the bound filtered too little: select over the whole list in global memory
     dsv4_radix_kth<NT>(keys, L, K, hist, wsum, sh, thr, need_eq);
-    dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = ids[i]; });
+    dsv4_take<NT>(keys, L, thr, need_eq, wsum, [&](int q, int i, unsigned int v) { o[q] = DENSE ? i : ids[i]; });
   }
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
 """

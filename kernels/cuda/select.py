@@ -61,18 +61,18 @@ __device__ __forceinline__ void dsv4_pick_bin(const unsigned int* hist, int nbin
   __syncthreads();
 }
 
-// Radix select (11 + 11 + 10 bits): the k-th largest of keys[0..n) (thr) and how many entries equal to
+// Radix select (11 + 11 + 10 bits; passes P0..PE-1): the k-th largest of keys[0..n) (thr) and how many entries equal to
 // it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the floor of
 // the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
 // From pass P0 > 0: among the keys whose higher bits match `prefix` under `mask` only.
-template <int NT, bool G = false, int P0 = 0>
+template <int NT, bool G = false, int P0 = 0, int PE = 3>
 __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
                                unsigned int& thr, int& need_eq, int k2, unsigned int& floor2,
                                unsigned int prefix = 0u, unsigned int mask = 0u) {
   const int tid = threadIdx.x;
   constexpr int UR = G ? 16 : 4;  // independent loads in flight per thread (more for L2 latency)
   int rem = k;
-  for (int pass = P0; pass < 3; ++pass) {
+  for (int pass = P0; pass < PE; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nbins = pass == 2 ? 1024 : 2048;
     for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
@@ -110,6 +110,16 @@ __device__ __forceinline__ void dsv4_radix_kth(const unsigned int* keys, int n, 
                                                int* sh, unsigned int& thr, int& need_eq) {
   unsigned int unused;
   dsv4_radix_kth<NT, G>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
+}
+// The first pass only: the floor of the top-11-bit bin that holds the k-th largest of keys[0..n) (a lower
+// bound of it). 1 <= k <= n.
+template <int NT>
+__device__ __forceinline__ unsigned int dsv4_kth_floor(const unsigned int* keys, int n, int k, unsigned int* hist,
+                                                       int* wsum, int* sh) {
+  unsigned int thr, unused;
+  int need_eq;
+  dsv4_radix_kth<NT, false, 0, 1>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
+  return thr;
 }
 // Passes 2 and 3 only, among keys whose top 11 bits are `top` (its first pass came from elsewhere).
 template <int NT, bool G>

@@ -189,6 +189,34 @@ def test_indexer_one_launch(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> Non
     check_integer_scores(rng, batch, rows, bq, pages[4])
 
 
+@pytest.mark.parametrize("n_rows", range(1, 9))
+def test_indexer_dense_segments(n_rows: int) -> None:
+    """128K context (32,768 entries of capacity): segments of at most 2 * topk entries hand the merge every
+    key (DENSE; top-512 and top-1024). Ragged rows from 0 entries to a full table, a last segment of one
+    entry; random and small-integer scores (ties exact), all-equal scores (the merge's whole-list path)."""
+    import kernels.cuda.indexer as ix
+
+    cap = 32_768
+    for topk in (512, 1024):
+        assert cap > ix.ONE_MAX and ix.dense_segments(ix.segment_size(cap, topk), topk)
+    rng = np.random.default_rng(160 + n_rows)
+    choices = [0, 3, 130, 4095, 4099, 9000, 40_000, 131_071]
+    positions = [int(x) for x in rng.choice(choices, size=n_rows, replace=False)]
+    rows, pages, bq, _ = rows_for(rng, positions, (4,))
+    batch = RowBatch.build(rows, PAGE, {4: cap // PAGE})
+    check_random_scores(batch, rows, bq, pages[4])
+    q, w, keys = check_integer_scores(rng, batch, rows, bq, pages[4])
+    w0 = mx.zeros_like(w)  # all scores 0: ids 0, 1, 2, ...
+    got0 = np.array(fast().indexer_rows_cuda(batch, q, w0, keys, topk=512))
+    np.testing.assert_array_equal(got0, np.array(indexer_rows_reference(batch, q, w0, keys, topk=512)))
+    q = mx.random.normal((bq, 64, 128)).astype(mx.bfloat16)
+    w = mx.random.normal((bq, 64))
+    keys = mx.random.normal((pages[4], PAGE, 128)).astype(mx.bfloat16)
+    want = np.array(indexer_rows_reference(batch, q, w, keys, topk=1024))
+    got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=1024))
+    assert_topk_equal(got, want, rows, q, w, keys, exact=False)
+
+
 @pytest.mark.parametrize("n_rows", [1, 3])
 def test_indexer_merge_without_bound(n_rows: int) -> None:
     """topk 2048 over 262,144 entries: 32 segments x 2048 candidates. All-equal scores (w = 0) make the

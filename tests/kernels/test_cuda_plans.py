@@ -31,6 +31,18 @@ def test_indexer_segment_size(cap: int, topk: int) -> None:
     assert 8 * ix.MERGE_CAP + 2048 * 4 + 256 <= SMEM_MAX  # the merge's kept candidates + histogram
 
 
+@pytest.mark.parametrize(
+    ("ctx", "topk", "dense"),
+    [(131_072, 512, True), (131_072, 1024, True), (131_072, 100, False), (524_288, 512, False),
+     (1 << 20, 512, False), (1 << 20, 2048, False)],
+)  # fmt: skip
+def test_indexer_dense_segments_rule(ctx: int, topk: int, dense: bool) -> None:
+    """Segments of at most 2 * topk entries hand the merge every key: 128K context at top-512 / 1024."""
+    seg = ix.segment_size(ctx // 4, topk)
+    assert ix.dense_segments(seg, topk) == dense
+    assert dense == (seg <= 2 * topk)  # ... where a select would keep at least half of the segment
+
+
 @pytest.mark.parametrize("cap", [64, 2048, 8192, 8256, ix.ONE_MAX])
 def test_indexer_one_launch_plan(cap: int) -> None:
     eb = ix.one_block(cap)
