@@ -16,6 +16,7 @@
 #            size 16; the select's histograms by plain atomics (phases, segment + merge) (session 14)
 #   final14  bench/kernels.py --rows 8 (chains of 10), indexer + attention in chains of 21 (session 14)
 #   step14   bench/step.py (fast, reference); phases of the select's histograms, plain vs MATCH.ANY (session 14)
+#   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
@@ -213,6 +214,17 @@ for part in ${PART:-inplace}; do
       echo "== phases: select histograms by plain shared atomics (base) vs MATCH.ANY (segment + merge)"
       timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,matchany \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
+    dense14)
+      echo "== indexer gpu tests (dense segments at 128K)"
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      echo "== phases: indexer, 8 and 1 rows, 128K"
+      timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072 2>&1 | tail -3
+      echo "== kernels, 8 rows (chains of 10 calls)"
+      timeout 250 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -16
+      echo "== indexer + attention, 8 rows, 128K and 1M, chains of 21 calls (a step's CSA layers)"
+      mkdir -p "$OUT/chain21"
+      timeout 120 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
+        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7 ;;
     tests)
       echo "== all gpu tests"
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;

@@ -181,8 +181,12 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   unsigned int bm = 0u;
-  if (DENSE) {  // a select would keep at least half the segment: the merge takes every key, and the bound
-    if (nv >= m) bm = dsv4_kth_floor<NT>(skey, nv, m, hist, wsum, sh);  // is the first radix pass's
+  if (DENSE) {  // a select would keep at least half the segment: the merge takes every key. The bound comes
+    // from the first radix pass, over the row's full segments only: a short last segment's bound would be 0,
+    // and the merge would then keep the whole list (past its shared memory: its slow path)
+    const int nfull = n / SEG, kr = min(TOPK, n);
+    if (nfull == 0) bm = dsv4_kth_floor<NT>(skey, nv, kr, hist, wsum, sh);  // the row's one segment
+    else bm = nv == SEG ? dsv4_kth_floor<NT>(skey, nv, (kr + nfull - 1) / nfull, hist, wsum, sh) : 0xffffffffu;
   } else if (nv > TOPK) {
     dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
   } else if (nv >= m) {
