@@ -18,6 +18,7 @@
 #   step14   bench/step.py (fast, reference); phases of the select's histograms, plain vs MATCH.ANY (session 14)
 #   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   step14b  bench/step.py (fast, reference), 1 and 8 rows, 4K and 128K
+#   rep14    bench/kernels.py: indexer + attention at 8 rows, 128K, and chain43 (a repeat) (session 14)
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
@@ -230,6 +231,10 @@ for part in ${PART:-inplace}; do
       echo "== step"
       timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
         --out "$OUT/step.json" 2>&1 | tail -9 ;;
+    rep14)
+      echo "== kernels, 8 rows, 128K, indexer + attention, and chain43 (a repeat of dense14's, another host)"
+      timeout 200 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
+        --out "$OUT" 2>&1 | tail -8 ;;
     tests)
       echo "== all gpu tests"
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
