@@ -42,6 +42,19 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 bench/provenance.py
+kernels14() {  # bench/kernels.py --rows 8 (chains of 10), then indexer + attention at 128K / 1M in chains of 21
+  echo "== kernels, 8 rows (chains of 10 calls)"
+  timeout "$1" python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -"$2"
+  echo "== indexer + attention, 8 rows, 128K and 1M, chains of 21 calls (a step's CSA layers)"
+  mkdir -p "$OUT/chain21"
+  timeout "$3" python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
+    --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7
+}
+step14() {  # bench/step.py, fast and reference, 1 and 8 rows, 4K and 128K
+  echo "== step"
+  timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
+    --out "$OUT/step.json" 2>&1 | tail -9
+}
 for part in ${PART:-inplace}; do
   case "$part" in
     inplace)
@@ -203,16 +216,9 @@ for part in ${PART:-inplace}; do
       timeout 150 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,matchany \
         --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     final14)
-      echo "== kernels, 8 rows (chains of 10 calls)"
-      timeout 330 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -24
-      echo "== indexer + attention, 8 rows, 128K and 1M, chains of 21 calls (a step's CSA layers)"
-      mkdir -p "$OUT/chain21"
-      timeout 160 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
-        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7 ;;
+      kernels14 330 24 160 ;;
     step14)
-      echo "== step"
-      timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
-        --out "$OUT/step.json" 2>&1 | tail -9
+      step14
       echo "== phases: select histograms by plain shared atomics (base) vs MATCH.ANY (segment + merge)"
       timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,matchany \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
@@ -221,16 +227,9 @@ for part in ${PART:-inplace}; do
       timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== phases: indexer, 8 and 1 rows, 128K"
       timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072 2>&1 | tail -3
-      echo "== kernels, 8 rows (chains of 10 calls)"
-      timeout 250 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -16
-      echo "== indexer + attention, 8 rows, 128K and 1M, chains of 21 calls (a step's CSA layers)"
-      mkdir -p "$OUT/chain21"
-      timeout 120 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
-        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7 ;;
+      kernels14 250 16 120 ;;
     step14b)
-      echo "== step"
-      timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
-        --out "$OUT/step.json" 2>&1 | tail -9 ;;
+      step14 ;;
     rep14)
       echo "== kernels, 8 rows, 128K, indexer + attention, and chain43 (a repeat of dense14's, another host)"
       timeout 200 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
