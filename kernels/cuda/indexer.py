@@ -20,7 +20,8 @@ Beyond (128K, 1M context):
    compaction: they write every key at its entry's place (the list position is the id; no ids plane)
    and the bound from the first radix pass alone.
 2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
-   of the list (in order; usually ~1-2 k of nseg * k), then the same radix select + ordered
+   of the list (nseg * k candidates, or the row's every key with dense segments; in order; usually
+   ~1-2 k kept), then the same radix select + ordered
    compaction over the kept ones write the ids in ascending order (the list is in id order, so
    "ties to the lowest id" is "first in the list"). No sort. Rows no batch row names get -1.
 The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
@@ -64,8 +65,8 @@ MERGE_IN = ("positions", "q_rows", "cand")
 
 def segment_size(cap: int, topk: int) -> int:
     """Entries per segment block (rows of more than ONE_MAX entries): at most ~32 segments per row (the
-    merge reads 32 x topk candidates), at least twice the top-k (else a segment keeps nearly all it
-    scored)."""
+    merge reads 32 x topk candidates, or 32 x 2 topk keys with `dense_segments`), at least twice the top-k
+    (else a segment's select keeps nearly all it scored)."""
     lo = max(1024, 2 * next_pow2(topk))
     return min(MAX_SEG, max(lo, next_pow2(math.ceil(cap / 32))))
 
