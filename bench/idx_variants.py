@@ -13,6 +13,8 @@ The launch bound (session 13, `bounds` / `nobounds` against the plan's own choic
   32.3 us; 1 row: 24.9 -> 20.7; but 8 rows, 1M: 211 -> 305 us. The plan bounds segments of up to
   indexer.SEG_BOUNDED_MAX entries only.
 The select's histograms (session 14): `matchany`, the MATCH.ANY aggregation the kernels had up to session 13.
+Session 15: `kthfloor` (dense segments' bound from the first radix pass, not class maxima) and `rawsel` (the
+merge's select over its offsets in fixed 11 + 11 + 10-bit passes, not over the span's bits).
 """
 
 from __future__ import annotations
@@ -74,18 +76,19 @@ __device__ __forceinline__ void dsv4_mbar_wait(unsigned long long* bar, int pari
 # atomic per distinct bin. Session 14 (`plainhist`, then the kernels' own form) measured one plain shared
 # atomic per key as faster: 8 rows, segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; merge
 # select 8.5K -> 7.6K. `matchany` keeps the old form to time against.
-PLAIN = "        if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);"
-AGG = """        const unsigned int lane = threadIdx.x & 31;
-        const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
-        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-        if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));"""
+PLAIN = "      if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);"
+AGG = """      const unsigned int lane = threadIdx.x & 31;
+      const unsigned int bin = ok[u] ? ((v[u] >> shift) & (unsigned int)(nbins - 1)) : 0xffffffffu;
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (ok[u] && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));"""
 assert PLAIN in ki.HELPERS
 MATCH_HELPERS = ki.HELPERS.replace(PLAIN, AGG)
 
 # name -> (bulk loader, stages (None: the kernel's), diagnostic). Diagnostics are timing only (unchecked output).
 SEG_VARIANTS = {"base": (False, None, ""), "st5": (False, 5, ""), "bulk": (True, None, ""), "bulk5": (True, 5, ""),
                 "bounds": (False, None, "bounds"), "nobounds": (False, None, "nobounds"),
-                "matchany": (False, None, "matchany"), "compute": (False, None, "compute"),
+                "matchany": (False, None, "matchany"), "kthfloor": (False, None, "kthfloor"),
+                "rawsel": (False, None, "rawsel"), "compute": (False, None, "compute"),
                 "load": (False, None, "load")}  # fmt: skip
 
 
@@ -94,7 +97,9 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
     as the kernel's plan picks it, or forced on / off)."""
     bulk, st, diag = SEG_VARIANTS[name]
     src = isrc.segment(LOAD_BULK, WAIT_BULK) if bulk else isrc.SEGMENT
-    if diag == "compute":
+    if diag == "kthfloor":  # dense segments' bound from the first radix pass (session 14), not class maxima
+        src = src.replace("mf <= 32 ?", "false ?")
+    elif diag == "compute":
         src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
     elif diag == "load":
         src = src.replace("dsv4_mma(acc[j], qa[ks], bf[j][0], bf[j][1], T());",
@@ -104,4 +109,17 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
     mb = {"bounds": 2, "nobounds": 0}.get(diag, ki.segment_min_blocks(seg))
     helpers = MATCH_HELPERS if diag == "matchany" else ki.HELPERS
     header = helpers + (BULK_HELPERS if bulk else "") + launch_bounds(ki.NT, mb)
-    return src, header, st, diag in ("", "bounds", "nobounds", "matchany")
+    return src, header, st, diag in ("", "bounds", "nobounds", "matchany", "kthfloor", "rawsel")
+
+
+SPAN_SELECT = "dsv4_radix_kth_span<NT, HB>(ck, n2, K, top - bound, hist, wsum, sh, thr, need_eq);"
+assert SPAN_SELECT in ki.MERGE
+
+
+def merge_variant(name: str) -> tuple[str, str]:
+    """(source, helpers) of the merge that goes with segment variant `name`: `rawsel` selects over the
+    offsets with the fixed 11 + 11 + 10-bit passes (as up to session 14: the first pass's atomics on few
+    bins); `matchany` with the old histograms."""
+    src = ki.MERGE.replace(SPAN_SELECT, "dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);") \
+        if name == "rawsel" else ki.MERGE  # fmt: skip
+    return src, MATCH_HELPERS if name == "matchany" else ki.HELPERS

@@ -63,8 +63,8 @@ def units() -> dict[str, str]:
         ll = 32768 if dense else 16384
         out["idx_merge" + ("_dense" if dense else "")] = standalone(
             "idx_merge", merge_in, [("out", I32)],
-            [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("CAPC", ix.MERGE_CAP), ("UR", ix.MERGE_UR),
-             ("DENSE", dense)], ix.MERGE, header=HELPERS)  # fmt: skip
+            [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("CAPC", ix.MERGE_CAP), ("UR", ix.merge_ur(ll)),
+             ("HB", ix.MERGE_HB), ("DENSE", dense)], ix.MERGE, header=HELPERS + launch_bounds(1024, 1))  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("part", F32)], part_t + [("ONE", one)],

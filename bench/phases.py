@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
-from bench.idx_variants import MATCH_HELPERS, SEG_VARIANTS, seg_variant  # noqa: E402
-from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
+from bench.idx_variants import SEG_VARIANTS, merge_variant, seg_variant  # noqa: E402
+from kernels.cuda.common import f32_params, i32_dummy, launch_bounds  # noqa: E402
 
 TIMER = r"""
 __device__ __forceinline__ unsigned long long dsv4_gt() {
@@ -135,8 +135,8 @@ SEG_MARKS = {"q": "  const int nch = (nv + CH - 1) / CH;", "score": "  const int
              "select": "  if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;"}  # fmt: skip
 
 
-MERGE_MARKS = {"bound": "  // warp w filters its contiguous run",
-               "filter": "    dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);",
+MERGE_MARKS = {"bound": "  unsigned int kmax = 0u;",
+               "filter": "    // over the offsets from the bound",
                "select": "    dsv4_take<NT>(ck, n2, thr, need_eq"}  # fmt: skip
 
 
@@ -151,16 +151,17 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
     mx.eval(want)
     want_np = np.array(want)
     seg_words = dict(plan.seg_tmpl)["SEG"] + 2048
-    merges = {h: probe("merge", list(ki.MERGE_IN), ["out"], ki.MERGE, 8 * ki.MERGE_CAP, h, MERGE_MARKS)
-              for h in {ki.HELPERS, *(MATCH_HELPERS for v in variants if v == "matchany")}}  # fmt: skip
+    merges = {v: probe("merge", list(ki.MERGE_IN), ["out"], merge_variant(v)[0], 8 * ki.MERGE_CAP,
+                       merge_variant(v)[1] + launch_bounds(1024, 1), MERGE_MARKS)
+              for v in {"base", *variants}}  # fmt: skip
     out: dict[str, Any] = {}
     for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
         src, header, st, checked = seg_variant(v, seg_words - 2048)
         tmpl = [(k, st if (k == "ST" and st) else x) for k, x in plan.seg_tmpl]
         seg = probe(f"seg_{v}", list(ki.SEG_IN), ["cand"], src, ki.smem_bytes(NI, DI, seg_words, st or ki.STAGES),
                     header, SEG_MARKS)  # fmt: skip
-        mtmpl = [(k, ur if k == "UR" else x) for k, x in plan.merge_tmpl]
-        merge = merges[MATCH_HELPERS if v == "matchany" else ki.HELPERS]  # matchany: the merge's select too
+        mtmpl = [(k, (ur or x) if k == "UR" else x) for k, x in plan.merge_tmpl]  # 0: the plan's
+        merge = merges[v]  # matchany: the merge's select too; rawsel: the merge's select only
 
         def run(seg: Any = seg, tmpl: Any = tmpl, mtmpl: Any = mtmpl, merge: Any = merge) -> list[mx.array]:
             cand, ts1 = seg(inputs=args, template=tmpl, grid=plan.seg_grid, threadgroup=(plan.nt, 1, 1),
@@ -243,8 +244,8 @@ def main() -> None:
                     "attention:8:131072,attention:8:8192,attention:128:8:8192,sliding:8:8192")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seg-variants", default="base", help=f"indexer segment variants: {','.join(SEG_VARIANTS)}")
-    ap.add_argument("--merge-ur", default=str(ki.MERGE_UR),
-                    help="merge list loads per lane in flight (the first: with every variant)")
+    ap.add_argument("--merge-ur", default="0",
+                    help="merge uint4 list loads per lane in flight (0: the plan's; the first: with every variant)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = {}

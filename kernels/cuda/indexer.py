@@ -48,7 +48,8 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
-MERGE_UR = 16  # the merge's list loads in flight per lane (bench/phases.py --merge-ur: 16 vs 1, 10.8 vs 11.7 us)
+MERGE_UR = 8  # at most this many uint4 list loads in flight per merge lane (8: a warp's 1,024 keys at 128K)
+MERGE_HB = 12  # bits per pass of the merge's select over offsets (two passes: spans below 2^24)
 # A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
 # H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
@@ -76,6 +77,13 @@ def dense_segments(seg: int, topk: int) -> bool:
     at least half the segment (128K context at top-512: 1024-entry segments). H200, 8 rows, 128K: the
     segment's select + take were 12.3K of its ~50K cycles (bench/phases.py, session 14)."""
     return seg <= 2 * topk
+
+
+def merge_ur(length: int) -> int:
+    """uint4 loads per merge lane in flight: a warp's run of the `length`-entry list in one round where
+    MERGE_UR allows (fewer registers for a shorter run: 1M at top-512, 512 keys a warp, takes 4)."""
+    per = math.ceil(math.ceil(length / 32) / 128)  # 128-key pieces in a warp's run
+    return max(1, min(MERGE_UR, per))
 
 
 def segment_min_blocks(seg: int) -> int:
@@ -153,9 +161,10 @@ class Plan:
             self.seg_grid = (nseg * NT, b, 1)
             # keys, ids (not DENSE), bounds planes (indexer_src.CAND)
             self.seg_shapes = [(b * ((1 if dense else 2) * ld + nseg),)]
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS)
+            # 1,024 threads: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS + launch_bounds(1024, 1))
             self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP),
-                               ("UR", MERGE_UR), ("DENSE", dense)]  # fmt: skip
+                               ("UR", merge_ur(cand)), ("HB", MERGE_HB), ("DENSE", dense)]  # fmt: skip
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 

@@ -181,12 +181,14 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   unsigned int bm = 0u;
-  if (DENSE) {  // a select would keep at least half the segment: the merge takes every key. The bound comes
-    // from the first radix pass, over the row's full segments only: a short last segment's bound would be 0,
-    // and the merge would then keep the whole list (past its shared memory: its slow path)
-    const int nfull = n / SEG, kr = min(TOPK, n);
+  if (DENSE) {  // a select would keep at least half the segment: the merge takes every key. The bound is over
+    // the row's full segments only: a short last segment's bound would be 0, and the merge would then keep the
+    // whole list (past its shared memory: its slow path). Up to m = 32 from the class maxima (no radix pass;
+    // 128K at top-512: m = 16), else from the first radix pass.
+    const int nfull = n / SEG, kr = min(TOPK, n), mf = nfull ? (kr + nfull - 1) / nfull : kr;
     if (nfull == 0) bm = dsv4_kth_floor<NT>(skey, nv, kr, hist, wsum, sh);  // the row's one segment
-    else bm = nv == SEG ? dsv4_kth_floor<NT>(skey, nv, (kr + nfull - 1) / nfull, hist, wsum, sh) : 0xffffffffu;
+    else if (nv < SEG) bm = 0xffffffffu;
+    else bm = mf <= 32 ? dsv4_class_bound<NT>(skey, nv, mf, hist) : dsv4_kth_floor<NT>(skey, nv, mf, hist, wsum, sh);
   } else if (nv > TOPK) {
     dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
   } else if (nv >= m) {
@@ -210,13 +212,15 @@ def segment(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
 SEGMENT = segment()
 
 MERGE = r"""
-  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW;
+  constexpr int NT = 1024, NW = NT / 32, V = 128 * UR;  // V: the keys of a warp's chunk (UR uint4 per lane)
+  constexpr int PER = ((L + NW - 1) / NW + 127) / 128 * 128;  // a warp's run of the list (whole uint4 per lane)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] candidates >= the bound, in order
+  unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] kept candidates minus the bound, in order
   int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
-  __shared__ unsigned int hist[2048];
+  __shared__ unsigned int hist[1 << HB];
   __shared__ int wsum[32];
   __shared__ int sh[3];
+  __shared__ unsigned int top;  // the greatest kept key
   const int r = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int nb = positions_shape[0];
   int b = -1;
@@ -227,6 +231,23 @@ MERGE = r"""
   int* o = out + (size_t)r * TOPK;
   const size_t NBL = (size_t)nb * LDC;
   const unsigned int* cbounds = cand + (DENSE ? 1 : 2) * NBL;
+  const unsigned int* keys = cand + (size_t)max(b, 0) * LDC;  // LDC % 4 == 0: 16-byte aligned rows
+  const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)max(b, 0) * LDC;
+  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write) in chunks of V
+  // keys, UR uint4 loads per lane in flight (the list is in L2; 128K at top-512: the run in one chunk). The
+  // count runs last chunk first so that the first stays in registers for the write (one chunk: read once);
+  // the last chunk's loads go out before the bounds and the position are known.
+  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
+  const int nck = (w1 - w0 + V - 1) / V;
+  uint4 v[UR];
+  auto fetch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < UR; ++u) {
+      const int i = base + (u * 32 + lane) * 4;
+      v[u] = i < w1 ? *reinterpret_cast<const uint4*>(keys + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  if (b >= 0 && nck > 0) fetch(w0 + (nck - 1) * V);
   int K = 0;
   unsigned int bnd = 0xffffffffu;  // warp 0: the least of the segments' bounds (at least K candidates are >= it)
   if (b >= 0) {  // the position and the bounds load together (neither waits for the other)
@@ -238,32 +259,34 @@ MERGE = r"""
     for (int i = tid; i < TOPK; i += NT) o[i] = -1;
     return;
   }
-  const unsigned int* keys = cand + (size_t)b * LDC;
-  const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)b * LDC;
   if (warp == 0) {
     for (int sft = 16; sft > 0; sft >>= 1) bnd = min(bnd, __shfl_xor_sync(0xffffffffu, bnd, sft));
-    if (lane == 0) sh[2] = (int)bnd;
+    if (lane == 0) { sh[2] = (int)bnd; top = 0u; }
   }
   __syncthreads();
   const unsigned int bound = (unsigned int)sh[2];
-  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write) in chunks of
-  // 32 * UR: UR loads per lane in flight (the list is in L2), the count runs last chunk first so that the
-  // first stays in registers for the write (one chunk: the list is read once).
-  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
-  const int nck = (w1 - w0 + 32 * UR - 1) / (32 * UR);
-  unsigned int v[UR];
-  auto fetch = [&](int base) {
-#pragma unroll
-    for (int u = 0; u < UR; ++u) { const int i = base + u * 32 + lane; v[u] = i < w1 ? keys[i] : 0u; }
-  };
   int cnt = 0;
+  unsigned int kmax = 0u;
   for (int ci = nck - 1; ci >= 0; --ci) {
-    const int base = w0 + ci * 32 * UR;
-    fetch(base);
+    const int base = w0 + ci * V;
+    if (ci != nck - 1) fetch(base);
 #pragma unroll
-    for (int u = 0; u < UR; ++u) cnt += (base + u * 32 + lane < w1 && v[u] >= bound) ? 1 : 0;
+    for (int u = 0; u < UR; ++u) {
+      const int i = base + (u * 32 + lane) * 4;
+      const unsigned int e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool t = i + j < w1 && e[j] >= bound;
+        cnt += t ? 1 : 0;
+        kmax = t ? max(kmax, e[j]) : kmax;
+      }
+    }
   }
-  for (int sft = 16; sft > 0; sft >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
+  for (int sft = 16; sft > 0; sft >>= 1) {
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, sft);
+    kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, sft));
+  }
+  if (lane == 0 && cnt) atomicMax(&top, kmax);
   const int off = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? cnt : 0, wsum), 0);
   if (warp == NW - 1 && lane == 0) sh[2] = off + cnt;
   __syncthreads();
@@ -271,25 +294,39 @@ MERGE = r"""
   unsigned int thr;
   int need_eq;
   if (n2 <= CAPC) {
+    const unsigned int below = (1u << lane) - 1u;
     int pos = off;
     for (int ci = 0; ci < nck; ++ci) {
-      const int base = w0 + ci * 32 * UR;
+      const int base = w0 + ci * V;
       if (ci) fetch(base);
 #pragma unroll
-      for (int u = 0; u < UR; ++u) {
-        const int i = base + u * 32 + lane;
-        const bool t = i < w1 && v[u] >= bound;
-        const unsigned int bal = __ballot_sync(0xffffffffu, t);
-        if (t) {
-          const int q = pos + __popc(bal & ((1u << lane) - 1u));
-          ck[q] = v[u];
-          cpos[q] = i;
+      for (int u = 0; u < UR; ++u) {  // lane holds places i .. i + 3: its kept ones follow the lower lanes'
+        const int i = base + (u * 32 + lane) * 4;
+        const unsigned int e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        bool t[4];
+        int q = pos, tot = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          t[j] = i + j < w1 && e[j] >= bound;
+          const unsigned int bal = __ballot_sync(0xffffffffu, t[j]);
+          q += __popc(bal & below);
+          tot += __popc(bal);
         }
-        pos += __popc(bal);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (t[j]) {
+            ck[q] = e[j] - bound;
+            cpos[q] = i + j;
+            ++q;
+          }
+        }
+        pos += tot;
       }
     }
     __syncthreads();
-    dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);
+    // over the offsets from the bound: the kept keys share their top bits (128K, random data: 24 bits
+    // differ, two 12-bit passes; the raw keys took three, the first with every atomic on a few bins)
+    dsv4_radix_kth_span<NT, HB>(ck, n2, K, top - bound, hist, wsum, sh, thr, need_eq);
     dsv4_take<NT>(ck, n2, thr, need_eq, wsum,
                   [&](int q, int i, unsigned int v) { o[q] = DENSE ? cpos[i] : ids[cpos[i]]; });
   } else {  // the bound filtered too little: select over the whole list in global memory

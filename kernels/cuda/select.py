@@ -3,6 +3,8 @@
 - `dsv4_block_excl`: exclusive prefix sum over the block (warp shuffles, then warp 0 over the warp totals).
 - `dsv4_radix_kth`: the k-th largest of n uint32 keys (radix select, 11 + 11 + 10 bits, shared-memory
   histograms by one atomic per key) and how many keys equal to it belong to the top k.
+- `dsv4_radix_kth_span`: the same over offsets in [0, span], passes over span's bits only.
+- `dsv4_class_bound`: a lower bound of the m-th largest (m <= 32) from 32 class maxima.
 - `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
   equal to it: ties go to the lowest index), in index order; warps take contiguous runs.
 """
@@ -61,6 +63,35 @@ __device__ __forceinline__ void dsv4_pick_bin(const unsigned int* hist, int nbin
   __syncthreads();
 }
 
+// One radix pass's histogram: hist[0..nbins) counts the keys of keys[0..n) whose bits under `mask` are
+// `prefix`, by their bits [shift, shift + log2(nbins)). Ends after a __syncthreads.
+template <int NT, bool G>
+__device__ __forceinline__ void dsv4_hist_pass(const unsigned int* keys, int n, int shift, int nbins,
+                                               unsigned int prefix, unsigned int mask, unsigned int* hist) {
+  const int tid = threadIdx.x;
+  constexpr int UR = G ? 16 : 4;  // independent loads in flight per thread (more for L2 latency)
+  for (int i = tid; i < nbins; i += NT) hist[i] = 0u;
+  __syncthreads();
+  for (int base = 0; base < n; base += UR * NT) {
+    unsigned int v[UR];
+    bool ok[UR];
+#pragma unroll
+    for (int u = 0; u < UR; ++u) {
+      const int i = base + u * NT + tid;
+      v[u] = i < n ? dsv4_ld<G>(keys + i) : 0u;
+      ok[u] = i < n && (v[u] & mask) == prefix;
+    }
+#pragma unroll
+    for (int u = 0; u < UR; ++u) {
+      if (!__any_sync(0xffffffffu, ok[u])) continue;  // later passes: most warps hold no key of the bin
+      // one shared atomic per key: aggregating a warp's equal bins first (__match_any_sync) cost more on
+      // the H200 (8 rows: segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; session 14)
+      if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);
+    }
+  }
+  __syncthreads();
+}
+
 // Radix select (11 + 11 + 10 bits; passes P0..PE-1): the k-th largest of keys[0..n) (thr) and how many entries equal to
 // it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the floor of
 // the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
@@ -69,32 +100,11 @@ template <int NT, bool G = false, int P0 = 0, int PE = 3>
 __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned int* hist, int* wsum, int* sh,
                                unsigned int& thr, int& need_eq, int k2, unsigned int& floor2,
                                unsigned int prefix = 0u, unsigned int mask = 0u) {
-  const int tid = threadIdx.x;
-  constexpr int UR = G ? 16 : 4;  // independent loads in flight per thread (more for L2 latency)
   int rem = k;
   for (int pass = P0; pass < PE; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nbins = pass == 2 ? 1024 : 2048;
-    for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
-    __syncthreads();
-    for (int base = 0; base < n; base += UR * NT) {
-      unsigned int v[UR];
-      bool ok[UR];
-#pragma unroll
-      for (int u = 0; u < UR; ++u) {
-        const int i = base + u * NT + tid;
-        v[u] = i < n ? dsv4_ld<G>(keys + i) : 0u;
-        ok[u] = i < n && (v[u] & mask) == prefix;
-      }
-#pragma unroll
-      for (int u = 0; u < UR; ++u) {
-        if (!__any_sync(0xffffffffu, ok[u])) continue;  // later passes: most warps hold no key of the bin
-        // one shared atomic per key: aggregating a warp's equal bins first (__match_any_sync) cost more on
-        // the H200 (8 rows: segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; session 14)
-        if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);
-      }
-    }
-    __syncthreads();
+    dsv4_hist_pass<NT, G>(keys, n, shift, nbins, prefix, mask, hist);
     dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh, pass == 0, k2);
     if (pass == 0 && k2 > 0) floor2 = ((unsigned int)sh[2]) << 21;
     rem = sh[1];
@@ -121,6 +131,31 @@ __device__ __forceinline__ unsigned int dsv4_kth_floor(const unsigned int* keys,
   dsv4_radix_kth<NT, false, 0, 1>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
   return thr;
 }
+// A lower bound of the m-th largest of keys[0..n) (1 <= m <= 32 <= n) without a radix pass: the m-th largest
+// of the maxima of the 32 classes i mod 32 (m distinct keys are >= it). A pass over the keys, one barrier
+// and one warp's shuffles; the first radix pass it replaces took ~2.7K cycles (a segment's keys share
+// their top bits: most atomics hit one bin). gm: NT words of shared memory. The bound is thread 0's.
+template <int NT>
+__device__ __forceinline__ unsigned int dsv4_class_bound(const unsigned int* keys, int n, int m, unsigned int* gm) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  unsigned int mx = 0u;
+  for (int i = tid; i < n; i += NT) mx = max(mx, keys[i]);  // class lane: NT is a multiple of 32
+  gm[tid] = mx;
+  __syncthreads();
+  unsigned int res = 0u;
+  if (tid < 32) {
+    unsigned int g = 0u;
+    for (int w = 0; w < NT / 32; ++w) g = max(g, gm[w * 32 + lane]);
+    int rank = 0;  // of this class's maximum among the 32, ties by lane: one lane has each rank
+    for (int j = 0; j < 32; ++j) {
+      const unsigned int x = __shfl_sync(0xffffffffu, g, j);
+      rank += (x > g || (x == g && j < lane)) ? 1 : 0;
+    }
+    res = __shfl_sync(0xffffffffu, g, __ffs(__ballot_sync(0xffffffffu, rank == m - 1)) - 1);
+  }
+  return res;
+}
+
 // Passes 2 and 3 only, among keys whose top 11 bits are `top` (its first pass came from elsewhere).
 template <int NT, bool G>
 __device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, int rem, unsigned int top,
@@ -130,6 +165,28 @@ __device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, 
   dsv4_radix_kth<NT, G, 1>(keys, n, rem, hist, wsum, sh, thr, need_eq, 0, unused, top << 21, 0x7ffu << 21);
 }
 
+// Radix select over offsets: keys[0..n) all in [0, span] (a list's keys minus its least kept key). Passes
+// of up to HB bits from span's top bit down: two passes cover spans below 2^(2 HB), and no pass counts bits
+// every key shares (the raw keys above a bound share their top bits: one bin took every atomic). hist:
+// 2^HB words. Gives the k-th largest offset (thr) and how many equal to it belong to the top k (need_eq).
+template <int NT, int HB>
+__device__ void dsv4_radix_kth_span(const unsigned int* keys, int n, int k, unsigned int span, unsigned int* hist,
+                                    int* wsum, int* sh, unsigned int& thr, int& need_eq) {
+  unsigned int prefix = 0u, mask = 0u;
+  int rem = k;
+  for (int hi = 32 - __clz(span); hi > 0;) {  // hi: the bits below it are still open (0: every key equal)
+    const int shift = hi > HB ? hi - HB : 0, nbins = 1 << (hi - shift);
+    dsv4_hist_pass<NT, false>(keys, n, shift, nbins, prefix, mask, hist);
+    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh);
+    rem = sh[1];
+    prefix |= ((unsigned int)sh[0]) << shift;
+    mask |= ((unsigned int)(nbins - 1)) << shift;
+    __syncthreads();
+    hi = shift;
+  }
+  thr = prefix;
+  need_eq = rem;
+}
 // Ordered compaction of the top k: every key > thr and the first need_eq keys == thr, in index
 // order; emit(position, index, key). Warp w takes a contiguous run of indices and its lanes read
 // consecutive keys (no shared-memory bank conflicts, coalesced in global memory); ballots keep the order.
