@@ -19,8 +19,8 @@
 #   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   step14b  bench/step.py (fast, reference), 1 and 8 rows, 4K and 128K
 #   rep14    bench/kernels.py: indexer + attention at 8 rows, 128K, and chain43 (a repeat) (session 14)
-#   idx15    indexer gpu tests; phases (8 / 1 rows 128K, 8 rows 1M); bench/kernels.py indexer + attention at 8 rows,
-#            128K and 1M, chains of 10 and 21 (session 15: the merge's uint4 filter and offset select, class bounds)
+#   idx15    indexer gpu tests (+ test_cuda_lists); phases (8 / 1 rows 128K, 8 rows 1M; base, kthfloor, rawsel);
+#            bench/kernels.py indexer + attention at 8 rows, 128K and 1M, chains of 10 and 21 (session 15)
 #   idx15b   phases of the indexer (base vs kthfloor vs rawsel); bench/kernels.py indexer + attention, 8 rows, 128K,
 #            chains of 10 and 21
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
@@ -235,22 +235,18 @@ for part in ${PART:-inplace}; do
     step14b)
       step14 ;;
     idx15)
-      echo "== indexer gpu tests"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
-      echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M"
-      timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 \
+      echo "== indexer gpu tests (+ the dense segments' compact lists)"
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q \
+        -p no:cacheprovider -k indexer 2>&1 | tail -3
+      echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants base, kthfloor, rawsel"
+      timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,kthfloor,rawsel \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -4
-      echo "== kernels, indexer + attention, 8 rows, 128K and 1M (chains of 10)"
-      timeout 150 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 \
-        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT" 2>&1 | tail -8
-      echo "== the same, chains of 21 calls (a step's CSA layers)"
-      mkdir -p "$OUT/chain21"
-      timeout 120 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain 21 \
-        --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain21" 2>&1 | tail -7 ;;
-    rep14)
-      echo "== kernels, 8 rows, 128K, indexer + attention, and chain43 (a repeat of dense14's, another host)"
-      timeout 200 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
-        --out "$OUT" 2>&1 | tail -8 ;;
+      for ch in 10 21; do
+        echo "== kernels, indexer + attention, 8 rows, 128K and 1M, chains of $ch"
+        mkdir -p "$OUT/chain$ch"
+        timeout 150 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain $ch \
+          --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain$ch" 2>&1 | tail -5
+      done ;;
     idx15b)
       echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants base, kthfloor, rawsel"
       timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,kthfloor,rawsel \
@@ -267,7 +263,7 @@ for part in ${PART:-inplace}; do
     kgpu)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc)"
       timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
-        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
+        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
     bench)
       echo "== kernels, 8 rows"
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24

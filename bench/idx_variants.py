@@ -98,7 +98,7 @@ def seg_variant(name: str, seg: int) -> tuple[str, str, int | None, bool]:
     bulk, st, diag = SEG_VARIANTS[name]
     src = isrc.segment(LOAD_BULK, WAIT_BULK) if bulk else isrc.SEGMENT
     if diag == "kthfloor":  # dense segments' bound from the first radix pass (session 14), not class maxima
-        src = src.replace("mf <= 32 ?", "false ?")
+        src = src.replace("nv == SEG && mf <= 32;", "false;")
     elif diag == "compute":
         src = src.replace("    load(c + ST - 1);\n", "    dsv4_cp_commit();\n")
     elif diag == "load":

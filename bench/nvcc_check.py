@@ -46,7 +46,7 @@ def units() -> dict[str, str]:
         dense = name.endswith("dense")
         out[name] = standalone("idx_segment", seg_in, [("cand", U32)],
                                seg_t + [("SEG", seg), ("LDC", 32768 if dense else 16384), ("NSEG", 32),
-                                        ("DENSE", dense)], ix.SEGMENT,
+                                        ("DENSE", dense), ("CAPS", 512 if dense else 0)], ix.SEGMENT,
                                header=HELPERS + launch_bounds(ix.NT, mb))  # fmt: skip
     one_in = [(n, t, shp or n == "q") for n, t, shp in seg_in]
     one_t = [("T", BF), ("NI", 64), ("DI", 128), ("PAGE", 64), ("TOPK", 512), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
@@ -60,11 +60,12 @@ def units() -> dict[str, str]:
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
                                      header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     for dense in (False, True):
-        ll = 32768 if dense else 16384
+        ll, seg = (32768, 1024) if dense else (16384, 8192)
         out["idx_merge" + ("_dense" if dense else "")] = standalone(
             "idx_merge", merge_in, [("out", I32)],
-            [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("CAPC", ix.MERGE_CAP), ("UR", ix.merge_ur(ll)),
-             ("HB", ix.MERGE_HB), ("DENSE", dense)], ix.MERGE, header=HELPERS + launch_bounds(1024, 1))  # fmt: skip
+            [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("SEG", seg), ("CAPS", 512 if dense else 0),
+             ("CAPC", ix.MERGE_CAP), ("UR", ix.merge_ur(ll, dense)), ("HB", ix.MERGE_HB), ("DENSE", dense)],
+            ix.MERGE, header=HELPERS + launch_bounds(1024, 1))  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("part", F32)], part_t + [("ONE", one)],

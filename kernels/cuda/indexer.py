@@ -17,12 +17,15 @@ Beyond (128K, 1M context):
    largest key, m = ceil(k / the row's segments) (the floor of that key's bin in
    the select's first radix pass): the least of those bounds has at least k keys above it. One
    output, three planes. Segments of at most 2 k entries (`dense_segments`) skip the select and the
-   compaction: they write every key at its entry's place (the list position is the id; no ids plane)
-   and the bound from the first radix pass alone.
-2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= that bound from its run
-   of the list (nseg * k candidates, or the row's every key with dense segments; in order; usually
-   ~1-2 k kept), then the same radix select + ordered
-   compaction over the kept ones write the ids in ascending order (the list is in id order, so
+   compaction: they write every key at its entry's place (the list position is the id; no ids plane),
+   the bound from the maxima of the 32 classes i mod 32 (their m-th largest: m distinct keys are >= it;
+   m <= 32, else the first radix pass), and a compact list: their keys >= tau, the least class maximum
+   (~120 of 1,024 at 128K), with their places, if at most k.
+2. `merge`: one block per q-buffer row. Each warp keeps the candidates >= the least bound from its run
+   of the list (nseg * k candidates), in order; with dense segments warp w takes segment w, from its
+   compact list when that holds every key >= the bound (tau <= bound), else from its keys (usually ~1-2 k
+   kept in all). A radix select over the kept keys' offsets from the bound (passes over the bits their
+   span needs) + an ordered compaction write the ids in ascending order (the list is in id order, so
    "ties to the lowest id" is "first in the list"). No sort. Rows no batch row names get -1.
 The top-k of a row is a subset of the union of its segments' top-k, so the result is exact.
 Fast path: q and keys bf16/f16, index heads 16/32/64/128, dim a multiple of 16 up to 256,
@@ -48,7 +51,7 @@ CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment 
 MAX_TOPK = 2048
 MAX_SEG = 16384
 MERGE_CAP = 16384  # candidates >= the bound the merge keeps in shared memory (more: it reads the list)
-MERGE_UR = 8  # at most this many uint4 list loads in flight per merge lane (8: a warp's 1,024 keys at 128K)
+MERGE_UR = 16  # at most this many list loads in flight per merge lane (a warp's 512 keys at 1M, top-512)
 MERGE_HB = 12  # bits per pass of the merge's select over offsets (two passes: spans below 2^24)
 # A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
 # H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
@@ -79,11 +82,10 @@ def dense_segments(seg: int, topk: int) -> bool:
     return seg <= 2 * topk
 
 
-def merge_ur(length: int) -> int:
-    """uint4 loads per merge lane in flight: a warp's run of the `length`-entry list in one round where
-    MERGE_UR allows (fewer registers for a shorter run: 1M at top-512, 512 keys a warp, takes 4)."""
-    per = math.ceil(math.ceil(length / 32) / 128)  # 128-key pieces in a warp's run
-    return max(1, min(MERGE_UR, per))
+def merge_ur(length: int, dense: bool) -> int:
+    """Loads per merge lane in flight: a warp's items in one round where MERGE_UR allows. Dense segments: 8
+    (a warp's segment's compact list, ~120 keys at 128K; fewer registers: its items are (key, place) pairs)."""
+    return 8 if dense else max(1, min(MERGE_UR, math.ceil(math.ceil(length / 32) / 32)))
 
 
 def segment_min_blocks(seg: int) -> int:
@@ -156,15 +158,18 @@ class Plan:
             ld = -(-cand // 4) * 4
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
                               HELPERS + launch_bounds(NT, segment_min_blocks(seg)))  # fmt: skip
-            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg), ("DENSE", dense)]
+            caps = topk if dense else 0  # a dense segment's compact list: at most half its keys
+            self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg), ("DENSE", dense),
+                                    ("CAPS", caps)]  # fmt: skip
             self.nt = NT
             self.seg_grid = (nseg * NT, b, 1)
-            # keys, ids (not DENSE), bounds planes (indexer_src.CAND)
-            self.seg_shapes = [(b * ((1 if dense else 2) * ld + nseg),)]
+            # keys, ids, bounds; DENSE: keys, compact lists, bounds, taus, lengths (indexer_src.CAND)
+            self.seg_shapes = [(b * ((ld + 2 * nseg * caps + 3 * nseg) if dense else (2 * ld + nseg)),)]
             # 1,024 threads: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
             self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS + launch_bounds(1024, 1))
-            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("CAPC", MERGE_CAP),
-                               ("UR", merge_ur(cand)), ("HB", MERGE_HB), ("DENSE", dense)]  # fmt: skip
+            self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("SEG", seg), ("CAPS", caps),
+                               ("CAPC", MERGE_CAP), ("UR", merge_ur(cand, dense)), ("HB", MERGE_HB),
+                               ("DENSE", dense)]  # fmt: skip
             self.merge_grid = (q.shape[0] * 1024, 1, 1)
         self.compiled = mx.compile(self.launch)
 

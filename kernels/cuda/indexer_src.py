@@ -3,8 +3,8 @@
 `SEGMENT` (score + top-k of one segment, + its filter bound) and indexer_one_src.ONE (the one-launch
 kernel) share the scoring body `SCORE` (its `EMIT` says where a chunk's keys go); `MERGE` is the
 per-row top-k over the segments' candidates. Template constants: T, NI, DI, PAGE, SEG, TOPK, CH, ST
-(+ LDC, NSEG, DENSE: segment; TOPK, L, LDC, NSEG, CAPC, DENSE: merge). Block-wide select helpers:
-kernels/cuda/select.py.
+(+ LDC, NSEG, DENSE, CAPS: segment; TOPK, L, LDC, NSEG, SEG, CAPS, CAPC, UR, HB, DENSE: merge). Block-wide
+select helpers: kernels/cuda/select.py.
 """
 
 from __future__ import annotations
@@ -22,13 +22,18 @@ PRE = r"""
   __shared__ int sh[3];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 """
-# One output buffer `cand` in three planes (one output, not three: MLX's host cost grows with each):
-# keys [B][LDC] uint32, ids [B][LDC] int32, bounds [B][NSEG] uint32. DENSE (segments of at most 2 * TOPK
-# entries): every key of the segment at its entry's place (the list position is the id), no ids plane.
-CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC;
+# One output buffer `cand` in planes (one output, not several: MLX's host cost grows with each): keys [B][LDC]
+# uint32, then ids [B][LDC] int32 and bounds [B][NSEG] uint32. DENSE (segments of at most 2 * TOPK entries):
+# every key of the segment at its entry's place (the list position is the id; no ids plane), then each
+# segment's compact list [B][NSEG][CAPS] of (key, place in the segment): its keys >= tau, in order, then
+# the bounds, the taus and the compact lists' lengths (-1: more than CAPS) [B][NSEG] each.
+CAND = r"""  const size_t NBL = (size_t)positions_shape[0] * LDC, NBS = (size_t)positions_shape[0] * NSEG;
   unsigned int* ckeys = cand;
   int* cids = reinterpret_cast<int*>(cand + NBL);
-  unsigned int* cbound = cand + (DENSE ? 1 : 2) * NBL;
+  uint2* clist = reinterpret_cast<uint2*>(cand + NBL);  // DENSE; LDC % 4 == 0: 8-byte aligned
+  unsigned int* cbound = cand + (DENSE ? NBL + 2 * NBS * CAPS : 2 * NBL);
+  unsigned int* ctau = cbound + NBS;
+  int* clen = reinterpret_cast<int*>(ctau + NBS);
 """
 HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   const int p = positions[b];
@@ -41,7 +46,10 @@ HEAD_SEG = CAND + r"""  const int seg = blockIdx.x, b = blockIdx.y;
   int* oi = cids + obase;
   if (nv == 0) {
     for (int i = tid; i < PER; i += NT) { ok[i] = 0u; if (!DENSE) oi[i] = -1; }
-    if (tid == 0) cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
+    if (tid == 0) {
+      cbound[(size_t)b * NSEG + seg] = 0xffffffffu;  // neutral in the merge's min
+      if (DENSE) { ctau[(size_t)b * NSEG + seg] = 0u; clen[(size_t)b * NSEG + seg] = 0; }
+    }
     return;
   }
 """
@@ -181,14 +189,20 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   unsigned int thr = 0u;  // score keys are >= 1 (0 only for NaN): with thr 0 every entry is taken
   int need_eq = nv;
   unsigned int bm = 0u;
+  unsigned int tau = 0u;  // DENSE: the compact list holds the keys >= tau (all of a segment of at most CAPS)
   if (DENSE) {  // a select would keep at least half the segment: the merge takes every key. The bound is over
     // the row's full segments only: a short last segment's bound would be 0, and the merge would then keep the
     // whole list (past its shared memory: its slow path). Up to m = 32 from the class maxima (no radix pass;
     // 128K at top-512: m = 16), else from the first radix pass.
     const int nfull = n / SEG, kr = min(TOPK, n), mf = nfull ? (kr + nfull - 1) / nfull : kr;
-    if (nfull == 0) bm = dsv4_kth_floor<NT>(skey, nv, kr, hist, wsum, sh);  // the row's one segment
-    else if (nv < SEG) bm = 0xffffffffu;
-    else bm = mf <= 32 ? dsv4_class_bound<NT>(skey, nv, mf, hist) : dsv4_kth_floor<NT>(skey, nv, mf, hist, wsum, sh);
+    const bool cls = nfull > 0 && nv == SEG && mf <= 32;
+    unsigned int cb = 0u;
+    // tau, the least class maximum: below the row's bound (the least of the segments' class-maxima bounds)
+    // on random data, so the merge reads ~120 keys a segment (of 1,024 at 128K), not all of them
+    if (nv > CAPS) dsv4_class_maxima<NT>(skey, nv, cls ? mf : 32, hist, sh, cb, tau);
+    if (cls) bm = cb;
+    else if (nfull > 0 && nv < SEG) bm = 0xffffffffu;
+    else bm = dsv4_kth_floor<NT>(skey, nv, mf, hist, wsum, sh);  // the row's one segment, or m > 32
   } else if (nv > TOPK) {
     dsv4_radix_kth<NT>(skey, nv, K, hist, wsum, sh, thr, need_eq, m, bm);
   } else if (nv >= m) {
@@ -198,6 +212,20 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
   if (DENSE) {  // key 0 past the row's entries: below every score, and after every entry in the list
     for (int i = tid; i < SEG; i += NT) ok[i] = i < nv ? skey[i] : 0u;
+    int c = 0;
+    for (int i = tid; i < nv; i += NT) c += skey[i] >= tau ? 1 : 0;
+    const int ex = dsv4_block_excl<NT>(c, wsum);
+    if (tid == NT - 1) sh[2] = ex + c;
+    __syncthreads();
+    const int len = sh[2];
+    if (tid == 0) {
+      ctau[(size_t)b * NSEG + seg] = tau;
+      clen[(size_t)b * NSEG + seg] = len <= CAPS ? len : -1;  // -1: the merge reads the segment's keys
+    }
+    if (len <= CAPS) {
+      uint2* cl = clist + ((size_t)b * NSEG + seg) * CAPS;
+      dsv4_take<NT>(skey, nv, tau, nv, wsum, [&](int pos, int i, unsigned int v) { cl[pos] = make_uint2(v, i); });
+    }
     return;
   }
   dsv4_take<NT>(skey, nv, thr, need_eq, wsum, [&](int pos, int i, unsigned int v) { ok[pos] = v; oi[pos] = s0 + i; });
@@ -212,8 +240,8 @@ def segment(loader: str = LOAD_CP, wait: str = WAIT_CP) -> str:
 SEGMENT = segment()
 
 MERGE = r"""
-  constexpr int NT = 1024, NW = NT / 32, V = 128 * UR;  // V: the keys of a warp's chunk (UR uint4 per lane)
-  constexpr int PER = ((L + NW - 1) / NW + 127) / 128 * 128;  // a warp's run of the list (whole uint4 per lane)
+  constexpr int NT = 1024, NW = NT / 32, PER = (L + NW - 1) / NW, V = 32 * UR;  // V: a warp's items a chunk
+  static_assert(!DENSE || NSEG <= NW, "dense segments: a warp each");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] kept candidates minus the bound, in order
   int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
@@ -229,30 +257,27 @@ MERGE = r"""
     if (m) b = i0 + 31 - __clz(m);  // the last batch row naming r
   }
   int* o = out + (size_t)r * TOPK;
-  const size_t NBL = (size_t)nb * LDC;
-  const unsigned int* cbounds = cand + (DENSE ? 1 : 2) * NBL;
-  const unsigned int* keys = cand + (size_t)max(b, 0) * LDC;  // LDC % 4 == 0: 16-byte aligned rows
-  const int* ids = reinterpret_cast<const int*>(cand + NBL) + (size_t)max(b, 0) * LDC;
-  // warp w filters its contiguous run [w0, w1) of the list (count, block scan, ordered write) in chunks of V
-  // keys, UR uint4 loads per lane in flight (the list is in L2; 128K at top-512: the run in one chunk). The
-  // count runs last chunk first so that the first stays in registers for the write (one chunk: read once);
-  // the last chunk's loads go out before the bounds and the position are known.
-  const int w0 = min(L, warp * PER), w1 = min(L, w0 + PER);
-  const int nck = (w1 - w0 + V - 1) / V;
-  uint4 v[UR];
-  auto fetch = [&](int base) {
-#pragma unroll
-    for (int u = 0; u < UR; ++u) {
-      const int i = base + (u * 32 + lane) * 4;
-      v[u] = i < w1 ? *reinterpret_cast<const uint4*>(keys + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
-  if (b >= 0 && nck > 0) fetch(w0 + (nck - 1) * V);
+  const size_t NBL = (size_t)nb * LDC, NBS = (size_t)nb * NSEG, rb = (size_t)max(b, 0);
+  const unsigned int* cbounds = cand + (DENSE ? NBL + 2 * NBS * CAPS : 2 * NBL);
+  const unsigned int* keys = cand + rb * LDC;
+  const int* ids = reinterpret_cast<const int*>(cand + NBL) + rb * LDC;
+  // The filter: each warp's items, in list order. DENSE: warp w takes segment w, from its compact list when
+  // that holds every key >= the bound (its tau <= the bound, at most CAPS keys: 128K, random data, ~120 of
+  // 1,024), else from its keys in the list. Otherwise warp w takes its run [w0, w1) of the list.
+  const int w0 = min(L, warp * (DENSE ? SEG : PER));
+  const int w1 = (DENSE && warp >= NSEG) ? w0 : min(L, w0 + (DENSE ? SEG : PER));
+  const uint2* cl = reinterpret_cast<const uint2*>(cand + NBL) + (rb * NSEG + warp) * CAPS;
+  int clen = -1;
+  unsigned int ctau = 0xffffffffu;
+  if (DENSE && b >= 0 && warp < NSEG) {  // these load with the bounds
+    ctau = cbounds[NBS + rb * NSEG + warp];
+    clen = reinterpret_cast<const int*>(cbounds + 2 * NBS)[rb * NSEG + warp];
+  }
   int K = 0;
   unsigned int bnd = 0xffffffffu;  // warp 0: the least of the segments' bounds (at least K candidates are >= it)
   if (b >= 0) {  // the position and the bounds load together (neither waits for the other)
     const int p = positions[b];
-    if (warp == 0) for (int s = lane; s < NSEG; s += 32) bnd = min(bnd, cbounds[(size_t)b * NSEG + s]);
+    if (warp == 0) for (int s = lane; s < NSEG; s += 32) bnd = min(bnd, cbounds[rb * NSEG + s]);
     K = min(TOPK, dsv4_emitted(p, 4));
   }
   if (K == 0) {
@@ -265,21 +290,37 @@ MERGE = r"""
   }
   __syncthreads();
   const unsigned int bound = (unsigned int)sh[2];
+  const bool compact = DENSE && clen >= 0 && ctau <= bound;
+  const int nit = compact ? clen : w1 - w0;
+  // chunks of V items, UR loads per lane in flight (the list is in L2); the count runs last chunk first so
+  // that the first stays in registers for the write (one chunk: the items are read once)
+  const int nck = (nit + V - 1) / V;
+  unsigned int kv[UR];
+  int pv[UR];
+  auto fetch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < UR; ++u) {
+      const int j = base + u * 32 + lane;
+      if (compact) {
+        const uint2 e = j < nit ? cl[j] : make_uint2(0u, 0u);
+        kv[u] = e.x;
+        pv[u] = w0 + (int)e.y;
+      } else {
+        kv[u] = j < nit ? keys[w0 + j] : 0u;
+        pv[u] = w0 + j;
+      }
+    }
+  };
   int cnt = 0;
   unsigned int kmax = 0u;
   for (int ci = nck - 1; ci >= 0; --ci) {
-    const int base = w0 + ci * V;
-    if (ci != nck - 1) fetch(base);
+    const int base = ci * V;
+    fetch(base);
 #pragma unroll
     for (int u = 0; u < UR; ++u) {
-      const int i = base + (u * 32 + lane) * 4;
-      const unsigned int e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bool t = i + j < w1 && e[j] >= bound;
-        cnt += t ? 1 : 0;
-        kmax = t ? max(kmax, e[j]) : kmax;
-      }
+      const bool t = base + u * 32 + lane < nit && kv[u] >= bound;
+      cnt += t ? 1 : 0;
+      kmax = t ? max(kmax, kv[u]) : kmax;
     }
   }
   for (int sft = 16; sft > 0; sft >>= 1) {
@@ -297,30 +338,18 @@ MERGE = r"""
     const unsigned int below = (1u << lane) - 1u;
     int pos = off;
     for (int ci = 0; ci < nck; ++ci) {
-      const int base = w0 + ci * V;
+      const int base = ci * V;
       if (ci) fetch(base);
 #pragma unroll
-      for (int u = 0; u < UR; ++u) {  // lane holds places i .. i + 3: its kept ones follow the lower lanes'
-        const int i = base + (u * 32 + lane) * 4;
-        const unsigned int e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-        bool t[4];
-        int q = pos, tot = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          t[j] = i + j < w1 && e[j] >= bound;
-          const unsigned int bal = __ballot_sync(0xffffffffu, t[j]);
-          q += __popc(bal & below);
-          tot += __popc(bal);
+      for (int u = 0; u < UR; ++u) {
+        const bool t = base + u * 32 + lane < nit && kv[u] >= bound;
+        const unsigned int bal = __ballot_sync(0xffffffffu, t);
+        if (t) {
+          const int q = pos + __popc(bal & below);
+          ck[q] = kv[u] - bound;
+          cpos[q] = pv[u];
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (t[j]) {
-            ck[q] = e[j] - bound;
-            cpos[q] = i + j;
-            ++q;
-          }
-        }
-        pos += tot;
+        pos += __popc(bal);
       }
     }
     __syncthreads();

@@ -4,7 +4,7 @@
 - `dsv4_radix_kth`: the k-th largest of n uint32 keys (radix select, 11 + 11 + 10 bits, shared-memory
   histograms by one atomic per key) and how many keys equal to it belong to the top k.
 - `dsv4_radix_kth_span`: the same over offsets in [0, span], passes over span's bits only.
-- `dsv4_class_bound`: a lower bound of the m-th largest (m <= 32) from 32 class maxima.
+- `dsv4_class_maxima`: a lower bound of the m-th largest (m <= 32) and the least of 32 class maxima.
 - `dsv4_take`: ordered compaction of the top k (every key above the threshold, then the first keys
   equal to it: ties go to the lowest index), in index order; warps take contiguous runs.
 """
@@ -131,18 +131,19 @@ __device__ __forceinline__ unsigned int dsv4_kth_floor(const unsigned int* keys,
   dsv4_radix_kth<NT, false, 0, 1>(keys, n, k, hist, wsum, sh, thr, need_eq, 0, unused);
   return thr;
 }
-// A lower bound of the m-th largest of keys[0..n) (1 <= m <= 32 <= n) without a radix pass: the m-th largest
-// of the maxima of the 32 classes i mod 32 (m distinct keys are >= it). A pass over the keys, one barrier
-// and one warp's shuffles; the first radix pass it replaces took ~2.7K cycles (a segment's keys share
-// their top bits: most atomics hit one bin). gm: NT words of shared memory. The bound is thread 0's.
+// The maxima of the 32 classes i mod 32 of keys[0..n) (32 <= n), to every thread: `bound`, their m-th largest
+// (1 <= m <= 32; a lower bound of the keys' m-th largest: m distinct keys are >= it), and `least`, the
+// least of them. A pass over the keys, two barriers and one warp's shuffles; the first radix pass it
+// replaces took ~2.7K cycles (a segment's keys share their top bits: most atomics hit one bin).
+// gm: NT words of shared memory; sh: 2 ints.
 template <int NT>
-__device__ __forceinline__ unsigned int dsv4_class_bound(const unsigned int* keys, int n, int m, unsigned int* gm) {
+__device__ __forceinline__ void dsv4_class_maxima(const unsigned int* keys, int n, int m, unsigned int* gm, int* sh,
+                                                  unsigned int& bound, unsigned int& least) {
   const int tid = threadIdx.x, lane = tid & 31;
   unsigned int mx = 0u;
   for (int i = tid; i < n; i += NT) mx = max(mx, keys[i]);  // class lane: NT is a multiple of 32
   gm[tid] = mx;
   __syncthreads();
-  unsigned int res = 0u;
   if (tid < 32) {
     unsigned int g = 0u;
     for (int w = 0; w < NT / 32; ++w) g = max(g, gm[w * 32 + lane]);
@@ -151,9 +152,12 @@ __device__ __forceinline__ unsigned int dsv4_class_bound(const unsigned int* key
       const unsigned int x = __shfl_sync(0xffffffffu, g, j);
       rank += (x > g || (x == g && j < lane)) ? 1 : 0;
     }
-    res = __shfl_sync(0xffffffffu, g, __ffs(__ballot_sync(0xffffffffu, rank == m - 1)) - 1);
+    if (rank == m - 1) sh[0] = (int)g;
+    if (rank == 31) sh[1] = (int)g;
   }
-  return res;
+  __syncthreads();
+  bound = (unsigned int)sh[0];
+  least = (unsigned int)sh[1];
 }
 
 // Passes 2 and 3 only, among keys whose top 11 bits are `top` (its first pass came from elsewhere).
