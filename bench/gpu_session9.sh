@@ -19,7 +19,7 @@
 #   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   step14b  bench/step.py (fast, reference), 1 and 8 rows, 4K and 128K
 #   rep14    bench/kernels.py: indexer + attention at 8 rows, 128K, and chain43 (a repeat) (session 14)
-#   idx15    indexer gpu tests (+ test_cuda_lists); phases (8 / 1 rows 128K, 8 rows 1M; base, kthfloor, rawsel);
+#   idx15    indexer gpu tests (+ test_cuda_lists); phases (8 / 1 rows 128K, 8 rows 1M; VARIANTS, default base);
 #            bench/kernels.py indexer + attention at 8 rows, 128K and 1M, chains of 10 and 21 (session 15)
 #   idx15b   phases of the indexer (base vs kthfloor vs rawsel); bench/kernels.py indexer + attention, 8 rows, 128K,
 #            chains of 10 and 21
@@ -238,8 +238,8 @@ for part in ${PART:-inplace}; do
       echo "== indexer gpu tests (+ the dense segments' compact lists)"
       timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q \
         -p no:cacheprovider -k indexer 2>&1 | tail -3
-      echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants base, kthfloor, rawsel"
-      timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,kthfloor,rawsel \
+      echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants ${VARIANTS:-base}"
+      timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base}" \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -4
       for ch in 10 21; do
         echo "== kernels, indexer + attention, 8 rows, 128K and 1M, chains of $ch"

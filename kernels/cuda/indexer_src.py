@@ -211,20 +211,33 @@ TAIL_SEG = r"""  const int K = min(TOPK, nv);
   }
   if (tid == 0) cbound[(size_t)b * NSEG + seg] = bm;
   if (DENSE) {  // key 0 past the row's entries: below every score, and after every entry in the list
-    for (int i = tid; i < SEG; i += NT) ok[i] = i < nv ? skey[i] : 0u;
+    // + the compact list: warp w's run of RUN keys, one ballot per 32, one block scan (dsv4_take's general
+    // form, ties and two scans, cost ~4K cycles here); the last warp knows the length
+    constexpr int RUN = SEG / NWARP, STEPS = RUN / 32;
+    static_assert(RUN % 32 == 0, "dense segments: whole ballots per warp");
+    unsigned int bal[STEPS];
     int c = 0;
-    for (int i = tid; i < nv; i += NT) c += skey[i] >= tau ? 1 : 0;
-    const int ex = dsv4_block_excl<NT>(c, wsum);
-    if (tid == NT - 1) sh[2] = ex + c;
-    __syncthreads();
-    const int len = sh[2];
-    if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int i = warp * RUN + st * 32 + lane;
+      const unsigned int v = i < nv ? skey[i] : 0u;
+      ok[i] = v;
+      bal[st] = __ballot_sync(0xffffffffu, i < nv && v >= tau);
+      c += __popc(bal[st]);
+    }
+    int pos = __shfl_sync(0xffffffffu, dsv4_block_excl<NT>(lane == 0 ? c : 0, wsum), 0);
+    if (warp == NWARP - 1 && lane == 0) {
+      const int len = pos + c;
       ctau[(size_t)b * NSEG + seg] = tau;
       clen[(size_t)b * NSEG + seg] = len <= CAPS ? len : -1;  // -1: the merge reads the segment's keys
     }
-    if (len <= CAPS) {
-      uint2* cl = clist + ((size_t)b * NSEG + seg) * CAPS;
-      dsv4_take<NT>(skey, nv, tau, nv, wsum, [&](int pos, int i, unsigned int v) { cl[pos] = make_uint2(v, i); });
+    uint2* cl = clist + ((size_t)b * NSEG + seg) * CAPS;
+    const unsigned int below = (1u << lane) - 1u;
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int i = warp * RUN + st * 32 + lane, q = pos + __popc(bal[st] & below);
+      if (((bal[st] >> lane) & 1u) && q < CAPS) cl[q] = make_uint2(skey[i], (unsigned int)i);
+      pos += __popc(bal[st]);
     }
     return;
   }

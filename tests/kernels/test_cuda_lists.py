@@ -19,8 +19,8 @@ SEG = 1024
 
 
 def entry_places(row, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """(page, offset) of the row's entries lo..hi-1."""
-    ids = np.arange(lo, hi)
+    """(page, offset) of the row's entries lo..hi-1 (those it has)."""
+    ids = np.arange(lo, min(hi, (row.position + 1) // 4))
     return np.array(row.tables[4])[ids // PAGE], ids % PAGE
 
 
