@@ -236,8 +236,8 @@ for part in ${PART:-inplace}; do
       step14 ;;
     idx15)
       echo "== indexer gpu tests (+ the dense segments' compact lists)"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q \
-        -p no:cacheprovider -k indexer 2>&1 | tail -3
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q --tb=line \
+        -p no:cacheprovider -k indexer 2>&1 | tail -8
       echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants ${VARIANTS:-base}"
       timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base}" \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -4
