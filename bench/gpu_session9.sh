@@ -23,6 +23,7 @@
 #            bench/kernels.py indexer + attention at 8 rows, 128K and 1M, chains of 10 and 21 (session 15)
 #   idx15b   phases of the indexer (base vs kthfloor vs rawsel); bench/kernels.py indexer + attention, 8 rows, 128K,
 #            chains of 10 and 21
+#   final15  every gpu-marked kernels test file (as kgpu), then bench/kernels.py indexer + attention, 8 rows, 128K
 #   kgpu     every gpu-marked test file (test_cuda, test_cuda_inplace, test_cuda_hc, test_upload), no -x (one call)
 #   tests    every gpu test (tests/kernels, tests/model, tests/service on the GPU)
 #   idx12    indexer: the segment's scoring-loop variants (bulk copies, stages) and the merge's list loads (phases),
@@ -247,6 +248,14 @@ for part in ${PART:-inplace}; do
         timeout 150 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain $ch \
           --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain$ch" 2>&1 | tail -5
       done ;;
+    final15)
+      echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
+      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
+        --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
+      echo "== kernels, indexer + attention, 8 rows, 128K (chains of 10)"
+      timeout 90 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
+        --no-chain43 --out "$OUT" 2>&1 | tail -4 ;;
     idx15b)
       echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants base, kthfloor, rawsel"
       timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants base,kthfloor,rawsel \
