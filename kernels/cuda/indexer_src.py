@@ -367,7 +367,7 @@ MERGE = r"""
     }
     __syncthreads();
     // over the offsets from the bound: the kept keys share their top bits (128K, random data: 24 bits
-    // differ, two 12-bit passes; the raw keys took three, the first with every atomic on a few bins)
+    // differ, two 12-bit passes, not three)
     dsv4_radix_kth_span<NT, HB>(ck, n2, K, top - bound, hist, wsum, sh, thr, need_eq);
     dsv4_take<NT>(ck, n2, thr, need_eq, wsum,
                   [&](int q, int i, unsigned int v) { o[q] = DENSE ? cpos[i] : ids[cpos[i]]; });

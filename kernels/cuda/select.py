@@ -92,6 +92,22 @@ __device__ __forceinline__ void dsv4_hist_pass(const unsigned int* keys, int n, 
   __syncthreads();
 }
 
+// One radix pass: the bin of bits [shift, shift + log2(nbins)) that holds the rem-th largest of the keys
+// matching prefix under mask; narrows rem, prefix and mask to it. with_k2 (and 1 <= k2; the first pass of
+// dsv4_radix_kth only: bins of the top 11 bits): floor2, the floor of the bin of the k2-th largest.
+template <int NT, bool G>
+__device__ __forceinline__ void dsv4_radix_pass(const unsigned int* keys, int n, int shift, int nbins,
+                                                unsigned int* hist, int* wsum, int* sh, int& rem,
+                                                unsigned int& prefix, unsigned int& mask, bool with_k2,
+                                                int k2, unsigned int& floor2) {
+  dsv4_hist_pass<NT, G>(keys, n, shift, nbins, prefix, mask, hist);
+  dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh, with_k2, k2);
+  if (with_k2 && k2 > 0) floor2 = ((unsigned int)sh[2]) << 21;
+  rem = sh[1];
+  prefix |= ((unsigned int)sh[0]) << shift;
+  mask |= ((unsigned int)(nbins - 1)) << shift;
+}
+
 // Radix select (11 + 11 + 10 bits; passes P0..PE-1): the k-th largest of keys[0..n) (thr) and how many entries equal to
 // it belong to the top k (need_eq). 1 <= k <= n. With 1 <= k2 <= n it also gives floor2, the floor of
 // the first pass's bin that holds the k2-th largest (a lower bound of it, for free). sh: 3 ints.
@@ -104,12 +120,7 @@ __device__ void dsv4_radix_kth(const unsigned int* keys, int n, int k, unsigned 
   for (int pass = P0; pass < PE; ++pass) {
     const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nbins = pass == 2 ? 1024 : 2048;
-    dsv4_hist_pass<NT, G>(keys, n, shift, nbins, prefix, mask, hist);
-    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh, pass == 0, k2);
-    if (pass == 0 && k2 > 0) floor2 = ((unsigned int)sh[2]) << 21;
-    rem = sh[1];
-    prefix |= ((unsigned int)sh[0]) << shift;
-    mask |= ((unsigned int)(nbins - 1)) << shift;
+    dsv4_radix_pass<NT, G>(keys, n, shift, nbins, hist, wsum, sh, rem, prefix, mask, pass == 0, k2, floor2);
     __syncthreads();
   }
   thr = prefix;
@@ -171,20 +182,17 @@ __device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, 
 
 // Radix select over offsets: keys[0..n) all in [0, span] (a list's keys minus its least kept key). Passes
 // of up to HB bits from span's top bit down: two passes cover spans below 2^(2 HB), and no pass counts bits
-// every key shares (the raw keys above a bound share their top bits: one bin took every atomic). hist:
-// 2^HB words. Gives the k-th largest offset (thr) and how many equal to it belong to the top k (need_eq).
+// every key shares (the merge at 128K: 7.6K cycles, against 8.2K for the fixed 11 + 11 + 10-bit passes over
+// the same offsets; bench/idx_variants.py `rawsel`, session 15). hist: 2^HB words. Gives the k-th largest
+// offset (thr) and how many equal to it belong to the top k (need_eq).
 template <int NT, int HB>
 __device__ void dsv4_radix_kth_span(const unsigned int* keys, int n, int k, unsigned int span, unsigned int* hist,
                                     int* wsum, int* sh, unsigned int& thr, int& need_eq) {
-  unsigned int prefix = 0u, mask = 0u;
+  unsigned int prefix = 0u, mask = 0u, unused;
   int rem = k;
   for (int hi = 32 - __clz(span); hi > 0;) {  // hi: the bits below it are still open (0: every key equal)
     const int shift = hi > HB ? hi - HB : 0, nbins = 1 << (hi - shift);
-    dsv4_hist_pass<NT, false>(keys, n, shift, nbins, prefix, mask, hist);
-    dsv4_pick_bin<NT>(hist, nbins, rem, wsum, sh);
-    rem = sh[1];
-    prefix |= ((unsigned int)sh[0]) << shift;
-    mask |= ((unsigned int)(nbins - 1)) << shift;
+    dsv4_radix_pass<NT, false>(keys, n, shift, nbins, hist, wsum, sh, rem, prefix, mask, false, 0, unused);
     __syncthreads();
     hi = shift;
   }
