@@ -41,8 +41,9 @@ import mlx.core as mx
 
 from kernels.cuda import common
 from kernels.cuda.common import i32_dummy, kernel, launch_bounds, next_pow2, plan_cached
+from kernels.cuda.indexer_merge_src import MERGE
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
-from kernels.cuda.indexer_src import MERGE, SEGMENT
+from kernels.cuda.indexer_src import SEGMENT
 from kernels.cuda.select import HELPERS
 from kernels.indexer import check_indexer, indexer_rows_reference
 from kernels.rows import RowBatch, check_after, checked
