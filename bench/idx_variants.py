@@ -117,9 +117,9 @@ assert SPAN_SELECT in ki.MERGE
 
 
 def merge_variant(name: str) -> tuple[str, str]:
-    """(source, helpers) of the merge that goes with segment variant `name`: `rawsel` selects over the
+    """(source, header) of the merge that goes with segment variant `name`: `rawsel` selects over the
     offsets with the fixed 11 + 11 + 10-bit passes (as up to session 14: the first pass's atomics on few
     bins); `matchany` with the old histograms."""
     src = ki.MERGE.replace(SPAN_SELECT, "dsv4_radix_kth<NT>(ck, n2, K, hist, wsum, sh, thr, need_eq);") \
         if name == "rawsel" else ki.MERGE  # fmt: skip
-    return src, MATCH_HELPERS if name == "matchany" else ki.HELPERS
+    return src, ki.MERGE_HEADER.replace(ki.HELPERS, MATCH_HELPERS) if name == "matchany" else ki.MERGE_HEADER

@@ -65,7 +65,7 @@ def units() -> dict[str, str]:
             "idx_merge", merge_in, [("out", I32)],
             [("TOPK", 512), ("L", ll), ("LDC", ll), ("NSEG", 32), ("SEG", seg), ("CAPS", 512 if dense else 0),
              ("CAPC", ix.MERGE_CAP), ("UR", ix.merge_ur(ll, dense)), ("HB", ix.MERGE_HB), ("DENSE", dense)],
-            ix.MERGE, header=HELPERS + launch_bounds(1024, 1))  # fmt: skip
+            ix.MERGE, header=ix.MERGE_HEADER)  # fmt: skip
     for one in (True, False):
         out[f"attn_partial_one{int(one)}"] = standalone(
             "attn_partial", part_in, [("part", F32)], part_t + [("ONE", one)],

@@ -29,7 +29,7 @@ import kernels.cuda.attention as ka  # noqa: E402
 import kernels.cuda.indexer as ki  # noqa: E402
 from bench.cases import DI, NH, NI, PAGE, TOPK, D, attention_inputs, indexer_inputs  # noqa: E402
 from bench.idx_variants import SEG_VARIANTS, merge_variant, seg_variant  # noqa: E402
-from kernels.cuda.common import f32_params, i32_dummy, launch_bounds  # noqa: E402
+from kernels.cuda.common import f32_params, i32_dummy  # noqa: E402
 
 TIMER = r"""
 __device__ __forceinline__ unsigned long long dsv4_gt() {
@@ -151,9 +151,10 @@ def indexer_case(rows: int, ctx: int, reps: int, variants: list[str], merge_urs:
     mx.eval(want)
     want_np = np.array(want)
     seg_words = dict(plan.seg_tmpl)["SEG"] + 2048
-    merges = {v: probe("merge", list(ki.MERGE_IN), ["out"], merge_variant(v)[0], 8 * ki.MERGE_CAP,
-                       merge_variant(v)[1] + launch_bounds(1024, 1), MERGE_MARKS)
-              for v in {"base", *variants}}  # fmt: skip
+    merges = {}
+    for v in {"base", *variants}:
+        msrc, mheader = merge_variant(v)
+        merges[v] = probe("merge", list(ki.MERGE_IN), ["out"], msrc, 8 * ki.MERGE_CAP, mheader, MERGE_MARKS)
     out: dict[str, Any] = {}
     for vi, (v, ur) in enumerate([(v, merge_urs[0]) for v in variants] + [("base", u) for u in merge_urs[1:]]):
         src, header, st, checked = seg_variant(v, seg_words - 2048)
@@ -245,7 +246,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seg-variants", default="base", help=f"indexer segment variants: {','.join(SEG_VARIANTS)}")
     ap.add_argument("--merge-ur", default="0",
-                    help="merge uint4 list loads per lane in flight (0: the plan's; the first: with every variant)")
+                    help="merge list loads per lane in flight (0: the plan's; the first: with every variant)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = {}

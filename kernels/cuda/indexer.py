@@ -66,6 +66,8 @@ ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 SEG_BOUNDED_MAX = 4096
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
+# 1,024 threads a merge block: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
+MERGE_HEADER = HELPERS + launch_bounds(1024, 1)
 
 
 def segment_size(cap: int, topk: int) -> int:
@@ -166,8 +168,7 @@ class Plan:
             self.seg_grid = (nseg * NT, b, 1)
             # keys, ids, bounds; DENSE: keys, compact lists, bounds, taus, lengths (indexer_src.CAND)
             self.seg_shapes = [(b * ((ld + 2 * nseg * caps + 3 * nseg) if dense else (2 * ld + nseg)),)]
-            # 1,024 threads: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, HELPERS + launch_bounds(1024, 1))
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, MERGE_HEADER)
             self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("SEG", seg), ("CAPS", caps),
                                ("CAPC", MERGE_CAP), ("UR", merge_ur(cand, dense)), ("HB", MERGE_HB),
                                ("DENSE", dense)]  # fmt: skip

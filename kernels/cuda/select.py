@@ -9,7 +9,8 @@
   equal to it: ties go to the lowest index), in index order; warps take contiguous runs.
 """
 
-# Block-wide helpers shared by both kernels (NT threads; hist: 2048 words of shared memory).
+# Block-wide helpers shared by the indexer's kernels (NT threads; hist: 2048 words of shared memory, 2^HB for
+# dsv4_radix_kth_span).
 HELPERS = r"""
 template <int NT>
 __device__ __forceinline__ int dsv4_block_excl(int v, int* wsum) {
@@ -144,8 +145,8 @@ __device__ __forceinline__ unsigned int dsv4_kth_floor(const unsigned int* keys,
 }
 // The maxima of the 32 classes i mod 32 of keys[0..n) (32 <= n), to every thread: `bound`, their m-th largest
 // (1 <= m <= 32; a lower bound of the keys' m-th largest: m distinct keys are >= it), and `least`, the
-// least of them. A pass over the keys, two barriers and one warp's shuffles; the first radix pass it
-// replaces took ~2.7K cycles (a segment's keys share their top bits: most atomics hit one bin).
+// least of them. A pass over the keys, two barriers and one warp's shuffles: 1.1K cycles at 128K, 8 rows,
+// against 2.7K for the first radix pass it replaces (bench/idx_variants.py `kthfloor`, session 15).
 // gm: NT words of shared memory; sh: 2 ints.
 template <int NT>
 __device__ __forceinline__ void dsv4_class_maxima(const unsigned int* keys, int n, int m, unsigned int* gm, int* sh,
