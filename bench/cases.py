@@ -103,9 +103,14 @@ def attention_inputs(rng: np.random.Generator, rows: int, ctx: int, ratio: int) 
     return batch, singles, q, window, pool, ind, sinks
 
 
-def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
+def make_case(op: str, rows: int, ctx: int, seed: int = 0, indexer_link: str = "after") -> Case:
     """`op`: an op name, with `:128` for the HCA form of the compressor (ratio 128) or of the attention
-    (the window + every entry of the row's table); the CSA form (ratio 4) otherwise."""
+    (the window + every entry of the row's table); the CSA form (ratio 4) otherwise. `indexer_link`: how
+    a chained indexer call waits for the last one: "after" (the last ids are its `after` input: a
+    CUDA-graph edge, no node, as the model's step links it) or "where" (sessions 1-15: a `where` on the
+    last ids in front of the weights, one elementwise node per call that is the bench's, not the op's)."""
+    if indexer_link not in ("after", "where"):
+        raise ValueError(f"indexer_link must be 'after' or 'where', got {indexer_link!r}")
     rng = np.random.default_rng(seed)
     op, _, r = op.partition(":")
     ratio = int(r) if r else 4
@@ -134,10 +139,13 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0) -> Case:
         batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
-            # linked by data (ids are >= -1, so the weights pass unchanged): an edge in MLX's CUDA graph,
-            # so the calls run one after another on the GPU; mx.depends makes no edge there
-            wl = w if prev is None else mx.where(prev[:, :1] < -1, 0.0, w)
-            return impl(b, q, wl, keys, topk=TOPK)
+            # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU
+            # (mx.depends makes no edge there); "where": ids are >= -1, so the weights pass unchanged
+            if prev is None:
+                return impl(b, q, w, keys, topk=TOPK)
+            if indexer_link == "after":
+                return impl(b, q, w, keys, topk=TOPK, after=prev)
+            return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK)
 
         return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
     batch, singles, q, window, pool, ind, sinks = attention_inputs(rng, rows, ctx, ratio)

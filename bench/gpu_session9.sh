@@ -19,6 +19,9 @@
 #   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   step14b  bench/step.py (fast, reference), 1 and 8 rows, 4K and 128K
 #   rep14    bench/kernels.py: indexer + attention at 8 rows, 128K, and chain43 (a repeat) (session 14)
+#   link16   the indexer's merge select, main vs $NEW (a dir holding kernels/cuda/*.py to swap in, e.g. the uint4
+#            dsv4_pick_bin): bench/phases.py, two rounds; then bench/kernels.py indexer 8 rows 128K, chained by
+#            `after` vs `where` (--indexer-link), chains of 10 and 21, two rounds (session 16)
 #   idx15    indexer gpu tests (+ test_cuda_lists); phases (8 / 1 rows 128K, 8 rows 1M; VARIANTS, default base);
 #            bench/kernels.py indexer + attention at 8 rows, 128K and 1M, chains of 10 and 21 (session 15)
 #   idx15b   phases of the indexer (base vs kthfloor vs rawsel); bench/kernels.py indexer + attention, 8 rows, 128K,
@@ -235,6 +238,22 @@ for part in ${PART:-inplace}; do
       kernels14 250 16 120 ;;
     step14b)
       step14 ;;
+    link16)
+      rm -rf /tmp/new; cp -r "$PWD" /tmp/new; cp "${NEW:-pick_kernels}"/kernels/cuda/*.py /tmp/new/kernels/cuda/
+      for r in 1 2; do
+        echo "== round $r, phases, main"
+        timeout 100 python3 bench/phases.py --out "$OUT/ph-main-r$r" --reps 5 \
+          --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -2
+        echo "== round $r, phases, new"
+        (cd /tmp/new && PYTHONPATH=/tmp/mlxsite:/tmp/new timeout 100 python3 bench/phases.py --out "$OUT/ph-new-r$r" \
+          --reps 5 --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -2)
+      done
+      for r in 1 2; do for ch in 10 21; do for l in after where; do
+        echo "== round $r, chains of $ch, indexer linked by $l"
+        mkdir -p "$OUT/$l-c$ch-r$r"
+        timeout 80 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --chain $ch --indexer-link $l \
+          --ops indexer_rows --no-chain43 --out "$OUT/$l-c$ch-r$r" 2>&1 | tail -1
+      done; done; done ;;
     idx15)
       echo "== indexer gpu tests (+ the dense segments' compact lists)"
       timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q --tb=line \

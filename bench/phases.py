@@ -263,6 +263,7 @@ def main() -> None:
             raise SystemExit(f"unknown case {c}")
         res[c] = r
         print(c, json.dumps(r), flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "phases.json").write_text(json.dumps(res, indent=1))
 
 
