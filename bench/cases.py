@@ -103,14 +103,17 @@ def attention_inputs(rng: np.random.Generator, rows: int, ctx: int, ratio: int) 
     return batch, singles, q, window, pool, ind, sinks
 
 
-def make_case(op: str, rows: int, ctx: int, seed: int = 0, indexer_link: str = "after") -> Case:
+def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = "after") -> Case:
     """`op`: an op name, with `:128` for the HCA form of the compressor (ratio 128) or of the attention
-    (the window + every entry of the row's table); the CSA form (ratio 4) otherwise. `indexer_link`: how
-    a chained indexer call waits for the last one: "after" (the last ids are its `after` input: a
-    CUDA-graph edge, no node, as the model's step links it) or "where" (sessions 1-15: a `where` on the
-    last ids in front of the weights, one elementwise node per call that is the bench's, not the op's)."""
-    if indexer_link not in ("after", "where"):
-        raise ValueError(f"indexer_link must be 'after' or 'where', got {indexer_link!r}")
+    (the window + every entry of the row's table); the CSA form (ratio 4) otherwise. `link`: how a chained
+    indexer or attention call waits for the last one. "after": the last output is also its `after` input
+    (a CUDA-graph edge with no node, as the model's step links them); the references route their page
+    tables through it, so mx.compile cannot share one call's key gather with the next (in the model every
+    layer reads its own pools). "data" (sessions 1-15): the attention's q only, and the indexer's weights
+    behind a `where` on the last ids (one elementwise node per call: the bench's, not the op's); a compiled
+    reference chain then gathers its keys once for all its calls (common subexpressions)."""
+    if link not in ("after", "data"):
+        raise ValueError(f"link must be 'after' or 'data', got {link!r}")
     rng = np.random.default_rng(seed)
     op, _, r = op.partition(":")
     ratio = int(r) if r else 4
@@ -140,10 +143,10 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, indexer_link: str = "
 
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU
-            # (mx.depends makes no edge there); "where": ids are >= -1, so the weights pass unchanged
+            # (mx.depends makes no edge there); "data": ids are >= -1, so the weights pass unchanged
             if prev is None:
                 return impl(b, q, w, keys, topk=TOPK)
-            if indexer_link == "after":
+            if link == "after":
                 return impl(b, q, w, keys, topk=TOPK, after=prev)
             return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK)
 
@@ -152,8 +155,9 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, indexer_link: str = "
     keys = TOPK if ratio == 4 else ctx // ratio
 
     def call_a(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
-        # the previous call's output (q's shape and dtype) is this call's q: a data link, no extra op
-        return impl(b, q if prev is None else prev, window, pool, ind, sinks, scale=D**-0.5, ratio=ratio)
+        # the previous call's output (q's shape and dtype) is this call's q (and `after`): no extra op
+        kw = {"after": prev} if prev is not None and link == "after" else {}
+        return impl(b, q if prev is None else prev, window, pool, ind, sinks, scale=D**-0.5, ratio=ratio, **kw)
 
     return Case(op, rows * ((W + keys) * D * 2 + 2 * NH * D * 2), call_a, batch, singles, None)
 

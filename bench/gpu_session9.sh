@@ -19,9 +19,12 @@
 #   dense14  indexer gpu tests, phases, bench/kernels.py --rows 8 (chains of 10; indexer + attention in 21)
 #   step14b  bench/step.py (fast, reference), 1 and 8 rows, 4K and 128K
 #   rep14    bench/kernels.py: indexer + attention at 8 rows, 128K, and chain43 (a repeat) (session 14)
+#   final16a every gpu-marked kernel test file; bench/kernels.py indexer + attention, 8 rows, 128K, chains of 10,
+#            linked by `after` then by `data` (--link) (session 16)
+#   final16b bench/kernels.py --rows 8 (chains of 10, chain43), indexer + attention at 128K / 1M in chains of 21
 #   link16   the indexer's merge select, main vs $NEW (a dir holding kernels/cuda/*.py to swap in, e.g. the uint4
 #            dsv4_pick_bin): bench/phases.py, two rounds; then bench/kernels.py indexer 8 rows 128K, chained by
-#            `after` vs `where` (--indexer-link), chains of 10 and 21, two rounds (session 16)
+#            `after` vs `data` (--link), chains of 10 and 21, two rounds (session 16)
 #   idx15    indexer gpu tests (+ test_cuda_lists); phases (8 / 1 rows 128K, 8 rows 1M; VARIANTS, default base);
 #            bench/kernels.py indexer + attention at 8 rows, 128K and 1M, chains of 10 and 21 (session 15)
 #   idx15b   phases of the indexer (base vs kthfloor vs rawsel); bench/kernels.py indexer + attention, 8 rows, 128K,
@@ -248,10 +251,10 @@ for part in ${PART:-inplace}; do
         (cd /tmp/new && PYTHONPATH=/tmp/mlxsite:/tmp/new timeout 100 python3 bench/phases.py --out "$OUT/ph-new-r$r" \
           --reps 5 --cases indexer:8:131072,indexer:8:1048576 2>&1 | tail -2)
       done
-      for r in 1 2; do for ch in 10 21; do for l in after where; do
+      for r in 1 2; do for ch in 10 21; do for l in after data; do
         echo "== round $r, chains of $ch, indexer linked by $l"
         mkdir -p "$OUT/$l-c$ch-r$r"
-        timeout 80 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --chain $ch --indexer-link $l \
+        timeout 80 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --chain $ch --link $l \
           --ops indexer_rows --no-chain43 --out "$OUT/$l-c$ch-r$r" 2>&1 | tail -1
       done; done; done ;;
     idx15)
@@ -267,6 +270,18 @@ for part in ${PART:-inplace}; do
         timeout 150 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072,1048576 --chain $ch \
           --ops indexer_rows,sparse_attention_rows --no-chain43 --out "$OUT/chain$ch" 2>&1 | tail -5
       done ;;
+    final16a)
+      echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
+      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
+        --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
+      for l in after data; do
+        echo "== kernels, indexer + attention, 8 rows, 128K (chains of 10), linked by $l"
+        mkdir -p "$OUT/$l"
+        timeout 90 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
+          --no-chain43 --link $l --out "$OUT/$l" 2>&1 | tail -3
+      done ;;
+    final16b) kernels14 330 14 160 ;;
     final15)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
       timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \

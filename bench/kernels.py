@@ -3,10 +3,11 @@
 Per op, rows in {1, 2, 4, 8}, context in {8K, 128K, 1M}: reference time, fast time, the same rows
 as single-row fast calls, bytes moved / time against the byte floor (a plain copy measured in the
 same run), the launch floor (one trivial `cuda_kernel` in a chain) and the eval floor. Times per
-call come from a chain of N calls linked by data, with one eval (attention: each output is the next
-q; compressor: the state; indexer: the last ids as its `after` input, `--indexer-link where`: a `where`
-on them in front of the weights, an extra node per call, sessions 1-15), so each call waits for the last on
-the GPU too (`mx.depends` puts no edge in MLX's CUDA graph); medians over
+call come from a chain of N calls linked by data, with one eval, so each call waits for the last on the
+GPU too (`mx.depends` puts no edge in MLX's CUDA graph): attention: each output is the next q;
+compressor: the state; indexer and attention: the last output is also their `after` input, so a
+compiled reference chain cannot share one call's key gather with the next (`--link data`: sessions
+1-15's links, bench.cases.make_case); medians over
 >= 10 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step: each layer's ops wait for the previous
 layer's output through CUDA-graph edges, as in the model (bench/cases.chain43; `fast_c_dep` is the
@@ -205,14 +206,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--ctxs", default="8192,131072,1048576")
     ap.add_argument("--no-chain43", action="store_true")
-    ap.add_argument("--indexer-link", default="after", choices=("after", "where"),
-                    help="how chained indexer calls wait for the last (bench.cases.make_case)")
+    ap.add_argument("--link", default="after", choices=("after", "data"),
+                    help="how chained indexer / attention calls wait for the last (bench.cases.make_case)")
     ap.add_argument("--extra-arms", action="store_true", help="also: per-op mx.compile flipped, forced scatters")
     a = ap.parse_args()
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DSV4_"))}
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "backend": "cuda", "compile": kcommon.COMPILE,
-            "env": env, "indexer_link": a.indexer_link,
+            "env": env, "link": a.link,
             "date": datetime.datetime.now(datetime.UTC).isoformat()} | provenance()  # fmt: skip
     kc.precompile(dtype=mx.bfloat16, page_size=64, n_heads=64, head_dim=512, rope_dim=64,
                   index_heads=64, index_dim=128, topk=512, inplace_compressor=True)  # fmt: skip
@@ -236,7 +237,7 @@ def main() -> None:
     for op in a.ops.split(","):
         for ctx in ctxs:
             for nr in (int(r) for r in a.rows.split(",")):
-                case = make_case(op, nr, ctx, indexer_link=a.indexer_link)
+                case = make_case(op, nr, ctx, link=a.link)
                 err = check(case)
                 arms = {"ref": case.chain(case.ref, a.chain), "fast": case.chain(case.fast, a.chain),
                         "single": case.chain(case.single, a.chain)}  # fmt: skip

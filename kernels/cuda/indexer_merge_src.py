@@ -11,7 +11,7 @@ MERGE = r"""
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned int* ck = reinterpret_cast<unsigned int*>(smem_raw);  // [CAPC] kept candidates minus the bound, in order
   int* cpos = reinterpret_cast<int*>(ck + CAPC);                 // [CAPC] their places in the row's list
-  __shared__ unsigned int hist[1 << HB];
+  __shared__ __align__(16) unsigned int hist[1 << HB];  // 16-byte aligned: dsv4_pick_bin's uint4 reads
   __shared__ int wsum[32];
   __shared__ int sh[3];
   __shared__ unsigned int top;  // the greatest kept key
