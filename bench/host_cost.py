@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--link", default="after", choices=("after", "data"),
+                    help="how chained indexer / attention calls wait for the last (bench.cases.make_case; data: "
+                         "sessions 1-15, the indexer's weights behind a `where` node)")
     ap.add_argument("--chain43-variants", default="",
                     help="link:drop,... e.g. depends:,after:,after:icomp+indexer (bench/cases.chain43)")
     ap.add_argument("--node-kinds", action="store_true", help="price a node: custom kernel, MLX add, reshape")
@@ -142,7 +145,7 @@ def main() -> None:
         for tag, setting in paths:
             if setting:  # a module setting read when a launch plan is made (part of its key)
                 setattr(at if setting[0] == "WIDE_HG" else ix, *setting)
-            case = make_case(op, int(rows), int(ctx))
+            case = make_case(op, int(rows), int(ctx), link=opt.link)
             emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
             del case
         ix.ONE_MAX, at.WIDE_HG = ONE_MAX, WIDE_HG
