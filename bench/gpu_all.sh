@@ -13,7 +13,7 @@ launch=(python3 -c "import sys; from mlx._distributed_utils.launch import main; 
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  echo "== gpu tests"; timeout 100 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider 2>&1 | tail -4
+  echo "== gpu tests"; timeout 100 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider 2>&1 | tail -4
   echo "== step bf16"; timeout 170 python3 bench/step.py --out "$OUT/step_bf16.json" 2>&1 | tail -20
   echo "== step mxfp"; timeout 100 python3 bench/step.py --quantize mxfp --rows 1,8 --contexts 4096 \
       --out "$OUT/step_mxfp.json" 2>&1 | tail -8

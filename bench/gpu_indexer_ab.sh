@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 rm -rf /tmp/old; cp -r "$PWD" /tmp/old
 if [ -d "$OLD" ]; then cp "$OLD"/kernels/cuda/*.py /tmp/old/kernels/cuda/; else cp "$OLD" /tmp/old/kernels/cuda/indexer_src.py; fi
 C=indexer_rows:8:8192,indexer_rows:8:131072,indexer_rows:8:1048576
-{ timeout 150 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q -p no:cacheprovider \
+{ timeout 150 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_lists.py -q -p no:cacheprovider \
     -k indexer 2>&1 | tail -3
 for _ in 1 2; do
   echo "== new"; timeout 60 python3 bench/host_cost.py --reps 10 --cases $C --no-chain43 2>&1 | grep indexer

@@ -21,7 +21,7 @@ PART=${PART:-tests}
       echo "== in-place compressor gpu tests"
       timeout 200 python3 -m pytest tests/kernels/test_cuda_inplace.py -q -p no:cacheprovider 2>&1 | tail -6
       echo "== indexer / attention / dispatch / precompile gpu tests"
-      timeout 330 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider \
+      timeout 330 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider \
         -k "indexer_matches or sparse_attention_matches or dispatch or precompile or compressor" 2>&1 | tail -6
       ;;
     engine)

@@ -26,7 +26,7 @@ PART=${PART:-tests}
   case "$part" in
     tests)
       echo "== gpu tests"
-      timeout 540 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_hc.py -q -p no:cacheprovider \
+      timeout 540 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_hc.py -q -p no:cacheprovider \
         ${TESTS:+-k "$TESTS"} 2>&1 | tail -12
       ;;
     host)

@@ -75,7 +75,7 @@ for part in ${PART:-inplace}; do
       echo "== in-place compressor gpu tests"
       timeout 250 python3 -m pytest tests/kernels/test_cuda_inplace.py -q -p no:cacheprovider -x 2>&1 | tail -4
       echo "== precompile / dispatch gpu tests"
-      timeout 100 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "precompile or dispatch" 2>&1 | tail -3
+      timeout 100 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k "precompile or dispatch" 2>&1 | tail -3
       echo "== engine tests (the in-place compressor is the default) + the CLI"
       timeout 150 python3 -m pytest tests/service/test_worker.py tests/service/test_pipeline.py tests/model/test_cli.py \
         -q -p no:cacheprovider 2>&1 | tail -4
@@ -84,12 +84,12 @@ for part in ${PART:-inplace}; do
         | grep chain43 ;;
     idx)
       echo "== indexer gpu tests"
-      timeout 240 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k indexer 2>&1 | tail -3
+      timeout 240 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -x -k indexer 2>&1 | tail -3
       echo "== indexer + chain43, bench/kernels.py"
       timeout 220 python3 bench/kernels.py --reps 6 --rows 1,8 --ops indexer_rows --out "$OUT" 2>&1 | tail -12 ;;
     attn)
       echo "== attention gpu tests"
-      timeout 240 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
+      timeout 240 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
       echo "== wide: 256 vs 512 threads (per call, chain43)"
       for wt in 256 512 256 512; do
         timeout 100 python3 bench/host_cost.py --reps 10 --wide-threads $wt --no-chain43 --chain43-variants after: \
@@ -124,7 +124,7 @@ for part in ${PART:-inplace}; do
         2>&1 | tail -8 ;;
     attn11)
       echo "== attention gpu tests (combine: the splits' (m, l) read at once)"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -x -k "attention or dispatch" 2>&1 | tail -3
       echo "== combine's span"
       timeout 60 python3 bench/phases.py --out "$OUT" --cases attention:8:131072,attention:1:1048576 2>&1 | tail -3
       echo "== attention + chain43, bench/kernels.py"
@@ -137,13 +137,13 @@ for part in ${PART:-inplace}; do
         2>&1 | tail -4 ;;
     idx12)
       echo "== indexer gpu tests"
-      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== segment variants (span, phases) and the merge's loads in flight"
       timeout 300 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 \
         --seg-variants "${VARIANTS:-base,bulk,st5,bulk5,compute,load}" --merge-ur "${URS:-16,1}" 2>&1 | tail -4 ;;
     idx12b)
       echo "== indexer gpu tests"
-      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== phases: indexer (segment variants, merge phases), wide"
       timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base,compute}" \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576,attention:8:131072,attention:8:8192 2>&1 | tail -5
@@ -151,14 +151,14 @@ for part in ${PART:-inplace}; do
       timeout 200 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows --out "$OUT" --no-chain43 2>&1 | tail -5 ;;
     final12)
       echo "== every gpu-marked test"
-      timeout 540 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+      timeout 540 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
         tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py -m gpu -q -p no:cacheprovider --durations=3 2>&1 | tail -8
       echo "== phases: indexer, wide"
       timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 \
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     ab12)
       echo "== attention gpu tests (wide: a k-step's PV fragments loaded first)"
-      timeout 150 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k "attention" 2>&1 | tail -3
+      timeout 150 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k "attention" 2>&1 | tail -3
       echo "== indexer + attention, bench/kernels.py, 8 rows"
       timeout 300 python3 bench/kernels.py --reps 6 --rows 8 --ops indexer_rows,sparse_attention_rows --out "$OUT" \
         --no-chain43 2>&1 | tail -9 ;;
@@ -173,7 +173,7 @@ for part in ${PART:-inplace}; do
       done ;;
     idx13c)
       echo "== indexer gpu tests"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== phases: the segment as planned (base) vs without a launch bound"
       timeout 120 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base,nobounds}" \
         --cases "${CASES:-indexer:8:131072,indexer:1:131072}" 2>&1 | tail -3
@@ -235,7 +235,7 @@ for part in ${PART:-inplace}; do
         --cases indexer:8:131072,indexer:1:131072,indexer:8:1048576 2>&1 | tail -3 ;;
     dense14)
       echo "== indexer gpu tests (dense segments at 128K)"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider -k indexer 2>&1 | tail -3
       echo "== phases: indexer, 8 and 1 rows, 128K"
       timeout 100 python3 bench/phases.py --out "$OUT" --reps 5 --cases indexer:8:131072,indexer:1:131072 2>&1 | tail -3
       kernels14 250 16 120 ;;
@@ -259,7 +259,7 @@ for part in ${PART:-inplace}; do
       done; done; done ;;
     idx15)
       echo "== indexer gpu tests (+ the dense segments' compact lists)"
-      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_lists.py -q --tb=line \
+      timeout 200 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_lists.py -q --tb=line \
         -p no:cacheprovider -k indexer 2>&1 | tail -8
       echo "== phases: indexer, 8 and 1 rows at 128K, 8 rows at 1M; variants ${VARIANTS:-base}"
       timeout 200 python3 bench/phases.py --out "$OUT" --reps 5 --seg-variants "${VARIANTS:-base}" \
@@ -272,7 +272,7 @@ for part in ${PART:-inplace}; do
       done ;;
     final16a)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
-      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
         tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
         --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
       for l in after data; do
@@ -284,7 +284,7 @@ for part in ${PART:-inplace}; do
     final16b) kernels14 330 14 160 ;;
     final15)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
-      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
         tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
         --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
       echo "== kernels, indexer + attention, 8 rows, 128K (chains of 10)"
@@ -305,7 +305,7 @@ for part in ${PART:-inplace}; do
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
     kgpu)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc)"
-      timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py \
+      timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
         tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
     bench)
       echo "== kernels, 8 rows"

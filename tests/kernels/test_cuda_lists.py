@@ -10,7 +10,8 @@ import pytest
 
 from kernels import RowBatch, backend
 from kernels.indexer import indexer_rows_reference
-from tests.kernels.test_cuda import PAGE, assert_topk_equal, fast, rows_for
+from tests.kernels.test_cuda import PAGE, fast, rows_for
+from tests.kernels.test_cuda_indexer import assert_topk_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
