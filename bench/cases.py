@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,7 +104,17 @@ def attention_inputs(rng: np.random.Generator, rows: int, ctx: int, ratio: int) 
     return batch, singles, q, window, pool, ind, sinks
 
 
-def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = "after") -> Case:
+LINKS = ("after", "data")  # how chained indexer / attention calls wait for the last (make_case)
+
+
+def add_link_argument(ap: argparse.ArgumentParser) -> None:
+    """The benches' `--link` option (make_case's `link`)."""
+    ap.add_argument("--link", default=LINKS[0], choices=LINKS,
+                    help="how chained indexer / attention calls wait for the last (bench.cases.make_case; data: "
+                         "sessions 1-15, the indexer's weights behind a `where` node)")  # fmt: skip
+
+
+def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0]) -> Case:
     """`op`: an op name, with `:128` for the HCA form of the compressor (ratio 128) or of the attention
     (the window + every entry of the row's table); the CSA form (ratio 4) otherwise. `link`: how a chained
     indexer or attention call waits for the last one. "after": the last output is also its `after` input
@@ -112,8 +123,8 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = "after") 
     layer reads its own pools). "data" (sessions 1-15): the attention's q only, and the indexer's weights
     behind a `where` on the last ids (one elementwise node per call: the bench's, not the op's); a compiled
     reference chain then gathers its keys once for all its calls (common subexpressions)."""
-    if link not in ("after", "data"):
-        raise ValueError(f"link must be 'after' or 'data', got {link!r}")
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
     rng = np.random.default_rng(seed)
     op, _, r = op.partition(":")
     ratio = int(r) if r else 4

@@ -53,6 +53,12 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 bench/provenance.py
+# every gpu-marked kernel test file
+KTESTS="tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py
+  tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py"
+ktests() {  # KTESTS under a timeout of $1 s: failures' lines, the 3 slowest
+  timeout "$1" python3 -m pytest $KTESTS -m gpu -q --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
+}
 kernels14() {  # bench/kernels.py --rows 8 (chains of 10), then indexer + attention at 128K / 1M in chains of 21
   echo "== kernels, 8 rows (chains of 10 calls)"
   timeout "$1" python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -"$2"
@@ -272,9 +278,7 @@ for part in ${PART:-inplace}; do
       done ;;
     final16a)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
-      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
-        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
-        --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
+      ktests 380
       for l in after data; do
         echo "== kernels, indexer + attention, 8 rows, 128K (chains of 10), linked by $l"
         mkdir -p "$OUT/$l"
@@ -284,9 +288,7 @@ for part in ${PART:-inplace}; do
     final16b) kernels14 330 14 160 ;;
     final15)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc, test_upload, test_cuda_lists)"
-      timeout 380 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
-        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q \
-        --tb=line -rf -p no:cacheprovider --durations=3 2>&1 | tail -12
+      ktests 380
       echo "== kernels, indexer + attention, 8 rows, 128K (chains of 10)"
       timeout 90 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 131072 --ops indexer_rows,sparse_attention_rows \
         --no-chain43 --out "$OUT" 2>&1 | tail -4 ;;
@@ -305,8 +307,7 @@ for part in ${PART:-inplace}; do
       timeout 580 python3 -m pytest tests -m gpu -q -p no:cacheprovider -x 2>&1 | tail -8 ;;
     kgpu)
       echo "== every gpu-marked test (kernels: test_cuda, test_cuda_inplace, test_cuda_hc)"
-      timeout 545 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_inplace.py \
-        tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py tests/kernels/test_cuda_lists.py -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
+      timeout 545 python3 -m pytest $KTESTS -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tail -14 ;;
     bench)
       echo "== kernels, 8 rows"
       timeout 330 python3 bench/kernels.py --reps "${REPS:-10}" --rows 8 --out "$OUT" 2>&1 | tail -24

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.cases import chain43, make_case  # noqa: E402
+from bench.cases import add_link_argument, chain43, make_case  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 
@@ -104,9 +104,7 @@ def main() -> None:
     ap.add_argument("--cases", default="compressor_rows:8:8192,indexer_rows:8:8192,indexer_rows:8:131072,"
                     "sparse_attention_rows:8:8192,sparse_attention_rows:8:131072,indexer_rows:8:1048576")  # fmt: skip
     ap.add_argument("--no-chain43", action="store_true")
-    ap.add_argument("--link", default="after", choices=("after", "data"),
-                    help="how chained indexer / attention calls wait for the last (bench.cases.make_case; data: "
-                         "sessions 1-15, the indexer's weights behind a `where` node)")
+    add_link_argument(ap)
     ap.add_argument("--chain43-variants", default="",
                     help="link:drop,... e.g. depends:,after:,after:icomp+indexer (bench/cases.chain43)")
     ap.add_argument("--node-kinds", action="store_true", help="price a node: custom kernel, MLX add, reshape")

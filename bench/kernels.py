@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import kernels.cuda as kc  # noqa: E402
 import kernels.cuda.common as kcommon  # noqa: E402
 import kernels.cuda.compressor as kcomp  # noqa: E402
-from bench.cases import Case, chain43, make_case  # noqa: E402
+from bench.cases import Case, add_link_argument, chain43, make_case  # noqa: E402
 from bench.floors import copy_kernel  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 
@@ -206,8 +206,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--ctxs", default="8192,131072,1048576")
     ap.add_argument("--no-chain43", action="store_true")
-    ap.add_argument("--link", default="after", choices=("after", "data"),
-                    help="how chained indexer / attention calls wait for the last (bench.cases.make_case)")
+    add_link_argument(ap)
     ap.add_argument("--extra-arms", action="store_true", help="also: per-op mx.compile flipped, forced scatters")
     a = ap.parse_args()
     t0 = time.perf_counter()
