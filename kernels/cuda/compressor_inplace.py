@@ -46,7 +46,12 @@ SOURCE = (
   constexpr int FS = D / NSPLIT;
   constexpr int QD = FS / 4;
   constexpr int G = (NT / QD < R) ? NT / QD : R;
+  constexpr int CW = C / NSPLIT, PW = (CW + NT - 1) / NT;  // this block's state-write columns per thread
+  constexpr int JN = (R + G - 1) / G;  // window rows per thread
+  constexpr bool HOLD = JN <= 4;  // the rows' score / kv kept in registers (the model's: JN 1, 2, 4)
   __shared__ float xs[D];
+  __shared__ float nsm[D];  // the RMSNorm weights (f32)
+  __shared__ float csm[2 * HALF];  // the row's RoPE cos, sin
   __shared__ float red[32];
   __shared__ __align__(16) float mg[G * FS];
   __shared__ __align__(16) float sg[G * FS];
@@ -63,14 +68,6 @@ SOURCE = (
   const float* apr = ape + (size_t)pm * C;
   float* kst = const_cast<float*>(kv_state) + (size_t)slot * RC;
   float* sst = const_cast<float*>(score_state) + (size_t)slot * RC;
-  for (int c = k * (C / NSPLIT) + tid; c < (k + 1) * (C / NSPLIT); c += nt) {
-    kst[newrow * C + c] = kvq[c];
-    sst[newrow * C + c] = scq[c] + apr[c];
-  }
-  if (!emit) return;
-  const int tw = table_shape[1];
-  const int w = p / M;
-  T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;  // entry w's place
   const int q = tid % QD, g = tid / QD;
   const int f0 = k * FS + 4 * q;
   const bool own = g < G;
@@ -86,11 +83,48 @@ SOURCE = (
     const int col = ((COFF == 2 && j >= M) ? D : 0) + f0;
     return *reinterpret_cast<const float4*>((j == newrow ? kvq : kst + j * C) + col);
   };
+  // Every read up to the pool is issued before the first write: the compiler must assume that the state
+  // writes alias the inputs, so a read after one waits for it (a round trip each). The pool's rows other
+  // than newrow are not written here, and newrow comes from the inputs. (H200, ncu: the block took ~13 us,
+  // mostly such round trips one after another.)
+  float wk[PW], ws[PW];
+#pragma unroll
+  for (int i = 0; i < PW; ++i) {
+    const int c = k * CW + tid + i * NT;
+    if (tid + i * NT < CW) { wk[i] = kvq[c]; ws[i] = scq[c] + apr[c]; }
+  }
+  const float eps = fparams[0];
+  float4 sv[JN], vv[JN];
+  if (HOLD && emit && own) {
+#pragma unroll
+    for (int u = 0; u < JN; ++u)
+      if (g + u * G < R) { sv[u] = score4(g + u * G); vv[u] = kv4(g + u * G); }
+  }
+  constexpr int PN = (D + NT - 1) / NT;
+  float nr[PN], cs[2];
+  if (emit) {
+#pragma unroll
+    for (int i = 0; i < PN; ++i) if (tid + i * NT < D) nr[i] = dsv4_f(norm[tid + i * NT]);
+    if (tid < HALF) { cs[0] = rcos[(size_t)qr * HALF + tid]; cs[1] = rsin[(size_t)qr * HALF + tid]; }
+#pragma unroll
+    for (int i = 0; i < PN; ++i) if (tid + i * NT < D) nsm[tid + i * NT] = nr[i];
+    if (tid < HALF) { csm[tid] = cs[0]; csm[HALF + tid] = cs[1]; }
+  }
+#pragma unroll
+  for (int i = 0; i < PW; ++i) {
+    const int c = k * CW + tid + i * NT;
+    if (tid + i * NT < CW) { kst[newrow * C + c] = wk[i]; sst[newrow * C + c] = ws[i]; }
+  }
+  if (!emit) return;
+  const int tw = table_shape[1];
+  const int w = p / M;
+  T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;  // entry w's place
   float4 m4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
   if (own) {
-#pragma unroll 8
-    for (int j = g; j < R; j += G) {
-      const float4 s = score4(j);
+#pragma unroll
+    for (int u = 0; u < JN; ++u) {
+      if (g + u * G >= R) break;
+      const float4 s = HOLD ? sv[u] : score4(g + u * G);
       m4.x = fmaxf(m4.x, s.x); m4.y = fmaxf(m4.y, s.y); m4.z = fmaxf(m4.z, s.z); m4.w = fmaxf(m4.w, s.w);
     }
     *reinterpret_cast<float4*>(mg + g * FS + 4 * q) = m4;
@@ -103,9 +137,10 @@ SOURCE = (
       m4.x = fmaxf(m4.x, o.x); m4.y = fmaxf(m4.y, o.y); m4.z = fmaxf(m4.z, o.z); m4.w = fmaxf(m4.w, o.w);
     }
     float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f), a4 = s4;
-#pragma unroll 8
-    for (int j = g; j < R; j += G) {
-      const float4 s = score4(j), v = kv4(j);
+#pragma unroll
+    for (int u = 0; u < JN; ++u) {
+      if (g + u * G >= R) break;
+      const float4 s = HOLD ? sv[u] : score4(g + u * G), v = HOLD ? vv[u] : kv4(g + u * G);
       float e;
       e = expf(s.x - m4.x); s4.x += e; a4.x += e * v.x;
       e = expf(s.y - m4.y); s4.y += e; a4.y += e * v.y;
@@ -138,9 +173,22 @@ SOURCE = (
   float ssq = 0.f;
   for (int f = tid; f < D; f += nt) ssq += xs[f] * xs[f];
 """
-    + NORM_ROPE
-    + r"""  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale)
-    for (int e = tid; e < M * C; e += nt) { kst[e] = kst[M * C + e]; sst[e] = sst[M * C + e]; }
+    # the weights and the RoPE row from shared memory (read with the state write's reads)
+    + NORM_ROPE.replace("dsv4_f(norm[f])", "nsm[f]").replace("rcos[(size_t)qr * HALF + i]", "csm[i]")
+    .replace("rsin[(size_t)qr * HALF + i]", "csm[HALF + i]").replace("fparams[0]", "eps")
+    + r"""  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale); reads first
+    constexpr int RN = (M * C + NT - 1) / NT;
+    float rk[RN], rs[RN];
+#pragma unroll
+    for (int i = 0; i < RN; ++i) {
+      const int e = tid + i * NT;
+      if (e < M * C) { rk[i] = kst[M * C + e]; rs[i] = sst[M * C + e]; }
+    }
+#pragma unroll
+    for (int i = 0; i < RN; ++i) {
+      const int e = tid + i * NT;
+      if (e < M * C) { kst[e] = rk[i]; sst[e] = rs[i]; }
+    }
   }
 """
 )
@@ -159,7 +207,7 @@ class Plan:
 
     def __init__(self, b: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int, page: int,
                  eps: float) -> None:  # fmt: skip
-        self.fast = head_dim % 4 == 0 and head_dim <= 4 * NT  # the float4 feature split; else the reference
+        self.fast = head_dim % 4 == 0 and head_dim <= 4 * NT and half <= NT  # float4 split; else the reference
         if not self.fast:
             return
         ns = nsplit(ratio, head_dim)
