@@ -37,6 +37,9 @@ INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
 # init_value); the row's last block to finish (ticket after a fence) gathers the D features and does the
 # RMSNorm, the RoPE, the entry write and the CSA roll. H200, 8 rows, ratio 128, D 512, per call (ncu):
 # 75 us with one block of 256 threads (a thread per feature), 26 us with one block of 512 (float4 x groups).
+# One block is a chain of dependent memory round trips (ncu, cold caches: ~13 us at 1 or 8 rows, ratio 4),
+# so every read is issued before the writes it would otherwise wait behind: 8 rows, ratio 4, D 512 13.1 ->
+# 7.3 us; ratio 128 14.7 -> 9.5 us (medians) (bench/results/session17-h200.md).
 SOURCE = (
     r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
