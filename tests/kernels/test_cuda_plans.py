@@ -31,16 +31,17 @@ def test_indexer_segment_size(cap: int, topk: int) -> None:
     assert 8 * ix.MERGE_CAP + 2048 * 4 + 256 <= SMEM_MAX  # the merge's kept candidates + histogram
 
 
+# seg by hand: ctx / 4 entries in ~32 segments (a power of 2), at least max(1024, 2 x topk) entries each
 @pytest.mark.parametrize(
-    ("ctx", "topk", "dense"),
-    [(131_072, 512, True), (131_072, 1024, True), (131_072, 100, False), (524_288, 512, False),
-     (1 << 20, 512, False), (1 << 20, 2048, False)],
+    ("ctx", "topk", "seg", "dense"),
+    [(131_072, 512, 1024, True), (131_072, 1024, 2048, True), (131_072, 100, 1024, False),
+     (524_288, 512, 4096, False), (1 << 20, 512, 8192, False), (1 << 20, 2048, 8192, False)],
 )  # fmt: skip
-def test_indexer_dense_segments_rule(ctx: int, topk: int, dense: bool) -> None:
-    """Segments of at most 2 * topk entries hand the merge every key: 128K context at top-512 / 1024."""
-    seg = ix.segment_size(ctx // 4, topk)
+def test_indexer_dense_segments_rule(ctx: int, topk: int, seg: int, dense: bool) -> None:
+    """Segments of at most 2 * topk entries (a select would keep at least half of one) hand the merge every
+    key: 128K context at top-512 / 1024."""
+    assert ix.segment_size(ctx // 4, topk) == seg
     assert ix.dense_segments(seg, topk) == dense
-    assert dense == (seg <= 2 * topk)  # ... where a select would keep at least half of the segment
 
 
 @pytest.mark.parametrize("cap", [64, 2048, 8192, 8256, ix.ONE_MAX])
