@@ -6,6 +6,8 @@
 #   rt    compressor_inplace with its reads issued before its writes: the in-place gpu tests and the tiny-model
 #         decode; ncu durations as `ncu`; bench/kernels.py (chain43 + the compressor at 8 rows, 8K) with these
 #         kernels and with $OLD's kernels/cuda (e.g. `git archive <rev> kernels/cuda | tar -x -C old_kernels`)
+#   ab    rt's bench/kernels.py A/B alone, ROUNDS (e.g. "1 2 3") alternated, at 1 and 8 rows (the compressor's
+#         8 single-row calls vs one 8-row call); OLD as in rt (session 18: `git archive 5cde372 kernels/cuda`)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
@@ -20,6 +22,17 @@ durations() {  # compressor_inplace's GPU duration (ns) per launch under ncu, pe
     grep gpu__time_duration "$OUT/ncu/dur_${c//:/_}.csv" | awk -F'","' '{printf "%s ", $NF} END {print ""}'
   done
 }
+ab() {  # bench/kernels.py (chain43 + the compressor at 8K, rows $1), these kernels vs $OLD's, ROUNDS alternated
+  rm -rf /tmp/old; cp -r "$PWD" /tmp/old; cp "${OLD:-old_kernels}"/kernels/cuda/*.py /tmp/old/kernels/cuda/
+  for r in ${ROUNDS:-1}; do
+    echo "== round $r, this tree: chain43 + compressor, rows $1, 8K"
+    timeout 80 python3 bench/kernels.py --reps 5 --rows "$1" --ctxs 8192 --ops compressor_rows --out "$OUT/new$r" \
+      2>&1 | grep -E "chain43 \(|$2"
+    echo "== round $r, OLD"
+    (cd /tmp/old && PYTHONPATH=/tmp/mlxsite:/tmp/old timeout 80 python3 bench/kernels.py --reps 5 --rows "$1" \
+      --ctxs 8192 --ops compressor_rows --out "$OUT/old$r" 2>&1 | grep -E "chain43 \(|$2")
+  done
+}
 case "${PART:-ncu}" in
   ncu)
     durations compressor_rows:1:8192 compressor_rows:8:8192 compressor_rows:128:8:8192 compressor_rows:128:1:8192
@@ -30,13 +43,6 @@ case "${PART:-ncu}" in
     timeout 200 python3 -m pytest tests/kernels/test_cuda_inplace.py tests/kernels/test_cuda_hc.py -k "inplace or tiny" \
       -m gpu -q --tb=short -rf -p no:cacheprovider 2>&1 | tail -8
     durations compressor_rows:8:8192 compressor_rows:128:8:8192
-    rm -rf /tmp/old; cp -r "$PWD" /tmp/old; cp "${OLD:-old_kernels}"/kernels/cuda/*.py /tmp/old/kernels/cuda/
-    for r in ${ROUNDS:-1}; do
-      echo "== round $r, reads first: chain43 + compressor, 8 rows, 8K"
-      timeout 80 python3 bench/kernels.py --reps 5 --rows 8 --ctxs 8192 --ops compressor_rows --out "$OUT/new$r" \
-        2>&1 | grep -E "chain43 \(|^compressor_rows .*rows 8"
-      echo "== round $r, OLD"
-      (cd /tmp/old && PYTHONPATH=/tmp/mlxsite:/tmp/old timeout 80 python3 bench/kernels.py --reps 5 --rows 8 \
-        --ctxs 8192 --ops compressor_rows --out "$OUT/old$r" 2>&1 | grep -E "chain43 \(|^compressor_rows .*rows 8")
-    done ;;
+    ab 8 "^compressor_rows .*rows 8" ;;
+  ab) ab 1,8 "^compressor_rows " ;;
 esac
