@@ -35,8 +35,9 @@ INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
 OUTPUTS = ("st_kv", "st_s", "entry", "dest", "sidx")
 
 # The pooled entry xs[D] (with each thread's sum of squares in ssq) -> RMSNorm * norm -> RoPE on the last
-# 2 * HALF features -> ent[D], in the pool dtype; shared with compressor_inplace.SOURCE.
-NORM_ROPE = r"""  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+# 2 * HALF features -> ent[D], in the pool dtype; shared with compressor_inplace.SOURCE. `norm_rope` names
+# where the weight of feature f, the RoPE row's cos / sin of pair i and eps come from.
+_NORM_ROPE = r"""  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
   if ((tid & 31) == 0) red[tid >> 5] = ssq;
   __syncthreads();
   if (tid < 32) {
@@ -45,21 +46,26 @@ NORM_ROPE = r"""  for (int o = 16; o > 0; o >>= 1) ssq += __shfl_xor_sync(0xffff
     if (tid == 0) red[0] = v;
   }
   __syncthreads();
-  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
-  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * dsv4_f(norm[f])));
+  const float inv = rsqrtf(red[0] / (float)D + EPS);
+  for (int f = tid; f < D; f += nt) xs[f] = dsv4_f(dsv4_t<T>(xs[f] * inv * WEIGHT));
   __syncthreads();
   constexpr int BASE = D - 2 * HALF;
   for (int f = tid; f < D; f += nt) {
     float y = xs[f];
     if (f >= BASE) {
       const int i = (f - BASE) >> 1;
-      const float co = rcos[(size_t)qr * HALF + i], si = rsin[(size_t)qr * HALF + i];
+      const float co = COS, si = SIN;
       if (((f - BASE) & 1) == 0) y = y * co - xs[f + 1] * si;
       else y = xs[f - 1] * si + y * co;
     }
     ent[f] = dsv4_t<T>(y);
   }
 """
+
+
+def norm_rope(weight: str, cos: str, sin: str, eps: str) -> str:
+    """_NORM_ROPE with its sources: C expressions of feature `f`'s weight, pair `i`'s cos and sin, and eps."""
+    return _NORM_ROPE.replace("WEIGHT", weight).replace("COS", cos).replace("SIN", sin).replace("EPS", eps)
 
 SOURCE = r"""
   constexpr int COFF = (M == 4) ? 2 : 1;
@@ -168,7 +174,7 @@ SOURCE = r"""
     xs[f] = x;
     ssq += x * x;
   }
-""" + NORM_ROPE
+""" + norm_rope("dsv4_f(norm[f])", "rcos[(size_t)qr * HALF + i]", "rsin[(size_t)qr * HALF + i]", "fparams[0]")
 
 
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 from kernels.compressor import compressor_rows_inplace_reference
 from kernels.cuda import common
 from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
-from kernels.cuda.compressor import NORM_ROPE, key_and_check, template
+from kernels.cuda.compressor import key_and_check, norm_rope, template
 from kernels.rows import RowBatch, check_after, checked
 
 NT = 512  # threads per row block (registers: at most 128 per thread)
@@ -177,8 +177,7 @@ SOURCE = (
   for (int f = tid; f < D; f += nt) ssq += xs[f] * xs[f];
 """
     # the weights and the RoPE row from shared memory (read with the state write's reads)
-    + NORM_ROPE.replace("dsv4_f(norm[f])", "nsm[f]").replace("rcos[(size_t)qr * HALF + i]", "csm[i]")
-    .replace("rsin[(size_t)qr * HALF + i]", "csm[HALF + i]").replace("fparams[0]", "eps")
+    + norm_rope("nsm[f]", "csm[i]", "csm[HALF + i]", "eps")
     + r"""  if (COFF == 2) {  // CSA: the window just pooled becomes "previous" (rows M..2M-1 stay, stale); reads first
     constexpr int RN = (M * C + NT - 1) / NT;
     float rk[RN], rs[RN];
