@@ -27,19 +27,25 @@ SOURCE = r"""
   const int H = h_shape[2];
   const float eps = fparams[0];
   if (tid == 0) {
+    // every read before the first global store (post): the compiler cannot prove post does not alias
+    // m / base, so a load after a store would wait for the store's round trip
     const float* mb = m + (size_t)b * NM;
+    float mr[NM], br[NM];
+#pragma unroll
+    for (int k = 0; k < NM; ++k) { mr[k] = mb[k]; br[k] = base[k]; }
+    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
     float c[NC][NC];
 #pragma unroll
     for (int k = 0; k < NC; ++k) {
-      pre_s[k] = 1.f / (1.f + expf(-(mb[k] * scale[0] + base[k]))) + eps;
-      post[(size_t)b * NC + k] = 2.f / (1.f + expf(-(mb[NC + k] * scale[1] + base[NC + k])));
+      pre_s[k] = 1.f / (1.f + expf(-(mr[k] * s0 + br[k]))) + eps;
+      post[(size_t)b * NC + k] = 2.f / (1.f + expf(-(mr[NC + k] * s1 + br[NC + k])));
     }
 #pragma unroll
     for (int i = 0; i < NC; ++i) {  // row softmax (max-subtracted) + eps
       float mv = -INFINITY;
 #pragma unroll
       for (int j = 0; j < NC; ++j) {
-        c[i][j] = mb[2 * NC + i * NC + j] * scale[2] + base[2 * NC + i * NC + j];
+        c[i][j] = mr[2 * NC + i * NC + j] * s2 + br[2 * NC + i * NC + j];
         mv = fmaxf(mv, c[i][j]);
       }
       float s = 0.f;
