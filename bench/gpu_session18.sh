@@ -2,6 +2,7 @@
 # Session 18, on the device machine after gpu-wheels.sh staged MLX CUDA. PART (space-separated, in order):
 #   t1    gpu tests: test_cuda.py + test_cuda_indexer.py (attention, indexer, dispatch, precompile)
 #   t2    gpu tests: test_cuda_inplace.py, test_cuda_hc.py, test_upload.py, test_cuda_lists.py
+#   hc    gpu tests: test_cuda_hc.py (the hc_pre_mix kernel: Sinkhorn one thread per element, x's loads batched)
 #   ncu   GPU time per kernel, host-independent (ncu, clocks locked to base, caches warm): chain43 (8 rows, 8K,
 #         linked by `after`) and the compressor's chains (1 and 8 rows), this tree vs $OLD's kernels/cuda
 #         (`git archive 5cde372 kernels/cuda | tar -x -C old_kernels`: before a0d667c and the hc change);
@@ -37,22 +38,25 @@ for part in ${PART:-t1}; do
     t2) echo "== gpu tests: in-place compressor, hc, upload, lists"
         pyt 560 tests/kernels/test_cuda_inplace.py tests/kernels/test_cuda_hc.py tests/kernels/test_upload.py \
           tests/kernels/test_cuda_lists.py ;;
+    hc) echo "== gpu tests: hc"
+        pyt 200 tests/kernels/test_cuda_hc.py ;;
     ncu)
       rm -rf /tmp/old; cp -r "$PWD" /tmp/old; cp "${OLD:-old_kernels}"/kernels/cuda/*.py /tmp/old/kernels/cuda/
       for t in new old; do
         tree=$PWD; [ $t = old ] && tree=/tmp/old
-        durations "chain43_$t" "$tree" . 600 400 python3 bench/profile_kernels.py --chain43 --link after --reps 4
+        durations "chain43_$t" "$tree" dsv4 450 300 python3 bench/profile_kernels.py --chain43 --link after --reps 4
         for r in 1 8; do
-          durations "comp${r}_$t" "$tree" . 20 30 python3 bench/profile_kernels.py --case "compressor_rows:$r:8192" \
+          durations "comp${r}_$t" "$tree" dsv4 25 20 python3 bench/profile_kernels.py --case "compressor_rows:$r:8192" \
             --reps 2 --chain 10
         done
         durations "hc_$t" "$tree" hc_pre_mix 2 10 python3 -c "$HC"
-      done ;;
+      done
+      tar czf "$OUT/ncu18.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;  # one file back (the tool caps the count)
     figs)
       echo "== kernels, 8 rows (chains of 10 calls), chain43"
-      timeout 300 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -14
+      timeout 280 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -14
       echo "== step"
-      timeout 200 python3 bench/step.py --rows 1,8 --contexts 4096,131072 --arms fast,reference \
+      timeout 170 python3 bench/step.py --rows 1,8 --contexts 4096 --arms fast,reference \
         --out "$OUT/step.json" 2>&1 | tail -9 ;;
   esac
 done

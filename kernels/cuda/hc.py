@@ -1,8 +1,11 @@
 """hc_pre_mix on CUDA: the whole mHC pre-mix of every row in one launch (the reference is ~100 nodes).
 
-One block per row: thread 0 computes pre / post, the row-softmax and the Sinkhorn rounds of the
-nc x nc matrix in registers (nc <= 8: a few hundred flops), then every thread sums its columns of
-x = sum_k pre_k h_k. f32 arithmetic throughout, as the reference. Fast path: m, scale, base f32
+One block per row. nc threads compute pre / post. Warps 0-1 run the row softmax and the Sinkhorn
+rounds of the nc x nc matrix, one thread per element (nc <= 8), each sum read from shared memory in
+index order (one thread doing the whole matrix took ~34 us a launch at 20 rounds, nc 4: ~700
+dependent divisions). Meanwhile warps 2-7 sum their columns of x = sum_k pre_k h_k, U columns' loads
+issued together: a load cannot be hoisted above a store to x, so one column at a time would cost a
+memory round trip each. f32 arithmetic throughout, as the reference. Fast path: m, scale, base f32
 (the release keeps every hc_* parameter f32), h of any float dtype, nc <= 8; else the reference.
 """
 
@@ -22,72 +25,89 @@ OUTPUTS = ("x", "post", "comb")
 
 SOURCE = r"""
   constexpr int NM = NC * (2 + NC);
+  constexpr int SK = 64;  // the Sinkhorn group: warps 0-1, one thread per comb element (nc <= 8)
   __shared__ float pre_s[NC];
+  __shared__ float cs[2][NC * NC];  // comb, double-buffered: one barrier per normalization
   const int b = blockIdx.x, tid = threadIdx.x;
   const int H = h_shape[2];
   const float eps = fparams[0];
-  if (tid == 0) {
-    // every read before the first global store (post): the compiler cannot prove post does not alias
-    // m / base, so a load after a store would wait for the store's round trip
-    const float* mb = m + (size_t)b * NM;
-    float mr[NM], br[NM];
-#pragma unroll
-    for (int k = 0; k < NM; ++k) { mr[k] = mb[k]; br[k] = base[k]; }
-    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
-    float c[NC][NC];
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      pre_s[k] = 1.f / (1.f + expf(-(mr[k] * s0 + br[k]))) + eps;
-      post[(size_t)b * NC + k] = 2.f / (1.f + expf(-(mr[NC + k] * s1 + br[NC + k])));
-    }
-#pragma unroll
-    for (int i = 0; i < NC; ++i) {  // row softmax (max-subtracted) + eps
-      float mv = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < NC; ++j) {
-        c[i][j] = mr[2 * NC + i * NC + j] * s2 + br[2 * NC + i * NC + j];
-        mv = fmaxf(mv, c[i][j]);
-      }
-      float s = 0.f;
-#pragma unroll
-      for (int j = 0; j < NC; ++j) { c[i][j] = expf(c[i][j] - mv); s += c[i][j]; }
-#pragma unroll
-      for (int j = 0; j < NC; ++j) c[i][j] = c[i][j] / s + eps;
-    }
-    for (int it = 0; it < ITERS; ++it) {  // Sinkhorn: columns; then (rows, columns) ITERS - 1 times
-      if (it > 0) {
-#pragma unroll
-        for (int i = 0; i < NC; ++i) {
-          float s = 0.f;
-#pragma unroll
-          for (int j = 0; j < NC; ++j) s += c[i][j];
-          s += eps;
-#pragma unroll
-          for (int j = 0; j < NC; ++j) c[i][j] = c[i][j] / s;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < NC; ++j) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < NC; ++i) s += c[i][j];
-        s += eps;
-#pragma unroll
-        for (int i = 0; i < NC; ++i) c[i][j] = c[i][j] / s;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < NC; ++i)
-#pragma unroll
-      for (int j = 0; j < NC; ++j) comb[((size_t)b * NC + i) * NC + j] = c[i][j];
+  const float* mb = m + (size_t)b * NM;
+  const bool own = tid < NC * NC;
+  // every read before the first global store (post): the compiler cannot prove post does not alias m
+  float v = own ? mb[2 * NC + tid] * scale[2] + base[2 * NC + tid] : 0.f;
+  if (tid < NC) {
+    const float zp = mb[tid] * scale[0] + base[tid], zq = mb[NC + tid] * scale[1] + base[NC + tid];
+    pre_s[tid] = 1.f / (1.f + expf(-zp)) + eps;
+    post[(size_t)b * NC + tid] = 2.f / (1.f + expf(-zq));
   }
   __syncthreads();
-  const T* hb = h + (size_t)b * NC * H;
-  for (int d = tid; d < H; d += blockDim.x) {
-    float acc = 0.f;
+  if (tid < SK) {
+    // element (i, j) = (tid / NC, tid % NC); each thread sums its row / column from shared memory in
+    // index order (the summation order of one thread doing it all)
+    const int i = tid / NC, j = tid % NC;
+#define DSV4_SK_SYNC asm volatile("bar.sync 1, 64;" ::: "memory")
+    if (own) cs[0][tid] = v;
+    DSV4_SK_SYNC;
+    if (own) {  // row softmax (max-subtracted) + eps
+      float mv = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < NC; ++k) acc += pre_s[k] * dsv4_f(hb[(size_t)k * H + d]);
-    x[(size_t)b * H + d] = dsv4_t<T>(acc);
+      for (int jj = 0; jj < NC; ++jj) mv = fmaxf(mv, cs[0][i * NC + jj]);
+      v = expf(v - mv);
+      cs[1][tid] = v;
+    }
+    DSV4_SK_SYNC;
+    if (own) {
+      float s = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < NC; ++jj) s += cs[1][i * NC + jj];
+      v = v / s + eps;
+    }
+    int p = 0;
+    for (int it = 0; it < ITERS; ++it) {  // Sinkhorn: columns; then (rows, columns) ITERS - 1 times
+      if (it > 0) {
+        if (own) cs[p][tid] = v;
+        DSV4_SK_SYNC;
+        if (own) {
+          float s = 0.f;
+#pragma unroll
+          for (int jj = 0; jj < NC; ++jj) s += cs[p][i * NC + jj];
+          s += eps;
+          v = v / s;
+        }
+        p ^= 1;
+      }
+      if (own) cs[p][tid] = v;
+      DSV4_SK_SYNC;
+      if (own) {
+        float s = 0.f;
+#pragma unroll
+        for (int ii = 0; ii < NC; ++ii) s += cs[p][ii * NC + j];
+        s += eps;
+        v = v / s;
+      }
+      p ^= 1;
+    }
+#undef DSV4_SK_SYNC
+    if (own) comb[(size_t)b * NC * NC + tid] = v;
+  } else {  // the other warps: x = sum_k pre_k h_k, meanwhile; U columns' loads issued before their stores
+    constexpr int U = 8;
+    const int nt = blockDim.x - SK;
+    const T* hb = h + (size_t)b * NC * H;
+    for (int d0 = tid - SK; d0 < H; d0 += U * nt) {
+      float hv[U][NC];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < NC; ++k) hv[u][k] = d0 + u * nt < H ? dsv4_f(hb[(size_t)k * H + d0 + u * nt]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (d0 + u * nt >= H) break;
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < NC; ++k) acc += pre_s[k] * hv[u][k];
+        x[(size_t)b * H + d0 + u * nt] = dsv4_t<T>(acc);
+      }
+    }
   }
 """
 
