@@ -7,6 +7,8 @@
 #         linked by `after`) and the compressor's chains (1 and 8 rows), this tree vs $OLD's kernels/cuda
 #         (`git archive 5cde372 kernels/cuda | tar -x -C old_kernels`: before a0d667c and the hc change);
 #         hc_pre_mix (V4-Flash: 8 rows, hc_mult 4, hidden 4096, 20 Sinkhorn rounds) likewise
+#   hcstep bench/step.py (fast, 8 rows, 4K), this tree vs the same tree with $OLD's kernels/cuda/hc.py only,
+#         ROUNDS (default "1 2") alternated
 #   figs  bench/kernels.py --rows 8 (chains of 10, chain43) and bench/step.py (fast, reference; 1 and 8 rows)
 set -u
 cd "$(dirname "$0")/.."
@@ -52,6 +54,16 @@ for part in ${PART:-t1}; do
         durations "hc_$t" "$tree" hc_pre_mix 2 10 python3 -c "$HC"
       done
       tar czf "$OUT/ncu18.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;  # one file back (the tool caps the count)
+    hcstep)
+      rm -rf /tmp/oldhc; cp -r "$PWD" /tmp/oldhc; cp "${OLD:-old_kernels}"/kernels/cuda/hc.py /tmp/oldhc/kernels/cuda/
+      for r in ${ROUNDS:-1 2}; do
+        for t in new old; do
+          tree=$PWD; [ $t = old ] && tree=/tmp/oldhc
+          echo "== round $r, hc $t"
+          (cd "$tree" && PYTHONPATH=/tmp/mlxsite:$tree timeout 100 python3 bench/step.py --rows 8 --contexts 4096 \
+            --arms fast --out "$OUT/step_hc_${t}_$r.json" 2>&1 | grep -E "^ +4096")
+        done
+      done ;;
     figs)
       echo "== kernels, 8 rows (chains of 10 calls), chain43"
       timeout 280 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" 2>&1 | tail -14
