@@ -20,12 +20,14 @@ from kernels.hc import check_hc_pre_mix, hc_pre_mix_reference
 
 THREADS = 256
 MAX_NC = 8
+SINKHORN_THREADS = 64  # the kernel's SK: warps 0-1, one thread per comb element (MAX_NC ** 2)
+assert MAX_NC**2 <= SINKHORN_THREADS < THREADS, "x needs warps of its own"
 INPUTS = ("m", "scale", "base", "h", "fparams")
 OUTPUTS = ("x", "post", "comb")
 
 SOURCE = r"""
   constexpr int NM = NC * (2 + NC);
-  constexpr int SK = 64;  // the Sinkhorn group: warps 0-1, one thread per comb element (nc <= 8)
+  constexpr int SK = 64;  // the Sinkhorn group (SINKHORN_THREADS): warps 0-1, one thread per comb element
   __shared__ float pre_s[NC];
   __shared__ float cs[2][NC * NC];  // comb, double-buffered: one barrier per normalization
   const int b = blockIdx.x, tid = threadIdx.x;
