@@ -1,5 +1,6 @@
-"""Repro of the compiled chain43 reference failing in mx.compile (`IndexError: _Map_base::at`), MLX 0.32.4,
-CPU. Prints ok / fail per variant: the fail needs two CSA layers, the reference compressor and a read of
+"""Repro of the compiled chain43 reference failing in mx.compile (`IndexError: _Map_base::at`, thrown in
+`mlx::core::detail::compile_replace`: a traced array's input missing from the replay map; gdb `catch throw`),
+MLX 0.32.4, CPU. Prints ok / fail per variant: the fail needs two CSA layers, the reference compressor and a read of
 the pool it wrote; a stub attention that reads the main pool makes it pass again.
 
     python bench/repro_chain43_compile.py
@@ -32,20 +33,20 @@ def run(label: str, kinds: list[int], **ops) -> None:
         cases.REF.update(ORIG)
 
 
-def keys_read_only(batch, q, weights, keys, topk):
+def keys_read_only(batch, q, weights, keys, topk, after=None):
     return (keys.reshape(-1)[:topk].astype(mx.int32) * 0)[None, :] + mx.zeros((q.shape[0], 1), mx.int32)
 
 
-def attn_stub(batch, q, win, pool, ind, sinks, scale, ratio=0):
+def attn_stub(batch, q, win, pool, ind, sinks, scale, ratio=0, after=None):
     return q + (0 if ind is None else ind.sum().astype(q.dtype))
 
 
-def attn_stub_reads_pool(batch, q, win, pool, ind, sinks, scale, ratio=0):
+def attn_stub_reads_pool(batch, q, win, pool, ind, sinks, scale, ratio=0, after=None):
     return q + (0 if pool is None else pool.reshape(-1)[:1].sum().astype(q.dtype))
 
 
 def no_compressor(batch, kv, sc, ape, norm, ks, ss, pool, **kw):
-    return ks, ss, pool
+    return ks, ss, pool, None
 
 
 if __name__ == "__main__":
