@@ -13,17 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
 timeout 200 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv --cache-control none \
   --clock-control none -k regex:dsv4 --launch-skip 600 --launch-count 300 \
   python3 bench/profile_kernels.py --chain43 --link after --reps 3 > "$OUT/ncu_chain43_after.csv" 2>&1
-python3 - "$OUT/ncu_chain43_after.csv" <<'PY'
-import csv, collections, re, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-head = rows[0]; ki, vi = head.index("Kernel Name"), head.index("Metric Value")
-agg = collections.defaultdict(list)
-for r in rows[1:]:
-    name = r[ki].split("(")[0].replace("custom_kernel_", "")[:70]
-    agg[name].append(float(r[vi].replace(",", "")) / 1000)
-for k, v in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
-    print(f"{k:70s} n={len(v):4d} median={sorted(v)[len(v)//2]:8.2f} us  sum={sum(v):9.1f} us")
-PY
+python3 bench/ncu_sum.py "$OUT/ncu_chain43_after.csv"
 for ops in ${OPS:-100 40 20}; do
   MLX_MAX_OPS_PER_BUFFER=$ops timeout 120 python3 bench/host_cost.py --reps 10 --cases "" --no-chain43 \
     --chain43-variants depends:,after: 2>&1 | grep chain43 | sed "s/^/ops=$ops /"

@@ -20,14 +20,14 @@ from kernels.hc import check_hc_pre_mix, hc_pre_mix_reference
 
 THREADS = 256
 MAX_NC = 8
-SINKHORN_THREADS = 64  # the kernel's SK: warps 0-1, one thread per comb element (MAX_NC ** 2)
-assert MAX_NC**2 <= SINKHORN_THREADS < THREADS, "x needs warps of its own"
+SINKHORN_THREADS = 64  # warps 0-1: one thread per comb element (MAX_NC ** 2); the rest of the block sums x
+assert MAX_NC**2 <= SINKHORN_THREADS < THREADS and SINKHORN_THREADS % 32 == 0
 INPUTS = ("m", "scale", "base", "h", "fparams")
 OUTPUTS = ("x", "post", "comb")
 
 SOURCE = r"""
   constexpr int NM = NC * (2 + NC);
-  constexpr int SK = 64;  // the Sinkhorn group (SINKHORN_THREADS): warps 0-1, one thread per comb element
+  constexpr int SK = @SK@;  // the Sinkhorn group: warps 0-1, one thread per comb element
   __shared__ float pre_s[NC];
   __shared__ float cs[2][NC * NC];  // comb, double-buffered: one barrier per normalization
   const int b = blockIdx.x, tid = threadIdx.x;
@@ -47,7 +47,7 @@ SOURCE = r"""
     // element (i, j) = (tid / NC, tid % NC); each thread sums its row / column from shared memory in
     // index order (the summation order of one thread doing it all)
     const int i = tid / NC, j = tid % NC;
-#define DSV4_SK_SYNC asm volatile("bar.sync 1, 64;" ::: "memory")
+#define DSV4_SK_SYNC asm volatile("bar.sync 1, @SK@;" ::: "memory")
     if (own) cs[0][tid] = v;
     DSV4_SK_SYNC;
     if (own) {  // row softmax (max-subtracted) + eps
@@ -111,7 +111,7 @@ SOURCE = r"""
       }
     }
   }
-"""
+""".replace("@SK@", str(SINKHORN_THREADS))
 
 
 def supported(m: mx.array, scale: mx.array, base: mx.array, h: mx.array) -> bool:
