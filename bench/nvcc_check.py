@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from kernels.cuda import attention as at  # noqa: E402
+from kernels.cuda import attention_dsplit_src as dsrc  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
@@ -72,7 +73,7 @@ def units() -> dict[str, str]:
             wsrc.PARTIAL, header=asrc.ATTN_HELPERS)  # fmt: skip
     for ds in (1, 4, 8):
         out[f"attn_dsplit{ds}"] = standalone("attn_dsplit", part_in, [("out", BF)], part_t + [("DS", ds)],
-                                             wsrc.DSPLIT, header=asrc.ATTN_HELPERS)  # fmt: skip
+                                             dsrc.DSPLIT, header=asrc.ATTN_HELPERS)  # fmt: skip
     wide_t = [(k, 64 if k == "HG" else v) for k, v in part_t]
     out["attn_wide"] = standalone("attn_wide", part_in, [("part", F32)], wide_t, asrc.WIDE,
                                   header=asrc.ATTN_HELPERS)  # fmt: skip
@@ -83,7 +84,7 @@ def units() -> dict[str, str]:
     out["attn_wide32"] = standalone("attn_wide", part_in, [("part", F32)], wide32_t, asrc.WIDE,
                                     header=asrc.ATTN_HELPERS)  # fmt: skip
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
-    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], wsrc.DSPLIT,
+    out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], dsrc.DSPLIT,
                                         header=asrc.ATTN_HELPERS)  # fmt: skip
     out["attn_combine"] = standalone("attn_combine", [("q_rows", I32, True), ("part", F32, True),
                                      ("sinks", F32, True)], [("out", BF)],

@@ -80,8 +80,8 @@ def wrap_loop(src: str, top: str, marks: list[str], end: str) -> str:
                      "for (int i = 0; i < 4; ++i) w[4 + i] = (unsigned int)dsv4_acc[i];")
 
 
-DSPLIT_LOOP = ("  for (int c = 0; c < nchunk; ++c) {", ["    dsv4_qk_wmma<T, D, HG, CK, LDK>(Qs, kb, Ss);",
-               "    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko,", "    if (warp < NT16) {  // O[:, slice]"],
+DSPLIT_LOOP = ("  for (int c = 0; c < nchunk; ++c) {", ["    {  // S = Q K^T",
+               "    dsv4_online_softmax<T, HG, CK, LDP, NWARP>(Ss, ko,", "    {  // O[:, slice]"],
                "  // the sink joins the denominator here")  # fmt: skip
 # dsplit outside its loop: row lookup + Q load + O init | chunk 0's offsets | the loop | the epilogue
 DSPLIT_OUTER = {"pre": "  offsets(0);\n  __syncthreads();", "offsets": "  fetch(0);\n  for (int c = 0;",
@@ -205,7 +205,7 @@ def attention_case(rows: int, ctx: int, ratio: int, reps: int, outer: bool = Fal
     tmpl = dict(plan.part_tmpl)
     kind = "dsplit" if plan.final else ("partial" if "ONE" in tmpl else "wide")
     body = {"dsplit": ka.DSPLIT, "wide": ka.WIDE, "partial": ka.PARTIAL}[kind]
-    smem = {"dsplit": lambda: ka.dsplit_smem(D, tmpl["DS"]), "wide": lambda: ka.wide_smem(D, tmpl["HG"]),
+    smem = {"dsplit": lambda: ka.dsplit_smem(D), "wide": lambda: ka.wide_smem(D, tmpl["HG"]),
             "partial": lambda: ka.smem_bytes(D, tmpl["ONE"])}[kind]()  # fmt: skip
     part = probe(f"attn_{kind}", list(ka.PART_IN), ["out" if plan.final else "part"], body, smem, ka.ATTN_HELPERS,
                  WIDE_MARKS if kind == "wide" else (DSPLIT_OUTER if outer else None),

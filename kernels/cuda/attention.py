@@ -28,8 +28,9 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda import common
+from kernels.cuda.attention_dsplit_src import DSPLIT
 from kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE_MAX_SPLITS, WIDE
-from kernels.cuda.attention_wmma_src import DSPLIT, PARTIAL
+from kernels.cuda.attention_wmma_src import PARTIAL
 from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from kernels.rows import RowBatch, check_after, checked
 from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
@@ -57,10 +58,10 @@ def smem_bytes(d: int, one: bool = False) -> int:
     return t + f + 8 * CK + 4 * CK
 
 
-def dsplit_smem(d: int, ds: int) -> int:
-    """dsplit: Q, two K chunks, P, S, softmax state, two chunks' key offsets, O of one D slice."""
+def dsplit_smem(d: int) -> int:
+    """dsplit: Q, two K chunks, P, S, softmax state, two chunks' key offsets (O is in registers)."""
     t = 2 * (HG * (d + 8) + 2 * CK * (d + 8) + HG * (CK + 8))
-    f = 4 * (2 * HG * CK + 3 * HG + (HG & 1)) + 4 * HG * (d // ds + 4)
+    f = 4 * (2 * HG * CK + 3 * HG + (HG & 1))
     return t + f + 2 * (8 * CK + 4 * CK)
 
 
@@ -125,13 +126,13 @@ class Plan:
         groups = nh // HG
         nchunk = -(-(window.shape[1] + ki) // CK)
         ds = dsplit_slices(bq, groups, d)
-        self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d, ds) <= SMEM_MAX
+        self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d) <= SMEM_MAX
         hg = wide_heads(nh, d)
         self.fparams = f32_params(scale)
         self.nt = THREADS
         tmpl = [("T", q.dtype), ("D", d), ("PAGE", page), ("RATIO", self.ratio), ("CK", CK), ("THREADS", THREADS)]
         if self.final:  # grid z over the q rows, the normalized output straight from the kernel
-            self.part = kernel("attn_dsplit", PART_IN, ("out",), DSPLIT, dsplit_smem(d, ds), ATTN_HELPERS)
+            self.part = kernel("attn_dsplit", PART_IN, ("out",), DSPLIT, dsplit_smem(d), ATTN_HELPERS)
             self.part_tmpl = tmpl + [("HG", HG), ("DS", ds)]
             self.part_grid = (ds * THREADS, groups, bq)
             self.part_shapes = [q.shape]

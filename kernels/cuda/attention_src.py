@@ -1,5 +1,5 @@
-"""CUDA device code of sparse_attention_rows (launch plans: kernels/cuda/attention.py); the two wmma
-kernels, `DSPLIT` and `PARTIAL`, are in attention_wmma_src.py.
+"""CUDA device code of sparse_attention_rows (launch plans: kernels/cuda/attention.py); `DSPLIT` is in
+attention_dsplit_src.py, the wmma kernel `PARTIAL` in attention_wmma_src.py.
 
 - `DSPLIT` (rows of up to DSPLIT_CHUNKS = 3 key chunks: sliding, short HCA; 1 launch): grid
   (D slices, head groups, q rows). A block walks ALL of its row's keys for its 16 heads (QK over

@@ -72,16 +72,16 @@ def test_attention_splits(rows: int, nchunk: int) -> None:
 def test_attention_dsplit_slices(rows: int, d: int) -> None:
     ds = at.dsplit_slices(rows, 4, d)
     assert ds & (ds - 1) == 0 and d % ds == 0
-    assert (d // ds) % 16 == 0 and (d // ds >= 32 or ds == 1)  # whole 16-column wmma tiles
+    assert (d // ds) % 16 == 0 and (d // ds >= 32 or ds == 1)  # whole 16-column mma tiles
     assert rows * 4 * ds >= at.TARGET_DSPLIT or ds == 1 or d // ds == 32  # as many blocks as the slices allow
-    assert at.dsplit_smem(d, ds) <= at.SMEM_MAX
+    assert at.dsplit_smem(d) <= at.SMEM_MAX
 
 
 def test_attention_shared_memory() -> None:
     for d in (64, 128, 512):
         assert at.smem_bytes(d) <= SMEM_MAX
         assert at.smem_bytes(d, one=True) < at.smem_bytes(d)
-        assert at.dsplit_smem(d, 1) <= SMEM_MAX
+        assert at.dsplit_smem(d) <= SMEM_MAX
         assert at.wide_smem(d) <= SMEM_MAX
     assert 2 * at.smem_bytes(512, one=True) <= 228 * 1024  # two one-chunk blocks per multiprocessor
     assert 2 * (at.wide_smem(512, 32) + 1024) <= 228 * 1024  # two 32-head wide blocks per multiprocessor
