@@ -10,9 +10,6 @@
 #   hcstep bench/step.py (fast, 8 rows, 4K), this tree vs the same tree with $OLD's kernels/cuda/hc.py only,
 #         ROUNDS (default "1 2") alternated
 #   figs  bench/kernels.py --rows 8 (chains of 10, chain43) and bench/step.py (fast, reference; 1 and 8 rows)
-# Session 19, on branch next/dsplit-mma (dsplit with mma.sync + ldmatrix, O in registers; not yet run on a GPU):
-#   git archive main kernels/cuda | tar -x -C old_kernels; PART="t1 ncu" bash bench/gpu_session18.sh
-#   (t1 holds the attention gpu tests; ncu's chain43 lists attn_dsplit's time per launch against main's)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1

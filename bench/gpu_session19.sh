@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Session 19, on the device machine after gpu-wheels.sh staged MLX CUDA. PART (space-separated, in order):
+#   attn  gpu attention tests (every launch plan, dispatch, precompile) on this tree, then on a copy with
+#         $EPI's kernels/cuda (`git archive next/dsplit-epilogue kernels/cuda | tar -x -C old_epi`)
+#   ncu   GPU time per attention kernel in chain43 (8 rows, 8K, linked by `after`; ncu, clocks locked to base,
+#         caches warm): this tree, $EPI's kernels and $OLD's (`git archive main kernels/cuda | tar -x -C old_kernels`)
+#   t1/t2/figs as in gpu_session18.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/ncu"
+NCU=/usr/local/cuda/bin/ncu
+python3 bench/provenance.py
+tree_with() {  # $1 dir name under /tmp, $2 kernels source: a copy of this tree with those kernels/cuda
+  rm -rf "/tmp/$1"; cp -r "$PWD" "/tmp/$1"; cp "$2"/kernels/cuda/*.py "/tmp/$1/kernels/cuda/"
+}
+ATTN="sparse_attention or precompile or dispatch"
+for part in ${PART:-attn}; do
+  case "$part" in
+    attn)
+      echo "== gpu attention tests: this tree"
+      timeout 300 python3 -m pytest tests/kernels/test_cuda.py -m gpu -k "$ATTN" -q --tb=short -rf \
+        -p no:cacheprovider 2>&1 | tail -12
+      if [ -d "${EPI:-old_epi}" ]; then
+        tree_with epi "${EPI:-old_epi}"
+        echo "== gpu attention tests: ${EPI:-old_epi} kernels"
+        (cd /tmp/epi && PYTHONPATH=/tmp/mlxsite:/tmp/epi timeout 300 python3 -m pytest tests/kernels/test_cuda.py \
+          -m gpu -k "$ATTN" -q --tb=short -rf -p no:cacheprovider 2>&1 | tail -12)
+      fi ;;
+    ncu)
+      tree_with old "${OLD:-old_kernels}"; tree_with epi "${EPI:-old_epi}"
+      for t in new epi old; do
+        tree=$PWD; [ $t != new ] && tree=/tmp/$t
+        (cd "$tree" && PYTHONPATH=/tmp/mlxsite:$tree timeout 150 $NCU --metrics gpu__time_duration.sum --csv \
+          --cache-control none --clock-control base -k "regex:attn" --launch-skip 128 --launch-count 192 \
+          python3 bench/profile_kernels.py --chain43 --link after --reps 4 > "$OUT/ncu/chain43_$t.csv" 2>&1)
+        echo "chain43_$t: $(grep -c gpu__time_duration "$OUT/ncu/chain43_$t.csv") launches"
+        python3 bench/ncu_sum.py "$OUT/ncu/chain43_$t.csv" | head -6
+      done
+      tar czf "$OUT/ncu19.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;
+    t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
+  esac
+done
