@@ -13,17 +13,17 @@ import numpy as np
 
 import kernels.cuda as kc
 from kernels import Row, RowBatch
-from kernels.compressor import compressor_rows_inplace_reference
+from kernels.compressor import CompressorArgs, compressor_pair_rows_inplace_reference, compressor_rows_inplace_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.sparse_attention import sparse_attention_rows_reference
 
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
 # The compressor as the model runs it: in place on CUDA (state + pool written through their buffers, a
 # token for the readers), the functional update in the reference. Both return (kv, score, pool, token).
-REF = {"compressor_rows": compressor_rows_inplace_reference, "indexer_rows": indexer_rows_reference,
-       "sparse_attention_rows": sparse_attention_rows_reference}  # fmt: skip
-FAST = {"compressor_rows": kc.compressor_rows_inplace_cuda, "indexer_rows": kc.indexer_rows_cuda,
-        "sparse_attention_rows": kc.sparse_attention_rows_cuda}  # fmt: skip
+REF = {"compressor_rows": compressor_rows_inplace_reference, "compressor_pair": compressor_pair_rows_inplace_reference,
+       "indexer_rows": indexer_rows_reference, "sparse_attention_rows": sparse_attention_rows_reference}  # fmt: skip
+FAST = {"compressor_rows": kc.compressor_rows_inplace_cuda, "compressor_pair": kc.compressor_pair_rows_inplace_cuda,
+        "indexer_rows": kc.indexer_rows_cuda, "sparse_attention_rows": kc.sparse_attention_rows_cuda}  # fmt: skip
 
 
 @dataclass
@@ -204,7 +204,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
     with no node of its own, as in the model, where they read projections of h. "depends" (sessions
     1-8): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
     layer's compressors and indexer could run at once, off the step's critical path. `drop`
-    (host-cost probes): "icomp" leaves out the indexer's compressor, "indexer" the indexer (the
+    (host-cost probes): "icomp" leaves out the indexer's compressor, "pair" runs a CSA layer's two
+    compressors as two dispatches (as before compressor_pair_rows_inplace), "indexer" the indexer (the
     attention then reads fixed ids)."""
     rng = np.random.default_rng(1)
     kinds = kinds or [0, 0] + [4, 128] * 20 + [4]
@@ -257,6 +258,11 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                                           ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin, **kw)  # fmt: skip
         return token
 
+    def pair_args(xs: dict[str, mx.array], s: dict[str, mx.array], kk: str, ks: str, pk: str, d: int
+                  ) -> CompressorArgs:  # fmt: skip
+        kv, sc = xs[str(2 * d)]
+        return CompressorArgs(kv, sc, apes[(4, d)], norms[d], s[kk], s[ks], s[pk], d)
+
     def step_with(ops: dict[str, Any], link: str = link) -> Callable[[Any], Any]:
         def step(cs: dict[str, Any], state: list[dict[str, mx.array]]) -> Any:
             # Links as in a real step: the attention output h is the next layer's q, and a layer's
@@ -278,11 +284,17 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                     flat = mx.depends(flat, [h])
                 prev = h if i > 0 and link == "after" else None
                 xs = {n: (flat[2 * j], flat[2 * j + 1]) for j, n in enumerate(names)}
-                if k == 4:
+                if k == 4 and "icomp" in drop:
+                    after = ik_after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D, prev)
+                elif k == 4 and "pair" in drop:  # the two compressors as two dispatches (before the pair op)
                     after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 4, D, prev)
-                    ik_after = after
-                    if "icomp" not in drop:
-                        ik_after = comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI, prev)
+                    ik_after = comp(ops["compressor_rows"], xs, s, "ikv", "is", "ik", 4, DI, prev)
+                elif k == 4:  # as the model: the main and the indexer's compressor in one dispatch
+                    m, i, after = ops["compressor_pair"](
+                        batch, pair_args(xs, s, "ck", "cs", "ckv", D), pair_args(xs, s, "ikv", "is", "ik", DI),
+                        ratio=4, eps=1e-6, cos=cos, sin=sin, **({} if prev is None else {"after": prev}))  # fmt: skip
+                    (s["ck"], s["cs"], s["ckv"]), (s["ikv"], s["is"], s["ik"]), ik_after = m, i, after
+                if k == 4:
                     ind = mx.array(fixed_ind)
                     if "indexer" not in drop:
                         ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)

@@ -4,6 +4,10 @@
 #         $EPI's kernels/cuda (`git archive next/dsplit-epilogue kernels/cuda | tar -x -C old_epi`)
 #   ncu   GPU time per attention kernel in chain43 (8 rows, 8K, linked by `after`; ncu, clocks locked to base,
 #         caches warm): this tree, $EPI's kernels and $OLD's (`git archive main kernels/cuda | tar -x -C old_kernels`)
+#   pair  gpu tests of the CSA compressor pair (test_cuda_pair.py), the in-place compressor and precompile
+#   ncupair GPU time per kernel in chain43 (all custom kernels, ncu as above): the CSA compressors as one
+#         dispatch (compressor_pair_rows_inplace) vs two (`--drop pair`), this tree
+#   wallpair chain43's wall time per step, the same two arms alternated twice in one process (bench/host_cost.py)
 #   t1/t2/figs as in gpu_session18.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -38,6 +42,23 @@ for part in ${PART:-attn}; do
         python3 bench/ncu_sum.py "$OUT/ncu/chain43_$t.csv" | head -6
       done
       tar czf "$OUT/ncu19.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;
+    pair)
+      echo "== gpu tests: compressor pair, in-place compressor, precompile"
+      timeout 400 python3 -m pytest tests/kernels/test_cuda_pair.py tests/kernels/test_cuda_inplace.py \
+        tests/kernels/test_cuda.py -k "pair or inplace or readers or precompile" -m gpu -q --tb=short -rf \
+        -p no:cacheprovider 2>&1 | tail -12 ;;
+    ncupair)
+      for t in pair two; do
+        drop=""; n=252; [ $t = two ] && { drop=pair; n=294; }  # 2 steps: 126 launches a step, or 147
+        timeout 150 $NCU --metrics gpu__time_duration.sum --csv --cache-control none --clock-control base \
+          -k "regex:dsv4" --launch-skip $n --launch-count $n python3 bench/profile_kernels.py --chain43 --link after \
+          --drop "$drop" --reps 4 > "$OUT/ncu/chain43_$t.csv" 2>&1
+        python3 bench/ncu_sum.py "$OUT/ncu/chain43_$t.csv" | head -9
+      done
+      tar czf "$OUT/ncu19pair.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"; mkdir -p "$OUT/ncu" ;;
+    wallpair)
+      timeout 300 python3 bench/host_cost.py --cases "" --no-chain43 --reps 20 \
+        --chain43-variants after:,after:pair,after:,after:pair 2>&1 | grep chain43 ;;
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done

@@ -23,6 +23,7 @@ from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
+from kernels.cuda import compressor_pair as cpp  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
@@ -103,7 +104,12 @@ def units() -> dict[str, str]:
     for ratio, d in ((4, 512), (128, 512), (4, 128)):
         tmpl = cp.template(BF, F32, ratio, d, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(ratio, d))]
         out[f"compressor_inplace_{ratio}_{d}"] = standalone("compressor_inplace", ip_in, [("token", I32)], tmpl,
-                                                            cpi.SOURCE)  # fmt: skip
+                                                            cpi.SOURCE, header=cpi.ROW)  # fmt: skip
+    pair_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table", "after") else
+                (BF if n in ("pool", "pool2") else F32), n in ("slots", "table")) for n in cpp.INPUTS]  # fmt: skip
+    pair_t = cp.template(BF, F32, 4, 512, 32, 64, False) + [("D2", 128), ("N2", F32), ("NT", cpi.NT), ("NSPLIT", 1)]
+    out["compressor_pair"] = standalone("compressor_pair", pair_in, [("token", I32)], pair_t, cpp.SOURCE,
+                                        header=cpi.ROW)  # fmt: skip
     hc_in = [("m", F32, False), ("scale", F32, False), ("base", F32, False), ("h", BF, True), ("fparams", F32, False)]
     for nc, iters in ((4, 20), (1, 1), (8, 5)):
         out[f"hc_pre_mix_{nc}_{iters}"] = standalone(

@@ -32,9 +32,10 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=10)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--link", default="depends", help="chain43's layer link: depends | after (bench/cases.chain43)")
+    ap.add_argument("--drop", default="", help="chain43's drop set, e.g. pair or icomp+indexer (bench/cases.chain43)")
     opt = ap.parse_args()
     if opt.chain43:
-        ch = chain43(8, 8192, link=opt.link)
+        ch = chain43(8, 8192, link=opt.link, drop=frozenset(filter(None, opt.drop.split("+"))))
         run, per, name = (ch.fast if opt.eager else ch.fast_c), 1, "chain43:8:8192"
     else:
         op, rows, ctx = opt.case.rsplit(":", 2)  # op may carry ":128"

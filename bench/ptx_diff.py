@@ -43,7 +43,18 @@ def ptx(src: str, d: Path, nvcc: str) -> list[str]:
                    capture_output=True)  # fmt: skip
     lines = [ln for ln in (d / "k.ptx").read_text().splitlines() if not ln.lstrip().startswith("//")]
     lines = [re.sub(r"\$L__BB\d+_\d+", "$L", ln) for ln in lines]  # block labels: numbered in order, too
+    lines = [re.sub(r"_ZZ\w+", _local, ln) for ln in lines]  # function-local statics: the name alone
     return [re.sub(r"%(r|rd|rs|f|fd|p)\d+", r"%\1", ln) for ln in lines if not ln.lstrip().startswith(".reg")]
+
+
+def _local(m: re.Match[str]) -> str:
+    """A function-local static's mangled name (`_ZZ<function>E<len><name>`) -> `<name>`: the same shared
+    array keeps its name when its code moves into a device function."""
+    s = m.group(0)
+    for e in re.finditer(r"E(\d+)", s):
+        if len(s) - e.end() == int(e.group(1)):
+            return s[e.end() :]
+    return s
 
 
 def main() -> None:

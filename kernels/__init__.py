@@ -10,7 +10,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels import backend
-from kernels.compressor import compressor_rows_inplace_reference, compressor_rows_reference
+from kernels.compressor import (
+    CompressorArgs,
+    compressor_pair_rows_inplace_reference,
+    compressor_rows_inplace_reference,
+    compressor_rows_reference,
+)
 from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
@@ -20,9 +25,11 @@ from kernels.sparse_attention import sparse_attention_rows_reference
 backend.tune_cuda_commits()  # before any GPU eval
 
 __all__ = [
+    "CompressorArgs",
     "Row",
     "RowBatch",
     "backend",
+    "compressor_pair_rows_inplace",
     "compressor_rows",
     "compressor_rows_inplace",
     "hc_pre_mix",
@@ -89,6 +96,24 @@ def compressor_rows_inplace(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
         ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
     )  # fmt: skip
+
+
+def compressor_pair_rows_inplace(
+    batch: RowBatch,
+    first: CompressorArgs,
+    second: CompressorArgs,
+    *,
+    ratio: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    after: mx.array | None = None,
+) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+    """A CSA layer's two compressors (main and indexer: same batch, ratio, RoPE row and eps) as ONE dispatch
+    -> `((kv_state, score_state, pool) of each, token)`; compressor_rows_inplace's semantics for both, one
+    token for both writes."""
+    fn = backend.pick("compressor_pair_rows_inplace", compressor_pair_rows_inplace_reference)
+    return fn(batch, first, second, ratio=ratio, eps=eps, cos=cos, sin=sin, after=after)
 
 
 def indexer_rows(

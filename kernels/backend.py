@@ -20,7 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-OPS = ("compressor_rows", "compressor_rows_inplace", "indexer_rows", "sparse_attention_rows", "hc_pre_mix")
+OPS = ("compressor_rows", "compressor_rows_inplace", "compressor_pair_rows_inplace", "indexer_rows",
+       "sparse_attention_rows", "hc_pre_mix")
 ENV = "DSV4_KERNELS"
 
 _fast: dict[str, Callable[..., Any]] = {}

@@ -12,6 +12,9 @@ references before `mx.eval` so MLX can donate their buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import mlx.core as mx
 
 from kernels.rope import rope
@@ -32,6 +35,20 @@ from kernels.rows import (
 
 OP = "compressor_rows"
 RATIOS = (4, 128)
+
+
+class CompressorArgs(NamedTuple):
+    """One compressor's per-call arrays (as compressor_rows takes them) and its head dim: an argument set
+    of compressor_pair_rows_inplace."""
+
+    kv: mx.array
+    score: mx.array
+    ape: mx.array
+    norm: mx.array
+    kv_state: mx.array
+    score_state: mx.array
+    pool: mx.array
+    head_dim: int
 
 
 def check_compressor(
@@ -176,3 +193,32 @@ def compressor_rows_inplace_reference(
         ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
     )  # fmt: skip
     return (*out, None)
+
+
+def check_pair(first: Any, second: Any) -> None:
+    for name, a in (("first", first), ("second", second)):
+        if not isinstance(a, CompressorArgs):
+            raise fail("compressor_pair_rows_inplace", name, f"must be a CompressorArgs, got {type(a).__name__}")
+
+
+def compressor_pair_rows_inplace_reference(
+    batch: RowBatch,
+    first: CompressorArgs,
+    second: CompressorArgs,
+    *,
+    ratio: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    after: mx.array | None = None,
+    single: Callable[..., Any] = compressor_rows_inplace_reference,
+) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+    """compressor_pair_rows_inplace's plain twin: `single` (compressor_rows_inplace) of each set. The second
+    waits for the first's token, so its token covers both writes (None where `single` gives none)."""
+    check_pair(first, second)
+    outs, prev, token = [], after, None
+    for a in (first, second):
+        *out, token = single(batch, *a[:7], ratio=ratio, head_dim=a.head_dim, eps=eps, cos=cos, sin=sin, after=prev)
+        prev = token if token is not None else prev
+        outs.append(tuple(out))
+    return outs[0], outs[1], token

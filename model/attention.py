@@ -1,7 +1,8 @@
 """The three attention kinds (sliding / CSA / HCA) for a batch of decode rows.
 
-The only model file that calls `kernels`: per layer one compressor dispatch (two in CSA layers: the
-main and the indexer's own), one indexer dispatch and one sparse-attention dispatch for all rows.
+The only model file that calls `kernels`: per layer one compressor dispatch (in CSA layers the main and the
+indexer's compressor together, `compressor_pair_rows_inplace`), one indexer dispatch and one
+sparse-attention dispatch for all rows.
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ class Compressor(nn.Module):
         score = xf @ self.wgate.weight.astype(mx.float32).T
         return kv, score, cos, sin
 
+    def inputs(self, proj, kv_state, score_state, pool) -> kernels.CompressorArgs:
+        kv, score = proj[:2]
+        return kernels.CompressorArgs(kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state,
+                                      pool, self.dim)  # fmt: skip
+
     def apply(self, batch, proj, kv_state, score_state, pool, eps):
         """-> (kv_state, score_state, pool, token): kernels.compressor_rows_inplace (on CUDA written in
         place; the pool's readers take `after=token`); with INPLACE_COMPRESSOR off, the functional
         update and token None."""
-        kv, score, cos, sin = proj
-        args = (batch, kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state, pool)
-        kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=cos, sin=sin)
+        a = self.inputs(proj, kv_state, score_state, pool)
+        kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=proj[2], sin=proj[3])
         if INPLACE_COMPRESSOR:
-            return kernels.compressor_rows_inplace(*args, **kw)
-        return (*kernels.compressor_rows(*args, **kw), None)
+            return kernels.compressor_rows_inplace(batch, *a[:7], **kw)
+        return (*kernels.compressor_rows(batch, *a[:7], **kw), None)
 
 
 class Indexer(nn.Module):
@@ -115,19 +120,26 @@ class Attention(nn.Module):
         w = a.sliding_window
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
         pools.window[layer][batch.slots, ring] = kv.astype(pools.dtype)
-        pool, indices, after = None, None, None
+        pool, indices, after, ik_after = None, None, None, None
+        main = (pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer]) if r else ()
+        idx = (pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer]) if r == 4 else ()
+        if r == 4 and INPLACE_COMPRESSOR:  # the main and the indexer's compressor: one dispatch
+            main, idx, after = kernels.compressor_pair_rows_inplace(
+                batch, self.compressor.inputs(proj[4:8], *main), self.indexer.compressor.inputs(proj[10:14], *idx),
+                ratio=4, eps=a.rms_norm_eps, cos=proj[6], sin=proj[7],
+            )  # fmt: skip
+            ik_after = after
+        elif r:
+            *main, after = self.compressor.apply(batch, proj[4:8], *main, a.rms_norm_eps)
+            if r == 4:
+                *idx, ik_after = self.indexer.compressor.apply(batch, proj[10:14], *idx, a.rms_norm_eps)
         if r:
-            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], after = self.compressor.apply(
-                batch, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], a.rms_norm_eps
-            )
+            pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = main
             pool = pools.ckv[layer]
         if r == 4:
-            ix = self.indexer
-            pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], ik_after = ix.compressor.apply(
-                batch, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], a.rms_norm_eps
-            )
+            pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = idx
             indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
-                                           topk=ix.topk, after=ik_after)  # fmt: skip
+                                           topk=self.indexer.topk, after=ik_after)  # fmt: skip
         # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
         # path reads a cached arange, no per-step index array)
         return kernels.sparse_attention_rows(

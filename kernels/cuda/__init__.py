@@ -7,6 +7,7 @@ kernels do not cover:
 - compressor_rows: every float dtype (1 kernel + 1 scatter into the page pool; + 2 slot-pool
   scatters when the slot pools are large); compressor_rows_inplace (what the model runs): 1 kernel
   that writes the slot and page pools in place and returns a token for their readers;
+  compressor_pair_rows_inplace: a CSA layer's main and indexer compressors in that 1 kernel's launch;
 - indexer_rows: q / keys bf16 or f16, 16/32/64/128 heads, dim a multiple of 16 up to 256, topk <= 2048
   (1 kernel up to 8,192 entries of row capacity, else segment + merge);
 - sparse_attention_rows: q / window / pool of one 16-bit dtype, heads multiple of 16, D multiple
@@ -35,14 +36,17 @@ from typing import Any
 import mlx.core as mx
 
 from kernels import backend, upload
+from kernels.compressor import CompressorArgs
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
+from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.rows import Row, RowBatch
 
 __all__ = [
+    "compressor_pair_rows_inplace_cuda",
     "compressor_rows_cuda",
     "compressor_rows_inplace_cuda",
     "hc_pre_mix_cuda",
@@ -54,6 +58,7 @@ __all__ = [
 
 backend.register("compressor_rows", compressor_rows_cuda)
 backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
+backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
@@ -110,6 +115,15 @@ def precompile(
             calls.append(pl if token is None else token)  # None: that head_dim runs the reference
         else:
             calls.append(compressor_rows_cuda(*args, **kw))
+    if inplace_compressor and 4 in ratios:  # the CSA layers' pair (main + indexer compressor) in one launch
+        pair = []
+        for d in (head_dim, index_dim):
+            pool = mx.zeros((pages[4], page_size, d), dtype)
+            st = mx.zeros((max(1, slots), 8, 2 * d), mx.float32)
+            x = mx.random.normal((1, 2 * d))
+            pair.append(CompressorArgs(x, x, mx.zeros((4, 2 * d)), mx.ones((d,)), st + 0, st + 0, pool + 0, d))
+        *_, token = compressor_pair_rows_inplace_cuda(batch, *pair, ratio=4, eps=1e-6, cos=cos, sin=cos * 0)
+        calls.append(pair[0].pool if token is None else token)
     q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
     win = mx.random.normal((1, window, head_dim)).astype(dtype)
     sinks = mx.zeros((n_heads,), mx.float32)

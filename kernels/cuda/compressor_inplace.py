@@ -40,8 +40,17 @@ INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
 # One block is a chain of dependent memory round trips (ncu, cold caches: ~13 us at 1 or 8 rows, ratio 4),
 # so every read is issued before the writes it would otherwise wait behind: 8 rows, ratio 4, D 512 13.1 ->
 # 7.3 us; ratio 128 14.7 -> 9.5 us (medians) (bench/results/session17-h200.md).
-SOURCE = (
+ROW = (
     r"""
+// One row's (or, NSPLIT > 1, one feature slice's) compressor step: block `blk` of the row blocks; nb batch
+// rows, table width tw. A device function so that compressor_pair.py's kernel runs two of them (the CSA
+// main and indexer compressors) in one launch.
+template <typename T, typename N, int M, int D, int HALF, int PAGE, int NT, int NSPLIT>
+__device__ __forceinline__ void dsv4_compress_row(
+    const unsigned int blk, const int nb, const int tw, const int* slots, const int* positions, const int* q_rows,
+    const int* table, const float* kv, const float* score, const float* ape, const N* norm, const float* kv_state,
+    const float* score_state, const T* pool, const float* rcos, const float* rsin, const float* fparams,
+    int* token) {
   constexpr int COFF = (M == 4) ? 2 : 1;
   constexpr int C = COFF * D;
   constexpr int R = COFF * M;
@@ -60,7 +69,7 @@ SOURCE = (
   __shared__ __align__(16) float sg[G * FS];
   __shared__ __align__(16) float ag[G * FS];
   __shared__ int last;
-  const int b = blockIdx.x / NSPLIT, k = blockIdx.x % NSPLIT, tid = threadIdx.x, nt = blockDim.x;
+  const int b = blk / NSPLIT, k = blk % NSPLIT, tid = threadIdx.x, nt = blockDim.x;
   if (NSPLIT == 1 && b == 0 && tid == 0) token[0] = 0;
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int pm = p % M;
@@ -119,7 +128,6 @@ SOURCE = (
     if (tid + i * NT < CW) { kst[newrow * C + c] = wk[i]; sst[newrow * C + c] = ws[i]; }
   }
   if (!emit) return;
-  const int tw = table_shape[1];
   const int w = p / M;
   T* ent = const_cast<T*>(pool) + ((size_t)table[b * tw + w / PAGE] * PAGE + w % PAGE) * D;  // entry w's place
   float4 m4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
@@ -166,7 +174,7 @@ SOURCE = (
   if (NSPLIT > 1) {
     __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(token + (size_t)slots_shape[0] * D + b, 1) == NSPLIT - 1;
+    if (tid == 0) last = atomicAdd(token + (size_t)nb * D + b, 1) == NSPLIT - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -192,8 +200,19 @@ SOURCE = (
       if (e < M * C) { kst[e] = rk[i]; sst[e] = rs[i]; }
     }
   }
+}
 """
 )
+
+
+def call(suffix: str = "", blk: str = "blockIdx.x", d: str = "D", n: str = "N") -> str:
+    """A `dsv4_compress_row` call on the inputs named with `suffix` (compressor_pair: "2")."""
+    a = [f"{x}{suffix}" for x in ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")]
+    return (f"  dsv4_compress_row<T, {n}, M, {d}, HALF, PAGE, NT, NSPLIT>({blk}, slots_shape[0], table_shape[1], "
+            f"slots, positions, q_rows, table, {', '.join(a)}, rcos, rsin, fparams, token);\n")
+
+
+SOURCE = call()
 
 
 def nsplit(ratio: int, head_dim: int) -> int:
@@ -214,7 +233,7 @@ class Plan:
             return
         ns = nsplit(ratio, head_dim)
         self.fparams = f32_params(eps)
-        self.kernel = kernel("compressor_inplace", INPUTS, ("token",), SOURCE)
+        self.kernel = kernel("compressor_inplace", INPUTS, ("token",), SOURCE, header=ROW)
         tail = [("NT", NT), ("NSPLIT", ns)]
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + tail
         self.grid = (b * ns * NT, 1, 1)

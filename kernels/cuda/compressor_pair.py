@@ -1,0 +1,102 @@
+"""compressor_pair_rows_inplace on CUDA: a CSA layer's two compressors (the main one, head_dim, and the
+lightning indexer's, index_head_dim) in ONE launch, written in place as compressor_inplace.py.
+
+Grid (batch rows x NT, 2): grid row 0 runs the main compressor's row blocks, grid row 1 the indexer's,
+each the `dsv4_compress_row` device function of compressor_inplace.py with its own head dim (D, D2) and
+norm dtype (N, N2); both share the batch, the ratio-4 block table, the RoPE row and eps. One graph node
+and one launch a CSA layer instead of two (the layer's compressor dispatch). Both halves pool a CSA
+window of 8 rows in one block per row (NSPLIT 1: no ticket, no zeroed scratch); the token is the
+halves' shared 4-int output. Other shapes (a long window, a head dim the row function does not take)
+run the two single calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kernels.compressor import CompressorArgs, check_pair, compressor_pair_rows_inplace_reference
+from kernels.cuda import common
+from kernels.cuda import compressor_inplace as single
+from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
+from kernels.cuda.compressor import key_and_check, template
+from kernels.rows import RowBatch, check_after, checked
+
+PARTS = ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")
+INPUTS = ("slots", "positions", "q_rows", "table", *PARTS, *(n + "2" for n in PARTS), "rcos", "rsin", "fparams",
+          "after")  # fmt: skip
+SOURCE = (
+    "  if (blockIdx.y == 0)\n  "
+    + single.call()
+    + "  else\n  "
+    + single.call(suffix="2", d="D2", n="N2")
+)
+
+
+class Plan:
+    """Launch parameters of one (batch shape, both argument sets' shapes) combination, computed once."""
+
+    __slots__ = ("compiled", "fast", "fparams", "grid", "kernel", "template")
+
+    def __init__(self, b: int, first: CompressorArgs, second: CompressorArgs, ratio: int, half: int, page: int,
+                 eps: float) -> None:  # fmt: skip
+        nt = single.NT
+        fits = [a.head_dim % 4 == 0 and a.head_dim <= 4 * nt and single.nsplit(ratio, a.head_dim) == 1
+                for a in (first, second)]  # fmt: skip
+        self.fast = all(fits) and half <= nt and first.pool.dtype == second.pool.dtype
+        if not self.fast:
+            return
+        self.fparams = f32_params(eps)
+        self.kernel = kernel("compressor_pair", INPUTS, ("token",), SOURCE, header=single.ROW)
+        self.template = template(first.pool.dtype, first.norm.dtype, ratio, first.head_dim, half, page, False) + [
+            ("D2", second.head_dim), ("N2", second.norm.dtype), ("NT", nt), ("NSPLIT", 1)]  # fmt: skip
+        self.grid = (b * nt, 2, 1)
+        self.compiled = mx.compile(self.launch)
+
+    def launch(self, *inputs: mx.array) -> mx.array:
+        # 4 ints, not 1: MLX puts outputs of <= 8 bytes in managed memory (kernels/upload.py)
+        out = self.kernel(inputs=list(inputs), template=self.template, grid=self.grid, threadgroup=(single.NT, 1, 1),
+                          output_shapes=[(4,)], output_dtypes=[mx.int32])  # fmt: skip
+        return out[0]
+
+
+def compressor_pair_rows_inplace_cuda(
+    batch: RowBatch,
+    first: CompressorArgs,
+    second: CompressorArgs,
+    *,
+    ratio: int,
+    eps: float,
+    cos: mx.array,
+    sin: mx.array,
+    after: mx.array | None = None,
+) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+    check_after("compressor_rows", after)
+    check_pair(first, second)
+    keys, checks = [], []
+    for a in (first, second):
+        k, c = key_and_check("compressor_pair_rows_inplace", batch, *a[:7], ratio=ratio, head_dim=a.head_dim,
+                             eps=eps, cos=cos, sin=sin)  # fmt: skip
+        keys.append(k)
+        checks.append(c)
+
+    def check() -> None:
+        for c in checks:
+            c()
+
+    key = tuple(keys)
+
+    def make() -> Plan:
+        pk: tuple[Any, ...] = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
+        return plan_cached(pk, lambda: Plan(batch.size, first, second, ratio, cos.shape[1], batch.page_size, eps))
+
+    plan: Plan = checked(batch, key, check, make)
+    if not plan.fast:
+        two = single.compressor_rows_inplace_cuda  # the two single launches, the second after the first
+        return compressor_pair_rows_inplace_reference(batch, first, second, ratio=ratio, eps=eps, cos=cos, sin=sin,
+                                                      after=after, single=two)  # fmt: skip
+    run = plan.compiled if common.COMPILE else plan.launch
+    token = run(batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], *first[:7], *second[:7], cos, sin,
+                plan.fparams, i32_dummy((1,)) if after is None else after)  # fmt: skip
+    return tuple(first[4:7]), tuple(second[4:7]), token
