@@ -62,3 +62,13 @@ for part in ${PART:-attn}; do
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done
+# stepab: bench/step.py (8 rows, 4K, fast and reference) on this tree and on $PREV (a whole tree:
+# `git archive f77d29e | tar -x -C prev_tree`, before compressor_pair), alternated: new, prev, new
+if [[ " ${PART:-} " == *" stepab "* ]]; then
+  for t in new prev new; do
+    tree=$PWD; [ $t = prev ] && tree=$PWD/${PREV:-prev_tree}
+    echo "== step, $t"
+    (cd "$tree" && PYTHONPATH=/tmp/mlxsite:$tree timeout 120 python3 bench/step.py --rows 8 --contexts 4096 \
+      --arms fast,reference --out "$OUT/step_${t}.json" 2>&1 | grep -E "^ +4096")
+  done
+fi
