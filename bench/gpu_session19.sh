@@ -8,6 +8,10 @@
 #   ncupair GPU time per kernel in chain43 (all custom kernels, ncu as above): the CSA compressors as one
 #         dispatch (compressor_pair_rows_inplace) vs two (`--drop pair`), this tree
 #   wallpair chain43's wall time per step, the same two arms alternated twice in one process (bench/host_cost.py)
+#   timeline the CUDA API calls, GPU activities and idle gaps of chained calls at 1 and 8 rows (bench/timeline.py,
+#         CUPTI through torch.profiler: the device has no nsys); traces tarred as timeline19.tgz
+#   tlstep  bench/timeline.py for chain43 and the 4-layer decode step (bench/step.py's model, 4K, 1 and 8 rows)
+#   head  the output head's f32 matmul at 1-8 rows, x @ W.T vs (W @ x.T).T, against the floor (bench/head_matmul.py)
 #   t1/t2/figs as in gpu_session18.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -59,6 +63,18 @@ for part in ${PART:-attn}; do
     wallpair)
       timeout 300 python3 bench/host_cost.py --cases "" --no-chain43 --reps 20 \
         --chain43-variants after:,after:pair,after:,after:pair 2>&1 | grep chain43 ;;
+    timeline)
+      mkdir -p "$OUT/tl"
+      timeout 300 python3 bench/timeline.py --out "$OUT/tl" --cases compressor_rows:1:8192,compressor_rows:8:8192,\
+indexer_rows:1:8192,indexer_rows:8:8192,sparse_attention_rows:1:131072,sparse_attention_rows:8:131072 2>&1 \
+        | grep -v "^USDT\|^STAGE"
+      cp "$OUT/tl/timeline.json" "$OUT/timeline.json"; tar czf "$OUT/timeline19.tgz" -C "$OUT" tl && rm -rf "$OUT/tl" ;;
+    tlstep)  # the same for chain43 and the 4-layer decode step at 1 and 8 rows
+      mkdir -p "$OUT/tl"
+      timeout 400 python3 bench/timeline.py --out "$OUT/tl" --cases chain43 --step 1,8 --evals 3 2>&1 \
+        | grep -v "^USDT\|^STAGE\|UserWarning\|_warn_once"
+      cp "$OUT/tl/timeline.json" "$OUT/timeline_step.json"; tar czf "$OUT/timeline19step.tgz" -C "$OUT" tl && rm -rf "$OUT/tl" ;;
+    head) timeout 200 python3 bench/head_matmul.py --out "$OUT" 2>&1 ;;
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done
