@@ -11,6 +11,8 @@
 #   timeline the CUDA API calls, GPU activities and idle gaps of chained calls at 1 and 8 rows (bench/timeline.py,
 #         CUPTI through torch.profiler: the device has no nsys); traces tarred as timeline19.tgz
 #   tlstep  bench/timeline.py for chain43 and the 4-layer decode step (bench/step.py's model, 4K, 1 and 8 rows)
+#   commitstep the 4-layer decode step's timeline (wall, GPU busy, graph launches and their API time) under
+#         MLX_MAX_OPS_PER_BUFFER $OPS (default "8 32 100"), each in its own process, ROUNDS (default 2) alternated
 #   head  the output head's f32 matmul at 1-8 rows, x @ W.T vs (W @ x.T).T, against the floor (bench/head_matmul.py)
 #   t1/t2/figs as in gpu_session18.sh
 set -u
@@ -75,6 +77,14 @@ indexer_rows:1:8192,indexer_rows:8:8192,sparse_attention_rows:1:131072,sparse_at
         | grep -v "^USDT\|^STAGE\|UserWarning\|_warn_once"
       cp "$OUT/tl/timeline.json" "$OUT/timeline_step.json"; tar czf "$OUT/timeline19step.tgz" -C "$OUT" tl && rm -rf "$OUT/tl" ;;
     head) timeout 200 python3 bench/head_matmul.py --out "$OUT" 2>&1 ;;
+    commitstep)
+      for r in $(seq "${ROUNDS:-2}"); do
+        for ops in ${OPS:-8 32 100}; do
+          echo "== round $r, MLX_MAX_OPS_PER_BUFFER=$ops"
+          MLX_MAX_OPS_PER_BUFFER=$ops timeout 150 python3 bench/timeline.py --out "/tmp/tl_$ops" --cases "" \
+            --step 1,8 --evals 3 2>&1 | grep -E "^== |gpu_per_eval|cudaGraphLaunch" | cut -c1-160
+        done
+      done ;;
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done
