@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,23 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.floors import copy_bandwidth  # noqa: E402
+from bench.profile_step import timed  # noqa: E402
 
 FORMS = {
     "x @ W.T": lambda x, w: x @ w.T,
     "(W @ x.T).T": lambda x, w: (w @ x.T).T,
 }
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
         want = FORMS["x @ W.T"](x, w)
         mx.eval(want)
         for name, f in FORMS.items():
-            ms = timed(lambda f=f, x=x: f(x, w), opt.reps)
+            ms = timed(lambda f=f, x=x: mx.eval(f(x, w)), opt.reps)
             got = f(x, w)
             err = float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
             res.append({"rows": rows, "form": name, "ms": ms, "x_floor": ms / floor_ms, "max_rel_diff": err})

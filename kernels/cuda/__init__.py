@@ -103,25 +103,22 @@ def precompile(
     cos = mx.ones((1, half), mx.float32)
     pages = {r: len(batch.rows[0].tables[r]) + 1 for r in batch.rows[0].tables}
     comp = [(r, head_dim) for r in ratios] + ([(4, index_dim)] if 4 in ratios else [])
+    made: dict[tuple[int, int], CompressorArgs] = {}
     for ratio, d in comp:
         coff = 2 if ratio == 4 else 1
         pool = mx.zeros((pages[ratio], page_size, d), dtype)
         st = mx.zeros((max(1, slots), coff * ratio, coff * d), mx.float32)
         x = mx.random.normal((1, coff * d))
-        args = (batch, x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool)
+        a = made[(ratio, d)] = CompressorArgs(x, x, mx.zeros((ratio, coff * d)), mx.ones((d,)), st, st, pool, d)
         kw: dict[str, Any] = dict(ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=cos * 0)
         if inplace_compressor:  # written in place: on fresh buffers (a zeros array may be a broadcast)
-            _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)
+            _, _, pl, token = compressor_rows_inplace_cuda(batch, *a[:4], st + 0, st + 0, pool + 0, **kw)
             calls.append(pl if token is None else token)  # None: that head_dim runs the reference
         else:
-            calls.append(compressor_rows_cuda(*args, **kw))
+            calls.append(compressor_rows_cuda(batch, *a[:7], **kw))
     if inplace_compressor and 4 in ratios:  # the CSA layers' pair (main + indexer compressor) in one launch
-        pair = []
-        for d in (head_dim, index_dim):
-            pool = mx.zeros((pages[4], page_size, d), dtype)
-            st = mx.zeros((max(1, slots), 8, 2 * d), mx.float32)
-            x = mx.random.normal((1, 2 * d))
-            pair.append(CompressorArgs(x, x, mx.zeros((4, 2 * d)), mx.ones((d,)), st + 0, st + 0, pool + 0, d))
+        pair = [a._replace(kv_state=a.kv_state + 0, score_state=a.score_state + 0, pool=a.pool + 0)
+                for a in (made[(4, head_dim)], made[(4, index_dim)])]  # fmt: skip
         *_, token = compressor_pair_rows_inplace_cuda(batch, *pair, ratio=4, eps=1e-6, cos=cos, sin=cos * 0)
         calls.append(pair[0].pool if token is None else token)
     q = mx.random.normal((1, n_heads, head_dim)).astype(dtype)
