@@ -14,7 +14,7 @@ import numpy as np
 import kernels.cuda as kc
 from kernels import Row, RowBatch
 from kernels.compressor import CompressorArgs, compressor_pair_rows_inplace_reference, compressor_rows_inplace_reference
-from kernels.indexer import indexer_rows_reference
+from kernels.indexer import indexer_rows_reference, new_workspace
 from kernels.sparse_attention import sparse_attention_rows_reference
 
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
@@ -152,14 +152,16 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
         n = ctx // 4
         batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
+        ws = new_workspace(rows)  # as the model's (StatePools.idx_ws): the chained calls share it, in order
+
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU
             # (mx.depends makes no edge there); "data": ids are >= -1, so the weights pass unchanged
             if prev is None:
-                return impl(b, q, w, keys, topk=TOPK)
+                return impl(b, q, w, keys, topk=TOPK, workspace=ws)
             if link == "after":
-                return impl(b, q, w, keys, topk=TOPK, after=prev)
-            return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK)
+                return impl(b, q, w, keys, topk=TOPK, after=prev, workspace=ws)
+            return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK, workspace=ws)
 
         return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
     batch, singles, q, window, pool, ind, sinks = attention_inputs(rng, rows, ctx, ratio)
@@ -205,7 +207,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
     1-8): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
     layer's compressors and indexer could run at once, off the step's critical path. `drop`
     (host-cost probes): "icomp" leaves out the indexer's compressor, "pair" runs a CSA layer's two
-    compressors as two dispatches (as before compressor_pair_rows_inplace), "indexer" the indexer (the
+    compressors as two dispatches (as before compressor_pair_rows_inplace), "ws" runs the indexer without
+    its workspace (its scratch zeroed by an init_value fill node, as before), "indexer" the indexer (the
     attention then reads fixed ids)."""
     rng = np.random.default_rng(1)
     kinds = kinds or [0, 0] + [4, 128] * 20 + [4]
@@ -235,7 +238,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
             if k == 4:
                 s |= {"ckv": mx.random.normal((p4, PAGE, D)).astype(mx.bfloat16), "ck": mx.zeros((rows, 8, 2 * D)),
                       "cs": mx.zeros((rows, 8, 2 * D)), "ik": mx.random.normal((p4, PAGE, DI)).astype(mx.bfloat16),
-                      "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI))}  # fmt: skip
+                      "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI)),
+                      "ws": new_workspace(rows)}  # fmt: skip
             elif k == 128:
                 s |= {"ckv": mx.random.normal((p128, PAGE, D)).astype(mx.bfloat16),
                       "ck": mx.zeros((rows, 128, D)), "cs": mx.zeros((rows, 128, D))}  # fmt: skip
@@ -297,7 +301,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                 if k == 4:
                     ind = mx.array(fixed_ind)
                     if "indexer" not in drop:
-                        ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)
+                        ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after,
+                                                  workspace=None if "ws" in drop else s["ws"])  # fmt: skip
                     h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4, after=after)
                 else:
                     after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D, prev)

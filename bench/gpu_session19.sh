@@ -12,6 +12,8 @@
 #         CUPTI through torch.profiler: the device has no nsys); traces tarred as timeline19.tgz
 #   tlstep  bench/timeline.py for chain43 and the 4-layer decode step (bench/step.py's model, 4K, 1 and 8 rows)
 #   head  the output head's f32 matmul at 1-8 rows, x @ W.T vs (W @ x.T).T, against the floor (bench/head_matmul.py)
+#   ws    (branch next/idx-workspace) gpu tests of the indexer's workspace form, the indexer, precompile and the
+#         tiny model, then chain43's wall time with and without the workspace (`--drop ws`) alternated twice
 #   t1/t2/figs as in gpu_session18.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -75,6 +77,13 @@ indexer_rows:1:8192,indexer_rows:8:8192,sparse_attention_rows:1:131072,sparse_at
         | grep -v "^USDT\|^STAGE\|UserWarning\|_warn_once"
       cp "$OUT/tl/timeline.json" "$OUT/timeline_step.json"; tar czf "$OUT/timeline19step.tgz" -C "$OUT" tl && rm -rf "$OUT/tl" ;;
     head) timeout 200 python3 bench/head_matmul.py --out "$OUT" 2>&1 ;;
+    ws)
+      echo "== gpu tests: indexer workspace, indexer, precompile, tiny model"
+      timeout 400 python3 -m pytest tests/kernels/test_cuda_workspace.py tests/kernels/test_cuda_indexer.py \
+        tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py -k "workspace or indexer or precompile or tiny" \
+        -m gpu -q --tb=short -rf -p no:cacheprovider 2>&1 | tail -12
+      timeout 200 python3 bench/host_cost.py --cases "" --no-chain43 --reps 20 \
+        --chain43-variants after:,after:ws,after:,after:ws 2>&1 | grep chain43 ;;
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done

@@ -117,12 +117,15 @@ def compressor_pair_rows_inplace(
 
 
 def indexer_rows(
-    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None
-) -> mx.array:
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None,
+    workspace: mx.array | None = None,
+) -> mx.array:  # fmt: skip
     """Top-k visible indexer entries per row -> `[Bq, topk] int32` (-1 padded), row `q_row`. `after`:
-    the token of an in-place write of `keys` (compressor_rows_inplace)."""
+    the token of an in-place write of `keys` (compressor_rows_inplace). `workspace`
+    (`kernels.indexer.new_workspace(rows)`): zeroed scratch the CUDA path uses in place of a fill of its
+    own and leaves zeroed; calls that share one must be ordered (each waits for the last's output)."""
     fn = backend.pick("indexer_rows", indexer_rows_reference)
-    return fn(batch, q, weights, keys, topk=topk, after=after)
+    return fn(batch, q, weights, keys, topk=topk, after=after, workspace=workspace)
 
 
 def sparse_attention_rows(

@@ -139,7 +139,8 @@ class Attention(nn.Module):
         if r == 4:
             pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = idx
             indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
-                                           topk=self.indexer.topk, after=ik_after)  # fmt: skip
+                                           topk=self.indexer.topk, after=ik_after,
+                                           workspace=pools.idx_ws[layer])  # fmt: skip
         # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
         # path reads a cached arange, no per-step index array)
         return kernels.sparse_attention_rows(

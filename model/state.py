@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels.indexer import new_workspace
 from model.config import ModelArgs
 
 
@@ -55,6 +56,9 @@ class StatePools:
         self.idx_score: dict[int, mx.array] = {}
         self.ckv: dict[int, mx.array] = {}
         self.ikeys: dict[int, mx.array] = {}
+        # The indexer's scratch per CSA layer (kernels.indexer_rows `workspace`: zero between calls; the
+        # layers' calls are ordered by the step's data flow), for up to max_slots rows a step.
+        self.idx_ws: dict[int, mx.array] = {}
         for layer, r in enumerate(args.compress_ratios):
             if not r:
                 continue
@@ -66,6 +70,7 @@ class StatePools:
                 self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
                 self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)
                 self.ikeys[layer] = mx.zeros((self.pages[r], page_size, Di), dtype)
+                self.idx_ws[layer] = new_workspace(max_slots)
         mx.eval(self.arrays())
         self._free_slots = list(range(max_slots))
         self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}

@@ -43,6 +43,7 @@ from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
+from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
 __all__ = [
@@ -137,6 +138,9 @@ def precompile(
         qi = mx.random.normal((1, index_heads, index_dim)).astype(dtype)
         keys = mx.random.normal((pages[4], page_size, index_dim)).astype(dtype)
         calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk))
+        # the model's form: its scratch in the layer's workspace (StatePools.idx_ws), no fill node
+        calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk,
+                                       workspace=new_workspace(1)))  # fmt: skip
     mx.eval(calls)
     return len(calls)
 
