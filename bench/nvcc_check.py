@@ -108,6 +108,10 @@ def units() -> dict[str, str]:
         tmpl = cp.template(BF, F32, ratio, d, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(ratio, d))]
         out[f"compressor_inplace_{ratio}_{d}"] = standalone("compressor_inplace", ip_in, [("token", I32)], tmpl,
                                                             cpi.SOURCE, header=cpi.ROW)  # fmt: skip
+    tmpl = cp.template(BF, F32, 128, 512, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(128, 512))]
+    ws_in = ip_in + [("workspace", U32, True)]
+    out["compressor_inplace_128_512_ws"] = standalone("compressor_inplace", ws_in, [("token", I32)], tmpl,
+                                                      cpi.SOURCE_WS, header=cpi.ROW)  # fmt: skip
     pair_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table", "after") else
                 (BF if n in ("pool", "pool2") else F32), n in ("slots", "table")) for n in cpp.INPUTS]  # fmt: skip
     pair_t = cp.template(BF, F32, 4, 512, 32, 64, False) + [("D2", 128), ("N2", F32), ("NT", cpi.NT), ("NSPLIT", 1)]

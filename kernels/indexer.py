@@ -28,7 +28,9 @@ from kernels.rows import (
     fail,
     ordered,
     row_entries,
+    zeroed_workspace,
 )
+from kernels.rows import check_workspace as check_ws
 
 OP = "indexer_rows"
 RATIO = 4
@@ -86,20 +88,12 @@ def workspace_words(rows: int) -> int:
 
 
 def new_workspace(rows: int) -> mx.array:
-    """A zeroed indexer workspace for up to `rows` batch rows, in its own buffer (the kernel writes it)."""
-    ws = mx.zeros((workspace_words(rows),), mx.uint32)
-    mx.eval(ws)
-    return ws
+    """A zeroed indexer workspace for up to `rows` batch rows."""
+    return zeroed_workspace(workspace_words(rows))
 
 
 def check_workspace(workspace: mx.array | None, words: int) -> None:
-    if workspace is None:
-        return
-    if not isinstance(workspace, mx.array):
-        raise fail(OP, "workspace", f"must be an mx.array or None, got {type(workspace).__name__}")
-    if workspace.dtype != mx.uint32 or workspace.ndim != 1 or workspace.size < words:
-        raise fail(OP, "workspace", f"must be uint32 [>= {words}] (indexer.new_workspace), got "
-                   f"{workspace.dtype} {list(workspace.shape)}")  # fmt: skip
+    check_ws(OP, workspace, words)
 
 
 def indexer_rows_reference(

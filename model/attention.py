@@ -47,14 +47,14 @@ class Compressor(nn.Module):
         return kernels.CompressorArgs(kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state,
                                       pool, self.dim)  # fmt: skip
 
-    def apply(self, batch, proj, kv_state, score_state, pool, eps):
+    def apply(self, batch, proj, kv_state, score_state, pool, eps, workspace=None):
         """-> (kv_state, score_state, pool, token): kernels.compressor_rows_inplace (on CUDA written in
         place; the pool's readers take `after=token`); with INPLACE_COMPRESSOR off, the functional
         update and token None."""
         a = self.inputs(proj, kv_state, score_state, pool)
         kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=proj[2], sin=proj[3])
         if INPLACE_COMPRESSOR:
-            return kernels.compressor_rows_inplace(batch, *a[:7], **kw)
+            return kernels.compressor_rows_inplace(batch, *a[:7], **kw, workspace=workspace)
         return (*kernels.compressor_rows(batch, *a[:7], **kw), None)
 
 
@@ -130,7 +130,7 @@ class Attention(nn.Module):
             )  # fmt: skip
             ik_after = after
         elif r:
-            *main, after = self.compressor.apply(batch, proj[4:8], *main, a.rms_norm_eps)
+            *main, after = self.compressor.apply(batch, proj[4:8], *main, a.rms_norm_eps, pools.comp_ws.get(layer))
             if r == 4:
                 *idx, ik_after = self.indexer.compressor.apply(batch, proj[10:14], *idx, a.rms_norm_eps)
         if r:

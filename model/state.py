@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels.compressor import new_workspace as new_comp_workspace
 from kernels.indexer import new_workspace
 from model.config import ModelArgs
 
@@ -56,9 +57,11 @@ class StatePools:
         self.idx_score: dict[int, mx.array] = {}
         self.ckv: dict[int, mx.array] = {}
         self.ikeys: dict[int, mx.array] = {}
-        # The indexer's scratch per CSA layer (kernels.indexer_rows `workspace`: zero between calls; the
-        # layers' calls are ordered by the step's data flow), for up to max_slots rows a step.
+        # Scratch per layer for the fast paths (`workspace=` of kernels.indexer_rows in CSA layers, of
+        # kernels.compressor_rows_inplace in HCA layers; the layers' calls are ordered by the step's data
+        # flow), for up to max_slots rows a step.
         self.idx_ws: dict[int, mx.array] = {}
+        self.comp_ws: dict[int, mx.array] = {}  # HCA layers: the in-place compressor's (kernels.compressor)
         for layer, r in enumerate(args.compress_ratios):
             if not r:
                 continue
@@ -66,6 +69,8 @@ class StatePools:
             self.comp_kv[layer] = mx.zeros((max_slots, coff * r, coff * D), mx.float32)
             self.comp_score[layer] = mx.full((max_slots, coff * r, coff * D), -mx.inf, mx.float32)
             self.ckv[layer] = mx.zeros((self.pages[r], page_size, D), dtype)
+            if r != 4:
+                self.comp_ws[layer] = new_comp_workspace(max_slots, D)
             if r == 4:
                 self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
                 self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)

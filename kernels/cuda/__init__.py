@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from kernels import backend, upload
 from kernels.compressor import CompressorArgs
+from kernels.compressor import new_workspace as new_comp_workspace
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
@@ -114,6 +115,10 @@ def precompile(
         if inplace_compressor:  # written in place: on fresh buffers (a zeros array may be a broadcast)
             _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw)
             calls.append(pl if token is None else token)  # None: that head_dim runs the reference
+            if ratio != 4:  # the model's HCA form: its scratch in the layer's workspace (StatePools.comp_ws)
+                _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw,
+                                                               workspace=new_comp_workspace(1, d))  # fmt: skip
+                calls.append(pl if token is None else token)
         else:
             calls.append(compressor_rows_cuda(*args, **kw))
     if inplace_compressor and 4 in ratios:  # the CSA layers' pair (main + indexer compressor) in one launch

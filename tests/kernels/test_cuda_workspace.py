@@ -10,7 +10,7 @@ import pytest
 
 from kernels import RowBatch, backend
 from kernels.indexer import indexer_rows_reference, new_workspace
-from tests.kernels.test_cuda import PAGE, fast, rows_for
+from tests.kernels.test_cuda import PAGE, fast, rel_err, rows_for
 from tests.kernels.test_cuda_indexer import assert_topk_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -81,3 +81,28 @@ def test_workspace_ignored_on_long_rows() -> None:
     got = np.array(fast().indexer_rows_cuda(batch, q, w, keys, topk=512, workspace=ws))
     assert_topk_equal(got, want, rows, q, w, keys, exact=False)
     assert_zero(ws)
+
+
+@pytest.mark.parametrize("n_rows", [1, 3, 8])
+def test_hca_compressor_workspace_steps_match_reference(n_rows: int) -> None:
+    """The in-place HCA compressor (ratio 128: 8 blocks a row, a ticket each) with a workspace over steps
+    that complete windows (chained by tokens in one eval), then a call with fewer rows on the same
+    workspace: the reference's states and pools, and the workspace's tickets (its last words) zero."""
+    from kernels.compressor import compressor_rows_reference, new_workspace
+    from tests.kernels.test_cuda_inplace import copies, setup
+
+    ws = new_workspace(8, 512)
+    for rows, seed, steps in ((n_rows, 600 + n_rows, 3), (1, 700, 2)):
+        batch, kv, score, ape, norm, st, kw = setup(128, 512, rows, mx.bfloat16, seed, steps)
+        want = st
+        for i in range(steps):
+            want = compressor_rows_reference(batch(i), kv[i], score[i], ape, norm, *want, **kw)
+        got, token = copies(*st), None
+        for i in range(steps):
+            *got, token = fast().compressor_rows_inplace_cuda(batch(i), kv[i], score[i], ape, norm, *got,
+                                                              after=token, workspace=ws, **kw)  # fmt: skip
+        mx.eval(want, token)
+        np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
+        np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+        assert rel_err(got[2][1:], want[2][1:]) <= 1e-2
+        assert int(mx.sum(ws[-8:] != 0)) == 0, "a ticket was left set"
