@@ -14,7 +14,8 @@ import numpy as np
 import kernels.cuda as kc
 from kernels import Row, RowBatch
 from kernels.compressor import CompressorArgs, compressor_pair_rows_inplace_reference, compressor_rows_inplace_reference
-from kernels.indexer import indexer_rows_reference
+from kernels.compressor import new_workspace as new_comp_workspace
+from kernels.indexer import indexer_rows_reference, new_workspace
 from kernels.sparse_attention import sparse_attention_rows_reference
 
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
@@ -141,10 +142,13 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
                 mx.random.normal((pages, PAGE, d)).astype(mx.bfloat16))  # fmt: skip
         mx.eval(kv, score, ape, norm, cos, sin, init)
 
+        ws = new_comp_workspace(rows, d)  # as the model's (StatePools.comp_ws): the chained calls share it, in order
+
         def call(impl: Callable[..., Any], b: RowBatch, st: Any) -> Any:
             # st: (kv_state, score_state, pool[, token]): a chained in-place call follows the last one's token
             kw = {"after": st[3]} if len(st) == 4 else {}
-            return impl(b, kv, score, ape, norm, *st[:3], ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin, **kw)
+            return impl(b, kv, score, ape, norm, *st[:3], ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin,
+                        workspace=ws, **kw)  # fmt: skip
 
         nbytes = rows * (2 * coff * ratio * c * 4 * 2 + 2 * c * 4 + d * 2)
         return Case(op, nbytes, call, batch, singles, init)
@@ -152,14 +156,16 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
         n = ctx // 4
         batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
+        ws = new_workspace(rows)  # as the model's (StatePools.idx_ws): the chained calls share it, in order
+
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU
             # (mx.depends makes no edge there); "data": ids are >= -1, so the weights pass unchanged
             if prev is None:
-                return impl(b, q, w, keys, topk=TOPK)
+                return impl(b, q, w, keys, topk=TOPK, workspace=ws)
             if link == "after":
-                return impl(b, q, w, keys, topk=TOPK, after=prev)
-            return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK)
+                return impl(b, q, w, keys, topk=TOPK, after=prev, workspace=ws)
+            return impl(b, q, mx.where(prev[:, :1] < -1, 0.0, w), keys, topk=TOPK, workspace=ws)
 
         return Case(op, rows * (n * DI * 2 + NI * DI * 2 + TOPK * 4), call_i, batch, singles, None)
     batch, singles, q, window, pool, ind, sinks = attention_inputs(rng, rows, ctx, ratio)
@@ -205,8 +211,9 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
     1-8): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
     layer's compressors and indexer could run at once, off the step's critical path. `drop`
     (host-cost probes): "icomp" leaves out the indexer's compressor, "pair" runs a CSA layer's two
-    compressors as two dispatches (as before compressor_pair_rows_inplace), "indexer" the indexer (the
-    attention then reads fixed ids)."""
+    compressors as two dispatches (as before compressor_pair_rows_inplace), "ws" runs the indexer and the
+    HCA compressor without their workspaces (their scratch zeroed by init_value fill nodes, as before),
+    "indexer" the indexer (the attention then reads fixed ids)."""
     rng = np.random.default_rng(1)
     kinds = kinds or [0, 0] + [4, 128] * 20 + [4]
     t4, p4 = _tables(rng, rows, ctx // 4)
@@ -235,10 +242,12 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
             if k == 4:
                 s |= {"ckv": mx.random.normal((p4, PAGE, D)).astype(mx.bfloat16), "ck": mx.zeros((rows, 8, 2 * D)),
                       "cs": mx.zeros((rows, 8, 2 * D)), "ik": mx.random.normal((p4, PAGE, DI)).astype(mx.bfloat16),
-                      "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI))}  # fmt: skip
+                      "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI)),
+                      "ws": new_workspace(rows)}  # fmt: skip
             elif k == 128:
                 s |= {"ckv": mx.random.normal((p128, PAGE, D)).astype(mx.bfloat16),
-                      "ck": mx.zeros((rows, 128, D)), "cs": mx.zeros((rows, 128, D))}  # fmt: skip
+                      "ck": mx.zeros((rows, 128, D)), "cs": mx.zeros((rows, 128, D)),
+                      "cws": new_comp_workspace(rows, D)}  # fmt: skip
             st.append(s)
         mx.eval(st)
         return st
@@ -250,10 +259,10 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
         fixed_ind[r, : len(ids)] = ids
 
     def comp(impl: Any, xs: dict[str, mx.array], s: dict[str, mx.array], kk: str, ks: str, pk: str, ratio: int,
-             d: int, after: Any = None) -> mx.array | None:  # fmt: skip
+             d: int, after: Any = None, workspace: Any = None) -> mx.array | None:  # fmt: skip
         """The compressor as the model runs it; returns the pool readers' `after` token (None: functional)."""
         kv, sc = xs[str((2 if ratio == 4 else 1) * d)]
-        kw = {} if after is None else {"after": after}
+        kw = ({} if after is None else {"after": after}) | ({} if workspace is None else {"workspace": workspace})
         s[kk], s[ks], s[pk], token = impl(batch, kv, sc, apes[(ratio, d)], norms[d], s[kk], s[ks], s[pk],
                                           ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin, **kw)  # fmt: skip
         return token
@@ -297,10 +306,12 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                 if k == 4:
                     ind = mx.array(fixed_ind)
                     if "indexer" not in drop:
-                        ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after)
+                        ind = ops["indexer_rows"](batch, flat[-1], wi, s["ik"], topk=TOPK, after=ik_after,
+                                                  workspace=None if "ws" in drop else s["ws"])  # fmt: skip
                     h = attn(batch, h, s["win"], s["ckv"], ind, sinks, scale=D**-0.5, ratio=4, after=after)
                 else:
-                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D, prev)
+                    after = comp(ops["compressor_rows"], xs, s, "ck", "cs", "ckv", 128, D, prev,
+                                 None if "ws" in drop else s["cws"])  # fmt: skip
                     h = attn(batch, h, s["win"], s["ckv"], hca_ind, sinks, scale=D**-0.5, ratio=128, after=after)
                 new.append(s)
             return h, new
@@ -313,8 +324,9 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                  fast_c_dep=_Runner(mx.compile(step_with(FAST, "depends")), consts, fresh()))
 
 
-def functional(*args: Any, after: None = None, **kw: Any) -> tuple[mx.array, mx.array, mx.array, None]:
+def functional(*args: Any, after: None = None, workspace: Any = None, **kw: Any
+               ) -> tuple[mx.array, mx.array, mx.array, None]:  # fmt: skip
     """The functional CUDA compressor (kernel + pool scatter, new arrays) in the in-place op's shape (its
-    calls return no token, so `after` is always None)."""
+    calls return no token, so `after` is always None; it has no scratch, so `workspace` goes unused)."""
     assert after is None, "functional: the functional op does not wait for an in-place write"
     return (*kc.compressor_rows_cuda(*args, **kw), None)

@@ -14,6 +14,8 @@
 #   commitstep the 4-layer decode step's timeline (wall, GPU busy, graph launches and their API time) under
 #         MLX_MAX_OPS_PER_BUFFER $OPS (default "8 32 100"), each in its own process, ROUNDS (default 2) alternated
 #   head  the output head's f32 matmul at 1-8 rows, x @ W.T vs (W @ x.T).T, against the floor (bench/head_matmul.py)
+#   ws    (branch next/idx-workspace) gpu tests of the indexer's workspace form, the indexer, precompile and the
+#         tiny model, then chain43's wall time with and without the workspace (`--drop ws`) alternated twice
 #   t1/t2/figs as in gpu_session18.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -85,6 +87,13 @@ indexer_rows:1:8192,indexer_rows:8:8192,sparse_attention_rows:1:131072,sparse_at
             --step 1,8 --evals 3 2>&1 | grep -E "^== |gpu_per_eval|cudaGraphLaunch" | cut -c1-160
         done
       done ;;
+    ws)
+      echo "== gpu tests: indexer workspace, indexer, precompile, tiny model"
+      timeout 400 python3 -m pytest tests/kernels/test_cuda_workspace.py tests/kernels/test_cuda_indexer.py \
+        tests/kernels/test_cuda.py tests/kernels/test_cuda_inplace.py -k "workspace or indexer or precompile or tiny" \
+        -m gpu -q --tb=short -rf -p no:cacheprovider 2>&1 | tail -12
+      timeout 200 python3 bench/host_cost.py --cases "" --no-chain43 --reps 20 \
+        --chain43-variants after:,after:ws,after:,after:ws 2>&1 | grep chain43 ;;
     t1|t2|figs) PART=$part bash bench/gpu_session18.sh ;;
   esac
 done

@@ -57,6 +57,9 @@ def units() -> dict[str, str]:
                                           one_t + [("NTO", 512 if eb > 128 else 256), ("EB", eb),
                                                    ("CAPN", 32768), ("CAPL", 13056)], ix.ONE,
                                           header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
+    out["idx_one_ws"] = standalone("idx_one", one_in + [("workspace", U32, False)], [("out", I32)],
+                                   one_t + [("NTO", 256), ("EB", 128), ("CAPN", 2048), ("CAPL", 13056)],
+                                   ix.ONE_WS, header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     tiny = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]
     out["idx_one_tiny"] = standalone("idx_one", one_in, [("out", I32)],
                                      tiny + [("NTO", 256), ("EB", 128), ("CAPN", 1024), ("CAPL", 3840)], ix.ONE,
@@ -105,6 +108,10 @@ def units() -> dict[str, str]:
         tmpl = cp.template(BF, F32, ratio, d, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(ratio, d))]
         out[f"compressor_inplace_{ratio}_{d}"] = standalone("compressor_inplace", ip_in, [("token", I32)], tmpl,
                                                             cpi.SOURCE, header=cpi.ROW)  # fmt: skip
+    tmpl = cp.template(BF, F32, 128, 512, 32, 64, False) + [("NT", cpi.NT), ("NSPLIT", cpi.nsplit(128, 512))]
+    ws_in = ip_in + [("workspace", U32, True)]
+    out["compressor_inplace_128_512_ws"] = standalone("compressor_inplace", ws_in, [("token", I32)], tmpl,
+                                                      cpi.SOURCE_WS, header=cpi.ROW)  # fmt: skip
     pair_in = [(n, I32 if n in ("slots", "positions", "q_rows", "table", "after") else
                 (BF if n in ("pool", "pool2") else F32), n in ("slots", "table")) for n in cpp.INPUTS]  # fmt: skip
     pair_t = cp.template(BF, F32, 4, 512, 32, 64, False) + [("D2", 128), ("N2", F32), ("NT", cpi.NT), ("NSPLIT", 1)]

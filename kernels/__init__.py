@@ -81,6 +81,7 @@ def compressor_rows_inplace(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
+    workspace: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
     """compressor_rows that may write in place -> `(kv_state, score_state, pool, token)`.
 
@@ -90,11 +91,13 @@ def compressor_rows_inplace(
     indexer_rows / sparse_attention_rows, or of the next in-place call (MLX orders CUDA-graph nodes by
     their inputs; separate evaluations run in order). Its inputs' old values are gone: keep no other
     reference expecting them. The reference returns the functional update and `token=None`. `after`:
-    a previous in-place writer's token that this call's reads and writes must follow."""
+    a previous in-place writer's token that this call's reads and writes must follow. `workspace`
+    (`kernels.compressor.new_workspace(rows, head_dim)`): scratch the CUDA path's long-window (HCA) form
+    uses in place of a zeroed token (a fill node); calls that share one must be ordered."""
     fn = backend.pick("compressor_rows_inplace", compressor_rows_inplace_reference)
     return fn(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
-        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
+        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after, workspace=workspace,
     )  # fmt: skip
 
 
@@ -117,12 +120,15 @@ def compressor_pair_rows_inplace(
 
 
 def indexer_rows(
-    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None
-) -> mx.array:
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None,
+    workspace: mx.array | None = None,
+) -> mx.array:  # fmt: skip
     """Top-k visible indexer entries per row -> `[Bq, topk] int32` (-1 padded), row `q_row`. `after`:
-    the token of an in-place write of `keys` (compressor_rows_inplace)."""
+    the token of an in-place write of `keys` (compressor_rows_inplace). `workspace`
+    (`kernels.indexer.new_workspace(rows)`): zeroed scratch the CUDA path uses in place of a fill of its
+    own and leaves zeroed; calls that share one must be ordered (each waits for the last's output)."""
     fn = backend.pick("indexer_rows", indexer_rows_reference)
-    return fn(batch, q, weights, keys, topk=topk, after=after)
+    return fn(batch, q, weights, keys, topk=topk, after=after, workspace=workspace)
 
 
 def sparse_attention_rows(

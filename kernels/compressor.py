@@ -31,7 +31,9 @@ from kernels.rows import (
     fail,
     ordered,
     row_entries,
+    zeroed_workspace,
 )
+from kernels.rows import check_workspace as check_ws
 
 OP = "compressor_rows"
 RATIOS = (4, 128)
@@ -167,6 +169,21 @@ def compressor_rows_reference(
     return new_kv, new_s, new_pool
 
 
+def workspace_words(rows: int, head_dim: int) -> int:
+    """uint32 words of an in-place compressor workspace for up to `rows` batch rows: their pooled features
+    (f32) and, at its end, a ticket each (the CUDA split-window form's scratch, kernels/cuda/compressor_inplace)."""
+    return rows * head_dim + rows
+
+
+def new_workspace(rows: int, head_dim: int) -> mx.array:
+    """A zeroed in-place compressor workspace for up to `rows` batch rows of `head_dim` features."""
+    return zeroed_workspace(workspace_words(rows, head_dim))
+
+
+def check_workspace(workspace: mx.array | None, words: int) -> None:
+    check_ws(OP, workspace, words)
+
+
 def compressor_rows_inplace_reference(
     batch: RowBatch,
     kv: mx.array,
@@ -183,10 +200,13 @@ def compressor_rows_inplace_reference(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
+    workspace: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
     """compressor_rows_inplace's plain twin: the functional update (new arrays) and no token. An `after`
-    (a fast path's token; never on the CPU) orders its reads through a copy of the state arrays."""
+    (a fast path's token; never on the CPU) orders its reads through a copy of the state arrays.
+    `workspace` (the fast path's scratch) is checked and otherwise unused."""
     check_after(OP, after)
+    check_workspace(workspace, workspace_words(batch.size, head_dim))
     kv_state, score_state, pool = (ordered(a, after) for a in (kv_state, score_state, pool))
     out = compressor_rows_reference(
         batch, kv, score, ape, norm, kv_state, score_state, pool,

@@ -28,7 +28,9 @@ from kernels.rows import (
     fail,
     ordered,
     row_entries,
+    zeroed_workspace,
 )
+from kernels.rows import check_workspace as check_ws
 
 OP = "indexer_rows"
 RATIO = 4
@@ -79,12 +81,30 @@ def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
     return ids
 
 
+def workspace_words(rows: int) -> int:
+    """uint32 words of an indexer workspace for up to `rows` batch rows: tickets, then a 2048-bin histogram
+    per row (the CUDA one-launch kernel's, kernels/cuda/indexer_one_src.ONE_WS)."""
+    return -(-rows // 4) * 4 + rows * 2048
+
+
+def new_workspace(rows: int) -> mx.array:
+    """A zeroed indexer workspace for up to `rows` batch rows."""
+    return zeroed_workspace(workspace_words(rows))
+
+
+def check_workspace(workspace: mx.array | None, words: int) -> None:
+    check_ws(OP, workspace, words)
+
+
 def indexer_rows_reference(
-    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None
-) -> mx.array:
-    """`after`: the token of an in-place write of `keys` (compressor_rows_inplace); its reads wait for it."""
+    batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int, after: mx.array | None = None,
+    workspace: mx.array | None = None,
+) -> mx.array:  # fmt: skip
+    """`after`: the token of an in-place write of `keys` (compressor_rows_inplace); its reads wait for it.
+    `workspace` (the fast path's scratch) is checked and otherwise unused."""
     check_indexer(batch, q, weights, keys, topk=topk)
     check_after(OP, after)
+    check_workspace(workspace, workspace_words(batch.size))
     b, page = batch.size, batch.page_size
     qr = batch.q_rows
     table = ordered(batch.tables[RATIO], after)  # [B, width]

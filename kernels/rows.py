@@ -230,6 +230,23 @@ def checked(batch: RowBatch, key: Hashable, check: Callable[[], None], plan: Cal
         return value
 
 
+def zeroed_workspace(words: int) -> mx.array:
+    """A zeroed uint32 array in its own buffer: a fast path's scratch that it writes in place (`workspace=`)."""
+    ws = mx.zeros((words,), mx.uint32)
+    mx.eval(ws)
+    return ws
+
+
+def check_workspace(op: str, workspace: Any, words: int) -> None:
+    """A `workspace=` argument: None, or uint32 [>= words]."""
+    if workspace is None:
+        return
+    if not isinstance(workspace, mx.array):
+        raise fail(op, "workspace", f"must be an mx.array or None, got {type(workspace).__name__}")
+    if workspace.dtype != mx.uint32 or workspace.ndim != 1 or workspace.size < words:
+        raise fail(op, "workspace", f"must be uint32 [>= {words}], got {workspace.dtype} {list(workspace.shape)}")
+
+
 def emitted(positions: mx.array, ratio: int) -> mx.array:
     """`(p+1) // ratio` on device without forming `p+1` (p may be INT32_MAX)."""
     return positions // ratio + (positions % ratio == ratio - 1).astype(positions.dtype)

@@ -47,14 +47,14 @@ class Compressor(nn.Module):
         return kernels.CompressorArgs(kv, score, self.ape.astype(mx.float32), self.norm.weight, kv_state, score_state,
                                       pool, self.dim)  # fmt: skip
 
-    def apply(self, batch, proj, kv_state, score_state, pool, eps):
+    def apply(self, batch, proj, kv_state, score_state, pool, eps, workspace=None):
         """-> (kv_state, score_state, pool, token): kernels.compressor_rows_inplace (on CUDA written in
         place; the pool's readers take `after=token`); with INPLACE_COMPRESSOR off, the functional
         update and token None."""
         a = self.inputs(proj, kv_state, score_state, pool)
         kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=proj[2], sin=proj[3])
         if INPLACE_COMPRESSOR:
-            return kernels.compressor_rows_inplace(batch, *a[:7], **kw)
+            return kernels.compressor_rows_inplace(batch, *a[:7], **kw, workspace=workspace)
         return (*kernels.compressor_rows(batch, *a[:7], **kw), None)
 
 
@@ -130,7 +130,7 @@ class Attention(nn.Module):
             )  # fmt: skip
             ik_after = after
         elif r:
-            *main, after = self.compressor.apply(batch, proj[4:8], *main, a.rms_norm_eps)
+            *main, after = self.compressor.apply(batch, proj[4:8], *main, a.rms_norm_eps, pools.comp_ws.get(layer))
             if r == 4:
                 *idx, ik_after = self.indexer.compressor.apply(batch, proj[10:14], *idx, a.rms_norm_eps)
         if r:
@@ -139,7 +139,8 @@ class Attention(nn.Module):
         if r == 4:
             pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = idx
             indices = kernels.indexer_rows(batch, proj[8].astype(pools.dtype), proj[9], pools.ikeys[layer],
-                                           topk=self.indexer.topk, after=ik_after)  # fmt: skip
+                                           topk=self.indexer.topk, after=ik_after,
+                                           workspace=pools.idx_ws[layer])  # fmt: skip
         # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
         # path reads a cached arange, no per-step index array)
         return kernels.sparse_attention_rows(

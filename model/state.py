@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels.compressor import new_workspace as new_comp_workspace
+from kernels.indexer import new_workspace
 from model.config import ModelArgs
 
 
@@ -55,6 +57,11 @@ class StatePools:
         self.idx_score: dict[int, mx.array] = {}
         self.ckv: dict[int, mx.array] = {}
         self.ikeys: dict[int, mx.array] = {}
+        # Scratch per layer for the fast paths (`workspace=` of kernels.indexer_rows in CSA layers, of
+        # kernels.compressor_rows_inplace in HCA layers; the layers' calls are ordered by the step's data
+        # flow), for up to max_slots rows a step.
+        self.idx_ws: dict[int, mx.array] = {}
+        self.comp_ws: dict[int, mx.array] = {}  # HCA layers: the in-place compressor's (kernels.compressor)
         for layer, r in enumerate(args.compress_ratios):
             if not r:
                 continue
@@ -62,10 +69,13 @@ class StatePools:
             self.comp_kv[layer] = mx.zeros((max_slots, coff * r, coff * D), mx.float32)
             self.comp_score[layer] = mx.full((max_slots, coff * r, coff * D), -mx.inf, mx.float32)
             self.ckv[layer] = mx.zeros((self.pages[r], page_size, D), dtype)
+            if r != 4:
+                self.comp_ws[layer] = new_comp_workspace(max_slots, D)
             if r == 4:
                 self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
                 self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)
                 self.ikeys[layer] = mx.zeros((self.pages[r], page_size, Di), dtype)
+                self.idx_ws[layer] = new_workspace(max_slots)
         mx.eval(self.arrays())
         self._free_slots = list(range(max_slots))
         self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}

@@ -37,12 +37,14 @@ import mlx.core as mx
 
 from kernels import backend, upload
 from kernels.compressor import CompressorArgs
+from kernels.compressor import new_workspace as new_comp_workspace
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
+from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
 __all__ = [
@@ -114,6 +116,10 @@ def precompile(
         if inplace_compressor:  # written in place: on fresh buffers (a zeros array may be a broadcast)
             _, _, pl, token = compressor_rows_inplace_cuda(batch, *a[:4], st + 0, st + 0, pool + 0, **kw)
             calls.append(pl if token is None else token)  # None: that head_dim runs the reference
+            if ratio != 4:  # the model's HCA form: its scratch in the layer's workspace (StatePools.comp_ws)
+                _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw,
+                                                               workspace=new_comp_workspace(1, d))  # fmt: skip
+                calls.append(pl if token is None else token)
         else:
             calls.append(compressor_rows_cuda(batch, *a[:7], **kw))
     if inplace_compressor and 4 in ratios:  # the CSA layers' pair (main + indexer compressor) in one launch
@@ -134,6 +140,9 @@ def precompile(
         qi = mx.random.normal((1, index_heads, index_dim)).astype(dtype)
         keys = mx.random.normal((pages[4], page_size, index_dim)).astype(dtype)
         calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk))
+        # the model's form: its scratch in the layer's workspace (StatePools.idx_ws), no fill node
+        calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk,
+                                       workspace=new_workspace(1)))  # fmt: skip
     mx.eval(calls)
     return len(calls)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.compressor import compressor_rows_inplace_reference
+from kernels.compressor import check_workspace, compressor_rows_inplace_reference, workspace_words
 from kernels.cuda import common
 from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
 from kernels.cuda.compressor import key_and_check, norm_rope, template
@@ -42,15 +42,15 @@ INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
 # 7.3 us; ratio 128 14.7 -> 9.5 us (medians) (bench/results/session17-h200.md).
 ROW = (
     r"""
-// One row's (or, NSPLIT > 1, one feature slice's) compressor step: block `blk` of the row blocks; nb batch
-// rows, table width tw. A device function so that compressor_pair.py's kernel runs two of them (the CSA
-// main and indexer compressors) in one launch.
+// One row's (or, NSPLIT > 1, one feature slice's) compressor step: block `blk` of the row blocks; table
+// width tw; a split row's pooled features and its ticket in feat / tickets (SCRATCH). A device function so
+// that compressor_pair.py's kernel runs two of them (the CSA main and indexer compressors) in one launch.
 template <typename T, typename N, int M, int D, int HALF, int PAGE, int NT, int NSPLIT>
 __device__ __forceinline__ void dsv4_compress_row(
-    const unsigned int blk, const int nb, const int tw, const int* slots, const int* positions, const int* q_rows,
+    const unsigned int blk, const int tw, const int* slots, const int* positions, const int* q_rows,
     const int* table, const float* kv, const float* score, const float* ape, const N* norm, const float* kv_state,
     const float* score_state, const T* pool, const float* rcos, const float* rsin, const float* fparams,
-    int* token) {
+    int* token, float* feat, int* tickets) {
   constexpr int COFF = (M == 4) ? 2 : 1;
   constexpr int C = COFF * D;
   constexpr int R = COFF * M;
@@ -70,7 +70,7 @@ __device__ __forceinline__ void dsv4_compress_row(
   __shared__ __align__(16) float ag[G * FS];
   __shared__ int last;
   const int b = blk / NSPLIT, k = blk % NSPLIT, tid = threadIdx.x, nt = blockDim.x;
-  if (NSPLIT == 1 && b == 0 && tid == 0) token[0] = 0;
+  if (blk == 0 && tid == 0 && (NSPLIT == 1 || (void*)feat != (void*)token)) token[0] = 0;
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
   const int pm = p % M;
   const bool emit = pm == M - 1;
@@ -162,7 +162,7 @@ __device__ __forceinline__ void dsv4_compress_row(
     *reinterpret_cast<float4*>(ag + g * FS + 4 * q) = a4;
   }
   __syncthreads();
-  float* xg = reinterpret_cast<float*>(token) + (size_t)b * D;  // NSPLIT > 1: [B][D] features, then tickets
+  float* xg = feat + (size_t)b * D;  // NSPLIT > 1: the row's D pooled features ([B][D])
   for (int i = tid; i < FS; i += nt) {
     float sum = 0.f, acc = 0.f;
 #pragma unroll
@@ -174,11 +174,12 @@ __device__ __forceinline__ void dsv4_compress_row(
   if (NSPLIT > 1) {
     __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(token + (size_t)nb * D + b, 1) == NSPLIT - 1;
+    if (tid == 0) last = atomicAdd(tickets + b, 1) == NSPLIT - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     for (int f = tid; f < D; f += nt) xs[f] = __ldcg(xg + f);
+    if (tid == 0) tickets[b] = 0;  // every block of the row took its ticket: zero for a workspace's next launch
   }
   __syncthreads();
   float ssq = 0.f;
@@ -205,14 +206,24 @@ __device__ __forceinline__ void dsv4_compress_row(
 )
 
 
-def call(suffix: str = "", blk: str = "blockIdx.x", d: str = "D", n: str = "N") -> str:
+# Where a split row's features and tickets go: the token output (zeroed by init_value; [B][D] features, then
+# B tickets) or the caller's `workspace` (features at its start, tickets at its end: a later launch with
+# fewer rows finds its tickets where no features were written, and each last block re-zeroes its ticket).
+SCRATCH = {
+    "token": "reinterpret_cast<float*>(token), token + (size_t)slots_shape[0] * D",
+    "workspace": "reinterpret_cast<float*>(const_cast<unsigned int*>(workspace)), "
+    "reinterpret_cast<int*>(const_cast<unsigned int*>(workspace)) + workspace_shape[0] - slots_shape[0]",
+}
+
+
+def call(suffix: str = "", blk: str = "blockIdx.x", d: str = "D", n: str = "N", scratch: str = "token") -> str:
     """A `dsv4_compress_row` call on the inputs named with `suffix` (compressor_pair: "2")."""
     a = [f"{x}{suffix}" for x in ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")]
-    return (f"  dsv4_compress_row<T, {n}, M, {d}, HALF, PAGE, NT, NSPLIT>({blk}, slots_shape[0], table_shape[1], "
-            f"slots, positions, q_rows, table, {', '.join(a)}, rcos, rsin, fparams, token);\n")
+    return (f"  dsv4_compress_row<T, {n}, M, {d}, HALF, PAGE, NT, NSPLIT>({blk}, table_shape[1], "
+            f"slots, positions, q_rows, table, {', '.join(a)}, rcos, rsin, fparams, token, {SCRATCH[scratch]});\n")
 
 
-SOURCE = call()
+SOURCE, SOURCE_WS = call(), call(scratch="workspace")
 
 
 def nsplit(ratio: int, head_dim: int) -> int:
@@ -224,22 +235,25 @@ def nsplit(ratio: int, head_dim: int) -> int:
 class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
-    __slots__ = ("compiled", "fast", "fparams", "grid", "init", "kernel", "out_shape", "template")
+    __slots__ = ("compiled", "fast", "fparams", "grid", "init", "kernel", "out_shape", "template", "ws")
 
     def __init__(self, b: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int, page: int,
-                 eps: float) -> None:  # fmt: skip
+                 eps: float, workspace: bool = False) -> None:  # fmt: skip
         self.fast = head_dim % 4 == 0 and head_dim <= 4 * NT and half <= NT  # float4 split; else the reference
         if not self.fast:
             return
         ns = nsplit(ratio, head_dim)
+        self.ws = workspace and ns > 1  # split rows' features and tickets in the caller's workspace: no fill
         self.fparams = f32_params(eps)
-        self.kernel = kernel("compressor_inplace", INPUTS, ("token",), SOURCE, header=ROW)
+        ins, src = (INPUTS + ("workspace",), SOURCE_WS) if self.ws else (INPUTS, SOURCE)
+        self.kernel = kernel("compressor_inplace_ws" if self.ws else "compressor_inplace", ins, ("token",), src,
+                             header=ROW)  # fmt: skip
         tail = [("NT", NT), ("NSPLIT", ns)]
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + tail
         self.grid = (b * ns * NT, 1, 1)
         # the token; split rows: also the pooled features and the tickets (zeroed). 4 ints, not 1: MLX puts
         # outputs of <= 8 bytes in managed memory (kernels/upload.py), where the token's write crosses the host link
-        self.out_shape, self.init = ((4,), None) if ns == 1 else ((b * head_dim + b,), 0)
+        self.out_shape, self.init = ((4,), None) if ns == 1 or self.ws else ((b * head_dim + b,), 0)
         self.compiled = mx.compile(self.launch)
 
     def launch(self, *inputs: mx.array) -> mx.array:
@@ -264,21 +278,28 @@ def compressor_rows_inplace_cuda(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
+    workspace: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
     check_after("compressor_rows", after)
     key, check = key_and_check("compressor_rows_inplace", batch, kv, score, ape, norm, kv_state, score_state, pool,
                                ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
+    ws = workspace is not None
+    if ws:
+        check_workspace(workspace, workspace_words(batch.size, head_dim))
+    key += (ws,)
 
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
         return plan_cached(pk, lambda: Plan(batch.size, pool, norm, ratio, head_dim, cos.shape[1], batch.page_size,
-                                            eps))  # fmt: skip
+                                            eps, ws))  # fmt: skip
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
         return compressor_rows_inplace_reference(batch, kv, score, ape, norm, kv_state, score_state, pool, ratio=ratio,
-                                                 head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after)  # fmt: skip
+                                                 head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
+                                                 workspace=workspace)  # fmt: skip
     run = plan.compiled if common.COMPILE else plan.launch
     token = run(batch.slots, batch.positions, batch.q_rows, batch.tables[ratio], kv, score, ape, norm, kv_state,
-                score_state, pool, cos, sin, plan.fparams, i32_dummy((1,)) if after is None else after)  # fmt: skip
+                score_state, pool, cos, sin, plan.fparams, i32_dummy((1,)) if after is None else after,
+                *([workspace] if plan.ws else []))  # fmt: skip
     return kv_state, score_state, pool, token

@@ -42,10 +42,10 @@ import mlx.core as mx
 from kernels.cuda import common
 from kernels.cuda.common import i32_dummy, kernel, launch_bounds, next_pow2, plan_cached
 from kernels.cuda.indexer_merge_src import MERGE
-from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS
+from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS, ONE_WS
 from kernels.cuda.indexer_src import SEGMENT
 from kernels.cuda.select import HELPERS
-from kernels.indexer import check_indexer, indexer_rows_reference
+from kernels.indexer import check_indexer, check_workspace, indexer_rows_reference, workspace_words
 from kernels.rows import RowBatch, check_after, checked
 
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
@@ -129,9 +129,9 @@ class Plan:
     """Launch parameters of one (batch shape, argument shapes) combination, computed once."""
 
     __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "nt", "one", "out_shape", "seg", "seg_grid",
-                 "seg_shapes", "seg_tmpl")  # fmt: skip
+                 "seg_shapes", "seg_tmpl", "ws")  # fmt: skip
 
-    def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int) -> None:
+    def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int, workspace: bool = False) -> None:
         self.fast = supported(q, keys, topk)
         if not self.fast:
             return
@@ -140,19 +140,22 @@ class Plan:
         cap = batch.tables[4].shape[1] * page
         self.out_shape = (q.shape[0], topk)
         self.one = cap <= ONE_MAX
+        self.ws = workspace and self.one  # the tickets and histograms in the caller's workspace: no fill node
         base = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("TOPK", topk), ("CH", CH)]
         if self.one:  # score everywhere, the row's last block selects: 1 launch
             eb = one_block(cap)
             capn = -(-cap // 4) * 4
             capl = ONE_STAGES * CH * (di + 8) * 2 // 4
-            self.seg = kernel("idx_one", SEG_IN, ("out",), ONE, smem_bytes(ni, di, 2048, ONE_STAGES),
-                              HELPERS + ONE_HELPERS)  # fmt: skip
+            ins, src = (SEG_IN + ("workspace",), ONE_WS) if self.ws else (SEG_IN, ONE)
+            self.seg = kernel("idx_one_ws" if self.ws else "idx_one", ins, ("out",), src,
+                              smem_bytes(ni, di, 2048, ONE_STAGES), HELPERS + ONE_HELPERS)  # fmt: skip
             self.nt = one_threads(cap)
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
             self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
             # one output: the top-k ids, then the scratch planes (indexer_one_src); one output and one
-            # init_value fill cost the host less than two of each
-            self.seg_shapes = [(-(-(q.shape[0] * topk) // 4) * 4 + -(-b // 4) * 4 + b * (2048 + capn),)]
+            # init_value fill cost the host less than two of each. With a workspace: ids, then the keys plane
+            ids = -(-(q.shape[0] * topk) // 4) * 4
+            self.seg_shapes = [(ids + b * capn,)] if self.ws else [(ids + -(-b // 4) * 4 + b * (2048 + capn),)]
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
@@ -176,15 +179,15 @@ class Plan:
         self.compiled = mx.compile(self.launch)
 
     def launch(self, positions: mx.array, q_rows: mx.array, table: mx.array, q: mx.array, weights: mx.array,
-               keys: mx.array, after: mx.array) -> mx.array:  # fmt: skip
+               keys: mx.array, after: mx.array, *workspace: mx.array) -> mx.array:  # fmt: skip
         outs = self.seg(
-            inputs=[positions, q_rows, table, q, weights, keys, after],
+            inputs=[positions, q_rows, table, q, weights, keys, after, *workspace],
             template=self.seg_tmpl,
             grid=self.seg_grid,
             threadgroup=(self.nt, 1, 1),
             output_shapes=self.seg_shapes,
             output_dtypes=[mx.int32] if self.one else [mx.uint32],
-            init_value=0 if self.one else None,
+            init_value=0 if self.one and not self.ws else None,
         )
         if self.one:
             n, k = self.out_shape
@@ -201,11 +204,12 @@ class Plan:
 
 
 def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int,
-                      after: mx.array | None = None) -> mx.array:  # fmt: skip
+                      after: mx.array | None = None, workspace: mx.array | None = None) -> mx.array:  # fmt: skip
     def check() -> None:
         check_indexer(batch, q, weights, keys, topk=topk)
 
     check_after("indexer_rows", after)
+    check_workspace(workspace, workspace_words(batch.size))
 
     try:
         key: tuple[Any, ...] = ("indexer_rows", type(topk), topk, q.shape, q.dtype, weights.shape, weights.dtype,
@@ -214,13 +218,16 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         check()
         raise
 
+    ws = workspace is not None
+    key += (ws,)
+
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
-        return plan_cached(pk, lambda: Plan(batch, q, keys, topk))
+        return plan_cached(pk, lambda: Plan(batch, q, keys, topk, ws))
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
-        return indexer_rows_reference(batch, q, weights, keys, topk=topk, after=after)
+        return indexer_rows_reference(batch, q, weights, keys, topk=topk, after=after, workspace=workspace)
     run = plan.compiled if common.COMPILE else plan.launch
     return run(batch.positions, batch.q_rows, batch.tables[4], q, weights, keys,
-               i32_dummy((1,)) if after is None else after)  # fmt: skip
+               i32_dummy((1,)) if after is None else after, *([workspace] if plan.ws else []))  # fmt: skip

@@ -9,7 +9,10 @@ keys of that bin only (collected in shared memory; over the whole row when too m
 an ordered compaction writes the top-k ids ascending (ties to the lowest id). The extra grid row
 writes -1 for q rows no batch row names. The one output `out` (int32) holds the ids [Bq][TOPK], then
 from word ceil4(Bq * TOPK) the `scratch` planes (uint32): ticket counters [ceil4(B)], histograms
-[B][2048], keys [B][CAPN]; all start zeroed (the launch's init_value).
+[B][2048], keys [B][CAPN]; all start zeroed (the launch's init_value). `ONE_WS` (a caller's
+`workspace`: the tickets and histograms, zero before the launch) leaves `out` the ids and the keys plane,
+needs no init_value fill (a graph node) and zeroes its rows' tickets and histograms again as each row's
+last block finishes: launches that share a workspace must run one after another (the model's layers do).
 Template constants: T, NI, DI, PAGE, TOPK, CH, ST (as the segment kernel), NTO (threads per block:
 more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-memory list holds).
 """
@@ -110,12 +113,17 @@ EMIT_GLOBAL = r"""if (tid < CH) {  // warps 0 and 1, whole
       if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
     }"""
 
-HEAD_ONE = r"""  const int nb = positions_shape[0];
-  unsigned int* scratch = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
+_SCRATCH = r"""  unsigned int* scratch = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
   unsigned int* tickets = scratch;
   unsigned int* ghist = scratch + ((nb + 3) & ~3);
   unsigned int* gkeys = ghist + (size_t)nb * 2048;
-  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row names get -1
+"""
+_SCRATCH_WS = r"""  unsigned int* tickets = const_cast<unsigned int*>(workspace);
+  unsigned int* ghist = tickets + ((nb + 3) & ~3);
+  unsigned int* gkeys = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
+"""
+HEAD_ONE = r"""  const int nb = positions_shape[0];
+SCRATCH  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row names get -1
     if (blockIdx.x == 0) {
       for (int r = 0; r < q_shape[0]; ++r) {
         bool named = false;
@@ -187,6 +195,11 @@ TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
   }
   dsv4_take_ordered<NT>(rk, n, thr, need_eq, wsum, [&](int r, int i, unsigned int) { o[r] = i; });
   for (int i = K + tid; i < TOPK; i += NT) o[i] = -1;
+RESET"""
+# ONE_WS: the row's workspace zeroed again for the next launch. Every block of the row added to it before
+# its ticket, so nothing writes it any more; this thread read ghist[i] (the select's copy) before.
+_RESET_WS = r"""  for (int i = tid; i < 2048; i += NT) ghist[(size_t)b * 2048 + i] = 0u;
+  if (tid == 0) tickets[b] = 0u;
 """
 
 # The segment kernel's shared key array `skey` becomes this kernel's shared histogram; `skey` here is
@@ -197,9 +210,16 @@ assert _SKEY in PRE and _HIST in PRE
 _OWN_HIST = "  unsigned int* hist = reinterpret_cast<unsigned int*>(part + HT * CH);  // [2048]\n"
 _NT = "constexpr int NT = 256, NWARP = 8,"
 assert _NT in PRE
-ONE = (
-    PRE.replace(_SKEY, _OWN_HIST).replace(_HIST, "").replace(_NT, "constexpr int NT = NTO, NWARP = NTO / 32,")
-    + HEAD_ONE
-    + score().replace("EMIT", EMIT_GLOBAL)
-    + TAIL_ONE
-)
+
+
+def one(workspace: bool) -> str:
+    """The one-launch kernel's source: scratch in its output (init_value zeroed) or in `workspace`."""
+    return (
+        PRE.replace(_SKEY, _OWN_HIST).replace(_HIST, "").replace(_NT, "constexpr int NT = NTO, NWARP = NTO / 32,")
+        + HEAD_ONE.replace("SCRATCH", _SCRATCH_WS if workspace else _SCRATCH)
+        + score().replace("EMIT", EMIT_GLOBAL)
+        + TAIL_ONE.replace("RESET", _RESET_WS if workspace else "")
+    )
+
+
+ONE, ONE_WS = one(False), one(True)

@@ -73,3 +73,23 @@ def test_pair_bad_arguments_name_them() -> None:
         compressor_pair_rows_inplace(batch, _one_row_args(8), tuple(_one_row_args(8)), **kw)
     with pytest.raises(ValueError, match=r"compressor_rows: kv: shape must be \[\*, 32\]"):
         compressor_pair_rows_inplace(batch, _one_row_args(8), _one_row_args(8, head_dim=16), **kw)
+
+
+def test_inplace_workspace_is_checked() -> None:
+    """compressor_rows_inplace's `workspace` (the CUDA HCA form's scratch): a well-formed one leaves the
+    reference's update alone; a wrong one is a ValueError naming it."""
+    from kernels import compressor_rows_inplace
+    from kernels.compressor import new_workspace, workspace_words
+
+    batch = RowBatch.build([Row(0, 127, 0, {128: (1,)})], 4)
+    d = 8
+    args = (batch, mx.ones((1, d)), mx.zeros((1, d)), mx.zeros((128, d)), mx.ones((d,)), mx.zeros((1, 128, d)),
+            mx.zeros((1, 128, d)), mx.zeros((2, 4, d)))  # fmt: skip
+    kw = dict(ratio=128, head_dim=d, eps=EPS, cos=mx.ones((1, 2)), sin=mx.zeros((1, 2)))
+    base = compressor_rows_inplace(*args, **kw)
+    with_ws = compressor_rows_inplace(*args, **kw, workspace=new_workspace(1, d))
+    for a, b in zip(base[:3], with_ws[:3], strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert workspace_words(1, d) == d + 1
+    with pytest.raises(ValueError, match=r"compressor_rows: workspace: must be uint32 \[>= 9\]"):
+        compressor_rows_inplace(*args, **kw, workspace=mx.zeros((9,), mx.float32))

@@ -111,3 +111,24 @@ def test_indexer_order_key_signed_zero_and_infinities() -> None:
     ids = np.array((mx.sort(key, axis=-1) & 0xFFFFFFFF).astype(mx.int32))[0].tolist()
     want = sorted(range(10), key=lambda s: (not valid[s], -float(scores[s]), s))
     assert ids == want == [5, 2, 7, 0, 1, 4, 9, 3, 6, 8]
+
+
+def test_indexer_workspace_is_checked_and_leaves_the_result_alone() -> None:
+    """`workspace` (the CUDA path's scratch): a well-formed one gives the NumPy model's ids (here the
+    reference runs); a wrong one is a ValueError naming it."""
+    from kernels.indexer import new_workspace, workspace_words
+
+    rng = np.random.default_rng(77)
+    rows, q, w, keys = make_case(rng, [7, 130, 41], page=3, n_heads=4, dim=8)
+    batch = RowBatch.build(rows, 3, {4: 20})
+    args = (batch, mx.array(q), mx.array(w), mx.array(keys))
+    ws = new_workspace(3)
+    assert ws.dtype == mx.uint32 and ws.size == workspace_words(3) and int(mx.sum(ws)) == 0
+    got = np.array(indexer_rows(*args, topk=12, workspace=ws))
+    np.testing.assert_array_equal(got, expected(rows, q, w, keys, 3, 12))
+    bad = {"must be uint32": mx.zeros((workspace_words(3),), mx.int32),
+           "must be uint32 \\[>= ": new_workspace(2),
+           "must be an mx.array": np.zeros(workspace_words(3), np.uint32)}  # fmt: skip
+    for why, wsb in bad.items():
+        with pytest.raises(ValueError, match=f"indexer_rows: workspace: {why}"):
+            indexer_rows(*args, topk=12, workspace=wsb)
