@@ -117,7 +117,7 @@ def precompile(
             _, _, pl, token = compressor_rows_inplace_cuda(batch, *a[:4], st + 0, st + 0, pool + 0, **kw)
             calls.append(pl if token is None else token)  # None: that head_dim runs the reference
             if ratio != 4:  # the model's HCA form: its scratch in the layer's workspace (StatePools.comp_ws)
-                _, _, pl, token = compressor_rows_inplace_cuda(*args[:5], st + 0, st + 0, pool + 0, **kw,
+                _, _, pl, token = compressor_rows_inplace_cuda(batch, *a[:4], st + 0, st + 0, pool + 0, **kw,
                                                                workspace=new_comp_workspace(1, d))  # fmt: skip
                 calls.append(pl if token is None else token)
         else:
