@@ -147,8 +147,10 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
         def call(impl: Callable[..., Any], b: RowBatch, st: Any) -> Any:
             # st: (kv_state, score_state, pool[, token]): a chained in-place call follows the last one's token
             kw = {"after": st[3]} if len(st) == 4 else {}
+            if impl is not kc.compressor_rows_cuda:  # the functional op (bench/kernels.py's check) takes none
+                kw["workspace"] = ws
             return impl(b, kv, score, ape, norm, *st[:3], ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin,
-                        workspace=ws, **kw)  # fmt: skip
+                        **kw)  # fmt: skip
 
         nbytes = rows * (2 * coff * ratio * c * 4 * 2 + 2 * c * 4 + d * 2)
         return Case(op, nbytes, call, batch, singles, init)
