@@ -21,6 +21,8 @@ from kernels.sparse_attention import sparse_attention_rows_reference
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
 # The compressor as the model runs it: in place on CUDA (state + pool written through their buffers, a
 # token for the readers), the functional update in the reference. Both return (kv, score, pool, token).
+# The op cases' indexer and compressor calls take a workspace as the model's do (bench/host_cost.py --ws-ab: off)
+CASE_WS = True
 REF = {"compressor_rows": compressor_rows_inplace_reference, "compressor_pair": compressor_pair_rows_inplace_reference,
        "indexer_rows": indexer_rows_reference, "sparse_attention_rows": sparse_attention_rows_reference}  # fmt: skip
 FAST = {"compressor_rows": kc.compressor_rows_inplace_cuda, "compressor_pair": kc.compressor_pair_rows_inplace_cuda,
@@ -142,12 +144,14 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
                 mx.random.normal((pages, PAGE, d)).astype(mx.bfloat16))  # fmt: skip
         mx.eval(kv, score, ape, norm, cos, sin, init)
 
-        ws = new_comp_workspace(rows, d)  # as the model's (StatePools.comp_ws): the chained calls share it, in order
+        # as the model's (StatePools.comp_ws): the chained calls share it, in order
+        ws = new_comp_workspace(rows, d) if CASE_WS else None
 
         def call(impl: Callable[..., Any], b: RowBatch, st: Any) -> Any:
             # st: (kv_state, score_state, pool[, token]): a chained in-place call follows the last one's token
             kw = {"after": st[3]} if len(st) == 4 else {}
-            if impl is not kc.compressor_rows_cuda:  # the functional op (bench/kernels.py's check) takes none
+            # the functional op (bench/kernels.py's check) takes none
+            if impl is not kc.compressor_rows_cuda and ws is not None:
                 kw["workspace"] = ws
             return impl(b, kv, score, ape, norm, *st[:3], ratio=ratio, head_dim=d, eps=1e-6, cos=cos, sin=sin,
                         **kw)  # fmt: skip
@@ -158,7 +162,8 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
         n = ctx // 4
         batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
-        ws = new_workspace(rows)  # as the model's (StatePools.idx_ws): the chained calls share it, in order
+        # as the model's (StatePools.idx_ws): the chained calls share it, in order
+        ws = new_workspace(rows) if CASE_WS else None
 
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from bench import cases  # noqa: E402
 from bench.cases import add_link_argument, chain43, make_case  # noqa: E402
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
@@ -114,6 +115,8 @@ def main() -> None:
                     help="attention rows of up to this many 64-key chunks take `dsplit` (kernels/cuda/attention.py; "
                     "0: every row takes split-K + combine)")
     ap.add_argument("--wide-threads", type=int, default=None, help="threads per `wide` attention block (256, 512)")
+    ap.add_argument("--ws-ab", action="store_true",
+                    help="indexer and compressor cases with and without their workspace (bench.cases.CASE_WS)")
     ap.add_argument("--wide-heads", default="", help="attention cases once per heads-per-wide-block, e.g. 64,32")
     opt = ap.parse_args()
     env = {k: os.environ[k] for k in ENV if k in os.environ}
@@ -140,13 +143,17 @@ def main() -> None:
             paths = [(":one", ("ONE_MAX", 1 << 40)), (":segment", ("ONE_MAX", 0))]
         if op == "sparse_attention_rows" and opt.wide_heads:
             paths = [(f":wide{h}", ("WIDE_HG", int(h))) for h in opt.wide_heads.split(",")]
+        if opt.ws_ab and op.split(":")[0] in ("indexer_rows", "compressor_rows"):
+            paths = [(":ws", ("CASE_WS", True)), (":nows", ("CASE_WS", False))]
         for tag, setting in paths:
-            if setting:  # a module setting read when a launch plan is made (part of its key)
+            if setting and setting[0] == "CASE_WS":
+                cases.CASE_WS = setting[1]
+            elif setting:  # a module setting read when a launch plan is made (part of its key)
                 setattr(at if setting[0] == "WIDE_HG" else ix, *setting)
             case = make_case(op, int(rows), int(ctx), link=opt.link)
             emit(spec + tag, split(case.chain(case.fast, opt.chain, compiled=True), opt.reps, opt.chain))
             del case
-        ix.ONE_MAX, at.WIDE_HG = ONE_MAX, WIDE_HG
+        ix.ONE_MAX, at.WIDE_HG, cases.CASE_WS = ONE_MAX, WIDE_HG, True
     if not opt.no_chain43:
         ch = chain43(8, 8192)
         emit("chain43:8:8192", split(ch.fast_c, opt.reps, 1))
