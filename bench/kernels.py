@@ -60,8 +60,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return b - t, time.perf_counter() - t
 
 
-def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Median / spread of each arm's time per call (us), arms interleaved A, B, C, A, B, C, ..."""
+def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int], block: int = 1
+               ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Median / spread of each arm's time per call (us), arms interleaved A, B, C, A, B, C, ... (drift hits
+    every arm alike). `block` > 1: each turn runs its arm `block` times in a row and the median is over the
+    later runs (warm: a call after a call of its own kind, as a server's steps follow each other); the
+    turns' first runs (after another arm, sessions <= 19's only figure) are `cold_median_us`."""
     for k, f in list(arms.items()):  # warm-up (compile, allocate); an arm MLX cannot run is reported, not timed
         try:
             timed(f)
@@ -69,17 +73,21 @@ def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int
             print(f"arm {k}: {type(e).__name__}: {e}", flush=True)
             del arms[k]
     samples: dict[str, list[float]] = {k: [] for k in arms}
+    cold: dict[str, list[float]] = {k: [] for k in arms}
     builds: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(reps):
         for k, f in arms.items():
-            b, t = timed(f)
-            samples[k].append(t * 1e6 / per[k])
-            builds[k].append(b * 1e6 / per[k])
+            for i in range(block):
+                b, t = timed(f)
+                (cold if i == 0 else samples)[k].append(t * 1e6 / per[k])
+                if i or block == 1:
+                    builds[k].append(b * 1e6 / per[k])
     out = {}
-    for k, s in samples.items():
+    for k in arms:
+        s = samples[k] or cold[k]
         q = np.percentile(s, [10, 90])
         out[k] = {"median_us": statistics.median(s), "p10_us": float(q[0]), "p90_us": float(q[1]),
-                  "build_us": statistics.median(builds[k])}  # fmt: skip
+                  "build_us": statistics.median(builds[k]), "cold_median_us": statistics.median(cold[k])}  # fmt: skip
     return out
 
 
@@ -206,6 +214,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--ctxs", default="8192,131072,1048576")
     ap.add_argument("--no-chain43", action="store_true")
+    ap.add_argument("--block", type=int, default=2,
+                    help="runs of an arm per turn; the figures are the warm ones after the first (1: every run, "
+                    "each after another arm, as in sessions <= 19)")
     add_link_argument(ap)
     ap.add_argument("--extra-arms", action="store_true", help="also: per-op mx.compile flipped, forced scatters")
     a = ap.parse_args()
@@ -226,7 +237,7 @@ def main() -> None:
                                      "fast_c_dep": chain.fast_c_dep}  # fmt: skip
     if chain is not None and a.extra_arms:
         arms |= {"scatter": forced(chain.fast, False), "other": other_compile(chain.fast)}
-    r = interleave(arms, a.reps, dict.fromkeys(arms, 1)) if arms else {}
+    r = interleave(arms, a.reps, dict.fromkeys(arms, 1), a.block) if arms else {}
     step = None if not r else {"op": "chain43", "rows": 8, "ctx": 8192,
                                **{f"{k}_{m}": v[m] for k, v in r.items() for m in v}}  # fmt: skip
     save(a.out, meta, fl, rows_out, step)
@@ -250,7 +261,7 @@ def main() -> None:
                         a.chain)  # fmt: skip
                 if a.extra_arms and case.op == "compressor_rows":
                     arms["scatter"] = forced(arms["functional"], False)
-                r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain))
+                r = interleave(arms, a.reps, dict.fromkeys(arms, a.chain), a.block)
                 floor_us = case.bytes / fl["copy_bytes_per_s"] * 1e6
                 row = {"op": op, "rows": nr, "ctx": ctx, "bytes": case.bytes, "byte_floor_us": floor_us,
                        "launch_floor_us": fl["launch_us"], "eval_floor_us": fl["eval_us"], **err,
@@ -288,6 +299,10 @@ def main() -> None:
               f"{x['single_c_median_us'] / fc:7.1f} | "
               f"{x['byte_floor_us']:8.2f} {x['bytes'] / fc / 1e3:7.0f} {e:9.2e}")  # fmt: skip
     print_chain43(step)
+    if a.block > 1:  # the first run of each turn: after another arm's (the reference's) calls
+        print("cold (each arm's first run of a turn), fast_c us: " + ", ".join(
+            f"{x['op']} {x['rows']}x{x['ctx']} {x['fast_c_cold_median_us']:.1f}" for x in rows_out)
+            + ("" if step is None else f"; chain43 fast_c {step['fast_c_cold_median_us'] / 1e3:.3f} ms"))  # fmt: skip
     cs = [x for x in rows_out if x["op"] == "compressor_rows"]
     if cs:
         bad = [x for x in cs if x.get("full_states_equal") != 1.0 or x.get("scatter_states_equal") != 1.0
