@@ -4,6 +4,10 @@
 #         (test_cuda_workspace.py), the indexer, the in-place compressor + pair, precompile, the tiny model
 #         (in place vs functional; the hc kernel's decode, with the fused RMSNorm of next/rmsnorm-fast)
 #   wsab  chain43's wall time with and without the workspaces (`--drop ws`), alternated ROUNDS (default 3) times
+#   tl128 bench/timeline.py for the indexer at 128K (1 and 8 rows): GPU busy, gaps and graph launches a call
+#   ops128 bench/host_cost.py, indexer at 128K (8 rows), back to back, under MLX_MAX_OPS_PER_BUFFER $OPS
+#         (default "8 16 32"), a process each
+#   kfigs bench/kernels.py --rows 8 --block 2 (warm figures + the cold ones) and chain43
 #   tlstep/commitstep/figs/t1/t2 as in gpu_session19.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -25,6 +29,17 @@ for part in ${PART:-tests}; do
       v=""; for r in $(seq "${ROUNDS:-3}"); do v="$v,after:,after:ws"; done
       timeout 240 python3 bench/host_cost.py --cases "" --no-chain43 --reps 20 --chain43-variants "${v#,}" 2>&1 \
         | grep chain43 ;;
+    tl128)
+      mkdir -p "$OUT/tl"
+      timeout 200 python3 bench/timeline.py --out "$OUT/tl" --cases indexer_rows:1:131072,indexer_rows:8:131072 2>&1 \
+        | grep -v "^USDT\|^STAGE\|UserWarning\|_warn_once" | cut -c1-400
+      cp "$OUT/tl/timeline.json" "$OUT/timeline128.json"; rm -rf "$OUT/tl" ;;
+    ops128)
+      for ops in ${OPS:-8 16 32}; do
+        MLX_MAX_OPS_PER_BUFFER=$ops timeout 100 python3 bench/host_cost.py --no-chain43 --reps 20 \
+          --cases indexer_rows:8:131072,indexer_rows:8:131072 --chain43-variants after: 2>&1 | grep -v trivial
+      done ;;
+    kfigs) timeout 420 python3 bench/kernels.py --reps 5 --rows 8 --block 2 --out "$OUT" 2>&1 | tail -17 ;;
     *) PART=$part bash bench/gpu_session19.sh ;;
   esac
 done
