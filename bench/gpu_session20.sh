@@ -8,6 +8,8 @@
 #   ops128 bench/host_cost.py, indexer at 128K (8 rows), back to back, under MLX_MAX_OPS_PER_BUFFER $OPS
 #         (default "8 16 32"), a process each
 #   kfigs bench/kernels.py --rows 8 --block 2 (warm figures + the cold ones) and chain43
+#   carve the indexer at 128K / 1M with DSV4_IDX_CARVE 0 / 1 (segment + merge padded to one shared-memory carveout),
+#         a process each, alternated twice; the timeline at 8 rows 128K with it; the indexer gpu tests with it
 #   tlstep/commitstep/figs/t1/t2 as in gpu_session19.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -40,6 +42,17 @@ for part in ${PART:-tests}; do
           --cases indexer_rows:8:131072,indexer_rows:8:131072 --chain43-variants after: 2>&1 | grep -v trivial
       done ;;
     kfigs) timeout 420 python3 bench/kernels.py --reps 5 --rows 8 --block 2 --out "$OUT" 2>&1 | tail -17 ;;
+    carve)
+      for r in 1 2; do for c in 0 1; do
+        DSV4_IDX_CARVE=$c timeout 100 python3 bench/host_cost.py --no-chain43 --reps 20 --cases \
+          indexer_rows:8:131072,indexer_rows:8:131072,indexer_rows:1:131072,indexer_rows:8:1048576 2>&1 \
+          | grep -v trivial | sed "s/^/carve=$c /"
+      done; done
+      mkdir -p "$OUT/tl"
+      DSV4_IDX_CARVE=1 timeout 100 python3 bench/timeline.py --out "$OUT/tl" --cases indexer_rows:8:131072 2>&1 \
+        | grep -E "^== |gpu_per_eval|gap" | cut -c1-200
+      rm -rf "$OUT/tl"
+      DSV4_IDX_CARVE=1 pyt 200 tests/kernels/test_cuda_indexer.py ;;
     *) PART=$part bash bench/gpu_session19.sh ;;
   esac
 done

@@ -35,6 +35,7 @@ topk <= 2048; anything else runs the reference.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -64,6 +65,11 @@ ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 # 128K: segment span 35.7 -> 32.3 us (1 row: 24.9 -> 20.7). At 1M (8192-entry segments) the same bound took
 # 211 -> 305 us (bench/phases.py, idx variant `bounds`; session 13), so longer segments keep no bound.
 SEG_BOUNDED_MAX = 4096
+# EXPERIMENT (DSV4_IDX_CARVE=1): shared memory padded so that the segment kernel (2 blocks an SM) and the merge
+# (1 block) both need the SM's largest shared-memory carveout (228 KB): no L1 / shared reconfiguration of every
+# SM between the two launches (8 rows at 128K: kernels 5 us apart in a graph, 0.1 us at 1 row).
+CARVE = os.environ.get("DSV4_IDX_CARVE", "0") == "1"
+CARVE_SEG, CARVE_MERGE = 108 * 1024, 227 * 1024
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
 # 1,024 threads a merge block: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
@@ -162,7 +168,10 @@ class Plan:
             dense = dense_segments(seg, topk)
             cand = nseg * (seg if dense else topk)
             ld = -(-cand // 4) * 4
-            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, smem_bytes(ni, di, seg + 2048),
+            sm = smem_bytes(ni, di, seg + 2048)
+            if CARVE and segment_min_blocks(seg) == 2:
+                sm = max(sm, CARVE_SEG)
+            self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, sm,
                               HELPERS + launch_bounds(NT, segment_min_blocks(seg)))  # fmt: skip
             caps = topk if dense else 0  # a dense segment's compact list: at most half its keys
             self.seg_tmpl = base + [("ST", STAGES), ("SEG", seg), ("LDC", ld), ("NSEG", nseg), ("DENSE", dense),
@@ -171,7 +180,8 @@ class Plan:
             self.seg_grid = (nseg * NT, b, 1)
             # keys, ids, bounds; DENSE: keys, compact lists, bounds, taus, lengths (indexer_src.CAND)
             self.seg_shapes = [(b * ((ld + 2 * nseg * caps + 3 * nseg) if dense else (2 * ld + nseg)),)]
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, 8 * MERGE_CAP, MERGE_HEADER)
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, CARVE_MERGE if CARVE else 8 * MERGE_CAP,
+                                MERGE_HEADER)  # fmt: skip
             self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("SEG", seg), ("CAPS", caps),
                                ("CAPC", MERGE_CAP), ("UR", merge_ur(cand, dense)), ("HB", MERGE_HB),
                                ("DENSE", dense)]  # fmt: skip
