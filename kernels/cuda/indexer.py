@@ -69,7 +69,7 @@ SEG_BOUNDED_MAX = 4096
 # (1 block) both need the SM's largest shared-memory carveout (228 KB): no L1 / shared reconfiguration of every
 # SM between the two launches (8 rows at 128K: kernels 5 us apart in a graph, 0.1 us at 1 row).
 CARVE = os.environ.get("DSV4_IDX_CARVE", "0") == "1"
-CARVE_SEG, CARVE_MERGE = 108 * 1024, 227 * 1024
+CARVE_SEG, CARVE_MERGE = 108 * 1024, int(os.environ.get("DSV4_IDX_CARVE_MERGE", 200 * 1024))
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
 # 1,024 threads a merge block: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
