@@ -65,11 +65,21 @@ ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 # 128K: segment span 35.7 -> 32.3 us (1 row: 24.9 -> 20.7). At 1M (8192-entry segments) the same bound took
 # 211 -> 305 us (bench/phases.py, idx variant `bounds`; session 13), so longer segments keep no bound.
 SEG_BOUNDED_MAX = 4096
-# EXPERIMENT (DSV4_IDX_CARVE=1): shared memory padded so that the segment kernel (2 blocks an SM) and the merge
-# (1 block) both need the SM's largest shared-memory carveout (228 KB): no L1 / shared reconfiguration of every
-# SM between the two launches (8 rows at 128K: kernels 5 us apart in a graph, 0.1 us at 1 row).
-CARVE = os.environ.get("DSV4_IDX_CARVE", "0") == "1"
-CARVE_SEG, CARVE_MERGE = 108 * 1024, int(os.environ.get("DSV4_IDX_CARVE_MERGE", 200 * 1024))
+# One shared-memory carveout for both launches at 128K (segments of <= SEG_BOUNDED_MAX entries, 2 blocks an SM):
+# the driver sizes each kernel's L1 / shared split by its own need (segment 2 x 83 KB, merge 128 KB), and
+# reconfiguring every SM between the two costs a gap (8 rows, 128K: kernels ~5 us apart in a graph, 0.1 us at
+# 1 row). Padded to 2 x 108 KB and 200 KB, both take the largest (228 KB) one. H200, 8 rows, 128K, back to back,
+# a process an arm: 57.5 vs 60.6 us a call (bench/results/session20-h200.md). Hopper and later (227 KB a
+# block); DSV4_IDX_CARVE=0 turns it off.
+CARVE_SEG, CARVE_MERGE = 108 * 1024, 200 * 1024
+
+
+def carve() -> bool:
+    if os.environ.get("DSV4_IDX_CARVE", "1").strip() == "0":
+        return False
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 9
+
+
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token
 MERGE_IN = ("positions", "q_rows", "cand")
 # 1,024 threads a merge block: at most 64 registers (the bound makes ptxas keep to them, whatever its version)
@@ -169,7 +179,8 @@ class Plan:
             cand = nseg * (seg if dense else topk)
             ld = -(-cand // 4) * 4
             sm = smem_bytes(ni, di, seg + 2048)
-            if CARVE and segment_min_blocks(seg) == 2:
+            pad = segment_min_blocks(seg) == 2 and carve()
+            if pad:
                 sm = max(sm, CARVE_SEG)
             self.seg = kernel("idx_segment", SEG_IN, ("cand",), SEGMENT, sm,
                               HELPERS + launch_bounds(NT, segment_min_blocks(seg)))  # fmt: skip
@@ -180,7 +191,7 @@ class Plan:
             self.seg_grid = (nseg * NT, b, 1)
             # keys, ids, bounds; DENSE: keys, compact lists, bounds, taus, lengths (indexer_src.CAND)
             self.seg_shapes = [(b * ((ld + 2 * nseg * caps + 3 * nseg) if dense else (2 * ld + nseg)),)]
-            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, CARVE_MERGE if CARVE else 8 * MERGE_CAP,
+            self.merge = kernel("idx_merge", MERGE_IN, ("out",), MERGE, CARVE_MERGE if pad else 8 * MERGE_CAP,
                                 MERGE_HEADER)  # fmt: skip
             self.merge_tmpl = [("TOPK", topk), ("L", cand), ("LDC", ld), ("NSEG", nseg), ("SEG", seg), ("CAPS", caps),
                                ("CAPC", MERGE_CAP), ("UR", merge_ur(cand, dense)), ("HB", MERGE_HB),

@@ -44,6 +44,26 @@ def test_indexer_dense_segments_rule(ctx: int, topk: int, seg: int, dense: bool)
     assert ix.dense_segments(seg, topk) == dense
 
 
+def test_indexer_carveout_padding() -> None:
+    """The 128K form's padding puts the segment kernel (2 blocks an SM) and the merge (1) in the SM's largest
+    carveout (above 196 KB, within 228), keeps their occupancy and a block's 227 KB limit, and is only ever
+    larger than what the kernels need."""
+    seg = ix.segment_size(131_072 // 4, 512)
+    assert ix.segment_min_blocks(seg) == 2
+    need = ix.smem_bytes(64, 128, seg + 2048)
+    assert need <= ix.CARVE_SEG and 196 * 1024 < 2 * (ix.CARVE_SEG + 1024) <= 228 * 1024
+    assert 8 * ix.MERGE_CAP <= ix.CARVE_MERGE and 196 * 1024 < ix.CARVE_MERGE + 1024 <= SMEM_MAX
+
+
+def test_indexer_carveout_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off with DSV4_IDX_CARVE=0, and where MLX reports no compute capability of 9 or more (a CPU)."""
+    monkeypatch.setenv("DSV4_IDX_CARVE", "0")
+    assert not ix.carve()
+    if ix.mx.default_device() == ix.mx.cpu:  # no CUDA device: no compute capability, no padding
+        monkeypatch.setenv("DSV4_IDX_CARVE", "1")
+        assert not ix.carve()
+
+
 @pytest.mark.parametrize("cap", [64, 2048, 8192, 8256, ix.ONE_MAX])
 def test_indexer_one_launch_plan(cap: int) -> None:
     eb = ix.one_block(cap)
