@@ -10,16 +10,7 @@
 #   hcstep bench/step.py (fast, 8 rows, 4K), this tree vs the same tree with $OLD's kernels/cuda/hc.py only,
 #         ROUNDS (default "1 2") alternated
 #   figs  bench/kernels.py --rows 8 (chains of 10, chain43) and bench/step.py (fast, reference; 1 and 8 rows)
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/ncu"
-NCU=/usr/local/cuda/bin/ncu
-python3 bench/provenance.py
-pyt() {  # pytest of the gpu-marked tests in files $2.., under a timeout of $1 s
-  local t=$1; shift
-  timeout "$t" python3 -m pytest "$@" -m gpu -q --tb=short -rf -p no:cacheprovider --durations=3 2>&1 | tail -14
-}
+source "$(dirname "$0")/gpu_prelude.sh"
 HC='import mlx.core as mx
 from kernels.cuda.hc import hc_pre_mix_cuda
 m, h = mx.random.normal((8, 24)), mx.random.normal((8, 4, 4096)).astype(mx.bfloat16)

@@ -17,12 +17,7 @@
 #   ws    (branch next/idx-workspace) gpu tests of the indexer's workspace form, the indexer, precompile and the
 #         tiny model, then chain43's wall time with and without the workspace (`--drop ws`) alternated twice
 #   t1/t2/figs as in gpu_session18.sh
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/ncu"
-NCU=/usr/local/cuda/bin/ncu
-python3 bench/provenance.py
+source "$(dirname "$0")/gpu_prelude.sh"
 tree_with() {  # $1 dir name under /tmp, $2 kernels source: a copy of this tree with those kernels/cuda
   rm -rf "/tmp/$1"; cp -r "$PWD" "/tmp/$1"; cp "$2"/kernels/cuda/*.py "/tmp/$1/kernels/cuda/"
 }

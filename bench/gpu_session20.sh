@@ -11,15 +11,7 @@
 #   carve the indexer at 128K / 1M with DSV4_IDX_CARVE 0 / 1 (segment + merge padded to one shared-memory carveout),
 #         a process each, alternated twice; the timeline at 8 rows 128K with it; the indexer gpu tests with it
 #   tlstep/commitstep/figs/t1/t2 as in gpu_session19.sh
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 bench/provenance.py
-pyt() {  # pytest of the gpu-marked tests in files $2.., under a timeout of $1 s
-  local t=$1; shift
-  timeout "$t" python3 -m pytest "$@" -m gpu -q --tb=short -rf -p no:cacheprovider --durations=3 2>&1 | tail -14
-}
+source "$(dirname "$0")/gpu_prelude.sh"
 for part in ${PART:-tests}; do
   case "$part" in
     tests)

@@ -69,15 +69,16 @@ SEG_BOUNDED_MAX = 4096
 # the driver sizes each kernel's L1 / shared split by its own need (segment 2 x 83 KB, merge 128 KB), and
 # reconfiguring every SM between the two costs a gap (8 rows, 128K: kernels ~5 us apart in a graph, 0.1 us at
 # 1 row). Padded to 2 x 108 KB and 200 KB, both take the largest (228 KB) one. H200, 8 rows, 128K, back to back,
-# a process an arm: 57.5 vs 60.6 us a call (bench/results/session20-h200.md). Hopper and later (227 KB a
-# block); DSV4_IDX_CARVE=0 turns it off.
+# a process an arm: 57.5 vs 60.6 us a call (bench/results/session20-h200.md). Compute capability 9.x / 10.x
+# (227 KB a block); DSV4_IDX_CARVE=0 turns it off.
 CARVE_SEG, CARVE_MERGE = 108 * 1024, 200 * 1024
 
 
 def carve() -> bool:
     if os.environ.get("DSV4_IDX_CARVE", "1").strip() == "0":
         return False
-    return int(mx.device_info().get("compute_capability_major", 0)) >= 9
+    # 228 KB of shared memory an SM: Hopper (9.x) and data-centre Blackwell (10.x); not 12.x (~100 KB)
+    return int(mx.device_info().get("compute_capability_major", 0)) in (9, 10)
 
 
 SEG_IN = ("positions", "q_rows", "table", "q", "weights", "keys", "after")  # after: an in-place writer's token

@@ -56,12 +56,16 @@ def test_indexer_carveout_padding() -> None:
 
 
 def test_indexer_carveout_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off with DSV4_IDX_CARVE=0, and where MLX reports no compute capability of 9 or more (a CPU)."""
+    """Off with DSV4_IDX_CARVE=0, on a CPU (no compute capability), and on GPUs without 228 KB of shared
+    memory an SM (8.x, 12.x: the padded 200 KB merge would not launch there)."""
     monkeypatch.setenv("DSV4_IDX_CARVE", "0")
     assert not ix.carve()
-    if ix.mx.default_device() == ix.mx.cpu:  # no CUDA device: no compute capability, no padding
-        monkeypatch.setenv("DSV4_IDX_CARVE", "1")
+    monkeypatch.setenv("DSV4_IDX_CARVE", "1")
+    if ix.mx.default_device() == ix.mx.cpu:
         assert not ix.carve()
+    for major, on in ((8, False), (9, True), (10, True), (12, False)):  # each GPU kind, by its reported capability
+        monkeypatch.setattr(ix.mx, "device_info", lambda m=major: {"compute_capability_major": m})
+        assert ix.carve() is on, major
 
 
 @pytest.mark.parametrize("cap", [64, 2048, 8192, 8256, ix.ONE_MAX])
