@@ -6,15 +6,7 @@
 #         (`git archive main | tar -x -C old_tree`: keys in the output, slice + reshape), a process each,
 #         alternated ROUNDS (default 3) times
 #   kfigs/tlstep/carve as in gpu_session20.sh
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 bench/provenance.py
-pyt() {  # pytest of the gpu-marked tests in files $2.., under a timeout of $1 s
-  local t=$1; shift
-  timeout "$t" python3 -m pytest "$@" -m gpu -q --tb=short -rf -p no:cacheprovider --durations=3 2>&1 | tail -14
-}
+source "$(dirname "$0")/gpu_prelude.sh"
 CASES=indexer_rows:8:8192,indexer_rows:1:8192
 for part in ${PART:-tests}; do
   case "$part" in
