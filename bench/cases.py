@@ -163,7 +163,7 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
         batch, singles, q, w, keys = indexer_inputs(rng, rows, ctx)
 
         # as the model's (StatePools.idx_ws): the chained calls share it, in order
-        ws = new_workspace(rows) if CASE_WS else None
+        ws = new_workspace(rows, batch.tables[4].shape[1] * PAGE) if CASE_WS else None
 
         def call_i(impl: Callable[..., Any], b: RowBatch, prev: Any) -> Any:
             # an edge in MLX's CUDA graph either way, so the calls run one after another on the GPU
@@ -250,7 +250,7 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
                 s |= {"ckv": mx.random.normal((p4, PAGE, D)).astype(mx.bfloat16), "ck": mx.zeros((rows, 8, 2 * D)),
                       "cs": mx.zeros((rows, 8, 2 * D)), "ik": mx.random.normal((p4, PAGE, DI)).astype(mx.bfloat16),
                       "ikv": mx.zeros((rows, 8, 2 * DI)), "is": mx.zeros((rows, 8, 2 * DI)),
-                      "ws": new_workspace(rows)}  # fmt: skip
+                      "ws": new_workspace(rows, len(t4[0]) * PAGE)}  # fmt: skip
             elif k == 128:
                 s |= {"ckv": mx.random.normal((p128, PAGE, D)).astype(mx.bfloat16),
                       "ck": mx.zeros((rows, 128, D)), "cs": mx.zeros((rows, 128, D)),

@@ -57,7 +57,7 @@ def units() -> dict[str, str]:
                                           one_t + [("NTO", 512 if eb > 128 else 256), ("EB", eb),
                                                    ("CAPN", 32768), ("CAPL", 13056)], ix.ONE,
                                           header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
-    out["idx_one_ws"] = standalone("idx_one", one_in + [("workspace", U32, False)], [("out", I32)],
+    out["idx_one_ws"] = standalone("idx_one", one_in + [("workspace", U32, True)], [("out", I32)],
                                    one_t + [("NTO", 256), ("EB", 128), ("CAPN", 2048), ("CAPL", 13056)],
                                    ix.ONE_WS, header=HELPERS + ix.ONE_HELPERS)  # fmt: skip
     tiny = [("T", BF), ("NI", 16), ("DI", 32), ("PAGE", 16), ("TOPK", 8), ("CH", ix.CH), ("ST", ix.ONE_STAGES)]

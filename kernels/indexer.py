@@ -13,6 +13,8 @@ descending, then id ascending" on every backend, and the k smallest keys are exa
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from kernels.rows import (
@@ -30,7 +32,6 @@ from kernels.rows import (
     row_entries,
     zeroed_workspace,
 )
-from kernels.rows import check_workspace as check_ws
 
 OP = "indexer_rows"
 RATIO = 4
@@ -81,19 +82,36 @@ def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
     return ids
 
 
-def workspace_words(rows: int) -> int:
-    """uint32 words of an indexer workspace for up to `rows` batch rows: tickets, then a 2048-bin histogram
-    per row (the CUDA one-launch kernel's, kernels/cuda/indexer_one_src.ONE_WS)."""
-    return -(-rows // 4) * 4 + rows * 2048
+# An indexer workspace row (the CUDA one-launch kernel's, kernels/cuda/indexer_one_src.ONE_WS): its ticket
+# (4 words: what follows stays 16-byte aligned), its 2048-bin histogram (both zero between launches), then,
+# for tables of up to WS_KEYS_MAX entries (the one-launch kernel's rows, kernels/cuda/indexer.ONE_MAX), its
+# scores' keys. One fixed place per row whatever the batch size: a launch's keys never land where a later
+# launch expects zeroed counts.
+WS_HEAD = 4 + 2048
+WS_KEYS_MAX = 8192
 
 
-def new_workspace(rows: int) -> mx.array:
-    """A zeroed indexer workspace for up to `rows` batch rows."""
-    return zeroed_workspace(workspace_words(rows))
+def workspace_cols(cap: int) -> int:
+    """uint32 words per workspace row for tables of `cap` entries (table width x page size)."""
+    return WS_HEAD + (-(-cap // 4) * 4 if cap <= WS_KEYS_MAX else 0)
 
 
-def check_workspace(workspace: mx.array | None, words: int) -> None:
-    check_ws(OP, workspace, words)
+def new_workspace(rows: int, cap: int) -> mx.array:
+    """A zeroed indexer workspace for up to `rows` batch rows of tables of up to `cap` entries."""
+    return zeroed_workspace((rows, workspace_cols(cap)))
+
+
+def check_workspace(workspace: Any, rows: int, cap: int) -> None:
+    """`workspace=`: None, or uint32 [>= rows, >= workspace_cols(cap)]."""
+    if workspace is None:
+        return
+    if not isinstance(workspace, mx.array):
+        raise fail(OP, "workspace", f"must be an mx.array or None, got {type(workspace).__name__}")
+    cols = workspace_cols(cap)
+    if workspace.dtype != mx.uint32 or workspace.ndim != 2 or workspace.shape[0] < rows or workspace.shape[1] < cols:
+        got = f"{str(workspace.dtype).removeprefix('mlx.core.')} {list(workspace.shape)}"
+        raise fail(OP, "workspace", f"must be uint32 [>= {rows}, >= {cols}] (kernels.indexer.new_workspace("
+                   f"{rows}, {cap})), got {got}")  # fmt: skip
 
 
 def indexer_rows_reference(
@@ -104,7 +122,7 @@ def indexer_rows_reference(
     `workspace` (the fast path's scratch) is checked and otherwise unused."""
     check_indexer(batch, q, weights, keys, topk=topk)
     check_after(OP, after)
-    check_workspace(workspace, workspace_words(batch.size))
+    check_workspace(workspace, batch.size, batch.tables[RATIO].shape[1] * batch.page_size)
     b, page = batch.size, batch.page_size
     qr = batch.q_rows
     table = ordered(batch.tables[RATIO], after)  # [B, width]

@@ -230,9 +230,9 @@ def checked(batch: RowBatch, key: Hashable, check: Callable[[], None], plan: Cal
         return value
 
 
-def zeroed_workspace(words: int) -> mx.array:
+def zeroed_workspace(shape: int | tuple[int, ...]) -> mx.array:
     """A zeroed uint32 array in its own buffer: a fast path's scratch that it writes in place (`workspace=`)."""
-    ws = mx.zeros((words,), mx.uint32)
+    ws = mx.zeros(shape if isinstance(shape, tuple) else (shape,), mx.uint32)
     mx.eval(ws)
     return ws
 

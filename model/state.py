@@ -75,7 +75,7 @@ class StatePools:
                 self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
                 self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)
                 self.ikeys[layer] = mx.zeros((self.pages[r], page_size, Di), dtype)
-                self.idx_ws[layer] = new_workspace(max_slots)
+                self.idx_ws[layer] = new_workspace(max_slots, self.table_width(4) * page_size)
         mx.eval(self.arrays())
         self._free_slots = list(range(max_slots))
         self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}

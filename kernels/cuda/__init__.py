@@ -142,7 +142,7 @@ def precompile(
         calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk))
         # the model's form: its scratch in the layer's workspace (StatePools.idx_ws), no fill node
         calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk,
-                                       workspace=new_workspace(1)))  # fmt: skip
+                                       workspace=new_workspace(1, batch.tables[4].shape[1] * page_size)))  # fmt: skip
     mx.eval(calls)
     return len(calls)
 

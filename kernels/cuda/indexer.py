@@ -46,7 +46,7 @@ from kernels.cuda.indexer_merge_src import MERGE
 from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS, ONE_WS
 from kernels.cuda.indexer_src import SEGMENT
 from kernels.cuda.select import HELPERS
-from kernels.indexer import check_indexer, check_workspace, indexer_rows_reference, workspace_words
+from kernels.indexer import WS_HEAD, WS_KEYS_MAX, check_indexer, check_workspace, indexer_rows_reference
 from kernels.rows import RowBatch, check_after, checked
 
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
@@ -58,7 +58,7 @@ MERGE_HB = 12  # bits per pass of the merge's select over offsets (two passes: s
 # A row's capacity (table width x page: set by max_model_len) up to this takes the one-launch kernel.
 # H200, 8 rows, compiled chain (bench/host_cost.py --indexer-paths): one vs segment + merge 57 vs 85 us
 # at 2K entries, 74 vs 74 at 8K, 143 vs 88 at 32K (there the last block's select is the tail).
-ONE_MAX = 8192
+ONE_MAX = WS_KEYS_MAX
 ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 # __launch_bounds__(NT, 2) on the segment kernel up to this many entries per segment (128K context: 1024).
 # ptxas then runs each warp's 4 entry tiles' mma chains side by side (112 registers, not 57); H200, 8 rows,
@@ -148,7 +148,8 @@ class Plan:
     __slots__ = ("compiled", "fast", "merge", "merge_grid", "merge_tmpl", "nt", "one", "out_shape", "seg", "seg_grid",
                  "seg_shapes", "seg_tmpl", "ws")  # fmt: skip
 
-    def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int, workspace: bool = False) -> None:
+    def __init__(self, batch: RowBatch, q: mx.array, keys: mx.array, topk: int, ws_cols: int | None = None
+                 ) -> None:  # fmt: skip
         self.fast = supported(q, keys, topk)
         if not self.fast:
             return
@@ -157,11 +158,14 @@ class Plan:
         cap = batch.tables[4].shape[1] * page
         self.out_shape = (q.shape[0], topk)
         self.one = cap <= ONE_MAX
-        self.ws = workspace and self.one  # the tickets and histograms in the caller's workspace: no fill node
+        capn = -(-cap // 4) * 4
+        # the tickets, histograms and keys in the caller's workspace rows: no fill node, and the output is the
+        # ids alone (no slice and reshape nodes). A workspace without room for the keys (ONE_MAX raised past
+        # WS_KEYS_MAX, bench/host_cost.py --indexer-paths) leaves the scratch in the output.
+        self.ws = ws_cols is not None and self.one and ws_cols >= WS_HEAD + capn
         base = [("T", q.dtype), ("NI", ni), ("DI", di), ("PAGE", page), ("TOPK", topk), ("CH", CH)]
         if self.one:  # score everywhere, the row's last block selects: 1 launch
             eb = one_block(cap)
-            capn = -(-cap // 4) * 4
             capl = ONE_STAGES * CH * (di + 8) * 2 // 4
             ins, src = (SEG_IN + ("workspace",), ONE_WS) if self.ws else (SEG_IN, ONE)
             self.seg = kernel("idx_one_ws" if self.ws else "idx_one", ins, ("out",), src,
@@ -169,10 +173,10 @@ class Plan:
             self.nt = one_threads(cap)
             self.seg_tmpl = base + [("ST", ONE_STAGES), ("NTO", self.nt), ("EB", eb), ("CAPN", capn), ("CAPL", capl)]
             self.seg_grid = (-(-cap // eb) * self.nt, b + 1, 1)
-            # one output: the top-k ids, then the scratch planes (indexer_one_src); one output and one
-            # init_value fill cost the host less than two of each. With a workspace: ids, then the keys plane
+            # without a workspace, one output: the top-k ids, then the scratch planes (indexer_one_src); one
+            # output and one init_value fill cost the host less than two of each
             ids = -(-(q.shape[0] * topk) // 4) * 4
-            self.seg_shapes = [(ids + b * capn,)] if self.ws else [(ids + -(-b // 4) * 4 + b * (2048 + capn),)]
+            self.seg_shapes = [self.out_shape] if self.ws else [(ids + -(-b // 4) * 4 + b * (2048 + capn),)]
         else:
             seg = segment_size(cap, topk)
             nseg = -(-cap // seg)
@@ -211,6 +215,8 @@ class Plan:
             output_dtypes=[mx.int32] if self.one else [mx.uint32],
             init_value=0 if self.one and not self.ws else None,
         )
+        if self.ws:
+            return outs[0]
         if self.one:
             n, k = self.out_shape
             return outs[0][: n * k].reshape(n, k)
@@ -231,7 +237,6 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         check_indexer(batch, q, weights, keys, topk=topk)
 
     check_after("indexer_rows", after)
-    check_workspace(workspace, workspace_words(batch.size))
 
     try:
         key: tuple[Any, ...] = ("indexer_rows", type(topk), topk, q.shape, q.dtype, weights.shape, weights.dtype,
@@ -240,14 +245,15 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         check()
         raise
 
-    ws = workspace is not None
-    key += (ws,)
+    cols = workspace.shape[1] if isinstance(workspace, mx.array) and workspace.ndim == 2 else None
+    key += (cols,)
 
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
-        return plan_cached(pk, lambda: Plan(batch, q, keys, topk, ws))
+        return plan_cached(pk, lambda: Plan(batch, q, keys, topk, cols))
 
     plan: Plan = checked(batch, key, check, make)
+    check_workspace(workspace, batch.size, batch.tables[4].shape[1] * batch.page_size)  # the batch is valid here
     if not plan.fast:
         return indexer_rows_reference(batch, q, weights, keys, topk=topk, after=after, workspace=workspace)
     run = plan.compiled if common.COMPILE else plan.launch

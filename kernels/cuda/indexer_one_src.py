@@ -10,9 +10,10 @@ an ordered compaction writes the top-k ids ascending (ties to the lowest id). Th
 writes -1 for q rows no batch row names. The one output `out` (int32) holds the ids [Bq][TOPK], then
 from word ceil4(Bq * TOPK) the `scratch` planes (uint32): ticket counters [ceil4(B)], histograms
 [B][2048], keys [B][CAPN]; all start zeroed (the launch's init_value). `ONE_WS` (a caller's
-`workspace`: the tickets and histograms, zero before the launch) leaves `out` the ids and the keys plane,
-needs no init_value fill (a graph node) and zeroes its rows' tickets and histograms again as each row's
-last block finishes: launches that share a workspace must run one after another (the model's layers do).
+`workspace` [rows][4 + 2048 + CAPN]: row b's ticket, histogram (zero before the launch) and keys) leaves `out`
+the ids alone ([Bq][TOPK]), needs no init_value fill (a graph node) and zeroes its rows' tickets and
+histograms again as each row's last block finishes: launches that share a workspace must run one after
+another (the model's layers do).
 Template constants: T, NI, DI, PAGE, TOPK, CH, ST (as the segment kernel), NTO (threads per block:
 more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-memory list holds).
 """
@@ -113,14 +114,18 @@ EMIT_GLOBAL = r"""if (tid < CH) {  // warps 0 and 1, whole
       if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
     }"""
 
+# Row b's ticket, histogram and keys: tickets + b * t_st, ghist + b * h_st, gkeys + b * k_st.
 _SCRATCH = r"""  unsigned int* scratch = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
   unsigned int* tickets = scratch;
   unsigned int* ghist = scratch + ((nb + 3) & ~3);
   unsigned int* gkeys = ghist + (size_t)nb * 2048;
+  constexpr size_t t_st = 1, h_st = 2048, k_st = CAPN;
 """
+# ONE_WS: row b of the workspace [rows][4 + 2048 + keys] (kernels.indexer.WS_HEAD): the same place whatever nb
 _SCRATCH_WS = r"""  unsigned int* tickets = const_cast<unsigned int*>(workspace);
-  unsigned int* ghist = tickets + ((nb + 3) & ~3);
-  unsigned int* gkeys = reinterpret_cast<unsigned int*>(out) + ((q_shape[0] * TOPK + 3) & ~3);
+  unsigned int* ghist = tickets + 4;
+  unsigned int* gkeys = tickets + 4 + 2048;
+  const size_t t_st = workspace_shape[1], h_st = t_st, k_st = t_st;
 """
 HEAD_ONE = r"""  const int nb = positions_shape[0];
 SCRATCH  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row names get -1
@@ -137,7 +142,7 @@ SCRATCH  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row nam
   const int n = dsv4_emitted(positions[b], 4);
   const int s0 = blockIdx.x * EB;
   const int nv = max(0, min(EB, n - s0));
-  unsigned int* skey = gkeys + (size_t)b * CAPN + s0;
+  unsigned int* skey = gkeys + b * k_st + s0;
   if (nv > 0) {
     for (int i = tid; i < 2048; i += NT) hist[i] = 0u;
     __syncthreads();
@@ -145,24 +150,24 @@ SCRATCH  if (blockIdx.y == nb) {  // the extra grid row: q rows no batch row nam
 
 TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
       const unsigned int h = hist[i];
-      if (h) atomicAdd(ghist + (size_t)b * 2048 + i, h);
+      if (h) atomicAdd(ghist + b * h_st + i, h);
     }
   }
   dsv4_cp_wait<0>();
   __threadfence();  // this block's keys and histogram are visible before its ticket
   __syncthreads();
-  if (tid == 0) sh[0] = atomicAdd(tickets + b, 1u) == gridDim.x - 1 ? 1 : 0;
+  if (tid == 0) sh[0] = atomicAdd(tickets + b * t_st, 1u) == gridDim.x - 1 ? 1 : 0;
   __syncthreads();
   if (sh[0] == 0) return;
   __threadfence();
   // the row's last block: its top-k
   int* o = out + (size_t)q_rows[b] * TOPK;
-  const unsigned int* rk = gkeys + (size_t)b * CAPN;  // the row's keys
+  const unsigned int* rk = gkeys + b * k_st;  // the row's keys
   const int K = min(TOPK, n);
   unsigned int thr = 0u;  // keys are >= 1 (0 only for NaN): with thr 0 and need_eq n every entry is taken
   int need_eq = n;
   if (n > TOPK) {
-    for (int i = tid; i < 2048; i += NT) hist[i] = __ldcg(ghist + (size_t)b * 2048 + i);
+    for (int i = tid; i < 2048; i += NT) hist[i] = __ldcg(ghist + b * h_st + i);
     __syncthreads();
     dsv4_pick_bin<NT>(hist, 2048, K, wsum, sh);
     const unsigned int top = (unsigned int)sh[0];
@@ -198,8 +203,8 @@ TAIL_ONE = r"""    for (int i = tid; i < 2048; i += NT) {
 RESET"""
 # ONE_WS: the row's workspace zeroed again for the next launch. Every block of the row added to it before
 # its ticket, so nothing writes it any more; this thread read ghist[i] (the select's copy) before.
-_RESET_WS = r"""  for (int i = tid; i < 2048; i += NT) ghist[(size_t)b * 2048 + i] = 0u;
-  if (tid == 0) tickets[b] = 0u;
+_RESET_WS = r"""  for (int i = tid; i < 2048; i += NT) ghist[b * h_st + i] = 0u;
+  if (tid == 0) tickets[b * t_st] = 0u;
 """
 
 # The segment kernel's shared key array `skey` becomes this kernel's shared histogram; `skey` here is

@@ -114,21 +114,27 @@ def test_indexer_order_key_signed_zero_and_infinities() -> None:
 
 
 def test_indexer_workspace_is_checked_and_leaves_the_result_alone() -> None:
-    """`workspace` (the CUDA path's scratch): a well-formed one gives the NumPy model's ids (here the
-    reference runs); a wrong one is a ValueError naming it."""
-    from kernels.indexer import new_workspace, workspace_words
+    """`workspace` (the CUDA path's scratch: a row per batch row, counts then keys): a well-formed one gives
+    the NumPy model's ids (here the reference runs); a wrong one is a ValueError naming it."""
+    from kernels.indexer import WS_HEAD, WS_KEYS_MAX, new_workspace, workspace_cols
 
     rng = np.random.default_rng(77)
     rows, q, w, keys = make_case(rng, [7, 130, 41], page=3, n_heads=4, dim=8)
     batch = RowBatch.build(rows, 3, {4: 20})
+    cap = 20 * 3
     args = (batch, mx.array(q), mx.array(w), mx.array(keys))
-    ws = new_workspace(3)
-    assert ws.dtype == mx.uint32 and ws.size == workspace_words(3) and int(mx.sum(ws)) == 0
+    ws = new_workspace(3, cap)
+    assert ws.dtype == mx.uint32 and ws.shape == (3, WS_HEAD + 60) and int(mx.sum(ws)) == 0
+    assert workspace_cols(WS_KEYS_MAX + 1) == WS_HEAD  # longer tables keep no keys there (segment + merge)
     got = np.array(indexer_rows(*args, topk=12, workspace=ws))
     np.testing.assert_array_equal(got, expected(rows, q, w, keys, 3, 12))
-    bad = {"must be uint32": mx.zeros((workspace_words(3),), mx.int32),
-           "must be uint32 \\[>= ": new_workspace(2),
-           "must be an mx.array": np.zeros(workspace_words(3), np.uint32)}  # fmt: skip
+    np.testing.assert_array_equal(np.array(indexer_rows(*args, topk=12, workspace=new_workspace(8, 4 * cap))), got)
+    bad = {"must be uint32": mx.zeros((3, WS_HEAD + 60), mx.int32),
+           "must be uint32 \\[>= 3, >= 2112\\]": new_workspace(2, cap),
+           "must be uint32 \\[>= 3, >= 2112\\] \\(kernels.indexer.new_workspace\\(3, 60\\)\\)": new_workspace(3, 40),
+           "got uint32 \\[6336\\]": mx.zeros((3 * (WS_HEAD + 60),), mx.uint32),
+           "must be an mx.array": np.zeros((3, WS_HEAD + 60), np.uint32)}  # fmt: skip
     for why, wsb in bad.items():
-        with pytest.raises(ValueError, match=f"indexer_rows: workspace: {why}"):
+        with pytest.raises(ValueError, match=f"indexer_rows: workspace: .*{why}" if why.startswith("got") else
+                           f"indexer_rows: workspace: {why}"):  # fmt: skip
             indexer_rows(*args, topk=12, workspace=wsb)
