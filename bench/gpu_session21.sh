@@ -6,6 +6,8 @@
 #         (`git archive main | tar -x -C old_tree`: keys in the output, slice + reshape), a process each,
 #         alternated ROUNDS (default 3) times
 #   kfigs/tlstep/carve as in gpu_session20.sh
+# One PART a device call, output into $OUT (`> $OUT/x.log`): on a fresh machine `tests` alone takes ~3 min of
+# kernel JIT and ROUNDS=3 of idsab ~4 min, so "tests idsab" in one call ran past the 600 s limit (session 21).
 source "$(dirname "$0")/gpu_prelude.sh"
 CASES=indexer_rows:8:8192,indexer_rows:1:8192
 for part in ${PART:-tests}; do
