@@ -12,6 +12,7 @@ import mlx.core as mx
 from kernels import backend
 from kernels.compressor import (
     CompressorArgs,
+    PairOut,
     compressor_pair_rows_inplace_reference,
     compressor_rows_inplace_reference,
     compressor_rows_reference,
@@ -111,7 +112,7 @@ def compressor_pair_rows_inplace(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
-) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+) -> PairOut:
     """A CSA layer's two compressors (main and indexer: same batch, ratio, RoPE row and eps) as ONE dispatch
     -> `((kv_state, score_state, pool) of each, token)`; compressor_rows_inplace's semantics for both, one
     token for both writes."""

@@ -53,6 +53,10 @@ class CompressorArgs(NamedTuple):
     head_dim: int
 
 
+# compressor_pair_rows_inplace's result: (kv_state, score_state, pool) of each compressor, then the token
+PairOut = tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]
+
+
 def check_compressor(
     batch: RowBatch,
     kv: mx.array,
@@ -232,7 +236,7 @@ def compressor_pair_rows_inplace_reference(
     sin: mx.array,
     after: mx.array | None = None,
     single: Callable[..., Any] = compressor_rows_inplace_reference,
-) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+) -> PairOut:
     """compressor_pair_rows_inplace's plain twin: `single` (compressor_rows_inplace) of each set. The second
     waits for the first's token, so its token covers both writes (None where `single` gives none)."""
     check_pair(first, second)

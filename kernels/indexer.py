@@ -32,6 +32,7 @@ from kernels.rows import (
     row_entries,
     zeroed_workspace,
 )
+from kernels.rows import check_workspace as check_ws
 
 OP = "indexer_rows"
 RATIO = 4
@@ -103,15 +104,7 @@ def new_workspace(rows: int, cap: int) -> mx.array:
 
 def check_workspace(workspace: Any, rows: int, cap: int) -> None:
     """`workspace=`: None, or uint32 [>= rows, >= workspace_cols(cap)]."""
-    if workspace is None:
-        return
-    if not isinstance(workspace, mx.array):
-        raise fail(OP, "workspace", f"must be an mx.array or None, got {type(workspace).__name__}")
-    cols = workspace_cols(cap)
-    if workspace.dtype != mx.uint32 or workspace.ndim != 2 or workspace.shape[0] < rows or workspace.shape[1] < cols:
-        got = f"{str(workspace.dtype).removeprefix('mlx.core.')} {list(workspace.shape)}"
-        raise fail(OP, "workspace", f"must be uint32 [>= {rows}, >= {cols}] (kernels.indexer.new_workspace("
-                   f"{rows}, {cap})), got {got}")  # fmt: skip
+    check_ws(OP, workspace, (rows, workspace_cols(cap)), f" (kernels.indexer.new_workspace({rows}, {cap}))")
 
 
 def indexer_rows_reference(

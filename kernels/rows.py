@@ -237,14 +237,19 @@ def zeroed_workspace(shape: int | tuple[int, ...]) -> mx.array:
     return ws
 
 
-def check_workspace(op: str, workspace: Any, words: int) -> None:
-    """A `workspace=` argument: None, or uint32 [>= words]."""
+def check_workspace(op: str, workspace: Any, shape: int | tuple[int, ...], hint: str = "") -> None:
+    """A `workspace=` argument: None, or uint32 of `len(shape)` dims, each at least `shape`'s (`hint`: how
+    to make one, for the message)."""
     if workspace is None:
         return
     if not isinstance(workspace, mx.array):
         raise fail(op, "workspace", f"must be an mx.array or None, got {type(workspace).__name__}")
-    if workspace.dtype != mx.uint32 or workspace.ndim != 1 or workspace.size < words:
-        raise fail(op, "workspace", f"must be uint32 [>= {words}], got {workspace.dtype} {list(workspace.shape)}")
+    need = shape if isinstance(shape, tuple) else (shape,)
+    if workspace.dtype != mx.uint32 or workspace.ndim != len(need) or any(
+            w < n for w, n in zip(workspace.shape, need, strict=True)):  # fmt: skip
+        want = ", ".join(f">= {n}" for n in need)
+        got = f"{str(workspace.dtype).removeprefix('mlx.core.')} {list(workspace.shape)}"
+        raise fail(op, "workspace", f"must be uint32 [{want}]{hint}, got {got}")
 
 
 def emitted(positions: mx.array, ratio: int) -> mx.array:

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.compressor import CompressorArgs, check_pair, compressor_pair_rows_inplace_reference
+from kernels.compressor import CompressorArgs, PairOut, check_pair, compressor_pair_rows_inplace_reference
 from kernels.cuda import common
 from kernels.cuda import compressor_inplace as single
 from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
@@ -71,7 +71,7 @@ def compressor_pair_rows_inplace_cuda(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
-) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array], mx.array | None]:
+) -> PairOut:
     check_after("compressor_rows", after)
     check_pair(first, second)
     keys, checks = [], []
