@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import kernels
+from kernels import matmul as kmatmul
 from kernels.rope import rope_apply
 from model.config import ModelArgs
 from model.layers import RMSNorm, rms, rope_angles
@@ -37,9 +38,8 @@ class Compressor(nn.Module):
     def project(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, ...]:
         """Pure part: kv / score projections in f32 (REF: the weights are upcast, not the other way round),
         passed on with the RoPE angles of the entry a row would emit this step (its window's first token)."""
-        xf = x.astype(mx.float32)
-        kv = xf @ self.wkv.weight.astype(mx.float32).T
-        score = xf @ self.wgate.weight.astype(mx.float32).T
+        kv = kmatmul.f32_linear_rows(x, self.wkv.weight)
+        score = kmatmul.f32_linear_rows(x, self.wgate.weight)
         return kv, score, cos, sin
 
     def inputs(self, proj, kv_state, score_state, pool) -> kernels.CompressorArgs:

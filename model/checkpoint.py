@@ -36,9 +36,9 @@ _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.
 
 
 # Weights the model multiplies in f32 (REF upcasts them: the compressors' kv / gate projections, the
-# router and the output head). Stored as the release stores them, kept f32 in memory so that a step
-# casts nothing: an upcast inside the step is a graph node and a full f32 copy of the weight per step
-# (bf16, V4-Flash dims: ~70 MB of traffic per CSA layer; ~3 GB for the 129K x 4K head).
+# router and the output head). Kept in memory as the release stores them (bf16): the decode step's
+# `kernels.f32_linear_rows` reads them as bf16 and multiplies exactly in f32 (half the bytes of an f32
+# copy: ~1 GB less a step for the 129K x 4K head); the plain path upcasts per call.
 _F32_COMPUTE = re.compile(r"(^|\.)(compressor\.(wkv|wgate)|ffn\.gate)\.weight$|^head\.weight$")
 
 
@@ -47,13 +47,13 @@ def is_f32_param(name: str) -> bool:
 
 
 def is_f32_compute(name: str) -> bool:
-    """Kept f32 in memory whatever the model dtype (see _F32_COMPUTE); not f32 in the release."""
+    """Multiplied in f32 by the model (see _F32_COMPUTE); stored and kept in the model dtype."""
     return bool(_F32_COMPUTE.search(name))
 
 
 def is_f32_resident(name: str) -> bool:
-    """f32 in memory whatever the model dtype: f32 in the release, or multiplied in f32 by the model."""
-    return is_f32_param(name) or is_f32_compute(name)
+    """f32 in memory whatever the model dtype: the release's f32 tensors."""
+    return is_f32_param(name)
 
 
 def is_fp8_weight(name: str) -> bool:

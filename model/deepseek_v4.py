@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels import Row, RowBatch
+from kernels.matmul import f32_linear_rows
 from kernels.upload import upload
 from model.attention import Attention
 from model.config import ModelArgs
@@ -109,7 +110,7 @@ class DeepseekV4(nn.Module):
 
         Updates the rows' state in `pools` (lazily: the caller evaluates logits and pools together)."""
         y = self.hidden(batch, token_ids, pools)
-        return y.astype(mx.float32) @ self.head.weight.astype(mx.float32).T
+        return f32_linear_rows(y, self.head.weight)  # REF: the head in f32
 
     def hidden(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
         """The step up to the final norm [B, H] (follower ranks of a distributed model skip the head)."""

@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kernels
+from kernels import matmul as kmatmul
 from model.config import ModelArgs
 
 
@@ -157,7 +158,7 @@ class Gate(nn.Module):
         self.route_scale = args.routed_scaling_factor
 
     def __call__(self, x: mx.array, token_ids: mx.array) -> tuple[mx.array, mx.array]:
-        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        logits = kmatmul.f32_linear_rows(x, self.weight)  # REF: f32 product, the weight upcast
         scores = mx.sqrt(nn.softplus(logits))
         # uint32 expert ids, the dtype gather_mm takes (argpartition's own): no cast per MoE
         if self.hashed:
@@ -217,8 +218,13 @@ class SharedExpert(nn.Module):
         self.limit = args.swiglu_limit if args.clamp_shared_expert else None
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = swiglu(self.w1(x).astype(mx.float32), self.w3(x).astype(mx.float32), self.limit)
-        return self.w2(h.astype(x.dtype)).astype(mx.float32)
+        w1, w3 = self.w1, self.w3
+        if x.ndim == 2 and isinstance(w1, nn.QuantizedLinear) and w1.mode == "mxfp8" == w3.mode:
+            # one launch for both products and the SwiGLU on CUDA (kernels.matmul)
+            h = kmatmul.swiglu_rows(x, w1.weight, w1.scales, w3.weight, w3.scales, limit=self.limit)
+        else:
+            h = swiglu(w1(x).astype(mx.float32), w3(x).astype(mx.float32), self.limit).astype(x.dtype)
+        return self.w2(h).astype(mx.float32)
 
 
 class MoE(nn.Module):

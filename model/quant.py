@@ -11,8 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
-from model.layers import expert_lhs_indices, swiglu
+from kernels import matmul as kmatmul
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row
@@ -84,9 +85,19 @@ def fp4_to_mxfp4(packed: mx.array, scale: mx.array) -> tuple[mx.array, mx.array]
     return packed.view(mx.uint8).view(mx.uint32), scale.astype(mx.uint8)
 
 
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """An mxfp8 QuantizedLinear whose 2-D calls go through `kernels.qlinear_rows` (on CUDA, 1..8 rows read the
+    weight once on the tensor cores; more rows and other devices: MLX's quantized_matmul, as the base)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.ndim == 2:
+            return kmatmul.qlinear_rows(x, self.weight, self.scales)
+        return super().__call__(x)
+
+
 def mxfp8_linear(weight: mx.array, scales: mx.array) -> nn.QuantizedLinear:
     n, k4 = weight.shape
-    lin = nn.QuantizedLinear(k4 * 4, n, bias=False, group_size=32, bits=8, mode="mxfp8")
+    lin = RowsQuantizedLinear(k4 * 4, n, bias=False, group_size=32, bits=8, mode="mxfp8")
     lin.weight, lin.scales = weight, scales
     return lin
 
@@ -102,19 +113,12 @@ class QuantizedExperts(nn.Module):
             setattr(self, key, value)
         self.limit = limit
 
-    def _mm(self, x: mx.array, name: str, rows: mx.array, idx: mx.array) -> mx.array:
-        return mx.gather_qmm(
-            x, getattr(self, name), getattr(self, f"{name}_scales"), None, lhs_indices=rows, rhs_indices=idx,
-            transpose=True, group_size=FP4_GROUP, bits=4, mode="mxfp4",
-        )
-
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
-        xe = x[:, None, None, :]  # [B, 1, 1, H] against idx [B, k]
-        rows, hid_rows = expert_lhs_indices(*idx.shape)  # constants, not per-call aranges
+        # kernels.matmul: on CUDA, 1..8 rows in two launches that read each distinct expert once; else
+        # MLX's gather_qmm per (row, k) pair
         ri = idx.astype(mx.uint32)
-        g, u = self._mm(xe, "w1", rows, ri), self._mm(xe, "w3", rows, ri)
-        hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(x.dtype)
-        out = self._mm(hdn, "w2", hid_rows, ri)[:, :, 0, :]  # [B, k, H]
+        hdn = kmatmul.experts_gate_up_rows(x, ri, self.w1, self.w1_scales, self.w3, self.w3_scales, limit=self.limit)
+        out = kmatmul.experts_down_rows(hdn, ri, self.w2, self.w2_scales)  # [B, k, H]
         return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
 
 
@@ -178,6 +182,9 @@ def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
         model, group_size=32, bits=8, mode="mxfp8",
         class_predicate=lambda path, m: isinstance(m, nn.Linear) and path.split(".", 2)[-1] in _QLINEAR,
     )
+    swap = [(path, mxfp8_linear(m.weight, m.scales)) for path, m in model.named_modules()
+            if type(m) is nn.QuantizedLinear]  # fmt: skip
+    model.update_modules(tree_unflatten(swap))
     for block in model.layers:
         ex = block.ffn.experts
         w = {}

@@ -44,6 +44,13 @@ from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
+from kernels.cuda.matmul import (
+    experts_down_rows_cuda,
+    experts_gate_up_rows_cuda,
+    f32_linear_rows_cuda,
+    qlinear_rows_cuda,
+    swiglu_rows_cuda,
+)
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -63,6 +70,14 @@ backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
+# Skinny matmuls for 1..8 rows (DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
+SKINNY = os.environ.get("DSV4_SKINNY", "1") != "0"
+if SKINNY:
+    backend.register("qlinear_rows", qlinear_rows_cuda)
+    backend.register("f32_linear_rows", f32_linear_rows_cuda)
+    backend.register("swiglu_rows", swiglu_rows_cuda)
+    backend.register("experts_gate_up_rows", experts_gate_up_rows_cuda)
+    backend.register("experts_down_rows", experts_down_rows_cuda)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
 # bench/results/step-bf16-h200-645720a.json; the plain path stays for A/B runs).
 HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"

@@ -77,6 +77,7 @@ CUDA_TYPES = {
     mx.float16: "__half",
     mx.int32: "int32_t",
     mx.uint32: "uint32_t",
+    mx.uint8: "uint8_t",
 }
 
 # `mx.compile` around each op's launches (per launch plan): a call after the first replays the traced

@@ -1,0 +1,343 @@
+"""Skinny matmuls for 1..8 rows on CUDA: every weight byte read once for all rows, on the tensor cores.
+
+One kernel template covers the decode step's weight products (`kernels.matmul` has the plain twins):
+- `WF` 0: bf16 weights, f32 out (the products the model runs in f32: compressor kv / gate, router, head;
+  bf16 x bf16 is exact in the f32 accumulator, so this equals upcasting the weight);
+- `WF` 1: mxfp8 (e4m3 bytes + one e8m0 scale per 32), the dense projections;
+- `WF` 2: mxfp4 (e2m1 nibbles + e8m0 per 32), the routed experts.
+The batch rows are mma.sync m16n8k16's n = 8 columns (rows >= B are zeros), 16 weight rows its m, so
+a warp's 16 x 64-byte weight tile meets each x value once per 16 rows. Weights are decoded in
+registers to bf16 exactly (bit moves into a bf16 whose exponent is short by a constant, times the
+group's scale with that constant folded in: one bf16x2 multiply, a power of two), in a per-lane order
+that the x fragment follows (`prmt`): the dot product does not care about the order of k.
+A lane reads 16 contiguous bytes of a row a chunk (64 bytes a row across its 4 lanes: whole sectors).
+Warps split K when there are few row tiles (the block sums them in shared memory), `U` chunks' loads
+are issued before any is used. `PAIR`: a second weight with the same rows (gate and up), epilogue
+SwiGLU (the limit clamp as `model.layers.swiglu`), each product rounded to T first as the reference's
+matmul output is. `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
+first pair computes it for every batch row that chose it (the others exit): each distinct expert's
+weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
+"""
+
+from __future__ import annotations
+
+SOURCE = r"""
+  constexpr int CK = WF == 0 ? 32 : (WF == 1 ? 64 : 128);   // k values a chunk (64 bytes a row)
+  constexpr int RB = WF == 0 ? K * 2 : (WF == 1 ? K : K / 2);  // bytes a weight row
+  constexpr int XV = CK / 32;                                // uint4 of x a lane a chunk
+  constexpr int NT = PAIR ? 2 * MT : MT;                     // row tiles a warp
+  constexpr int CPW = K / CK / WK;                           // chunks a warp
+  constexpr int G32 = K / 32;                                // scale groups a row
+  const int NB = (int)fparams[1];                             // batch rows (1..8), a runtime value
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wk = warp % WK, wr = warp / WK;
+  const int gq = lane >> 2, cq = lane & 3;
+  const int row0 = (blockIdx.x * WR + wr) * MT * 16;
+  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w);
+  const uint8_t* wb2 = reinterpret_cast<const uint8_t*>(w2);
+  const uint8_t* sb = s;
+  const uint8_t* sb2 = s2;
+  int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
+  if (EXP) {
+    const int p = blockIdx.y;
+    const int e = idx[p];
+    for (int q = 0; q < p; ++q)
+      if (idx[q] == e) return;  // an earlier pair's block computes this expert (uniform: whole block)
+    jn = -1;
+#pragma unroll
+    for (int j = 0; j < TOPK; ++j) {
+      if (gq < NB && idx[gq * TOPK + j] == e) jn = j;
+      if (2 * cq < NB && idx[2 * cq * TOPK + j] == e) jb0 = j;
+      if (2 * cq + 1 < NB && idx[(2 * cq + 1) * TOPK + j] == e) jb1 = j;
+    }
+    wb += (size_t)e * N * RB;
+    wb2 += (size_t)e * N * RB;
+    sb += (size_t)e * N * G32;
+    sb2 += (size_t)e * N * G32;
+  }
+  const bool xok = gq < NB && jn >= 0;
+  const T* xr = x + (size_t)(EXP == 2 ? gq * TOPK + (jn < 0 ? 0 : jn) : gq) * K;
+  float acc[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  const int c0 = wk * CPW;
+  for (int c = c0; c < c0 + CPW; c += U) {
+    uint4 xv[U][XV];
+    uint4 wv[NT][2][U];
+    uint32_t sv[NT][2][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int v = 0; v < XV; ++v)
+        xv[u][v] = xok ? __ldg(reinterpret_cast<const uint4*>(xr + (c + u) * CK + cq * (CK / 4)) + v)
+                       : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + (t % MT) * 16 + gq + 8 * h;
+        const uint8_t* wt = (PAIR && t >= MT) ? wb2 : wb;
+        const uint8_t* st = (PAIR && t >= MT) ? sb2 : sb;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          wv[t][h][u] = __ldg(reinterpret_cast<const uint4*>(wt + (size_t)row * RB + (c + u) * 64 + cq * 16));
+          sv[t][h][u] = WF ? (uint32_t)__ldg(st + (size_t)row * G32 + ((c + u) * CK + cq * (CK / 4)) / 32) : 0u;
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      constexpr int SPC = CK / 16;  // mma steps a chunk
+      uint32_t b0[SPC], b1[SPC];
+      const uint32_t* X = reinterpret_cast<const uint32_t*>(xv[u]);
+#pragma unroll
+      for (int st = 0; st < SPC; ++st) {
+        if (WF == 0) {
+          b0[st] = X[2 * st];
+          b1[st] = X[2 * st + 1];
+        } else if (WF == 1) {
+          b0[st] = __byte_perm(X[2 * st], X[2 * st + 1], 0x5410);
+          b1[st] = __byte_perm(X[2 * st], X[2 * st + 1], 0x7632);
+        } else {
+          const int q = st >> 1, r = st & 1;
+          b0[st] = __byte_perm(X[4 * q + r], X[4 * q + 2 + r], 0x5410);
+          b1[st] = __byte_perm(X[4 * q + r], X[4 * q + 2 + r], 0x7632);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        __nv_bfloat162 f[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // e8m0 scale with the decode's exponent shortfall folded in: 2^(s-127) * 2^120 (e4m3), * 2^126 (e2m1)
+          const float fs = WF ? ldexpf(1.f, (int)sv[t][h][u] - (WF == 1 ? 7 : 1)) : 1.f;
+          f[h] = __floats2bfloat162_rn(fs, fs);
+        }
+        const uint32_t* W0 = reinterpret_cast<const uint32_t*>(&wv[t][0][u]);
+        const uint32_t* W1 = reinterpret_cast<const uint32_t*>(&wv[t][1][u]);
+#pragma unroll
+        for (int st = 0; st < SPC; ++st) {
+          uint32_t a[4];
+          if (WF == 0) {
+            a[0] = W0[2 * st]; a[1] = W1[2 * st]; a[2] = W0[2 * st + 1]; a[3] = W1[2 * st + 1];
+          } else {
+            uint32_t lo[2], hi[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t* Wh = h ? W1 : W0;
+              if (WF == 1) {  // bytes (0, 2) and (1, 3) of word st into bf16 pairs
+                const uint32_t q = Wh[st], q8 = q << 8;
+                lo[h] = (q8 & 0x80008000u) | ((q8 & 0x7F007F00u) >> 4);
+                hi[h] = (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
+              } else {  // nibbles (i, i + 4), i = 2 r and 2 r + 1 of word st / 2
+                const uint32_t q = Wh[st >> 1] >> (8 * (st & 1));
+                const uint32_t q4 = q >> 4;
+                lo[h] = ((q << 6) & 0x01C001C0u) | ((q << 12) & 0x80008000u);
+                hi[h] = ((q4 << 6) & 0x01C001C0u) | ((q4 << 12) & 0x80008000u);
+              }
+              __nv_bfloat162 l2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&lo[h]), f[h]);
+              __nv_bfloat162 h2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&hi[h]), f[h]);
+              lo[h] = *reinterpret_cast<uint32_t*>(&l2);
+              hi[h] = *reinterpret_cast<uint32_t*>(&h2);
+            }
+            a[0] = lo[0]; a[1] = lo[1]; a[2] = hi[0]; a[3] = hi[1];
+          }
+          dsv4_mma(acc[t], a, b0[st], b1[st], __nv_bfloat16());
+        }
+      }
+    }
+  }
+  if (WK > 1) {
+    __shared__ float red[(WK > 1 ? WK - 1 : 1) * WR * NT * 128];
+    if (wk > 0) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[(((wk - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane] = acc[t][i];
+    }
+    __syncthreads();
+    if (wk > 0) return;
+    for (int k2 = 1; k2 < WK; ++k2)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][i] += red[(((k2 - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane];
+  }
+  const float lim = fparams[0];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + t * 16 + gq + 8 * (i >> 1);
+      const int b = 2 * cq + (i & 1);
+      if (b >= NB) continue;
+      int orow = b;
+      if (EXP) {
+        const int j = (i & 1) ? jb1 : jb0;
+        if (j < 0) continue;
+        orow = b * TOPK + j;
+      }
+      float v = acc[t][i];
+      if (PAIR) {  // SwiGLU of the two products, each rounded to T first (the reference's matmul outputs)
+        float g = dsv4_f(dsv4_t<T>(v)), up = dsv4_f(dsv4_t<T>(acc[t + MT][i]));
+        if (lim > 0.f) {
+          g = fminf(g, lim);
+          up = fminf(fmaxf(up, -lim), lim);
+        }
+        v = g / (1.f + expf(-g)) * up;
+      }
+      out[(size_t)orow * N + row] = dsv4_t<O>(v);
+    }
+"""
+
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from kernels import matmul as ref  # noqa: E402
+from kernels.cuda.common import f32_params, kernel, plan_cached  # noqa: E402
+
+MAX_ROWS = 8  # the mma's n
+INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
+CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
+TARGET_WARPS = 1024  # enough loads in flight to keep HBM busy (~8 warps on each of 132 SMs)
+_dummy: dict[str, mx.array] = {}
+
+
+def _const(name: str) -> mx.array:
+    if name not in _dummy:
+        _dummy[name] = mx.zeros((4,), dtype=mx.uint8 if name == "u8" else mx.uint32)
+        mx.eval(_dummy[name])
+    return _dummy[name]
+
+
+def geometry(n: int, k: int, wf: int, pair: bool) -> tuple[int, int, int, int] | None:
+    """(MT, WK, WR, U): row tiles a warp, warps splitting K, warps over rows, chunks an iteration; None
+    when the shape does not tile (n % 16, k % chunk)."""
+    ck = CK[wf]
+    if n % 16 or k % ck:
+        return None
+    tiles, chunks = n // 16, k // ck
+    mt = 2 if tiles >= 2 * TARGET_WARPS and not pair else 1
+    wt = tiles // mt
+    u = 2 if wf == 2 else 4
+    while u > 1 and chunks % u:
+        u //= 2
+    wk = 1
+    while wt * wk < TARGET_WARPS and wk < 16 and chunks % (2 * wk * u) == 0 and chunks // (2 * wk) >= 2 * u:
+        wk *= 2
+    wr = max(1, 8 // wk)
+    while wt % wr:
+        wr //= 2
+    return mt, wk, wr, u
+
+
+class Plan:
+    """Launch parameters of one (op, shapes, dtypes) combination, computed once."""
+
+    __slots__ = ("dtype", "fast", "fparams", "grid", "kernel", "nt", "shape", "tmpl")
+
+    def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: bool, exp: int,
+                 topk: int, limit: float | None) -> None:  # fmt: skip
+        geo = geometry(n, k, wf, pair)
+        self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
+        if not self.fast:
+            return
+        mt, wk, wr, u = geo
+        self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE)
+        self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt),
+                     ("PAIR", pair), ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1))]
+        self.nt = 32 * wk * wr
+        self.grid = (n // (16 * mt * wr) * self.nt, nb * topk if exp else 1, 1)
+        self.shape = (nb * topk, n) if exp else (nb, n)
+        self.dtype = out
+        self.fparams = f32_params(float(limit or 0.0), float(nb))
+
+    def __call__(self, x: mx.array, w: mx.array, s: mx.array, w2: mx.array, s2: mx.array, idx: mx.array) -> mx.array:
+        return self.kernel(inputs=[x, w, s, w2, s2, idx, self.fparams], template=self.tmpl, grid=self.grid,
+                           threadgroup=(self.nt, 1, 1), output_shapes=[self.shape],
+                           output_dtypes=[self.dtype])[0]  # fmt: skip
+
+
+def _plan(op: str, arrays: tuple[object, ...], check: Callable[[], object], **kw: Any) -> Plan | None:
+    """The cached plan of `op` for these arrays (None: not arrays; the reference's check names the argument)."""
+    if not all(isinstance(a, mx.array) for a in arrays):
+        return None
+    key = (op, *((a.shape, a.dtype) for a in arrays), tuple(sorted(kw.items())))
+
+    def make() -> Plan:
+        check()  # once per shape key
+        return Plan(**kw)
+
+    return plan_cached(key, make)
+
+
+def qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    p = None
+    if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w, mx.array) and w.ndim == 2:
+        p = _plan("qlinear", (x, w, scales), lambda: ref.check_linear("qlinear_rows", x, w, scales, 8),
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w.shape[0], wf=1, out=x.dtype, pair=False, exp=0,
+                  topk=0, limit=None)  # fmt: skip
+    if p is None or not p.fast:
+        return ref.qlinear_rows_reference(x, w, scales)
+    return p(x, w, scales, w, scales, _const("u32"))
+
+
+def f32_linear_rows_cuda(x: mx.array, w: mx.array) -> mx.array:
+    p = None
+    if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w, mx.array) and w.dtype == mx.bfloat16:
+        p = _plan("f32_linear", (x, w), lambda: ref.check_linear("f32_linear_rows", x, w, None, None),
+                  dtype=x.dtype, nb=x.shape[0],
+                  k=x.shape[1], n=w.shape[0], wf=0, out=mx.float32, pair=False, exp=0, topk=0, limit=None)  # fmt: skip
+    if p is None or not p.fast:
+        return ref.f32_linear_rows_reference(x, w)
+    u8 = _const("u8")
+    return p(x, w, u8, w, u8, _const("u32"))
+
+
+def swiglu_rows_cuda(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
+                     limit: float | None) -> mx.array:  # fmt: skip
+    p = None
+    if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w1, mx.array) and w1.ndim == 2:
+        p = _plan("swiglu", (x, w1, s1, w3, s3),
+                  lambda: [ref.check_linear("swiglu_rows", x, a, s, 8) for a, s in ((w1, s1), (w3, s3))],
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=1, out=x.dtype, pair=True, exp=0,
+                  topk=0, limit=limit)  # fmt: skip
+    if p is None or not p.fast or w3.shape != w1.shape:
+        return ref.swiglu_rows_reference(x, w1, s1, w3, s3, limit=limit)
+    return p(x, w1, s1, w3, s3, _const("u32"))
+
+
+def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:
+    return (isinstance(x, mx.array) and isinstance(idx, mx.array) and isinstance(w, mx.array) and x.ndim == xdim
+            and idx.ndim == 2 and idx.dtype == mx.uint32 and w.ndim == 3)  # fmt: skip
+
+
+def experts_gate_up_rows_cuda(x: mx.array, idx: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array,
+                              *, limit: float | None) -> mx.array:  # fmt: skip
+    p = None
+    if _experts_ok(x, idx, w1, 2):
+        p = _plan("experts_gate_up", (x, idx, w1, s1, w3, s3),
+                  lambda: (ref.check_experts("experts_gate_up_rows", x, idx, w1, s1, per_pair=False),
+                           ref.check_experts("experts_gate_up_rows", x, idx, w3, s3, per_pair=False)),
+                  dtype=x.dtype, nb=idx.shape[0], k=x.shape[1], n=w1.shape[1], wf=2, out=x.dtype, pair=True, exp=1,
+                  topk=idx.shape[1], limit=limit)  # fmt: skip
+    if p is None or not p.fast or w3.shape != w1.shape:
+        return ref.experts_gate_up_rows_reference(x, idx, w1, s1, w3, s3, limit=limit)
+    b, k = idx.shape
+    return p(x, w1, s1, w3, s3, idx).reshape(b, k, w1.shape[1])
+
+
+def experts_down_rows_cuda(h: mx.array, idx: mx.array, w2: mx.array, s2: mx.array) -> mx.array:
+    p = None
+    if _experts_ok(h, idx, w2, 3):
+        p = _plan("experts_down", (h, idx, w2, s2),
+                  lambda: ref.check_experts("experts_down_rows", h, idx, w2, s2, per_pair=True),
+                  dtype=h.dtype, nb=idx.shape[0], k=h.shape[2], n=w2.shape[1], wf=2, out=h.dtype, pair=False, exp=2,
+                  topk=idx.shape[1], limit=None)  # fmt: skip
+    if p is None or not p.fast:
+        return ref.experts_down_rows_reference(h, idx, w2, s2)
+    b, k = idx.shape
+    return p(h, w2, s2, w2, s2, idx).reshape(b, k, w2.shape[1])

@@ -1,0 +1,158 @@
+"""The decode step's weight products for a few rows: plain-MLX references and their checks.
+
+Each op dispatches through `kernels.backend` like the row-batched ops: on CUDA, `kernels/cuda/matmul.py`
+runs 1..8 rows in one skinny tensor-core kernel that reads every weight byte once (larger row counts,
+as in prefill, and shapes it does not take run the reference). The references are what the model ran
+before the fast path existed, so the CPU path is unchanged:
+- `qlinear_rows`: x @ W.T for an mxfp8 weight (nn.QuantizedLinear's product), out x.dtype;
+- `f32_linear_rows`: x @ W.T in f32 for a weight stored in its own dtype (REF upcasts the weight);
+- `swiglu_rows`: SwiGLU(x @ W1.T, x @ W3.T) of two mxfp8 weights (the shared expert's first half);
+- `experts_gate_up_rows` / `experts_down_rows`: the routed experts' two halves for mxfp4 weights
+  stacked [E, N, K / 8], each (row, k) pair through its own expert.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kernels import backend
+
+GROUP = 32  # mxfp8 / mxfp4 scale group
+
+
+def _is(x: object, op: str, name: str) -> mx.array:
+    if not isinstance(x, mx.array):
+        raise ValueError(f"{op}: {name}: expected an mx.array, got {type(x).__name__}")
+    return x
+
+
+def check_linear(op: str, x: mx.array, w: mx.array, scales: mx.array | None, bits: int | None) -> None:
+    """x [..., K]; w [N, K] float (bits None) or packed uint32 [(E,) N, K * bits / 32] with uint8 scales
+    [(E,) N, K / 32]."""
+    _is(x, op, "x")
+    _is(w, op, "w")
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x: expected [..., K], got shape {tuple(x.shape)}")
+    k = x.shape[-1]
+    if bits is None:
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"{op}: w: expected [N, {k}], got shape {tuple(w.shape)}")
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise ValueError(f"{op}: w: expected a float dtype, got {w.dtype}")
+        return
+    _is(scales, op, "scales")
+    if w.dtype != mx.uint32 or w.ndim < 2 or w.shape[-1] * 32 != k * bits:
+        raise ValueError(f"{op}: w: expected packed uint32 [..., N, {k * bits // 32}], got {w.dtype} "
+                         f"{tuple(w.shape)}")  # fmt: skip
+    if scales.dtype != mx.uint8 or tuple(scales.shape) != (*w.shape[:-1], k // GROUP):
+        raise ValueError(f"{op}: scales: expected uint8 {(*w.shape[:-1], k // GROUP)}, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")  # fmt: skip
+
+
+def check_experts(op: str, x: mx.array, idx: mx.array, w: mx.array, scales: mx.array, *, per_pair: bool) -> None:
+    """x [B, K] (or, `per_pair`, [B, k, K]); idx [B, k] expert ids; w / scales stacked mxfp4 experts."""
+    _is(idx, op, "idx")
+    if idx.ndim != 2 or not mx.issubdtype(idx.dtype, mx.integer):
+        raise ValueError(f"{op}: idx: expected integer [B, k], got {idx.dtype} {tuple(idx.shape)}")
+    want = (*idx.shape, x.shape[-1]) if per_pair else (idx.shape[0], x.shape[-1])
+    if _is(x, op, "x").ndim != len(want) or tuple(x.shape[:-1]) != want[:-1]:
+        raise ValueError(f"{op}: x: expected {'[B, k, K]' if per_pair else '[B, K]'} matching idx "
+                         f"{tuple(idx.shape)}, got {tuple(x.shape)}")  # fmt: skip
+    check_linear(op, x, w, scales, 4)
+    if w.ndim != 3:
+        raise ValueError(f"{op}: w: expected stacked experts [E, N, K / 8], got shape {tuple(w.shape)}")
+
+
+def swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit) (no clamp for a falsy limit), as model.layers."""
+    if limit:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+def _qmm(x: mx.array, w: mx.array, s: mx.array) -> mx.array:
+    return mx.quantized_matmul(x, w, s, transpose=True, group_size=GROUP, bits=8, mode="mxfp8")
+
+
+def qlinear_rows_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    check_linear("qlinear_rows", x, w, scales, 8)
+    return _qmm(x, w, scales)
+
+
+def f32_linear_rows_reference(x: mx.array, w: mx.array) -> mx.array:
+    check_linear("f32_linear_rows", x, w, None, None)
+    return x.astype(mx.float32) @ w.astype(mx.float32).T
+
+
+def swiglu_rows_reference(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
+                          limit: float | None) -> mx.array:  # fmt: skip
+    check_linear("swiglu_rows", x, w1, s1, 8)
+    check_linear("swiglu_rows", x, w3, s3, 8)
+    return swiglu(_qmm(x, w1, s1).astype(mx.float32), _qmm(x, w3, s3).astype(mx.float32), limit).astype(x.dtype)
+
+
+_lhs: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+
+def lhs_indices(b: int, k: int) -> tuple[mx.array, mx.array]:
+    """gather_qmm's lhs indices for x [B, 1, 1, K] (row b) and for a per-pair [B, k, 1, K] (b * k + j),
+    made once from NumPy (MLX's defaults are an arange + a cast node per call)."""
+    if (b, k) not in _lhs:
+        _lhs[(b, k)] = (mx.array(np.arange(b, dtype=np.uint32)[:, None]),
+                        mx.array(np.arange(b * k, dtype=np.uint32).reshape(b, k)))  # fmt: skip
+    return _lhs[(b, k)]
+
+
+def _gqmm(x: mx.array, w: mx.array, s: mx.array, rows: mx.array, idx: mx.array) -> mx.array:
+    return mx.gather_qmm(x, w, s, None, lhs_indices=rows, rhs_indices=idx, transpose=True, group_size=GROUP,
+                         bits=4, mode="mxfp4")  # fmt: skip
+
+
+def experts_gate_up_rows_reference(x: mx.array, idx: mx.array, w1: mx.array, s1: mx.array, w3: mx.array,
+                                   s3: mx.array, *, limit: float | None) -> mx.array:  # fmt: skip
+    """-> hidden [B, k, I] in x.dtype: SwiGLU of each pair's expert's gate and up products."""
+    check_experts("experts_gate_up_rows", x, idx, w1, s1, per_pair=False)
+    check_experts("experts_gate_up_rows", x, idx, w3, s3, per_pair=False)
+    rows, _ = lhs_indices(*idx.shape)
+    ri = idx.astype(mx.uint32)
+    xe = x[:, None, None, :]
+    g, u = _gqmm(xe, w1, s1, rows, ri), _gqmm(xe, w3, s3, rows, ri)
+    return swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype)[:, :, 0, :]
+
+
+def experts_down_rows_reference(h: mx.array, idx: mx.array, w2: mx.array, s2: mx.array) -> mx.array:
+    """h [B, k, I] (each pair's hidden) -> [B, k, H] in h.dtype through each pair's expert."""
+    check_experts("experts_down_rows", h, idx, w2, s2, per_pair=True)
+    _, pair_rows = lhs_indices(*idx.shape)
+    return _gqmm(h[:, :, None, :], w2, s2, pair_rows, idx.astype(mx.uint32))[:, :, 0, :]
+
+
+def qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """x [..., K] @ mxfp8 W [N, K].T -> [..., N] in x.dtype."""
+    return backend.pick("qlinear_rows", qlinear_rows_reference)(x, w, scales)
+
+
+def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
+    """x [..., K] @ W [N, K].T in f32 -> f32 (the fast path: bf16 x and W, exact products, f32 sums)."""
+    return backend.pick("f32_linear_rows", f32_linear_rows_reference)(x, w)
+
+
+def swiglu_rows(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
+                limit: float | None) -> mx.array:  # fmt: skip
+    """SwiGLU(x @ W1.T, x @ W3.T) for two mxfp8 weights -> [..., I] in x.dtype."""
+    return backend.pick("swiglu_rows", swiglu_rows_reference)(x, w1, s1, w3, s3, limit=limit)
+
+
+def experts_gate_up_rows(x: mx.array, idx: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
+                         limit: float | None) -> mx.array:  # fmt: skip
+    """Routed experts' first half: x [B, K], idx [B, k] -> hidden [B, k, I]."""
+    fn = backend.pick("experts_gate_up_rows", experts_gate_up_rows_reference)
+    return fn(x, idx, w1, s1, w3, s3, limit=limit)
+
+
+def experts_down_rows(h: mx.array, idx: mx.array, w2: mx.array, s2: mx.array) -> mx.array:
+    """Routed experts' second half: hidden [B, k, I] -> [B, k, H], each pair through its expert."""
+    return backend.pick("experts_down_rows", experts_down_rows_reference)(h, idx, w2, s2)
