@@ -1,10 +1,16 @@
-"""The project's real decode step on a truncated V4-Flash (real dims, random weights, bf16).
+"""The decode step of record: the full V4-Flash (43 layers, release precision) on random weights.
 
-4 layers by default (sliding, CSA, HCA, CSA); rows 1, 2, 4, 8 at 4K and 128K context; with the fast
-kernels and with DSV4_KERNELS=reference, measured side by side in one run. The context is laid down as
-random state (window rings, compressed entries, indexer keys), not prefilled. Prints a table, writes JSON.
+mxfp8 dense projections + mxfp4 routed experts (as the release stores them; `--experts N` cuts the routed
+experts to fit one GPU, default the most that fit), bf16 elsewhere; rows 1, 2, 4, 8 at 4K and 64K
+context, each cell a pipelined greedy loop (the engine's: step i + 1 queued before step i's tokens are
+read). The context is laid down as random state, not prefilled. Arms alternate in one process: `fast`
+(every fast path) and `mlx_mm` (the same with MLX's own matmuls for the weight products: the skinny
+kernels of kernels/cuda/matmul.py off). Per cell: ms a step, tokens/s, the byte floor (the bytes a step
+must read at the release's precision over a plain copy's bandwidth measured in this run) and, with
+`--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU busy time a step
+and the kernels that take it. Prints a table, writes JSON.
 
-    python bench/step.py --out $OUT/step.json [--layers 4] [--contexts 4096,131072] [--rows 1,2,4,8]
+    python3 bench/step.py --out $OUT/step.json [--experts 32] [--rows 1,8] [--contexts 4096,65536] [--profile]
 """
 
 from __future__ import annotations
@@ -24,55 +30,84 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-import kernels.upload as kupload  # noqa: E402
 from bench.floors import copy_bandwidth  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
-from model import attention  # noqa: E402
-from model.checkpoint import is_f32_compute  # noqa: E402
+from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.quant import quantize_block  # noqa: E402
 from model.state import StatePools  # noqa: E402
 
-COPY_BW = None  # bytes/s of a plain device copy, measured in this run
+SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows")
 
 
-def flash_args(layers: int) -> ModelArgs:
-    a = ModelArgs()  # V4-Flash defaults
-    a.num_hidden_layers = layers
-    a.compress_ratios = ([0, 4, 128, 4] * ((layers + 3) // 4))[:layers]
+def flash_args(layers: int, experts: int) -> ModelArgs:
+    a = ModelArgs()  # V4-Flash defaults: 43 layers [0, 0] + [4, 128] * 20 + [4]
+    if layers != a.num_hidden_layers:
+        a.num_hidden_layers = layers
+        a.compress_ratios = ([0, 4, 128, 4] * ((layers + 3) // 4))[:layers]
+    a.n_routed_experts = experts
     return a
 
 
-def random_model(args: ModelArgs, dtype: mx.Dtype, quantize: str | None) -> DeepseekV4:
-    model = DeepseekV4(args)
-    key = mx.random.key(0)
-    for name, p in tree_flatten(model.parameters()):
-        key, sub = mx.random.split(key)
-        if p.dtype == mx.int32:  # tid2eid: distinct-ish random experts
-            v = mx.random.randint(0, args.n_routed_experts, p.shape, key=sub).astype(mx.int32)
-        else:
-            fan = p.shape[-1] if p.ndim >= 2 else 1
-            std = fan**-0.5 if p.ndim >= 2 else 0.1
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            keep = p.ndim < 2 or is_f32_compute(name)  # as the loader keeps them
-            v = (base + std * mx.random.normal(p.shape, key=sub)).astype(mx.float32 if keep else dtype)
-            if name.endswith("norm.weight"):
-                v = v.astype(dtype)
-        model.update(tree_unflatten([(name, v)]))
-        mx.eval(v)
-    if quantize:
-        from model.quant import quantize_model  # issue 5: mxfp8 dense / mxfp4 experts
+def expert_bytes(a: ModelArgs) -> float:
+    """One routed expert at mxfp4: 3 matrices of I x H nibbles + an e8m0 scale per 32."""
+    return 3 * a.moe_intermediate_size * a.hidden_size * (0.5 + 1 / 32)
 
-        quantize_model(model, mode=quantize)
+
+def most_experts(layers: int, reserve_gib: float = 12.0) -> int:
+    """The most routed experts a layer that fit the device's memory beside the dense weights and the state."""
+    try:
+        total = float(mx.device_info()["memory_size"])
+    except Exception:  # no device info: the release's count
+        return 256
+    a = flash_args(layers, 8)
+    dense = sum(p.size for n, p in tree_flatten(DeepseekV4(a).parameters()) if ".ffn.experts." not in n)
+    free = total - dense * 1.1 - reserve_gib * 2**30  # dense weights ~1 byte a parameter (mxfp8), a margin
+    return max(8, min(256, int(free / (layers * expert_bytes(a)))))
+
+
+def random_model(args: ModelArgs, quantize: bool = True, seed: int = 0) -> DeepseekV4:
+    """Random weights as the loader holds them (f32 for the release's f32 tensors, bf16 otherwise), each
+    block quantized to the release precision before the next is drawn: the float copy of one block at a
+    time is all the memory it takes beyond the model."""
+    model = DeepseekV4(args)  # lazy zeros: nothing allocated yet
+    key = mx.random.key(seed)
+
+    def draw(module, prefix: str) -> None:
+        nonlocal key
+        for name, p in tree_flatten(module.parameters()):
+            full = prefix + name
+            key, sub = mx.random.split(key)
+            if p.dtype == mx.int32:  # tid2eid: random experts
+                v = mx.random.randint(0, args.n_routed_experts, p.shape, key=sub).astype(mx.int32)
+            else:
+                std = p.shape[-1] ** -0.5 if p.ndim >= 2 else 0.1
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                v = (base + std * mx.random.normal(p.shape, key=sub)).astype(
+                    mx.float32 if is_f32_param(full) else mx.bfloat16)
+            module.update(tree_unflatten([(name, v)]))
+
+    for i, block in enumerate(model.layers):
+        draw(block, f"layers.{i}.")
+        if quantize:
+            quantize_block(block)
+        mx.eval(block.parameters())
+    for name in ("embed", "norm", "head"):
+        draw(getattr(model, name), f"{name}.")
+    for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
+        key, sub = mx.random.split(key)
+        setattr(model, name, 0.1 * mx.random.normal(getattr(model, name).shape, key=sub))
     mx.eval(model.parameters())
+    model.reset_compiled()
     return model
 
 
-def fill_state(pools: StatePools, handles, ctx: int) -> None:
+def fill_state(pools: StatePools, ctx: int) -> None:
+    """Random window rings, compressed entries and indexer keys, as if `ctx` tokens had been decoded."""
     key = mx.random.key(1)
-    for lst in (pools.window,):
-        for i, a in enumerate(lst):
-            lst[i] = (0.5 * mx.random.normal(a.shape, key=mx.random.split(key, i + 2)[i + 1])).astype(a.dtype)
+    for i, a in enumerate(pools.window):
+        pools.window[i] = (0.5 * mx.random.normal(a.shape, key=mx.random.fold_in(key, i))).astype(a.dtype)
     for d in (pools.ckv, pools.ikeys):
         for layer, a in d.items():
             d[layer] = (0.5 * mx.random.normal(a.shape, key=mx.random.key(layer + 7))).astype(a.dtype)
@@ -82,152 +117,174 @@ def fill_state(pools: StatePools, handles, ctx: int) -> None:
     mx.eval(pools.arrays())
 
 
+def release_bytes(name: str, size: int) -> float:
+    """A parameter's bytes as the release stores it (section 4 of the model doc): FP8 e4m3 (+ one scale a
+    128 x 128 block) for the dense projections, wo_a included; FP4 + a scale per 32 for the routed
+    experts; F32 for the release's f32 tensors; BF16 for the rest."""
+    if ".ffn.experts." in name:
+        return size * (0.5 + 1 / 32) if not name.endswith("_scales") else 0.0
+    if name.endswith(".scales"):
+        return 0.0  # counted with their weight
+    for fp8 in ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "indexer.wq_b.",
+                "shared_experts.w"):  # fmt: skip
+        if fp8 in name and "compressor" not in name:
+            return size * (1 + 1 / 16384)
+    return size * (4 if is_f32_param(name) else 2)
+
+
 def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
-    """(weight bytes, state bytes) one step must read at least."""
+    """(weight bytes, state bytes) one step must read at least, at the release's precision."""
     a = model.args
-    total = 0
-    expert = 0
+    dense = expert = 0.0
     for name, p in tree_flatten(model.parameters()):
+        if name.startswith("embed."):
+            continue  # B rows of it
+        # logical parameter count: a packed uint32 holds 4 (mxfp8) or 8 (mxfp4) values
+        n = p.size * (8 if ".ffn.experts.w" in name else 4) if p.dtype == mx.uint32 else p.size
+        b = release_bytes(name, n)
         if ".ffn.experts." in name:
-            expert += p.nbytes
+            expert += b
         else:
-            total += p.nbytes
+            dense += b
     e, k = a.n_routed_experts, a.num_experts_per_tok
-    distinct = e * (1 - (1 - k / e) ** rows)
-    weights = total + expert * distinct / e
+    distinct = e * (1 - (1 - k / e) ** rows)  # expected distinct experts of B rows, per layer
     state = 0
     for r in a.compress_ratios:
         n = min(ctx + 1, a.sliding_window)
         if r == 4:
             n += min(a.index_topk, ctx // 4)
-            state += rows * (ctx // 4) * a.index_head_dim * 2
+            state += rows * (ctx // 4) * a.index_head_dim * 2  # the indexer scores every entry
         elif r == 128:
             n += ctx // 128
         state += rows * n * a.head_dim * 2
-    return weights, state
+    return dense + expert * distinct / e, state
 
 
-def set_op_compile(on: bool) -> None:
-    """kernels.cuda's per-op mx.compile switch (DSV4_CUDA_COMPILE), flipped in-process for an A/B arm."""
-    if on or "kernels.cuda.common" in sys.modules:
-        import kernels.cuda.common as kc
-
-        kc.COMPILE = on or os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
-
-
-def set_hc_kernel(on: bool) -> None:
-    """The mHC pre-mix kernel in or out of the backend (model.reset_compiled() makes the segments retrace)."""
+def set_skinny(on: bool, model: DeepseekV4) -> None:
+    """The skinny matmul kernels in or out of the backend (an A/B arm); the compiled segments retrace."""
     from kernels import backend
 
-    if on:
-        import kernels.cuda as kc
+    if on and backend.cuda_available():
+        import kernels.cuda.matmul as km
 
-        backend.register("hc_pre_mix", kc.hc_pre_mix_cuda)
+        for op in SKINNY_OPS:
+            backend.register(op, getattr(km, f"{op}_cuda"))
     else:
-        backend.unregister("hc_pre_mix")
+        for op in SKINNY_OPS:
+            backend.unregister(op)
+    model.reset_compiled()
 
 
-def time_steps(model, pools, handles, ctx, reps) -> list[float]:
-    ts = []
-    for i in range(reps):
-        t = time.perf_counter()
-        model.decode(pools, handles, [7] * len(handles), [ctx + i] * len(handles))
-        ts.append(time.perf_counter() - t)
-    return ts
-
-
-def time_loop(model, pools, handles, ctx, reps, pipelined: bool) -> list[float]:
-    """Greedy decode `reps` steps, the next step's tokens the argmax of this one's logits (on the device).
-    Synced: each step's token is read back before the next step is built, as the engine does now.
-    Pipelined (mlx-lm's generate loop): step i + 1 is built and queued with step i's lazy tokens, and
-    step i's tokens are read back after, so the host builds one step while the GPU runs the previous
-    one. Returns the time between consecutive token read-backs."""
+def time_loop(model: DeepseekV4, pools: StatePools, handles, ctx: int, reps: int) -> list[float]:
+    """Pipelined greedy decode of `reps` steps (the engine's loop): step i + 1 is built and queued with step
+    i's tokens still on the device, then step i's are read back. Returns the times between read-backs."""
     tok = mx.array([7] * len(handles), dtype=mx.int32)
     ts, pending = [], None
     t = time.perf_counter()
-    for i in range(reps + 1 if pipelined else reps):
+    for i in range(reps + 1):
         if i < reps:
             logits = model.step(model.make_batch(pools, handles, [ctx + i] * len(handles)), tok, pools)
             tok = mx.argmax(logits, axis=-1).astype(mx.int32)
             mx.async_eval(tok, pools.arrays())
-        done, pending = (pending, tok) if pipelined else (tok, None)
+        done, pending = pending, tok
         if done is not None:
             done.tolist()
             now = time.perf_counter()
             ts.append(now - t)
             t = now
-    return ts[:-1] if pipelined else ts  # the pipelined loop's last read-back has no step behind it
+    return ts[:-1]  # the last read-back has no step behind it
+
+
+def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
+    """CUPTI over `steps` steps: kernels a step, GPU busy us a step (union of activity), the top kernels."""
+    from torch.profiler import ProfilerActivity, profile  # the device's python3; not a project dependency
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(steps)
+        mx.synchronize()
+    path = (out or Path("/tmp")) / f"trace_{tag}.json"
+    prof.export_chrome_trace(str(path))
+    ev = [e for e in json.loads(path.read_text()).get("traceEvents", [])
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]  # fmt: skip
+    if out is None:
+        path.unlink()
+    by: dict[str, list[float]] = {}
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in ev)
+    for e in ev:
+        by.setdefault(e["name"][:70], []).append(e.get("dur", 0))
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"kernels_per_step": len(ev) / steps, "gpu_busy_ms_per_step": busy / steps / 1e3,
+            "top": [[n, round(len(d) / steps, 1), round(sum(d) / steps / 1e3, 3)] for n, d in top]}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--contexts", default="4096,131072")
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts a layer (0: the most that fit)")
+    ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--quantize", default="", help="'' (bf16 weights) or 'mxfp' (mxfp8 dense + mxfp4 experts)")
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--arms", default="fast,mlx_mm", help="of fast, mlx_mm (MLX's matmuls for the weights)")
+    ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (fast arm)")
+    ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
-    ap.add_argument("--arms", default="fast,reference",
-                    help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
-                    "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
-                    "decode loop, each token read back before / after the next step is queued: time_loop); "
-                    "fast_functional / fast_pipe_functional: fast / fast_pipe with the functional compressor "
-                    "(model.attention.INPLACE_COMPRESSOR off; the in-place one is the default); any arm + "
-                    "`_noupload`: the rows' arrays and tokens host-built (managed memory, kernels/upload.py off)")
     opt = ap.parse_args()
-    args = flash_args(opt.layers)
+    experts = opt.experts or most_experts(opt.layers)
+    args = flash_args(opt.layers, experts)
     t0 = time.perf_counter()
-    model = random_model(args, mx.bfloat16, opt.quantize or None)
-    print(f"model ready in {time.perf_counter() - t0:.1f} s on {mx.default_device()}", flush=True)
+    model = random_model(args)
+    print(f"model: {opt.layers} layers, {experts} experts, ready in {time.perf_counter() - t0:.1f} s on "
+          f"{mx.default_device()}, {mx.get_active_memory() / 2**30:.1f} GiB", flush=True)  # fmt: skip
     bw = copy_bandwidth()
     rows_list = [int(r) for r in opt.rows.split(",")]
+    arms = opt.arms.split(",")
+    traces = Path(opt.traces) if opt.traces else None
     results = []
     for ctx in (int(c) for c in opt.contexts.split(",")):
-        pools = StatePools(args, max_slots=max(rows_list), max_positions=ctx + opt.reps + 8, page_size=256,
-                           dtype=mx.bfloat16)
-        handles = [pools.alloc(ctx + opt.reps + 8) for _ in range(max(rows_list))]
-        fill_state(pools, handles, ctx)
+        cap = ctx + 4 * opt.reps + 64
+        pools = StatePools(args, max_slots=max(rows_list), max_positions=cap, page_size=256, dtype=mx.bfloat16)
+        handles = [pools.alloc(cap) for _ in range(max(rows_list))]
+        fill_state(pools, ctx)
+        pos = ctx
         for rows in rows_list:
-            arm = {}
-            for arm_name in opt.arms.split(",") * 2:  # interleaved arms
-                mode = arm_name.removesuffix("_noupload")
-                kupload.ENABLED = mode == arm_name
-                kupload.clear()
-                os.environ["DSV4_KERNELS"] = "reference" if mode == "reference" else "auto"
-                set_op_compile(mode == "fast_opc")
-                set_hc_kernel(mode != "fast_nohc")
-                attention.INPLACE_COMPRESSOR = not mode.endswith("_functional")
-                model.reset_compiled()  # the compiled segments trace this arm's op choice (hc_pre_mix)
-                time_steps(model, pools, handles[:rows], ctx, 3)  # warm-up / compile
-                if mode in ("fast_sync", "fast_pipe", "fast_pipe_functional"):
-                    ts = time_loop(model, pools, handles[:rows], ctx, opt.reps, pipelined=mode != "fast_sync")
-                else:
-                    ts = time_steps(model, pools, handles[:rows], ctx, opt.reps)
-                arm.setdefault(arm_name, []).extend(ts)
-            set_op_compile(False)
+            times: dict[str, list[float]] = {}
+            for arm in arms * 2:  # alternated
+                set_skinny(arm == "fast", model)
+                time_loop(model, pools, handles[:rows], pos, 3)  # trace + warm
+                times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
-            for mode, ts in arm.items():
+            prof = {}
+            if opt.profile and "fast" in arms:
+                set_skinny(True, model)
+                hs = handles[:rows]
+                prof = gpu_profile(lambda n, p=pools, hs=hs, at=pos: time_loop(model, p, hs, at, n), 4, traces,
+                                   f"{ctx}_{rows}")  # fmt: skip
+            for arm, ts in times.items():
                 med = statistics.median(ts)
-                results.append({
-                    "layers": opt.layers, "context": ctx, "rows": rows, "kernels": mode,
-                    "weights": opt.quantize or "bf16", "ms_per_step": med * 1e3,
-                    "spread_ms": (max(ts) - min(ts)) * 1e3, "tokens_per_s": rows / med,
-                    "floor_ms": floor * 1e3, "ms_per_layer": med * 1e3 / opt.layers,
-                    "floor_ms_per_layer": floor * 1e3 / opt.layers, "ratio_to_floor": med / floor,
-                })
+                cell = {"layers": opt.layers, "experts": experts, "context": ctx, "rows": rows, "arm": arm,
+                        "ms_per_step": med * 1e3, "spread_ms": (max(ts) - min(ts)) * 1e3, "tokens_per_s": rows / med,
+                        "floor_ms": floor * 1e3, "weight_gb": wb / 1e9, "state_gb": sb / 1e9,
+                        "x_floor": med / floor}  # fmt: skip
+                if arm == "fast" and prof:
+                    cell |= prof | {"busy_x_floor": prof["gpu_busy_ms_per_step"] / (floor * 1e3)}
+                results.append(cell)
+                print(json.dumps(cell), flush=True)
         del pools, handles
-    meta = {
-        "mlx": mx.__version__, "device": str(mx.default_device()), "copy_bw_GBs": bw / 1e9,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-    } | provenance()
+    meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "copy_bw_GBs": bw / 1e9,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version()} | provenance()
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
-    head = ("ctx", "rows", "kernels", "weights", "ms/step", "tok/s", "floor ms", "x floor")
-    print("{:>7} {:>4} {:>9} {:>7} {:>8} {:>8} {:>8} {:>7}".format(*head))
+    head = ("ctx", "rows", "arm", "ms/step", "tok/s", "floor ms", "x floor", "kern/step", "busy ms")
+    print("{:>6} {:>4} {:>7} {:>8} {:>7} {:>8} {:>7} {:>9} {:>8}".format(*head))
     for r in results:
-        print(f"{r['context']:>7} {r['rows']:>4} {r['kernels']:>9} {r['weights']:>7} {r['ms_per_step']:>8.2f} "
-              f"{r['tokens_per_s']:>8.1f} {r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.1f}")
+        print(f"{r['context']:>6} {r['rows']:>4} {r['arm']:>7} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>7.1f} "
+              f"{r['floor_ms']:>8.3f} {r['x_floor']:>7.2f} {r.get('kernels_per_step', 0):>9.0f} "
+              f"{r.get('gpu_busy_ms_per_step', 0):>8.2f}")
 
 
 if __name__ == "__main__":

@@ -110,12 +110,12 @@ def main() -> None:
         from bench.step import fill_state, flash_args, random_model
         from model.state import StatePools
 
-        args = flash_args(4)
-        model = random_model(args, mx.bfloat16, None)
+        args = flash_args(4, 256)
+        model = random_model(args, quantize=False)
         rows = [int(r) for r in opt.step.split(",")]
         pools = StatePools(args, max_slots=max(rows), max_positions=4096 + 200, page_size=256, dtype=mx.bfloat16)
         handles = [pools.alloc(4096 + 200) for _ in range(max(rows))]
-        fill_state(pools, handles, 4096)
+        fill_state(pools, 4096)
         for r in rows:
             pos = [4096]
 

@@ -171,26 +171,31 @@ def encode_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- in-memory quantization (benchmarks on random weights; the loader keeps released FP8/FP4 as is) ------
-def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
-    """The release's storage formats on an in-memory float model: the FP8 projections (`_QLINEAR` of the
-    loader) as mxfp8 QuantizedLinear, the routed experts as mxfp4 QuantizedExperts; the rest unchanged."""
+def quantize_block(block: nn.Module) -> nn.Module:
+    """The release's storage formats on one in-memory float decoder block: its FP8 projections (`_QLINEAR` of
+    the loader) as mxfp8 RowsQuantizedLinear, its routed experts as mxfp4 QuantizedExperts."""
     from model.loader import _QLINEAR  # the one list of which projections the release stores as FP8
 
+    nn.quantize(block, group_size=32, bits=8, mode="mxfp8",
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path in _QLINEAR)  # fmt: skip
+    swap = [(path, mxfp8_linear(m.weight, m.scales)) for path, m in block.named_modules()
+            if type(m) is nn.QuantizedLinear]  # fmt: skip
+    block.update_modules(tree_unflatten(swap))
+    ex = block.ffn.experts
+    w = {}
+    for name in ("w1", "w2", "w3"):
+        w[name], w[f"{name}_scales"] = mx.quantize(getattr(ex, name), group_size=FP4_GROUP, bits=4, mode="mxfp4")
+    block.ffn.experts = QuantizedExperts(w, ex.limit)
+    return block
+
+
+def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
+    """quantize_block on every block of an in-memory float model (benchmarks on random weights; the loader
+    keeps a release checkpoint's FP8 / FP4 bytes as they are)."""
     if mode != "mxfp":
         raise ValueError(f"quantize_model: mode must be 'mxfp', got {mode!r}")
-    nn.quantize(
-        model, group_size=32, bits=8, mode="mxfp8",
-        class_predicate=lambda path, m: isinstance(m, nn.Linear) and path.split(".", 2)[-1] in _QLINEAR,
-    )
-    swap = [(path, mxfp8_linear(m.weight, m.scales)) for path, m in model.named_modules()
-            if type(m) is nn.QuantizedLinear]  # fmt: skip
-    model.update_modules(tree_unflatten(swap))
     for block in model.layers:
-        ex = block.ffn.experts
-        w = {}
-        for name in ("w1", "w2", "w3"):
-            w[name], w[f"{name}_scales"] = mx.quantize(getattr(ex, name), group_size=FP4_GROUP, bits=4, mode="mxfp4")
-        block.ffn.experts = QuantizedExperts(w, ex.limit)
-        mx.eval(block.ffn.experts.parameters())
+        quantize_block(block)
+        mx.eval(block.parameters())
     model.reset_compiled()  # compiled segments captured the float modules
     return model

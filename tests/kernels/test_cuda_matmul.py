@@ -1,0 +1,104 @@
+"""The skinny CUDA matmuls (kernels/cuda/matmul.py) vs their plain-MLX twins on the GPU: random weights in
+the release formats, 1..8 rows, V4-Flash shapes and small ones, experts chosen with repeats across rows."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import backend
+from kernels import matmul as ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
+
+
+def cuda():
+    from kernels.cuda import matmul
+
+    return matmul
+
+
+def close(got: mx.array, want: mx.array, tol: float) -> None:
+    """Relative to the output's scale: bf16 outputs round once, the sums' order differs."""
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert g.shape == w.shape and np.isfinite(g).all()
+    scale = np.abs(w).max() + 1e-6
+    assert np.abs(g - w).max() <= tol * scale, (np.abs(g - w).max(), scale)
+    cos = (g * w).sum() / (np.linalg.norm(g) * np.linalg.norm(w) + 1e-30)
+    assert cos >= 0.9999, cos
+
+
+def mxfp(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array]:
+    w = mx.random.normal(shape) * shape[-1] ** -0.5
+    return mx.quantize(w, group_size=32, bits=bits, mode=f"mxfp{bits}")[:2]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (4096, 8192), (48, 64)])
+def test_qlinear_rows(rows: int, n: int, k: int) -> None:
+    w, s = mxfp((n, k), 8)
+    x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+    got = cuda().qlinear_rows_cuda(x, w, s)
+    assert got.dtype == mx.bfloat16
+    close(got, ref.qlinear_rows_reference(x, w, s), 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (256, 4096), (32, 4096), (129280, 4096), (64, 32)])
+def test_f32_linear_rows_is_the_exact_f32_product(rows: int, n: int, k: int) -> None:
+    w = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+    x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+    got = cuda().f32_linear_rows_cuda(x, w)
+    assert got.dtype == mx.float32
+    close(got, ref.f32_linear_rows_reference(x, w), 1e-5)  # exact products: f32 summation order only
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("limit", [None, 10.0, 0.5])
+def test_swiglu_rows(rows: int, limit: float | None) -> None:
+    (w1, s1), (w3, s3) = mxfp((2048, 4096), 8), mxfp((2048, 4096), 8)
+    x = (4 * mx.random.normal((rows, 4096))).astype(mx.bfloat16)
+    got = cuda().swiglu_rows_cuda(x, w1, s1, w3, s3, limit=limit)
+    close(got, ref.swiglu_rows_reference(x, w1, s1, w3, s3, limit=limit), 2e-2)
+
+
+def routes(rows: int, k: int, experts: int, seed: int) -> mx.array:
+    """Each row's k distinct experts, drawn from few so that rows share some."""
+    rng = np.random.default_rng(seed)
+    return mx.array(np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]).astype(np.uint32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("experts,hid,inter", [(8, 4096, 2048), (16, 256, 128)])
+def test_experts_rows(rows: int, experts: int, hid: int, inter: int) -> None:
+    k = 6
+    (w1, s1), (w3, s3) = mxfp((experts, inter, hid), 4), mxfp((experts, inter, hid), 4)
+    w2, s2 = mxfp((experts, hid, inter), 4)
+    idx = routes(rows, k, experts, rows)
+    x = (2 * mx.random.normal((rows, hid))).astype(mx.bfloat16)
+    h = cuda().experts_gate_up_rows_cuda(x, idx, w1, s1, w3, s3, limit=10.0)
+    want_h = ref.experts_gate_up_rows_reference(x, idx, w1, s1, w3, s3, limit=10.0)
+    close(h, want_h, 2e-2)
+    y = cuda().experts_down_rows_cuda(want_h, idx, w2, s2)  # the reference's hidden: the down half alone
+    close(y, ref.experts_down_rows_reference(want_h, idx, w2, s2), 1e-2)
+
+
+def test_a_row_gives_what_it_gives_alone() -> None:
+    """Batch invariance: row 0 of an 8-row call equals the 1-row call bit for bit (the kernel computes every
+    column of its tile the same way whatever else is in it)."""
+    w, s = mxfp((4096, 4096), 8)
+    x = mx.random.normal((8, 4096)).astype(mx.bfloat16)
+    m = cuda()
+    assert mx.array_equal(m.qlinear_rows_cuda(x, w, s)[:1], m.qlinear_rows_cuda(x[:1], w, s)).item()
+    (w1, s1), (w3, s3) = mxfp((8, 512, 4096), 4), mxfp((8, 512, 4096), 4)
+    idx = routes(8, 6, 8, 0)
+    full = m.experts_gate_up_rows_cuda(x, idx, w1, s1, w3, s3, limit=10.0)
+    one = m.experts_gate_up_rows_cuda(x[3:4], idx[3:4], w1, s1, w3, s3, limit=10.0)
+    assert mx.array_equal(full[3:4], one).item()
+
+
+def test_more_rows_and_other_dtypes_run_the_reference() -> None:
+    w, s = mxfp((1024, 4096), 8)
+    for x in (mx.random.normal((9, 4096)).astype(mx.bfloat16), mx.random.normal((2, 4096))):
+        assert mx.array_equal(cuda().qlinear_rows_cuda(x, w, s), ref.qlinear_rows_reference(x, w, s)).item()

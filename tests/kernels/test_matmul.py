@@ -1,0 +1,76 @@
+"""kernels.matmul's plain twins (what the CPU and prefill run): the products the model ran before the
+fast path, and bad arguments named."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import matmul as km
+
+
+def mxfp(shape: tuple[int, ...], bits: int):
+    w = mx.random.normal(shape) * shape[-1] ** -0.5
+    q, s = mx.quantize(w, group_size=32, bits=bits, mode=f"mxfp{bits}")[:2]
+    return q, s, mx.dequantize(q, s, group_size=32, bits=bits, mode=f"mxfp{bits}")
+
+
+def test_qlinear_rows_is_the_dequantized_product() -> None:
+    q, s, w = mxfp((64, 128), 8)
+    x = mx.random.normal((3, 128))
+    np.testing.assert_allclose(np.array(km.qlinear_rows(x, q, s)), np.array(x @ w.T), rtol=1e-4, atol=1e-4)
+
+
+def test_f32_linear_rows_upcasts_the_weight() -> None:
+    w = mx.random.normal((16, 32)).astype(mx.bfloat16)
+    x = mx.random.normal((2, 32)).astype(mx.bfloat16)
+    got = km.f32_linear_rows(x, w)
+    assert got.dtype == mx.float32
+    assert mx.array_equal(got, x.astype(mx.float32) @ w.astype(mx.float32).T).item()
+
+
+def test_swiglu_rows_clamps_as_the_model() -> None:
+    q1, s1, w1 = mxfp((32, 64), 8)
+    q3, s3, w3 = mxfp((32, 64), 8)
+    x = 8 * mx.random.normal((2, 64))
+    g, u = x @ w1.T, x @ w3.T
+    want = (mx.minimum(g, 1.0) * mx.sigmoid(mx.minimum(g, 1.0))) * mx.clip(u, -1.0, 1.0)
+    np.testing.assert_allclose(np.array(km.swiglu_rows(x, q1, s1, q3, s3, limit=1.0)), np.array(want), rtol=1e-3,
+                               atol=1e-3)  # fmt: skip
+
+
+def test_experts_rows_route_each_pair_through_its_expert() -> None:
+    e, hid, inter = 4, 64, 32
+    q1, s1, w1 = mxfp((e, inter, hid), 4)
+    q3, s3, w3 = mxfp((e, inter, hid), 4)
+    q2, s2, w2 = mxfp((e, hid, inter), 4)
+    idx = mx.array([[0, 2], [2, 3], [1, 0]], dtype=mx.uint32)
+    x = mx.random.normal((3, hid))
+    h = km.experts_gate_up_rows(x, idx, q1, s1, q3, s3, limit=None)
+    y = km.experts_down_rows(h, idx, q2, s2)
+    assert h.shape == (3, 2, inter) and y.shape == (3, 2, hid)
+    for b in range(3):
+        for j in range(2):
+            ex = int(idx[b, j].item())
+            g, u = x[b] @ w1[ex].T, x[b] @ w3[ex].T
+            want_h = g * mx.sigmoid(g) * u
+            np.testing.assert_allclose(np.array(h[b, j]), np.array(want_h), rtol=1e-3, atol=1e-3)
+            np.testing.assert_allclose(np.array(y[b, j]), np.array(h[b, j] @ w2[ex].T), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: km.qlinear_rows(mx.zeros((2, 64)), mx.zeros((8, 16), mx.uint32), mx.zeros((8, 1), mx.uint8)),
+     "^qlinear_rows: scales: "),
+    (lambda: km.qlinear_rows(mx.zeros((2, 64)), mx.zeros((8, 8)), mx.zeros((8, 2), mx.uint8)), "^qlinear_rows: w: "),
+    (lambda: km.f32_linear_rows(mx.zeros((2, 64)), mx.zeros((8, 32))), "^f32_linear_rows: w: "),
+    (lambda: km.f32_linear_rows([1.0], mx.zeros((8, 32))), "^f32_linear_rows: x: "),
+    (lambda: km.experts_down_rows(mx.zeros((2, 64)), mx.zeros((2, 3), mx.uint32), mx.zeros((4, 8, 8), mx.uint32),
+                                  mx.zeros((4, 8, 2), mx.uint8)), "^experts_down_rows: x: "),
+    (lambda: km.experts_gate_up_rows(mx.zeros((2, 64)), mx.zeros((2,), mx.uint32), mx.zeros((4, 8, 8), mx.uint32),
+                                     mx.zeros((4, 8, 2), mx.uint8), mx.zeros((4, 8, 8), mx.uint32),
+                                     mx.zeros((4, 8, 2), mx.uint8), limit=None), "^experts_gate_up_rows: idx: "),
+])  # fmt: skip
+def test_bad_arguments_are_named(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
