@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.provenance import provenance  # noqa: E402
+from bench.common import provenance  # noqa: E402
 from bench.step import fill_state, flash_args, random_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.distributed import shard_model  # noqa: E402

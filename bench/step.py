@@ -4,7 +4,7 @@
 kernels and with DSV4_KERNELS=reference, measured side by side in one run. The context is laid down as
 random state (window rings, compressed entries, indexer keys), not prefilled. Prints a table, writes JSON.
 
-    python bench/step.py --out $OUT/step.json [--layers 4] [--contexts 4096,131072] [--rows 1,2,4,8]
+    python bench/step.py --out $OUT/step.json [--layers 4] [--contexts 4096,131072] [--rows 1,2,4,8] [--plot step.png]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 import kernels.upload as kupload  # noqa: E402
-from bench.floors import copy_bandwidth  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
 from model import attention  # noqa: E402
 from model.checkpoint import is_f32_compute  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
@@ -167,6 +166,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--quantize", default="", help="'' (bf16 weights) or 'mxfp' (mxfp8 dense + mxfp4 experts)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
+    ap.add_argument("--plot", metavar="PNG", help="also draw ms a step against rows, with the floor")
     ap.add_argument("--arms", default="fast,reference",
                     help="of fast, reference, fast_opc (fast with mx.compile around each op's launches), "
                     "fast_nohc (fast with the plain-MLX mHC pre-mix, DSV4_HC_KERNEL=0), fast_sync / fast_pipe (greedy "
@@ -223,6 +223,8 @@ def main() -> None:
     } | provenance()
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
+    if opt.plot:
+        plot_step(results, meta, opt.plot)
     head = ("ctx", "rows", "kernels", "weights", "ms/step", "tok/s", "floor ms", "x floor")
     print("{:>7} {:>4} {:>9} {:>7} {:>8} {:>8} {:>8} {:>7}".format(*head))
     for r in results:
