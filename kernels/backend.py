@@ -7,13 +7,14 @@ The reference is always there (and is what CI and a Mac run). A fast module — 
     backend.register("sparse_attention_rows", my_fast_fn)
 
 and is imported lazily the first time the CUDA path is considered, so importing `kernels` never
-compiles anything. `DSV4_KERNELS` selects: unset / `auto` (CUDA when available), `reference`
+compiles anything. The package (`kernels/__init__.py`) names that module through `set_fast_loader`:
+the fast module imports the references and this module, so this module never imports it back.
+`DSV4_KERNELS` selects: unset / `auto` (CUDA when available), `reference`
 (force the plain twin), `cuda` (demand the fast path; an error where there is none).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ ENV = "DSV4_KERNELS"
 
 _fast: dict[str, Callable[..., Any]] = {}
 _loaded = False
+_loader: Callable[[], Any] | None = None
 
 
 def register(op: str, fn: Callable[..., Any]) -> None:
@@ -77,14 +79,20 @@ def _mode() -> str:
     return mode
 
 
+def set_fast_loader(load: Callable[[], Any]) -> None:
+    """`load()` imports the fast module (its import registers the fast ops); called once, when first needed."""
+    global _loader
+    _loader = load
+
+
 def _load_fast() -> None:
-    """Import `kernels.cuda` once; its import registers the fast ops. Absent module = no fast ops."""
+    """Run the fast loader once. An absent fast module = no fast ops."""
     global _loaded
-    if _loaded:
+    if _loaded or _loader is None:
         return
     _loaded = True
     try:
-        importlib.import_module("kernels.cuda")
+        _loader()
     except ModuleNotFoundError as e:
         if e.name not in ("kernels.cuda",):
             raise

@@ -30,6 +30,7 @@ from model.checkpoint import (
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.quant import (
+    FP8_LINEAR,
     QuantizedExperts,
     dequant_fp4,
     dequant_fp8,
@@ -42,9 +43,7 @@ from model.quant import (
 from model.tokenizer import build_tiny_tokenizer
 
 log = logging.getLogger("dsv4.loader")
-# nn.Linear modules only ever called (never read through .weight): safe to swap for mxfp8 QuantizedLinear.
-_QLINEAR = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
-            "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+Slice = tuple[int, int, int]  # (axis, lo, hi) of a parameter's full shape: one rank's share (model/distributed.py)
 
 
 class _Reader:
@@ -170,12 +169,22 @@ def load_model(
     return model, args
 
 
+def take(arr: mx.array, sl: Slice, full: int) -> mx.array:
+    """Slice `arr` along sl's axis; `full` is that axis' logical size (packed/scale arrays are scaled)."""
+    axis, lo, hi = sl
+    k = arr.shape[axis]
+    if (lo * k) % full or (hi * k) % full:
+        raise ValueError(f"distributed: slice {lo}:{hi} of {full} does not fall on a packed boundary ({k})")
+    ix = [slice(None)] * arr.ndim
+    ix[axis] = slice(lo * k // full, hi * k // full)
+    # A copy, not a view: the full source buffer must be freeable once this is evaluated.
+    return arr[tuple(ix)] * 1
+
+
 def _cut(x, sl: tuple[int, int, int] | None, full: int):
     """This rank's slice of an array or of a quantized (mode, weight, scales) triple; a copy, not a view."""
     if sl is None:
         return x
-    from model.distributed import take
-
     if isinstance(x, tuple):
         return (x[0], take(x[1], sl, full), take(x[2], sl, full))
     return take(x, sl, full)
@@ -208,7 +217,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                      for e, x in zip(range(lo, hi), parts, strict=True)]
             arr = mx.stack(parts)
         elif p.ndim == 2 and name.endswith(".weight"):
-            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in _QLINEAR)
+            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in FP8_LINEAR)
             arr = _cut(arr, sl, want[sl[0]]) if sl else arr
             if isinstance(arr, tuple):
                 lin = mxfp8_linear(arr[1], arr[2])

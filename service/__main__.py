@@ -75,7 +75,7 @@ def follow(settings: Settings) -> int | None:
     group = mx.distributed.init()
     if group.size() == 1 or group.rank() == 0:
         return None
-    from service.engine.engine import build_engine
+    from service.engine.build import build_engine
     from service.engine.follower import follow as follow_loop
 
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from service.api.app import Controller
 from service.api.chat import TextStream, encode_messages
+from service.api.controller import Controller
 from service.api.protocol import (
     APIError,
     ChatCompletionRequest,
