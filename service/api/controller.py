@@ -15,6 +15,7 @@ from service.api.protocol import APIError
 from service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
+READY_POLL_S = 0.02  # how often a request held for readiness looks again (no thread per waiting request)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Controller:
     draining: bool = False
     active: dict[str, None] = field(default_factory=dict)  # live request ids (insertion order)
     loop: asyncio.AbstractEventLoop | None = None
+    held: int = 0  # requests waiting for the model to be ready
     _drain_task: asyncio.Task[None] | None = None
 
     # Engine facts the worker publishes before `ready` (plain ints / the tokenizer).
@@ -56,6 +58,26 @@ class Controller:
             err = getattr(self.worker, "start_error", None)
             msg = f"The engine failed to start: {err!r}" if err else "The model is still loading"
             raise APIError(503, msg, code="not_ready", headers={"Retry-After": "1"})
+
+    async def wait_ready(self) -> None:
+        """Hold a generation request while the model loads or warms up, up to `ready_timeout` seconds, then
+        `check_ready`'s 503 + Retry-After; at once when draining or when start-up failed. At most `max_queue`
+        requests are held (beyond: 429 + Retry-After, as a full queue)."""
+        if self.ready:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.ready_timeout
+        if self.held >= self.settings.max_queue and not self.draining:
+            raise APIError(429, "The server is still loading and holds as many requests as its queue takes; "
+                           "retry shortly", code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
+        self.held += 1
+        try:
+            while (not self.ready and not self.draining and getattr(self.worker, "start_error", None) is None
+                   and loop.time() < deadline):  # fmt: skip
+                await asyncio.sleep(min(READY_POLL_S, max(0.0, deadline - loop.time())))
+        finally:
+            self.held -= 1
+        self.check_ready()
 
     def stats(self) -> dict[str, Any] | None:
         if self.worker is None:
