@@ -29,6 +29,7 @@ from model.checkpoint import (
 )
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
+from model.load_progress import LoadProgress
 from model.quant import (
     FP8_LINEAR,
     QuantizedExperts,
@@ -52,6 +53,7 @@ class _Reader:
     def __init__(self, model_dir: Path, args: ModelArgs):
         self.layout = read_layout(model_dir)
         self.args, self.used = args, set()
+        self.progress = LoadProgress(self.layout)
         self._shards: dict[Path, dict[str, mx.array]] = {}
 
     def info(self, name: str) -> TensorInfo:
@@ -67,8 +69,14 @@ class _Reader:
             except Exception as e:  # mx.load errors do not name the tensor
                 raise ValueError(f"tensor {name}: cannot read shard {info.file.name}: {e}") from None
         self.used.add(name)
+        self.progress.read(name)
         # Hand the only reference over: once converted and evaluated, the source buffer is freed.
         return self._shards[info.file].pop(name)
+
+    def skip(self, name: str) -> None:
+        """A tensor of the checkpoint this load never reads (another rank's)."""
+        self.used.add(name)
+        self.progress.skip(name)
 
     def shape_error(self, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ValueError:
         # Point at the config keys that produced the expected sizes (config contradicting the weights).
@@ -202,8 +210,10 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
             stem, w = ex
             lo, hi = (sl[1], sl[2]) if sl else (0, want[0])
             for e in (*range(lo), *range(hi, want[0])):  # other ranks' experts: never read
-                r.used.add(f"{stem}.{e}.{w}.weight")
-                r.used.update(n for n in scale_names(f"{stem}.{e}.{w}.weight") if n in r.layout)
+                r.skip(f"{stem}.{e}.{w}.weight")
+                for n in scale_names(f"{stem}.{e}.{w}.weight"):
+                    if n in r.layout:
+                        r.skip(n)
             parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(lo, hi)]
             if all(isinstance(x, tuple) and x[0] == "mxfp4" for x in parts):
                 mods = model.layers[int(stem.split(".")[1])].ffn
@@ -233,6 +243,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
             arr = _cut(r.get(name).astype(pdt), sl, want[sl[0]] if sl else 0)
         mx.eval(arr)
         weights.append((name, arr))
+    r.progress.finish()
     mtp = [n for n in r.layout if n.startswith("mtp.")]
     if mtp:
         log.info("skipping %d mtp.* tensors (the MTP block is not used)", len(mtp))
