@@ -58,7 +58,7 @@ def cuda_available() -> bool:
 
 
 # MLX commits its CUDA graph once it holds more than this many nodes (MLX_MAX_OPS_PER_BUFFER; 100 on sm_90):
-# smaller graphs let the GPU start while the host still builds the rest of the step. H200, session 13
+# smaller graphs let the GPU start while the host still builds the rest of the step. H200, 2026-11-30, d2d17d9
 # (bench/host_cost.py, one host): chain43 at 8 rows 2.73 -> 2.20 ms per step; per chained call at 8 rows,
 # 128K: indexer 100 -> 70 us, compressor 21.8 -> 18.9, attention 32.9 -> 33.3. 4 was better still per op
 # but worse for chain43 (3.44 ms). MLX reads it when it builds its first command encoder (the first GPU
