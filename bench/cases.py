@@ -114,7 +114,7 @@ def add_link_argument(ap: argparse.ArgumentParser) -> None:
     """The benches' `--link` option (make_case's `link`)."""
     ap.add_argument("--link", default=LINKS[0], choices=LINKS,
                     help="how chained indexer / attention calls wait for the last (bench.cases.make_case; data: "
-                         "sessions 1-15, the indexer's weights behind a `where` node)")  # fmt: skip
+                         "before c5999d3, the indexer's weights behind a `where` node)")  # fmt: skip
 
 
 def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0]) -> Case:
@@ -123,7 +123,7 @@ def make_case(op: str, rows: int, ctx: int, seed: int = 0, link: str = LINKS[0])
     indexer or attention call waits for the last one. "after": the last output is also its `after` input
     (a CUDA-graph edge with no node, as the model's step links them); the references route their page
     tables through it, so mx.compile cannot share one call's key gather with the next (in the model every
-    layer reads its own pools). "data" (sessions 1-15): the attention's q only, and the indexer's weights
+    layer reads its own pools). "data" (before c5999d3): the attention's q only, and the indexer's weights
     behind a `where` on the last ids (one elementwise node per call: the bench's, not the op's); a compiled
     reference chain then gathers its keys once for all its calls (common subexpressions)."""
     if link not in LINKS:
@@ -192,7 +192,7 @@ class Chain:
     fast: Callable[[], Any]
     ref_c: Callable[[], Any]  # the step under mx.compile
     fast_c: Callable[[], Any]
-    fast_c_dep: Callable[[], Any]  # fast_c with the layers linked by mx.depends (sessions 1-8's emulation)
+    fast_c_dep: Callable[[], Any]  # fast_c with the layers linked by mx.depends (the emulation before 107803a)
 
 
 class _Runner:
@@ -214,8 +214,8 @@ def chain43(rows: int, ctx: int, kinds: list[int] | None = None, link: str = "af
 
     `link`: how a layer's compressors (and through their tokens its indexer) wait for the previous
     layer's output h. "after" (the emulation): h is both compressors' `after` input, a CUDA-graph edge
-    with no node of its own, as in the model, where they read projections of h. "depends" (sessions
-    1-8): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
+    with no node of its own, as in the model, where they read projections of h. "depends" (before
+    107803a): one `mx.depends` per layer on their inputs, which MLX's CUDA graph does not see, so every
     layer's compressors and indexer could run at once, off the step's critical path. `drop`
     (host-cost probes): "icomp" leaves out the indexer's compressor, "pair" runs a CSA layer's two
     compressors as two dispatches (as before compressor_pair_rows_inplace), "ws" runs the indexer and the

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.provenance import provenance  # noqa: E402
+from bench.common import provenance  # noqa: E402
 from bench.step import fill_state, flash_args, random_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.distributed import shard_model  # noqa: E402
@@ -48,7 +48,7 @@ def time_arm(
 ) -> dict[int, list[float]]:
     pools = StatePools(args, max_slots=max(rows_list), max_positions=ctx + 4 * reps + 16, page_size=256, dtype=dtype)
     handles = [pools.alloc(ctx + 4 * reps + 16) for _ in range(max(rows_list))]
-    fill_state(pools, handles, ctx)  # fixed keys: identical state on every rank
+    fill_state(pools, ctx)  # fixed keys: identical state on every rank
     out = {}
     pos = ctx
     for rows in rows_list:
@@ -110,11 +110,11 @@ def main() -> None:
         args, dtype = ModelArgs.tiny(), mx.float32
         args.max_position_embeddings = max(args.max_position_embeddings, 2 * opt.context)
     else:
-        args, dtype = flash_args(opt.layers), mx.bfloat16
+        args, dtype = flash_args(opt.layers, 256), mx.bfloat16
     rows_list = [int(r) for r in opt.rows.split(",")]
     say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
     t0 = time.perf_counter()
-    model = random_model(args, dtype, None)  # same keys on every rank -> the same full model
+    model = random_model(args, quantize=False)  # same keys on every rank -> the same full model
     say(f"{n} rank(s), {mx.default_device()}; random model in {time.perf_counter() - t0:.1f} s")
 
     results = []

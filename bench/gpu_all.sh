@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# One device call for every GPU figure of the closing note (after gpu-wheels.sh staged MLX CUDA in
-# /tmp/mlxsite): gpu tests, the decode step (bf16 fast vs reference; mxfp8/mxfp4), 1 vs 2 GPUs.
-# The kernel benchmark has its own call (about 6 minutes): bench/gpu_kernels.sh.
-# Usage on the device machine (nvidia-h200-x2):  bash bench/gpu_all.sh   (writes under $OUT)
+# The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
+# `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
+#
+#   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
+#   PART=tests2  the gpu-marked model, engine and end-to-end tests
+#   PART=step    bench/step.py: the decode step, fast vs reference, bf16 and mxfp8/mxfp4, against the floor
+#   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
+#   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
+#   PART=prefill bench/prefill.py: parallel prefill vs token by token
+#   PART=timeline bench/timeline.py: the step's and chain43's CUDA API calls, kernels and idle gaps
+#   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
+#
+#   PART="step kernels" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-log="$OUT/all.log"
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 2
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+python3 bench/common.py  # the code's provenance (the device's .git may be stale: match the source digest)
 # mlx.launch's entry point (pip --target leaves no console script on PATH); `timeout` needs a program.
 launch=(python3 -c "import sys; from mlx._distributed_utils.launch import main; sys.argv[0]='mlx.launch'; sys.exit(main())")
-{
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-  python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  echo "== gpu tests"; timeout 100 python3 -m pytest tests/kernels/test_cuda.py tests/kernels/test_cuda_indexer.py -q -p no:cacheprovider 2>&1 | tail -4
-  echo "== step bf16"; timeout 170 python3 bench/step.py --out "$OUT/step_bf16.json" 2>&1 | tail -20
-  echo "== step mxfp"; timeout 100 python3 bench/step.py --quantize mxfp --rows 1,8 --contexts 4096 \
-      --out "$OUT/step_mxfp.json" 2>&1 | tail -8
-  echo "== distributed"; timeout 150 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
-      python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20
-} 2>&1 | tee "$log"
+for part in ${PART:-tests}; do
+  echo "== $part"
+  case $part in
+    tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
+    tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
+              tests/e2e tests/distributed 2>&1 | tail -20 ;;
+    step) timeout 300 python3 bench/step.py --out "$OUT/step.json" --plot "$OUT/step.png" 2>&1 | tail -24
+          timeout 200 python3 bench/step.py --quantize mxfp --rows 1,8 --contexts 4096 --out "$OUT/step_mxfp.json" \
+            2>&1 | tail -8 ;;
+    kernels) timeout 560 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" --plot "$OUT/kernels.png" 2>&1 | tail -30 ;;
+    serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
+           timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
+             --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
+    prefill) timeout 300 python3 bench/prefill.py --out "$OUT/prefill.json" 2>&1 | tail -10 ;;
+    timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
+    dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
+            python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+  esac
+done 2>&1 | tee -a "$OUT/gpu_all.log"

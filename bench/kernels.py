@@ -6,12 +6,12 @@ same run), the launch floor (one trivial `cuda_kernel` in a chain) and the eval 
 call come from a chain of N calls linked by data, with one eval, so each call waits for the last on the
 GPU too (`mx.depends` puts no edge in MLX's CUDA graph): attention: each output is the next q;
 compressor: the state; indexer and attention: the last output is also their `after` input, so a
-compiled reference chain cannot share one call's key gather with the next (`--link data`: sessions
-1-15's links, bench.cases.make_case); medians over
+compiled reference chain cannot share one call's key gather with the next (`--link data`: the link of the
+figures before c5999d3, bench.cases.make_case); medians over
 >= 10 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step: each layer's ops wait for the previous
 layer's output through CUDA-graph edges, as in the model (bench/cases.chain43; `fast_c_dep` is the
-compiled step linked by mx.depends as in sessions 1-8, where nothing but attention waited).
+compiled step linked by mx.depends as before 107803a, where nothing but attention waited).
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
 no eval) per call, `*_build_us`; `host us` in the table is the fast arm's. The compressor's
@@ -21,7 +21,7 @@ scatter), and the check covers that op's two state-update forms (full copy / slo
 `--extra-arms` also times the scatter form and the per-op `mx.compile` flipped. Every arm is timed twice: as built by
 Python per call (eager) and with the whole chain under one `mx.compile` (compiled).
 
-    python bench/kernels.py [--out DIR] [--reps 15] [--quick]
+    python bench/kernels.py [--out DIR] [--reps 15] [--quick] [--plot kernels.png]
 Writes DIR/kernels.json ($OUT by default) and prints a table last.
 """
 
@@ -47,8 +47,7 @@ import kernels.cuda as kc  # noqa: E402
 import kernels.cuda.common as kcommon  # noqa: E402
 import kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, add_link_argument, chain43, make_case  # noqa: E402
-from bench.floors import copy_kernel  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.common import copy_kernel, plot_kernels, provenance  # noqa: E402
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -65,7 +64,7 @@ def interleave(arms: dict[str, Callable[[], Any]], reps: int, per: dict[str, int
     """Median / spread of each arm's time per call (us), arms interleaved A, B, C, A, B, C, ... (drift hits
     every arm alike). `block` > 1: each turn runs its arm `block` times in a row and the median is over the
     later runs (warm: a call after a call of its own kind, as a server's steps follow each other); the
-    turns' first runs (after another arm, sessions <= 19's only figure) are `cold_median_us`."""
+    turns' first runs (after another arm: the only figure before 8f88e25) are `cold_median_us`."""
     for k, f in list(arms.items()):  # warm-up (compile, allocate); an arm MLX cannot run is reported, not timed
         try:
             timed(f)
@@ -197,7 +196,7 @@ def print_chain43(step: dict[str, Any] | None) -> None:
           f"({ms['fast_p10_us']:.3f}-{ms['fast_p90_us']:.3f}; host {ms['fast_build_us']:.3f}) | compiled step: ref "
           f"{ms.get('ref_c_median_us', nan):.2f}, fast {ms.get('fast_c_median_us', nan):.3f} "
           f"({ms.get('fast_c_p10_us', nan):.3f}-{ms.get('fast_c_p90_us', nan):.3f}); compiled, layers linked by "
-          f"mx.depends (no GPU edge; sessions 1-8): {ms.get('fast_c_dep_median_us', nan):.3f}")  # fmt: skip
+          f"mx.depends (no GPU edge; before 107803a): {ms.get('fast_c_dep_median_us', nan):.3f}")  # fmt: skip
     if "other_median_us" in ms:
         print(f"chain43 with per-op mx.compile flipped: {ms['other_median_us']:.3f} ms; forced slot-pool scatters: "
               f"{ms['scatter_median_us']:.3f} ms")  # fmt: skip
@@ -206,6 +205,7 @@ def print_chain43(step: dict[str, Any] | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--plot", metavar="PNG", help="also draw each op's compiled call against its floors")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--chain", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--no-chain43", action="store_true")
     ap.add_argument("--block", type=int, default=2,
                     help="runs of an arm per turn; the figures are the warm ones after the first (1: every run, "
-                    "each after another arm, as in sessions <= 19)")
+                    "each after another arm, as before 8f88e25)")
     add_link_argument(ap)
     ap.add_argument("--extra-arms", action="store_true", help="also: per-op mx.compile flipped, forced scatters")
     a = ap.parse_args()
@@ -281,6 +281,8 @@ def main() -> None:
                 save(a.out, meta, fl, rows_out, step)
                 del case, arms
     save(a.out, meta, fl, rows_out, step)
+    if a.plot and rows_out:
+        plot_kernels(rows_out, meta, a.plot)
     print(f"\nbench/kernels.py  {meta['device']}  mlx {meta['mlx']}  ({time.perf_counter() - t0:.0f} s)")
     print(f"floors: copy {fl['copy_bytes_per_s'] / 1e12:.2f} TB/s | launch {fl['launch_us']:.1f} us "
           f"(compiled chain {fl['launch_compiled_us']:.1f}) | eval {fl['eval_us']:.1f} us | env {env}")  # fmt: skip

@@ -41,8 +41,8 @@ def main() -> None:
         model, args, _ = tiny_model(seed=0)
         dtype, page = mx.float32, 8
     else:
-        args = flash_args(opt.layers)
-        model, dtype, page = random_model(args, mx.bfloat16, None), mx.bfloat16, 256
+        args = flash_args(opt.layers, 256)
+        model, dtype, page = random_model(args, quantize=False), mx.bfloat16, 256
     n = opt.tokens
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, args.vocab_size, n)]
     pools = StatePools(args, max_slots=3, max_positions=n + 8, page_size=page, dtype=dtype)

@@ -8,6 +8,7 @@ A greedy correctness check rides along: a fixed subset of prompts must give iden
 concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given.
 
     python bench/serve.py --out bench-serve.json [--concurrency 1,2,4,8,16] [--input-len 32 --output-len 64]
+        [--plot serve.png] [--url http://host:8000]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
+from bench.common import plot_serve, provenance  # noqa: E402
 
 
 def free_port() -> int:
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=600, help="seconds per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
+    ap.add_argument("--plot", metavar="PNG", help="also draw tokens/s and latency against concurrency")
     opt = ap.parse_args()
     proc = None
     url = opt.url
@@ -193,6 +195,8 @@ def main() -> None:
         pass
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": cells}, indent=1))
     print(json.dumps(meta))
+    if opt.plot:
+        plot_serve(cells, meta, opt.plot)
     print(f"{'conc':>4} {'req/s':>6} {'out tok/s':>9} {'x c=1':>6} {'TTFT med':>8} {'TPOT med':>8} "
           f"{'ITL p99':>8} {'E2E med':>8} {'failed':>6}")
     for c in cells:

@@ -11,6 +11,7 @@ must read at the release's precision over a plain copy's bandwidth measured in t
 and the kernels that take it. Prints a table, writes JSON.
 
     python3 bench/step.py --out $OUT/step.json [--experts 32] [--rows 1,8] [--contexts 4096,65536] [--profile]
+        [--plot step.png]
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__m
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from bench.floors import copy_bandwidth  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
 from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -232,6 +232,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (fast arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
+    ap.add_argument("--plot", metavar="PNG", help="also draw ms a step against rows, with the floor")
     opt = ap.parse_args()
     experts = opt.experts or most_experts(opt.layers)
     args = flash_args(opt.layers, experts)
@@ -279,6 +280,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version()} | provenance()
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
+    if opt.plot:
+        plot_step(results, meta, opt.plot)
     head = ("ctx", "rows", "arm", "ms/step", "tok/s", "floor ms", "x floor", "kern/step", "busy ms")
     print("{:>6} {:>4} {:>7} {:>8} {:>7} {:>8} {:>7} {:>9} {:>8}".format(*head))
     for r in results:

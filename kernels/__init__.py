@@ -7,6 +7,8 @@ contract and raise `ValueError("<op>: <arg>: why")`.
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 
 from kernels import backend
@@ -24,6 +26,8 @@ from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
 backend.tune_cuda_commits()  # before any GPU eval
+# The CUDA fast path, imported when an op first asks for it on a CUDA device (it registers its ops then).
+backend.set_fast_loader(lambda: importlib.import_module("kernels.cuda"))
 
 __all__ = [
     "CompressorArgs",

@@ -7,13 +7,14 @@ The reference is always there (and is what CI and a Mac run). A fast module — 
     backend.register("sparse_attention_rows", my_fast_fn)
 
 and is imported lazily the first time the CUDA path is considered, so importing `kernels` never
-compiles anything. `DSV4_KERNELS` selects: unset / `auto` (CUDA when available), `reference`
+compiles anything. The package (`kernels/__init__.py`) names that module through `set_fast_loader`:
+the fast module imports the references and this module, so this module never imports it back.
+`DSV4_KERNELS` selects: unset / `auto` (CUDA when available), `reference`
 (force the plain twin), `cuda` (demand the fast path; an error where there is none).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ ENV = "DSV4_KERNELS"
 
 _fast: dict[str, Callable[..., Any]] = {}
 _loaded = False
+_loader: Callable[[], Any] | None = None
 
 
 def register(op: str, fn: Callable[..., Any]) -> None:
@@ -56,7 +58,7 @@ def cuda_available() -> bool:
 
 
 # MLX commits its CUDA graph once it holds more than this many nodes (MLX_MAX_OPS_PER_BUFFER; 100 on sm_90):
-# smaller graphs let the GPU start while the host still builds the rest of the step. H200, session 13
+# smaller graphs let the GPU start while the host still builds the rest of the step. H200, 2026-11-30, d2d17d9
 # (bench/host_cost.py, one host): chain43 at 8 rows 2.73 -> 2.20 ms per step; per chained call at 8 rows,
 # 128K: indexer 100 -> 70 us, compressor 21.8 -> 18.9, attention 32.9 -> 33.3. 4 was better still per op
 # but worse for chain43 (3.44 ms). MLX reads it when it builds its first command encoder (the first GPU
@@ -77,14 +79,20 @@ def _mode() -> str:
     return mode
 
 
+def set_fast_loader(load: Callable[[], Any]) -> None:
+    """`load()` imports the fast module (its import registers the fast ops); called once, when first needed."""
+    global _loader
+    _loader = load
+
+
 def _load_fast() -> None:
-    """Import `kernels.cuda` once; its import registers the fast ops. Absent module = no fast ops."""
+    """Run the fast loader once. An absent fast module = no fast ops."""
     global _loaded
-    if _loaded:
+    if _loaded or _loader is None:
         return
     _loaded = True
     try:
-        importlib.import_module("kernels.cuda")
+        _loader()
     except ModuleNotFoundError as e:
         if e.name not in ("kernels.cuda",):
             raise

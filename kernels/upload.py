@@ -12,7 +12,7 @@ and its tokens on the host every step.
 pool: no fault) that one kernel writes into a device buffer; a long one (block tables) as one managed
 array that a kernel copies (one fault). Results are cached by content: slots, q rows and block tables
 repeat from step to step, so a steady decode step uploads its positions and tokens only. Elsewhere
-(CPU, `DSV4_UPLOAD=0`) it is `mx.array(values)`. Effect on the H200 (session 11): the attention kernels'
+(CPU, `DSV4_UPLOAD=0`) it is `mx.array(values)`. Effect on the H200 (2026-11-30, 51e7ab5): the attention kernels'
 blocks no longer wait ~14 us for the rows' arrays before their first key (bench/phases.py: dsplit
 33 -> 15 us, `wide` 16.5 -> 10.8 us); bench/step.py, 4 layers, 4K: 5.42 -> 5.24 ms at 1 row.
 """

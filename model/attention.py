@@ -21,7 +21,7 @@ from model.state import StatePools
 
 # The in-place compressor (kernels.compressor_rows_inplace: state and pool written through their buffers on
 # CUDA, no pool scatter, one launch). The default since its model-level GPU test and the engine tests passed
-# on the H200 (session 9); DSV4_INPLACE_COMPRESSOR=0 selects the functional op (kernel + pool scatter).
+# on the H200 (2026-11-30, 107803a); DSV4_INPLACE_COMPRESSOR=0 selects the functional op (kernel + pool scatter).
 INPLACE_COMPRESSOR = os.environ.get("DSV4_INPLACE_COMPRESSOR", "1") != "0"
 
 

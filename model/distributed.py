@@ -32,9 +32,9 @@ from mlx.utils import tree_flatten
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.layers import MoE
+from model.loader import Slice, load_model, take
 
 # (axis, lo, hi) of a parameter's full shape that one rank keeps; None: replicated.
-Slice = tuple[int, int, int]
 
 
 class ShardedMoE(MoE):
@@ -88,18 +88,6 @@ def shard_slices(args: ModelArgs, rank: int, n: int) -> Callable[[str], Slice | 
     return rule
 
 
-def take(arr: mx.array, sl: Slice, full: int) -> mx.array:
-    """Slice `arr` along sl's axis; `full` is that axis' logical size (packed/scale arrays are scaled)."""
-    axis, lo, hi = sl
-    k = arr.shape[axis]
-    if (lo * k) % full or (hi * k) % full:
-        raise ValueError(f"distributed: slice {lo}:{hi} of {full} does not fall on a packed boundary ({k})")
-    ix = [slice(None)] * arr.ndim
-    ix[axis] = slice(lo * k // full, hi * k // full)
-    # A copy, not a view: the full source buffer must be freeable once this is evaluated.
-    return arr[tuple(ix)] * 1
-
-
 def _logical(args: ModelArgs, name: str, axis: int) -> int:
     """The unsharded logical size of a sharded parameter's axis."""
     if ".experts." in name and ".shared_" not in name:
@@ -144,8 +132,6 @@ def shard_model(model: DeepseekV4, group: Any) -> DeepseekV4:
 
 def load_sharded(model_dir: str | Path, group: Any, **kw: Any) -> tuple[DeepseekV4, ModelArgs]:
     """load_model reading only this rank's experts (per-expert tensors) and head/group slices."""
-    from model.loader import load_model
-
     if group is None or group.size() == 1:
         return load_model(model_dir, **kw)
     args = ModelArgs.from_file(Path(model_dir) / "config.json")

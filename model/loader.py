@@ -29,7 +29,9 @@ from model.checkpoint import (
 )
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
+from model.load_progress import LoadProgress
 from model.quant import (
+    FP8_LINEAR,
     QuantizedExperts,
     dequant_fp4,
     dequant_fp8,
@@ -42,9 +44,7 @@ from model.quant import (
 from model.tokenizer import build_tiny_tokenizer
 
 log = logging.getLogger("dsv4.loader")
-# nn.Linear modules only ever called (never read through .weight): safe to swap for mxfp8 QuantizedLinear.
-_QLINEAR = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
-            "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+Slice = tuple[int, int, int]  # (axis, lo, hi) of a parameter's full shape: one rank's share (model/distributed.py)
 
 
 class _Reader:
@@ -53,6 +53,7 @@ class _Reader:
     def __init__(self, model_dir: Path, args: ModelArgs):
         self.layout = read_layout(model_dir)
         self.args, self.used = args, set()
+        self.progress = LoadProgress(self.layout)
         self._shards: dict[Path, dict[str, mx.array]] = {}
 
     def info(self, name: str) -> TensorInfo:
@@ -68,8 +69,14 @@ class _Reader:
             except Exception as e:  # mx.load errors do not name the tensor
                 raise ValueError(f"tensor {name}: cannot read shard {info.file.name}: {e}") from None
         self.used.add(name)
+        self.progress.read(name)
         # Hand the only reference over: once converted and evaluated, the source buffer is freed.
         return self._shards[info.file].pop(name)
+
+    def skip(self, name: str) -> None:
+        """A tensor of the checkpoint this load never reads (another rank's)."""
+        self.used.add(name)
+        self.progress.skip(name)
 
     def shape_error(self, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ValueError:
         # Point at the config keys that produced the expected sizes (config contradicting the weights).
@@ -170,12 +177,22 @@ def load_model(
     return model, args
 
 
+def take(arr: mx.array, sl: Slice, full: int) -> mx.array:
+    """Slice `arr` along sl's axis; `full` is that axis' logical size (packed/scale arrays are scaled)."""
+    axis, lo, hi = sl
+    k = arr.shape[axis]
+    if (lo * k) % full or (hi * k) % full:
+        raise ValueError(f"distributed: slice {lo}:{hi} of {full} does not fall on a packed boundary ({k})")
+    ix = [slice(None)] * arr.ndim
+    ix[axis] = slice(lo * k // full, hi * k // full)
+    # A copy, not a view: the full source buffer must be freeable once this is evaluated.
+    return arr[tuple(ix)] * 1
+
+
 def _cut(x, sl: tuple[int, int, int] | None, full: int):
     """This rank's slice of an array or of a quantized (mode, weight, scales) triple; a copy, not a view."""
     if sl is None:
         return x
-    from model.distributed import take
-
     if isinstance(x, tuple):
         return (x[0], take(x[1], sl, full), take(x[2], sl, full))
     return take(x, sl, full)
@@ -193,8 +210,10 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
             stem, w = ex
             lo, hi = (sl[1], sl[2]) if sl else (0, want[0])
             for e in (*range(lo), *range(hi, want[0])):  # other ranks' experts: never read
-                r.used.add(f"{stem}.{e}.{w}.weight")
-                r.used.update(n for n in scale_names(f"{stem}.{e}.{w}.weight") if n in r.layout)
+                r.skip(f"{stem}.{e}.{w}.weight")
+                for n in scale_names(f"{stem}.{e}.{w}.weight"):
+                    if n in r.layout:
+                        r.skip(n)
             parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(lo, hi)]
             if all(isinstance(x, tuple) and x[0] == "mxfp4" for x in parts):
                 mods = model.layers[int(stem.split(".")[1])].ffn
@@ -208,7 +227,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                      for e, x in zip(range(lo, hi), parts, strict=True)]
             arr = mx.stack(parts)
         elif p.ndim == 2 and name.endswith(".weight"):
-            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in _QLINEAR)
+            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in FP8_LINEAR)
             arr = _cut(arr, sl, want[sl[0]]) if sl else arr
             if isinstance(arr, tuple):
                 lin = mxfp8_linear(arr[1], arr[2])
@@ -224,6 +243,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
             arr = _cut(r.get(name).astype(pdt), sl, want[sl[0]] if sl else 0)
         mx.eval(arr)
         weights.append((name, arr))
+    r.progress.finish()
     mtp = [n for n in r.layout if n.startswith("mtp.")]
     if mtp:
         log.info("skipping %d mtp.* tensors (the MTP block is not used)", len(mtp))

@@ -17,6 +17,10 @@ from kernels import matmul as kmatmul
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row
+# nn.Linear modules only ever called (never read through .weight), which the release stores as FP8: safe to
+# swap for mxfp8 QuantizedLinear (the loader and quantize_model both read this one list).
+FP8_LINEAR = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
+              "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 
@@ -172,12 +176,10 @@ def encode_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # ---- in-memory quantization (benchmarks on random weights; the loader keeps released FP8/FP4 as is) ------
 def quantize_block(block: nn.Module) -> nn.Module:
-    """The release's storage formats on one in-memory float decoder block: its FP8 projections (`_QLINEAR` of
-    the loader) as mxfp8 RowsQuantizedLinear, its routed experts as mxfp4 QuantizedExperts."""
-    from model.loader import _QLINEAR  # the one list of which projections the release stores as FP8
-
+    """The release's storage formats on one in-memory float decoder block: its FP8 projections (`FP8_LINEAR`)
+    as mxfp8 RowsQuantizedLinear, its routed experts as mxfp4 QuantizedExperts."""
     nn.quantize(block, group_size=32, bits=8, mode="mxfp8",
-                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path in _QLINEAR)  # fmt: skip
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path in FP8_LINEAR)  # fmt: skip
     swap = [(path, mxfp8_linear(m.weight, m.scales)) for path, m in block.named_modules()
             if type(m) is nn.QuantizedLinear]  # fmt: skip
     block.update_modules(tree_unflatten(swap))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
-from service.settings import Settings, describe_error
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 # Subcommands owned by model/cli.py: their argv passes through untouched.
 _PASSTHROUGH = {
@@ -34,6 +35,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")
     p.add_argument(
         "--drain-timeout", type=float, help="SIGTERM drain seconds (default 30)  [DSV4_DRAIN_TIMEOUT]"
+    )
+    p.add_argument(
+        "--ready-timeout", type=float,
+        help="seconds a request waits while the model loads or warms up before a 503 (default 300)  "
+        "[DSV4_READY_TIMEOUT]",
     )
     p.add_argument("--log-level", help="uvicorn/app log level (default info)  [DSV4_LOG_LEVEL]")
     p.add_argument(
@@ -75,7 +81,7 @@ def follow(settings: Settings) -> int | None:
     group = mx.distributed.init()
     if group.size() == 1 or group.rank() == 0:
         return None
-    from service.engine.engine import build_engine
+    from service.engine.build import build_engine
     from service.engine.follower import follow as follow_loop
 
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
@@ -88,7 +94,32 @@ def follow(settings: Settings) -> int | None:
     return 0
 
 
-def serve(settings: Settings) -> int:
+def listen_early(args: argparse.Namespace, env: Mapping[str, str]) -> socket.socket | None:
+    """The HTTP socket, bound and listening before the heavy imports (pydantic, FastAPI, MLX): a client
+    that connects while the server starts is queued by the kernel instead of refused, and its request
+    then waits for readiness. None where uvicorn should bind instead (a rank > 0 of --distributed serves
+    no HTTP; a port Settings will reject)."""
+    def pick(flag: object, var: str, default: str) -> str:
+        return str(flag) if flag is not None else (env.get(var, "").strip() or default)
+
+    if args.distributed or env.get("DSV4_DISTRIBUTED", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return None
+    host, port = pick(args.host, "DSV4_HOST", "127.0.0.1"), pick(args.port, "DSV4_PORT", "8000")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart on a port in TIME_WAIT
+    try:
+        sock.bind((host, int(port)))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     if settings.distributed:
         rc = follow(settings)
         if rc is not None:
@@ -119,7 +150,7 @@ def serve(settings: Settings) -> int:
     # were there before it: make those no-ops so a drained SIGTERM exits 0, not 143.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    _Server(config).run()
+    _Server(config).run(sockets=[sock] if sock is not None else None)
     return 0
 
 
@@ -139,13 +170,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(getattr(model.cli, _PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
+    try:
+        sock = listen_early(args, os.environ)
+    except OSError as err:
+        print(f"dsv4-serve: cannot listen on {args.host or os.environ.get('DSV4_HOST') or '127.0.0.1'}:"
+              f"{args.port or os.environ.get('DSV4_PORT') or 8000}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    from pydantic import ValidationError
+
+    from service.settings import Settings, describe_error
+
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         settings = Settings.load(overrides)
     except ValidationError as err:
         print(f"dsv4-serve: invalid settings: {describe_error(err)}", file=sys.stderr)
         return 2
-    return serve(settings)
+    return serve(settings, sock)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class Settings(BaseModel):
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them
+    ready_timeout: float = Field(300.0, ge=0)  # seconds a request waits for the model to load, then 503
     log_level: str = "info"
     serial_prefill: bool = False  # prompts token by token through the decode step (no parallel prefill)
     no_pipeline: bool = False  # read every decode step back before building the next (no step queued ahead)

@@ -18,8 +18,8 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 @pytest.fixture(autouse=True)
 def _mx_random_per_test(request: pytest.FixtureRequest) -> None:
     """Each test draws its `mx.random` data from a seed of its own id: the same inputs whichever tests ran
-    before it (an earlier test's draws or seed used to change them; session 17 spent device time ruling
-    that out as the cause of an order-dependent failure)."""
+    before it (an earlier test's draws or seed used to change them, which made an order-dependent GPU failure
+    hard to tell from a real one; 91fa5b0)."""
     import mlx.core as mx
 
     mx.random.seed(zlib.crc32(request.node.nodeid.encode()))

@@ -79,7 +79,7 @@ if SKINNY:
     backend.register("experts_gate_up_rows", experts_gate_up_rows_cuda)
     backend.register("experts_down_rows", experts_down_rows_cuda)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
-# bench/results/step-bf16-h200-645720a.json; the plain path stays for A/B runs).
+# bench/step.py at 645720a, 2026-11-29; the plain path stays for A/B runs).
 HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)

@@ -129,7 +129,7 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     """Header text that puts `__launch_bounds__(threads, min_blocks)` on the kernel MLX writes right after
     the header (`cuda_kernel` writes the signature itself; `__location__(global)` is what the CUDA headers'
     `__global__` expands to). ptxas may then spend registers up to 64K / (threads x min_blocks): at the
-    indexer's default ~57 it ran each warp's mma chains one after another (bench/results/session12-h200.md)."""
+    indexer's default ~57 it ran each warp's mma chains one after another (H200, 2026-11-30, 58ca642)."""
     if min_blocks <= 0:
         return ""
     return f"\n#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"

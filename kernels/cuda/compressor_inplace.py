@@ -39,7 +39,7 @@ INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
 # 75 us with one block of 256 threads (a thread per feature), 26 us with one block of 512 (float4 x groups).
 # One block is a chain of dependent memory round trips (ncu, cold caches: ~13 us at 1 or 8 rows, ratio 4),
 # so every read is issued before the writes it would otherwise wait behind: 8 rows, ratio 4, D 512 13.1 ->
-# 7.3 us; ratio 128 14.7 -> 9.5 us (medians) (bench/results/session17-h200.md).
+# 7.3 us; ratio 128 14.7 -> 9.5 us (medians; H200, 2026-11-30, e960770).
 ROW = (
     r"""
 // One row's (or, NSPLIT > 1, one feature slice's) compressor step: block `blk` of the row blocks; table

@@ -63,13 +63,13 @@ ONE_STAGES = 3  # its chunks in flight (3 blocks per SM at 64 x 128 dims)
 # __launch_bounds__(NT, 2) on the segment kernel up to this many entries per segment (128K context: 1024).
 # ptxas then runs each warp's 4 entry tiles' mma chains side by side (112 registers, not 57); H200, 8 rows,
 # 128K: segment span 35.7 -> 32.3 us (1 row: 24.9 -> 20.7). At 1M (8192-entry segments) the same bound took
-# 211 -> 305 us (bench/phases.py, idx variant `bounds`; session 13), so longer segments keep no bound.
+# 211 -> 305 us (bench/phases.py, idx variant `bounds`; 2026-11-30, 0b8b092), so longer segments keep no bound.
 SEG_BOUNDED_MAX = 4096
 # One shared-memory carveout for both launches at 128K (segments of <= SEG_BOUNDED_MAX entries, 2 blocks an SM):
 # the driver sizes each kernel's L1 / shared split by its own need (segment 2 x 83 KB, merge 128 KB), and
 # reconfiguring every SM between the two costs a gap (8 rows, 128K: kernels ~5 us apart in a graph, 0.1 us at
 # 1 row). Padded to 2 x 108 KB and 200 KB, both take the largest (228 KB) one. H200, 8 rows, 128K, back to back,
-# a process an arm: 57.5 vs 60.6 us a call (bench/results/session20-h200.md). Compute capability 9.x / 10.x
+# a process an arm: 57.5 vs 60.6 us a call (2026-11-30, c60ea9c). Compute capability 9.x / 10.x
 # (227 KB a block); DSV4_IDX_CARVE=0 turns it off.
 CARVE_SEG, CARVE_MERGE = 108 * 1024, 200 * 1024
 
@@ -98,7 +98,7 @@ def segment_size(cap: int, topk: int) -> int:
 def dense_segments(seg: int, topk: int) -> bool:
     """Whether segments skip their own top-k and hand the merge every key (DENSE): a select there would keep
     at least half the segment (128K context at top-512: 1024-entry segments). H200, 8 rows, 128K: the
-    segment's select + take were 12.3K of its ~50K cycles (bench/phases.py, session 14)."""
+    segment's select + take were 12.3K of its ~50K cycles (bench/phases.py; 2026-11-30, 392e147)."""
     return seg <= 2 * topk
 
 

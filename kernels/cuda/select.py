@@ -47,7 +47,7 @@ template <> __device__ __forceinline__ unsigned int dsv4_ld<false>(const unsigne
 // it; with_k2 (and 1 <= k2): sh[2] = the bin that holds the k2-th largest. nbins <= 4096; hist 16-byte
 // aligned. Thread t owns bins lo .. lo + bpt - 1 (taken descending), read once into registers, as uint4 where
 // bpt is a multiple of 4: the strided scalar reads had bpt-way bank conflicts, twice (before and after the
-// scan). H200, 8 rows (bench/phases.py, session 16): the merge's select 7.5K -> 5.65K cycles at 128K, 1M's
+// scan). H200, 8 rows (bench/phases.py; 2026-11-30, 40f5c60): the merge's select 7.5K -> 5.65K cycles at 128K, 1M's
 // segment select 17.1K -> 15.1K.
 template <int NT>
 __device__ __forceinline__ void dsv4_pick_bin(const unsigned int* hist, int nbins, int rem, int* wsum, int* sh,
@@ -109,7 +109,7 @@ __device__ __forceinline__ void dsv4_hist_pass(const unsigned int* keys, int n, 
     for (int u = 0; u < UR; ++u) {
       if (!__any_sync(0xffffffffu, ok[u])) continue;  // later passes: most warps hold no key of the bin
       // one shared atomic per key: aggregating a warp's equal bins first (__match_any_sync) cost more on
-      // the H200 (8 rows: segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; session 14)
+      // the H200 (8 rows: segment select 11.3K -> 9.1K cycles at 128K, 31.6K -> 17.3K at 1M; 2026-11-30, 5e43be3)
       if (ok[u]) atomicAdd(&hist[(v[u] >> shift) & (unsigned int)(nbins - 1)], 1u);
     }
   }
@@ -169,7 +169,7 @@ __device__ __forceinline__ unsigned int dsv4_kth_floor(const unsigned int* keys,
 // The maxima of the 32 classes i mod 32 of keys[0..n) (32 <= n), to every thread: `bound`, their m-th largest
 // (1 <= m <= 32; a lower bound of the keys' m-th largest: m distinct keys are >= it), and `least`, the
 // least of them. A pass over the keys, two barriers and one warp's shuffles: 1.1K cycles at 128K, 8 rows,
-// against 2.7K for the first radix pass it replaces (bench/idx_variants.py `kthfloor`, session 15).
+// against 2.7K for the first radix pass it replaces (bench/idx_variants.py `kthfloor`; 2026-11-30, 4d0dfc9).
 // gm: NT words of shared memory; sh: 2 ints.
 template <int NT>
 __device__ __forceinline__ void dsv4_class_maxima(const unsigned int* keys, int n, int m, unsigned int* gm, int* sh,
@@ -207,7 +207,7 @@ __device__ __forceinline__ void dsv4_radix_low(const unsigned int* keys, int n, 
 // Radix select over offsets: keys[0..n) all in [0, span] (a list's keys minus its least kept key). Passes
 // of up to HB bits from span's top bit down: two passes cover spans below 2^(2 HB), and no pass counts bits
 // every key shares (the merge at 128K: 7.6K cycles, against 8.2K for the fixed 11 + 11 + 10-bit passes over
-// the same offsets; bench/idx_variants.py `rawsel`, session 15). hist: 2^HB words. Gives the k-th largest
+// the same offsets; bench/idx_variants.py `rawsel`; 2026-11-30, a260cb5). hist: 2^HB words. Gives the k-th largest
 // offset (thr) and how many equal to it belong to the top k (need_eq).
 template <int NT, int HB>
 __device__ void dsv4_radix_kth_span(const unsigned int* keys, int n, int k, unsigned int span, unsigned int* hist,

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from service.api.app import Controller
 from service.api.chat import TextStream, encode_messages
+from service.api.controller import Controller
 from service.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -173,7 +173,7 @@ async def _generate(
 async def chat_completions(request: Request) -> Response:
     t0, ctl = time.perf_counter(), _ctl(request)
     try:
-        ctl.check_ready()
+        await ctl.wait_ready()
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(ctl, req.model)
         text = encode_messages(req.messages, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
@@ -193,7 +193,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     t0, ctl = time.perf_counter(), _ctl(request)
     try:
-        ctl.check_ready()
+        await ctl.wait_ready()
         req: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(ctl, req.model)
         if isinstance(req.prompt, str):

@@ -151,10 +151,11 @@ def test_tiny_model_decode_in_place_equals_functional(prefill: bool, monkeypatch
     """The model with model.attention.INPLACE_COMPRESSOR on: the same greedy tokens as with the functional
     op, token-serial from position 0 and after a parallel prefill, on pools of one slot (a slot reset is
     then a whole-array update, for which MLX returns a broadcast scalar, and a custom kernel gets a copy
-    of a broadcast: session 8's divergence; model/state.py now keeps every state array a full buffer)."""
+    of a broadcast: the divergence found and fixed in 79b27c3; model/state.py keeps every state array a
+    full buffer)."""
     import model.attention as att
-    from bench.gpu_inplace_model import run
     from model.loader import tiny_model
+    from tests.kernels.inplace_model import run
 
     model, args, _ = tiny_model(seed=0)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]

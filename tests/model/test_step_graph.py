@@ -1,5 +1,5 @@
 """What a decode step puts in MLX's graph: at <= 8 rows the step is host-bound and every node costs host
-time (bench/step_nodes.py counts them per layer part); these pin the structural wins."""
+time (tools/step_nodes.py counts them per layer part); these pin the structural wins."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -63,8 +65,8 @@ class FakeWorker:
         self.ready = False
 
 
-def make_client(worker: FakeWorker) -> TestClient:
-    return TestClient(create_app(Settings(), worker_builder=lambda s, c: worker))
+def make_client(worker: FakeWorker, settings: Settings | None = None) -> TestClient:
+    return TestClient(create_app(settings or Settings(), worker_builder=lambda s, c: worker))
 
 
 @pytest.fixture
@@ -172,15 +174,42 @@ def test_queue_full_429() -> None:
 def test_not_ready_503_and_models_metrics() -> None:
     w = FakeWorker()
     w.start = lambda: None  # type: ignore[method-assign]  # stays loading
-    with make_client(w) as c:
+    with make_client(w, Settings(ready_timeout=0.3)) as c:
         r = c.get("/ready")
         assert r.status_code == 503 and "retry-after" in r.headers
-        assert c.post("/v1/chat/completions", json=CHAT).status_code == 503
+        t = time.monotonic()
+        r = c.post("/v1/chat/completions", json=CHAT)  # held for the bound, then 503
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "not_ready" and time.monotonic() - t >= 0.3
         assert c.get("/health").status_code == 200
         assert c.get("/v1/models").json()["data"][0]["id"] == "deepseek-v4-tiny"
         m = c.get("/metrics").text
         assert 'dsv4_decode_rows_per_step_bucket{le="7.0"} 3.0' in m
         assert 'dsv4_decode_rows_per_step_bucket{le="8.0"} 5.0' in m
+
+
+def test_requests_wait_for_readiness() -> None:
+    """A request sent while the model loads is held and answered once the engine is ready; /health is 200
+    meanwhile. A failed start answers the held requests at once."""
+    w = FakeWorker()
+    w.start = lambda: None  # type: ignore[method-assign]
+    with make_client(w, Settings(ready_timeout=30)) as c:
+        timer = threading.Timer(0.3, lambda: setattr(w, "ready", True))
+        timer.start()
+        t = time.monotonic()
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert time.monotonic() - t >= 0.3
+        timer.join()
+    w = FakeWorker()
+    w.start = lambda: None  # type: ignore[method-assign]
+    with make_client(w, Settings(ready_timeout=30)) as c:
+        threading.Timer(0.1, lambda: setattr(w, "start_error", RuntimeError("no weights"))).start()
+        t = time.monotonic()
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 503 and "no weights" in r.json()["error"]["message"]
+        assert time.monotonic() - t < 10
 
 
 def test_request_models() -> None:

@@ -1,0 +1,50 @@
+"""The benchmark scripts' `--plot`: bench/serve.py end to end on the tiny model (its own server on 127.0.0.1),
+and the step / kernels plots from result rows in the scripts' JSON layout. A PNG of the expected size."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from bench.common import plot_kernels, plot_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])  # IHDR width, height
+
+
+@pytest.mark.slow
+def test_serve_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    cmd = [sys.executable, "bench/serve.py", "--concurrency", "1,2", "--input-len", "4", "--output-len", "4",
+           "--prompts-per-concurrency", "1", "--max-prompts", "2", "--out", str(out), "--plot", str(png)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cells = json.loads(out.read_text())["results"]
+    assert [c["concurrency"] for c in cells] == [1, 2]
+    assert all(c["failed"] == 0 and c["completed"] > 0 and c["output_throughput"] > 0 for c in cells)
+    assert png_size(png) == (1200, 480)  # figsize 10 x 4 in at 120 dpi
+
+
+def test_step_and_kernels_plots(tmp_path: Path) -> None:
+    meta = {"device": "Device(gpu, 0)", "git": "89b3f14", "date": "2026-11-30 13:30:16"}
+    step = [{"layers": 43, "experts": 32, "context": 4096, "rows": rows, "arm": arm, "ms_per_step": ms,
+             "floor_ms": floor} for rows, arm, ms, floor in
+            [(1, "fast", 4.47, 1.567), (1, "reference", 15.57, 1.567), (8, "fast", 8.47, 3.721),
+             (8, "reference", 23.21, 3.721)]]  # fmt: skip
+    assert png_size(plot_step(step, meta, tmp_path / "step.png")) == (600, 480)
+    ops = [{"op": op, "rows": 8, "ctx": ctx, "fast_c_median_us": us, "byte_floor_us": 0.3, "launch_floor_us": 9.0}
+           for op, ctx, us in [("indexer_rows", 8192, 28.7), ("indexer_rows", 131072, 63.6),
+                               ("sparse_attention_rows", 8192, 31.2)]]  # fmt: skip
+    assert png_size(plot_kernels(ops, meta, tmp_path / "kernels.png")) == (1200, 480)
