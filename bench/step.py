@@ -32,7 +32,8 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
-from model.checkpoint import is_f32_param  # noqa: E402
+from kernels.matmul import weights_as_stored  # noqa: E402
+from model.checkpoint import is_f32_param, is_f32_resident  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.quant import quantize_block  # noqa: E402
@@ -68,11 +69,12 @@ def most_experts(layers: int, reserve_gib: float = 12.0) -> int:
 
 
 def random_model(args: ModelArgs, quantize: bool = True, seed: int = 0) -> DeepseekV4:
-    """Random weights as the loader holds them (f32 for the release's f32 tensors, bf16 otherwise), each
+    """Random weights as the loader holds them (model.checkpoint.is_f32_resident: f32 or bf16), each
     block quantized to the release precision before the next is drawn: the float copy of one block at a
     time is all the memory it takes beyond the model."""
     model = DeepseekV4(args)  # lazy zeros: nothing allocated yet
     key = mx.random.key(seed)
+    as_stored = weights_as_stored()
 
     def draw(module, prefix: str) -> None:
         nonlocal key
@@ -85,7 +87,7 @@ def random_model(args: ModelArgs, quantize: bool = True, seed: int = 0) -> Deeps
                 std = p.shape[-1] ** -0.5 if p.ndim >= 2 else 0.1
                 base = 1.0 if name.endswith("norm.weight") else 0.0
                 v = (base + std * mx.random.normal(p.shape, key=sub)).astype(
-                    mx.float32 if is_f32_param(full) else mx.bfloat16)
+                    mx.float32 if is_f32_resident(full, as_stored) else mx.bfloat16)
             module.update(tree_unflatten([(name, v)]))
 
     for i, block in enumerate(model.layers):

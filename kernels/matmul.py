@@ -13,6 +13,8 @@ before the fast path existed, so the CPU path is unchanged:
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -20,6 +22,16 @@ import numpy as np
 from kernels import backend
 
 GROUP = 32  # mxfp8 / mxfp4 scale group
+# The CUDA skinny kernels are opt-in (DSV4_SKINNY=1) until their gpu tests (tests/kernels/test_cuda_matmul.py)
+# and the full-depth A/B (bench/step.py, arms fast / mlx_mm) have run on a GPU.
+SKINNY = os.environ.get("DSV4_SKINNY", "0").strip() == "1"
+
+
+def weights_as_stored() -> bool:
+    """Whether the f32-multiplied weights stay in their stored dtype in memory: the skinny kernels read bf16
+    and multiply exactly in f32. Without them MLX would upcast the weight every step (a node and an f32
+    copy: ~2 GB for the head), so they are kept f32 then."""
+    return SKINNY and backend.name() == "cuda"
 
 
 def _is(x: object, op: str, name: str) -> mx.array:

@@ -36,9 +36,10 @@ _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.
 
 
 # Weights the model multiplies in f32 (REF upcasts them: the compressors' kv / gate projections, the
-# router and the output head). Kept in memory as the release stores them (bf16): the decode step's
-# `kernels.f32_linear_rows` reads them as bf16 and multiplies exactly in f32 (half the bytes of an f32
-# copy: ~1 GB less a step for the 129K x 4K head); the plain path upcasts per call.
+# router and the output head). Kept f32 in memory so that a step casts nothing (an upcast inside the step
+# is a graph node and a full f32 copy of the weight per step: ~70 MB of traffic per CSA layer, ~3 GB for
+# the 129K x 4K head), unless the skinny CUDA kernels run (`kernels.matmul.weights_as_stored`): they read
+# the stored bf16 and multiply exactly in f32, half the bytes of the f32 copy.
 _F32_COMPUTE = re.compile(r"(^|\.)(compressor\.(wkv|wgate)|ffn\.gate)\.weight$|^head\.weight$")
 
 
@@ -47,13 +48,14 @@ def is_f32_param(name: str) -> bool:
 
 
 def is_f32_compute(name: str) -> bool:
-    """Multiplied in f32 by the model (see _F32_COMPUTE); stored and kept in the model dtype."""
+    """Multiplied in f32 by the model (see _F32_COMPUTE); not f32 in the release."""
     return bool(_F32_COMPUTE.search(name))
 
 
-def is_f32_resident(name: str) -> bool:
-    """f32 in memory whatever the model dtype: the release's f32 tensors."""
-    return is_f32_param(name)
+def is_f32_resident(name: str, as_stored: bool = False) -> bool:
+    """f32 in memory whatever the model dtype: the release's f32 tensors, and the f32-multiplied weights
+    unless `as_stored` (kernels.matmul.weights_as_stored())."""
+    return is_f32_param(name) or (not as_stored and is_f32_compute(name))
 
 
 def is_fp8_weight(name: str) -> bool:

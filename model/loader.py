@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
+from kernels.matmul import weights_as_stored
 from model.checkpoint import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -200,8 +201,9 @@ def _cut(x, sl: tuple[int, int, int] | None, full: int):
 
 def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool, shard=None) -> None:
     weights: list[tuple[str, mx.array]] = []
+    as_stored = weights_as_stored()
     for name, p in tree_flatten(model.parameters()):
-        want, pdt = tuple(p.shape), (mx.float32 if is_f32_resident(name) else dtype)
+        want, pdt = tuple(p.shape), (mx.float32 if is_f32_resident(name, as_stored) else dtype)
         ex = expert_param(name)
         sl = shard(name) if shard else None
         if name.endswith("tid2eid"):
@@ -291,7 +293,8 @@ def tiny_model(seed: int = 0, dtype: mx.Dtype = mx.float32) -> tuple[DeepseekV4,
     args = ModelArgs.tiny()
     model = DeepseekV4(args)
     weights = randomize(model, args, seed)
-    weights = [(n, w if w.dtype == mx.int32 or is_f32_resident(n) else w.astype(dtype)) for n, w in weights]
+    as_stored = weights_as_stored()
+    weights = [(n, w if w.dtype == mx.int32 or is_f32_resident(n, as_stored) else w.astype(dtype)) for n, w in weights]
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model, args, build_tiny_tokenizer(args.vocab_size)

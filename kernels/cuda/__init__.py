@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels import backend, upload
+from kernels import matmul as kmatmul
 from kernels.compressor import CompressorArgs
 from kernels.compressor import new_workspace as new_comp_workspace
 from kernels.cuda.attention import sparse_attention_rows_cuda
@@ -70,9 +71,8 @@ backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
-# Skinny matmuls for 1..8 rows (DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
-SKINNY = os.environ.get("DSV4_SKINNY", "1") != "0"
-if SKINNY:
+# Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY, DSV4_SKINNY=1; else MLX's own quantized / f32 matmuls)
+if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)
     backend.register("f32_linear_rows", f32_linear_rows_cuda)
     backend.register("swiglu_rows", swiglu_rows_cuda)

@@ -9,7 +9,8 @@ import re
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from model.checkpoint import is_f32_compute
+from kernels.matmul import weights_as_stored
+from model.checkpoint import is_f32_compute, is_f32_resident
 from model.loader import tiny_model
 
 
@@ -19,17 +20,24 @@ def graph_nodes(tmp_path, *outs: mx.array) -> collections.Counter:
     return collections.Counter(re.findall(r'\[label ="?([^"\]]*)"?, shape=rectangle', path.read_text()))
 
 
-def test_bf16_model_keeps_the_f32_multiplied_weights_as_stored() -> None:
-    """The compressors' projections, the router and the head are f32 products in REF: kept in the model
-    dtype (bf16, as the release stores them: half the bytes a step reads of an f32 copy), multiplied
-    through kernels.f32_linear_rows."""
+def test_bf16_model_keeps_the_f32_multiplied_weights_f32() -> None:
+    """The compressors' projections, the router and the head are f32 products in REF: kept f32 (a bf16 step
+    then casts none of them: each cast would be a node and a full f32 copy of the weight per step), unless
+    the skinny CUDA kernels read them as stored (kernels.matmul.weights_as_stored; never on the CPU)."""
     model, _, _ = tiny_model(dtype=mx.bfloat16)
     kept = [(n, p.dtype) for n, p in tree_flatten(model.parameters()) if is_f32_compute(n)]
     names = [n for n, _ in kept]
     for want in ("attn.compressor.wkv.weight", "ffn.gate.weight", "attn.indexer.compressor.wgate.weight"):
         assert any(n.endswith(want) for n in names), want
     assert "head.weight" in names
-    assert all(dt == mx.bfloat16 for _, dt in kept)
+    assert all(dt == mx.float32 for _, dt in kept)
+    assert model.layers[1].attn.wkv.weight.dtype == mx.bfloat16  # the rest: the model dtype
+
+
+def test_f32_residency_follows_the_kernel_choice() -> None:
+    assert is_f32_resident("head.weight") and not is_f32_resident("head.weight", as_stored=True)
+    assert is_f32_resident("layers.0.hc_attn_fn", as_stored=True)  # f32 in the release: always f32
+    assert not weights_as_stored()  # the CPU: MLX multiplies, the weights stay f32
 
 
 def test_compressor_projection_is_the_f32_product_of_the_upcast_weight() -> None:
