@@ -2,9 +2,13 @@
 # The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
 # `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
 #
+#   PART=skinny  the skinny matmul kernels' gpu tests (tests/kernels/test_cuda_matmul.py), then the full-depth
+#                step at 1 and 8 rows, 4K, fast vs mlx_mm alternated, with the CUPTI profile (first run of a GPU
+#                session after the kernels change: kernels.matmul.SKINNY stays opt-in until this passes)
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
-#   PART=step    bench/step.py: the decode step, fast vs reference, bf16 and mxfp8/mxfp4, against the floor
+#   PART=step    bench/step.py: the full-depth decode step (43 layers, mxfp8 + mxfp4, 32 experts), rows 1-8, 4K
+#                and 64K, fast vs mlx_mm, against the release-precision byte floor, with the CUPTI profile
 #   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
 #   PART=prefill bench/prefill.py: parallel prefill vs token by token
@@ -27,9 +31,12 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    step) timeout 300 python3 bench/step.py --out "$OUT/step.json" --plot "$OUT/step.png" 2>&1 | tail -24
-          timeout 200 python3 bench/step.py --quantize mxfp --rows 1,8 --contexts 4096 --out "$OUT/step_mxfp.json" \
-            2>&1 | tail -8 ;;
+    skinny) timeout 200 python3 -m pytest -m gpu -q -x --tb=short -rf -p no:cacheprovider \
+              tests/kernels/test_cuda_matmul.py 2>&1 | tail -20
+            timeout 360 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 --profile \
+              --out "$OUT/step_skinny.json" 2>&1 | tail -30 ;;
+    step) timeout 560 python3 bench/step.py --experts 32 --profile --out "$OUT/step.json" --plot "$OUT/step.png" \
+            2>&1 | tail -40 ;;
     kernels) timeout 560 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" --plot "$OUT/kernels.png" 2>&1 | tail -30 ;;
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
@@ -38,6 +45,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (skinny tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

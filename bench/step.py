@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__main__.py)
+os.environ.setdefault("DSV4_SKINNY", "1")  # the fast arm's kernels (opt-in in the server until measured)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
@@ -162,10 +163,22 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
     return dense + expert * distinct / e, state
 
 
-def set_skinny(on: bool, model: DeepseekV4) -> None:
-    """The skinny matmul kernels in or out of the backend (an A/B arm); the compiled segments retrace."""
-    from kernels import backend
+_as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
+
+def set_skinny(on: bool, model: DeepseekV4) -> None:
+    """The skinny matmul kernels in or out of the backend (an A/B arm), each arm with the f32-multiplied
+    weights as it holds them (bf16 as stored for the kernels, f32 copies for MLX's matmuls: both kept);
+    the compiled segments retrace."""
+    from kernels import backend
+    from model.checkpoint import is_f32_compute
+
+    if not _as_held:
+        stored = [(n, p) for n, p in tree_flatten(model.parameters()) if is_f32_compute(n)]
+        _as_held[True] = stored
+        _as_held[False] = [(n, p.astype(mx.float32)) for n, p in stored]
+        mx.eval([p for _, p in _as_held[False]])
+    model.update(tree_unflatten(_as_held[on]))
     if on and backend.cuda_available():
         import kernels.cuda.matmul as km
 
