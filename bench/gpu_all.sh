@@ -31,8 +31,8 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    skinny) timeout 200 python3 -m pytest -m gpu -q -x --tb=short -rf -p no:cacheprovider \
-              tests/kernels/test_cuda_matmul.py 2>&1 | tail -20
+    skinny) DSV4_SKINNY=1 timeout 240 python3 -m pytest -m gpu -q -x --tb=short -rf -p no:cacheprovider \
+              tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -20
             timeout 360 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 --profile \
               --out "$OUT/step_skinny.json" 2>&1 | tail -30 ;;
     step) timeout 560 python3 bench/step.py --experts 32 --profile --out "$OUT/step.json" --plot "$OUT/step.png" \
