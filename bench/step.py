@@ -108,9 +108,8 @@ def random_model(args: ModelArgs, quantize: bool = True, seed: int = 0) -> Deeps
 
 def fill_state(pools: StatePools, ctx: int) -> None:
     """Random window rings, compressed entries and indexer keys, as if `ctx` tokens had been decoded."""
-    key = mx.random.key(1)
     for i, a in enumerate(pools.window):
-        pools.window[i] = (0.5 * mx.random.normal(a.shape, key=mx.random.fold_in(key, i))).astype(a.dtype)
+        pools.window[i] = (0.5 * mx.random.normal(a.shape, key=mx.random.key(1000 + i))).astype(a.dtype)
     for d in (pools.ckv, pools.ikeys):
         for layer, a in d.items():
             d[layer] = (0.5 * mx.random.normal(a.shape, key=mx.random.key(layer + 7))).astype(a.dtype)
