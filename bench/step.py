@@ -48,6 +48,7 @@ def flash_args(layers: int, experts: int) -> ModelArgs:
     if layers != a.num_hidden_layers:
         a.num_hidden_layers = layers
         a.compress_ratios = ([0, 4, 128, 4] * ((layers + 3) // 4))[:layers]
+        a.num_hash_layers = min(a.num_hash_layers, layers)
     a.n_routed_experts = experts
     return a
 
