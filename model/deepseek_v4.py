@@ -142,10 +142,11 @@ class DeepseekV4(nn.Module):
         return logits
 
     def prefill(self, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
-                chunk: int = PREFILL_CHUNK, logits: bool = True) -> mx.array | None:  # fmt: skip
+                chunk: int = PREFILL_CHUNK, logits: bool = True, every: bool = False) -> mx.array | None:  # fmt: skip
         """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab]
-        (None with `logits=False`: the state only, no head). Parallel over the tokens, `chunk` at a time
-        (its attention holds [chunk, topk, D] gathered keys)."""
+        (None with `logits=False`: the state only, no head; `every=True`: every token's [T, vocab], row t
+        predicting token t + 1). Parallel over the tokens, `chunk` at a time (its attention holds
+        [chunk, topk, D] gathered keys)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if chunk < 1:
@@ -153,10 +154,13 @@ class DeepseekV4(nn.Module):
         if start < 0 or start + len(token_ids) > handle.capacity:
             raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
                              f"request's capacity {handle.capacity}")  # fmt: skip
-        out = None
+        out, rows = None, []
         for i in range(0, len(token_ids), chunk):
-            last = logits and i + chunk >= len(token_ids)
-            out = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i, logits=last)
+            last = logits and (every or i + chunk >= len(token_ids))
+            out = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i, logits=last, every=every)
             mx.async_eval(pools.arrays() if out is None else [out, *pools.arrays()])
+            rows.append(out)
+        if every and logits:
+            out = rows[0] if len(rows) == 1 else mx.concatenate(rows)
         mx.eval(pools.arrays() if out is None else out)
         return out

@@ -145,9 +145,10 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
 
 
 def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
-                  logits: bool = True) -> mx.array | None:  # fmt: skip
+                  logits: bool = True, every: bool = False) -> mx.array | None:  # fmt: skip
     """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32
-    (None with `logits=False`: the head is skipped).
+    (None with `logits=False`: the head is skipped; `every=True`: every token's, [T, vocab], for prompt
+    logprobs: the head then costs T rows instead of one, paid only by requests that ask).
 
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     a = model.args
@@ -163,5 +164,6 @@ def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequ
         hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
     if not logits:
         return None
-    y = model.norm(hc_head(hs[-1:], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
-    return (y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T)[0]
+    y = model.norm(hc_head(hs if every else hs[-1:], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
+    out = y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T
+    return out if every else out[0]

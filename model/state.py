@@ -144,6 +144,34 @@ class StatePools:
         for r, t in handle.tables.items():
             self._free_pages[r].extend(t)
 
+    def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
+        """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one
+        prefill, then a copy per extra row; a prefix cache can reuse it). Copies the slot rows (window ring,
+        compressor windows) and the pages holding the entries emitted so far; lazy, like a step's updates.
+        Whole-array updates go through mx.contiguous for the in-place compressor (see `_reset_slot`)."""
+        for name, h in (("src", src), ("dst", dst)):
+            if self._live.get(h.slot) is not h:
+                raise ValueError(f"StatePools.copy_slot: {name} slot {h.slot} is not held by this handle")
+        if src.slot == dst.slot:
+            raise ValueError("StatePools.copy_slot: src and dst are the same slot")
+        if not 0 <= positions <= min(src.capacity, dst.capacity):
+            raise ValueError(f"StatePools.copy_slot: positions must be in 0..{min(src.capacity, dst.capacity)}, "
+                             f"got {positions}")  # fmt: skip
+        s, d = src.slot, dst.slot
+        for arrays in (self.window, self.comp_kv, self.comp_score, self.idx_kv, self.idx_score):
+            for key in range(len(arrays)) if isinstance(arrays, list) else list(arrays):
+                arrays[key][d] = arrays[key][s]
+                arrays[key] = mx.contiguous(arrays[key])
+        ratios = self.args.compress_ratios
+        for pools in (self.ckv, self.ikeys):
+            for layer in pools:
+                n = self.pages_for(positions, ratios[layer])
+                if n:
+                    r = ratios[layer]
+                    from_ = mx.array(src.tables[r][:n], dtype=mx.int32)
+                    pools[layer][mx.array(dst.tables[r][:n], dtype=mx.int32)] = pools[layer][from_]
+                    pools[layer] = mx.contiguous(pools[layer])
+
     def _reset_slot(self, slot: int) -> None:
         # Compressor scores back to -inf: window 0's "previous half" must weigh nothing. The window ring and
         # pages need no reset: only rows/entries written by this request are ever read. With one slot the

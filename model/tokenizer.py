@@ -47,6 +47,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
+def byte_alphabet() -> dict[int, str]:
+    """byte -> the character a byte-level BPE piece spells it with (GPT-2's map; DeepSeek's tokenizer too)."""
+    return dict(_bytes_to_unicode())
+
+
 def _train_merges(words: Counter[tuple[str, ...]], n_merges: int) -> list[tuple[str, str]]:
     merges: list[tuple[str, str]] = []
     words = Counter(words)

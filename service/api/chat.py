@@ -165,7 +165,9 @@ class Delta:
 
 class TextStream:
     """token ids -> (reasoning, content) deltas: detokenize, stop strings, reasoning split.
-    `skip_ids` (EOS, stop token ids) count as generated tokens but add no text."""
+    `skip_ids` (EOS, stop token ids) count as generated tokens but add no text; so do `hidden` ids
+    (special tokens with skip_special_tokens: `<｜▁pad▁｜>`, `<｜Assistant｜>`, `<think>`, ...), except
+    `</think>` while the reasoning split still waits for it (it ends reasoning_content, and never shows)."""
 
     def __init__(
         self,
@@ -174,12 +176,17 @@ class TextStream:
         stop: Sequence[str] = (),
         thinking: bool = False,
         skip_ids: Iterable[int] = (),
+        hidden: dict[int, str] | None = None,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopStrings(stop)
         self.split = ReasoningSplit(thinking)
         self.skip_ids = set(skip_ids)
-        self.text_len = 0  # characters emitted so far (reasoning + content), for text_offset
+        self.hidden = hidden or {}
+        self.text_len = 0  # characters emitted so far (reasoning + content)
+        # Characters decoded so far, stop-string hold-back included: a token's text_offset is this before it
+        # (a token completing a held-back UTF-8 sequence starts where the sequence starts).
+        self.decoded_len = 0
 
     def _out(self, text: str, stopped: bool = False) -> Delta:
         self.text_len += len(text)
@@ -189,7 +196,11 @@ class TextStream:
     def push(self, token_id: int) -> Delta:
         if self.stop.stopped or token_id in self.skip_ids:
             return Delta(stopped=self.stop.stopped)
-        text = self.stop.push(self.detok.push(token_id))
+        if token_id in self.hidden and not (self.split.in_reasoning and self.hidden[token_id] == END_THINK):
+            return Delta()
+        piece = self.detok.push(token_id)
+        self.decoded_len += len(piece)
+        text = self.stop.push(piece)
         return self._out(text, self.stop.stopped)
 
     def finish(self) -> Delta:
@@ -201,3 +212,49 @@ class TextStream:
         d = self._out(text, self.stop.stopped)
         r, c = self.split.flush()
         return Delta(d.reasoning + r, d.content + c, d.stopped)
+
+
+def special_tokens(tokenizer: Any) -> dict[int, str]:
+    """id -> text of the tokenizer's special tokens (none for a tokenizer without added tokens)."""
+    get = getattr(tokenizer, "get_added_tokens_decoder", None)
+    return {i: t.content for i, t in get().items() if t.special} if get else {}
+
+
+_BYTE_CHARS: dict[str, int] | None = None
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes of one token: a byte-level BPE piece maps back through GPT-2's byte alphabet, so a token
+    holding part of a UTF-8 sequence gives those bytes, not U+FFFD's."""
+    global _BYTE_CHARS
+    if _BYTE_CHARS is None:
+        from model.tokenizer import byte_alphabet
+
+        _BYTE_CHARS = {c: b for b, c in byte_alphabet().items()}
+    piece = tokenizer.id_to_token(token_id) if hasattr(tokenizer, "id_to_token") else None
+    if piece is None:
+        return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+    if token_id in special_tokens(tokenizer) or not all(c in _BYTE_CHARS for c in piece):
+        return piece.encode("utf-8")
+    return bytes(_BYTE_CHARS[c] for c in piece)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token as logprobs show it: its text, or OpenAI's `bytes:\\xNN` form for a piece of a UTF-8 sequence."""
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def text_offsets(tokenizer: Decoder, ids: Sequence[int]) -> tuple[str, list[int]]:
+    """(text, per-token character offsets) of a token sequence, as a completion's text_offset counts them."""
+    detok, parts, offsets, n = IncrementalDetokenizer(tokenizer), [], [], 0
+    for i in ids:
+        offsets.append(n)
+        piece = detok.push(i)
+        parts.append(piece)
+        n += len(piece)
+    parts.append(detok.flush())
+    return "".join(parts), offsets

@@ -9,7 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_REQ = ConfigDict(extra="ignore", strict=True)
+_REQ = ConfigDict(extra="ignore", strict=True)  # nested objects (messages: clients echo extra keys back)
+# A request body: a field the server does not know is rejected by name (`validation_to_api_error`), never
+# silently dropped; one sent as null is absent.
+_BODY = ConfigDict(extra="forbid", strict=True)
+MAX_N = 8  # choices per request (rows of one step)
 
 
 class APIError(Exception):
@@ -53,6 +57,9 @@ def validation_to_api_error(err: ValidationError) -> APIError:
     loc = [str(x) for x in e.get("loc", ())]
     if e.get("type") == "json_invalid":
         return APIError(400, f"Malformed JSON body: {e.get('msg')}", code="invalid_json")
+    if e.get("type") == "extra_forbidden" and len(loc) == 1:
+        return APIError(400, f"Unrecognized request argument supplied: {loc[0]} (this server does not implement "
+                        "it)", param=loc[0], code="unsupported_parameter")  # fmt: skip
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     msg = e.get("msg", "invalid value").removeprefix("Value error, ")
@@ -64,10 +71,21 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class _Sampling(BaseModel):
-    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+class Body(BaseModel):
+    """A request body: unknown fields are rejected by name; an unknown field sent as null is absent."""
 
-    model_config = _REQ
+    model_config = _BODY
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_unknowns(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
+class _Sampling(Body):
+    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -82,10 +100,13 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: logprobs of every prompt token
+    skip_special_tokens: bool | None = None  # vLLM: default true, special tokens never reach the text
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id: accepted, carries no behaviour
 
     @field_validator("stop")
     @classmethod
@@ -106,12 +127,23 @@ class _Sampling(BaseModel):
             raise ValueError("token ids must be >= 0")
         return v
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return v
+
+    @property
+    def n_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def skip_special(self) -> bool:
+        return self.skip_special_tokens is not False
 
     @property
     def stop_list(self) -> list[str]:
@@ -181,19 +213,41 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo / prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _single(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            v = v[0]
+    def _prompt(cls, v: Any) -> Any:
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], str | list) and any(len(p) == 0 for p in v):
+            raise ValueError("prompts must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _zero_tokens(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens=0 needs echo=true or prompt_logprobs (there is nothing to return)")
+        if self.max_tokens == 0 and self.n_choices > 1:
+            raise ValueError("max_tokens=0 with n > 1: every choice would be the same prompt")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or token ids (a list of prompts gives one choice each)."""
+        v = self.prompt
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            return list(v)  # type: ignore[arg-type]
+        return [v]  # type: ignore[list-item]
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """SamplingParams.prompt_logprobs: asked by prompt_logprobs, or by echo with logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs if self.logprobs is None else max(self.prompt_logprobs, self.logprobs)
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
     @property
     def limit_tokens(self) -> int | None:
@@ -215,6 +269,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def usage_many(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return usage(prompt_tokens, completion_tokens)
 
 
 def model_card(name: str, root: str | None, max_model_len: int | None) -> dict[str, Any]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from service.api.chat import TextStream, encode_messages
+from service.api.chat import TextStream, encode_messages, special_tokens, text_offsets, token_bytes, token_text
 from service.api.controller import Controller
+from service.api.fanout import Reply
 from service.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -20,7 +22,7 @@ from service.api.protocol import (
     model_card,
     validation_to_api_error,
 )
-from service.api.streaming import Generation, request_id
+from service.api.streaming import Echo, Generation, request_id
 from service.engine.request import SamplingParams
 from service.engine.scheduler import QueueFull
 from service.engine.worker import EngineNotReady
@@ -33,6 +35,9 @@ class _NoTokenizer:
     """Token-id-only models: generated text is empty; ids are returned in `token_ids`."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def id_to_token(self, token_id: int) -> str:
         return ""
 
 
@@ -70,9 +75,10 @@ def _encode(ctl: Controller, text: str, param: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False).ids)
 
 
-def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: int | None) -> SamplingParams:
+def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
     limit = ctl.max_model_len
-    if prompt_len >= limit:
+    if prompt_len >= limit + (req.limit_tokens == 0):
         raise APIError(
             400,
             f"The prompt has {prompt_len} tokens; this model's context length is {limit} "
@@ -95,6 +101,9 @@ def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: in
         raise APIError(
             400, f"stop_token_ids must be < vocab size {ctl.vocab_size}", param="stop_token_ids"
         )
+    bias = tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items()))
+    if any(i >= ctl.vocab_size for i, _ in bias):
+        raise APIError(400, f"logit_bias token ids must be < vocab size {ctl.vocab_size}", param="logit_bias")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -109,64 +118,73 @@ def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: in
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=bias,
     )
 
 
-async def _generate(
-    request: Request,
-    ctl: Controller,
-    kind: str,
-    req: Any,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    *,
-    thinking: bool = False,
-    t0: float,
-) -> Response:
-    rid = request_id(kind)
-    try:
-        events = await ctl.worker.submit(prompt_ids, params, request_id=rid)
-    except QueueFull:
-        ctl.metrics.outcome("queue_full")
-        raise APIError(
-            429,
-            "The server's waiting queue is full; retry shortly",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ) from None
-    except EngineNotReady as e:
-        raise APIError(503, f"Not accepting requests: {e}", code="not_ready", headers={"Retry-After": "1"}) from None
-    except ValueError as e:
-        raise APIError(
-            400, str(e), param="prompt" if kind == "completion" else "messages", code="invalid_request"
-        ) from None
-    ctl.active[rid] = None
-    ctl.metrics.prompt_tokens.inc(len(prompt_ids))
+@dataclass
+class _Prompt:
+    """One prompt of a request and what its n choices share."""
+
+    ids: list[int]
+    params: SamplingParams
+    echo: Echo | None = None
+
+
+async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: str, prompts: list[_Prompt],
+                  *, thinking: bool = False, t0: float) -> Reply:  # fmt: skip
+    """Queue every prompt's n choices (choice index = prompt index * n + j; j > 0 gets seed + j, as vLLM)."""
+    n, gens = req.n_choices, []
     tok = ctl.tokenizer or _NoTokenizer()
-    skip = set(params.stop_token_ids)
-    if ctl.eos_token_id is not None and not params.ignore_eos:
+    hidden = special_tokens(tok) if req.skip_special else {}
+    skip = set(prompts[0].params.stop_token_ids)
+    if ctl.eos_token_id is not None and not prompts[0].params.ignore_eos:
         skip.add(ctl.eos_token_id)
-    gen = Generation(
-        request_id=rid,
-        kind=kind,
-        model=ctl.settings.served_name,
-        prompt_len=len(prompt_ids),
-        events=events,
-        text=TextStream(tok, stop=req.stop_list, thinking=thinking, skip_ids=skip),
-        abort=ctl.abort,
-        metrics=ctl.metrics,
-        on_done=lambda r: ctl.active.pop(r, None),
-        t0=t0,
-        logprobs=params.logprobs is not None,
-        thinking=thinking,
-        token_str=lambda i: tok.decode([i], skip_special_tokens=False),
-    )
+    try:
+        for pi, p in enumerate(prompts):
+            seeds = [p.params.seed if p.params.seed is None else (p.params.seed + j) % 2**63 for j in range(n)]
+            rids = [rid] if len(prompts) * n == 1 else [f"{rid}-{pi * n + j}" for j in range(n)]
+            streams = await ctl.worker.submit_n(p.ids, [replace(p.params, seed=sd) for sd in seeds], rids)
+            ctl.metrics.prompt_tokens.inc(len(p.ids))
+            for j, (r, events) in enumerate(zip(rids, streams, strict=True)):
+                ctl.active[r] = None
+                gens.append(Generation(
+                    request_id=r, kind=kind, events=events,
+                    text=TextStream(tok, stop=req.stop_list, thinking=thinking, skip_ids=skip, hidden=hidden),
+                    abort=ctl.abort, metrics=ctl.metrics, on_done=lambda x: ctl.active.pop(x, None), t0=t0,
+                    index=pi * n + j, logprobs=p.params.logprobs is not None, thinking=thinking,
+                    token_str=lambda i: token_text(tok, i), token_bytes=lambda i: token_bytes(tok, i),
+                    echo=p.echo, prompt_ids=p.ids, prompt_logprobs=req.prompt_logprobs is not None,
+                ))  # fmt: skip
+    except (QueueFull, EngineNotReady, ValueError) as e:
+        for g in gens:  # the prompts queued before this one go too
+            g.abort(g.request_id)
+            asyncio.get_running_loop().create_task(_forget(g))
+        if isinstance(e, QueueFull):
+            ctl.metrics.outcome("queue_full")
+            raise APIError(429, "The server's waiting queue is full; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
+        if isinstance(e, EngineNotReady):
+            raise APIError(503, f"Not accepting requests: {e}", code="not_ready",
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
+        raise APIError(400, str(e), param="prompt" if kind == "completion" else "messages",
+                       code="invalid_request") from None  # fmt: skip
+    return Reply(rid, kind, ctl.settings.served_name, sum(len(p.ids) for p in prompts), gens)
+
+
+async def _forget(g: Generation) -> None:
+    """Read an aborted, never-consumed choice's stream to its end (the worker then drops it)."""
+    try:
+        await g.collect()
+    except APIError:
+        pass
+
+
+async def _respond(request: Request, req: Any, reply: Reply) -> Response:
     if req.stream:
-        return StreamingResponse(
-            gen.sse(req.include_usage), media_type="text/event-stream", headers=_SSE_HEADERS
-        )
-    body = await gen.collect(request.is_disconnected)
-    return JSONResponse(body)
+        return StreamingResponse(reply.sse(req.include_usage), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return JSONResponse(await reply.collect(request.is_disconnected))
 
 
 @router.post("/v1/chat/completions")
@@ -182,11 +200,25 @@ async def chat_completions(request: Request) -> Response:
             if len(text) > 20000
             else _encode(ctl, text, "messages")
         )
-        params = _params(ctl, req, len(ids), "messages", req.logprobs_k)
-        return await _generate(request, ctl, "chat", req, ids, params, thinking=req.thinking, t0=t0)
+        params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
+        reply = await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
+                              thinking=req.thinking, t0=t0)  # fmt: skip
+        return await _respond(request, req, reply)
     except APIError as e:
         _count_rejection(ctl, e)
         raise
+
+
+def _prompt_ids(ctl: Controller, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return _encode(ctl, prompt, "prompt")
+    ids = list(prompt)
+    bad = [i for i in ids if not 0 <= i < ctl.vocab_size]
+    if bad:
+        raise APIError(
+            400, f"Token id {bad[0]} is out of range [0, {ctl.vocab_size})", param="prompt", code="invalid_token_id"
+        )
+    return ids
 
 
 @router.post("/v1/completions")
@@ -196,20 +228,17 @@ async def completions(request: Request) -> Response:
         await ctl.wait_ready()
         req: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(ctl, req.model)
-        if isinstance(req.prompt, str):
-            ids = _encode(ctl, req.prompt, "prompt")
-        else:
-            ids = list(req.prompt)
-            bad = [i for i in ids if not 0 <= i < ctl.vocab_size]
-            if bad:
-                raise APIError(
-                    400,
-                    f"Token id {bad[0]} is out of range [0, {ctl.vocab_size})",
-                    param="prompt",
-                    code="invalid_token_id",
-                )
-        params = _params(ctl, req, len(ids), "prompt", req.logprobs)
-        return await _generate(request, ctl, "completion", req, ids, params, t0=t0)
+        prompts = []
+        for prompt in req.prompts:  # all validated before any is queued
+            ids = _prompt_ids(ctl, prompt)
+            params = _params(ctl, req, len(ids), "prompt", req.logprobs, req.prompt_logprobs_k)
+            echo = None
+            if req.echo:
+                text, offsets = text_offsets(ctl.tokenizer or _NoTokenizer(), ids)
+                echo = Echo(text, ids, offsets, logprobs=req.logprobs is not None)
+            prompts.append(_Prompt(ids, params, echo))
+        reply = await _submit(request, ctl, "completion", req, request_id("completion"), prompts, t0=t0)
+        return await _respond(request, req, reply)
     except APIError as e:
         _count_rejection(ctl, e)
         raise
@@ -227,6 +256,13 @@ async def models(request: Request) -> dict[str, Any]:
     ctl = _ctl(request)
     card = model_card(ctl.settings.served_name, ctl.settings.model, ctl.max_model_len or None)
     return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    ctl = _ctl(request)
+    _check_model(ctl, model_id)
+    return model_card(ctl.settings.served_name, ctl.settings.model, ctl.max_model_len or None)
 
 
 @router.get("/health")

@@ -1,9 +1,9 @@
-"""TokenEvents -> SSE chunks (one per generated token) or one JSON body. A client that goes away
-(the generator is cancelled or closed) aborts its request in the worker."""
+"""One choice's TokenEvents -> OpenAI choice objects: streamed choice chunks or one choice. `fanout.py`
+frames the choices of a request (n > 1, a list of prompts) into SSE or one JSON body. A client that goes
+away (the generator is cancelled or closed) aborts its request in the worker."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,8 +12,8 @@ from typing import Any
 
 from service.api.chat import Delta, TextStream
 from service.api.metrics import Metrics
-from service.api.protocol import APIError, new_id, now, usage
-from service.engine.request import TokenEvent
+from service.api.protocol import APIError, new_id
+from service.engine.request import PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -29,23 +29,37 @@ class Step:
 
 
 @dataclass
-class Generation:
-    """One request's token stream; the API side of `worker.submit`."""
+class Echo:
+    """What a completion repeats before its own tokens (`echo`): the prompt's text, its tokens and their
+    character offsets, and whether the legacy `logprobs` object includes the prompt's."""
 
-    request_id: str
+    text: str
+    ids: list[int]
+    offsets: list[int]
+    logprobs: bool
+
+
+@dataclass
+class Generation:
+    """One choice's token stream; the API side of `worker.submit`."""
+
+    request_id: str  # the engine row's id
     kind: str  # "chat" | "completion"
-    model: str
-    prompt_len: int
     events: AsyncIterator[TokenEvent]
     text: TextStream
     abort: Callable[[str], None]
     metrics: Metrics
     on_done: Callable[[str], None]
     t0: float  # request arrival (perf_counter), for TTFT and e2e latency
+    index: int = 0
     logprobs: bool = False
     thinking: bool = False
     token_str: Callable[[int], str] = str
-    created: int = field(default_factory=now)
+    token_bytes: Callable[[int], bytes] = lambda i: str(i).encode()
+    echo: Echo | None = None
+    prompt_ids: list[int] = field(default_factory=list)  # for vLLM's prompt_logprobs
+    prompt_logprobs: bool = False  # report vLLM's `prompt_logprobs`
+    scored: list[PromptLogprob] = field(default_factory=list)  # the prompt's, as the engine sends them
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -53,6 +67,7 @@ class Generation:
         last = self.t0
         outcome = "client_disconnect"
         engine_done = False  # the engine ended the request itself: nothing to abort
+        base = len(self.echo.text) if self.echo else 0  # generated text_offsets follow the echoed prompt
         try:
             async for ev in self.events:
                 if ev.error:
@@ -60,7 +75,11 @@ class Generation:
                     raise APIError(
                         500, f"engine error: {ev.error}", type="internal_error", code="engine_error"
                     )
-                delta, offset = Delta(), self.text.text_len
+                if ev.prompt_logprobs:
+                    self.scored += ev.prompt_logprobs
+                    if ev.token_id is None and ev.finish_reason is None:
+                        continue
+                delta, offset = Delta(), base + self.text.decoded_len
                 if ev.token_id is not None:
                     t = time.perf_counter()
                     (self.metrics.itl if self.completion_tokens else self.metrics.ttft).observe(t - last)
@@ -100,38 +119,58 @@ class Generation:
             return None
 
         def entry(tid: int, lp: float) -> dict[str, Any]:
-            tok = self.token_str(tid)
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+            return {"token": self.token_str(tid), "logprob": lp, "bytes": list(self.token_bytes(tid))}
 
         return {
             "content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(i, lp) for i, lp in s.top]}]
         }
 
-    def _comp_lp(self, steps: list[Step]) -> dict[str, Any] | None:
+    def _comp_lp(self, steps: list[Step], with_prompt: bool) -> dict[str, Any] | None:
         steps = [s for s in steps if s.token_id is not None and s.logprob is not None]
         if not self.logprobs:
             return None
-        return {
+        out: dict[str, Any] = {
             "tokens": [self.token_str(s.token_id) for s in steps],  # type: ignore[arg-type]
             "token_logprobs": [s.logprob for s in steps],
             "top_logprobs": [{self.token_str(i): lp for i, lp in s.top} for s in steps],
             "text_offset": [s.text_offset for s in steps],
         }
+        e = self.echo
+        if with_prompt and e is not None and e.logprobs:
+            # Position 0 has no logprob; each later prompt token's entry holds its top alternatives and itself.
+            tops: list[dict[str, float] | None] = [None]
+            for tid, p in zip(e.ids[1:], self.scored, strict=False):
+                tops.append({**{self.token_str(i): lp for i, lp in p.top}, self.token_str(tid): p.logprob})
+            out = {
+                "tokens": [self.token_str(i) for i in e.ids] + out["tokens"],
+                "token_logprobs": [None, *(p.logprob for p in self.scored)] + out["token_logprobs"],
+                "top_logprobs": tops + out["top_logprobs"],
+                "text_offset": list(e.offsets) + out["text_offset"],
+            }
+        return out
 
-    # ---- streaming -----------------------------------------------------------------------------
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
-        body["choices"] = choices
-        body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    def prompt_logprobs_field(self) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}
+        holding the prompt token and its top alternatives."""
+        if not self.prompt_logprobs:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for tid, p in zip(self.prompt_ids[1:], self.scored, strict=False):
+            ranked = sorted(p.top, key=lambda t: (-t[1], t[0]))
+            entry = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": self.token_str(i)}
+                     for r, (i, lp) in enumerate(ranked)}  # fmt: skip
+            entry[str(tid)] = {"logprob": p.logprob, "rank": p.rank, "decoded_token": self.token_str(tid)}
+            out.append(entry)
+        return out
 
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+    # ---- streaming: one choice object per step -------------------------------------------------
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The choice objects of this choice's stream chunks (`fanout.sse` frames them)."""
         first = True
         gen = self.steps()
         try:
             async for s in gen:
-                choice: dict[str, Any] = {"index": 0}
+                choice: dict[str, Any] = {"index": self.index}
                 if self.kind == "chat":
                     delta: dict[str, Any] = {"role": "assistant"} if first else {}
                     if s.delta.reasoning:
@@ -141,22 +180,18 @@ class Generation:
                     choice["delta"] = delta
                     choice["logprobs"] = self._chat_lp(s)
                 else:
-                    choice["text"] = s.delta.reasoning + s.delta.content
-                    choice["logprobs"] = self._comp_lp([s])
+                    echo = self.echo.text if first and self.echo else ""
+                    choice["text"] = echo + s.delta.reasoning + s.delta.content
+                    choice["logprobs"] = self._comp_lp([s], with_prompt=first)
+                    if first and self.prompt_logprobs:
+                        choice["prompt_logprobs"] = self.prompt_logprobs_field()
                 choice["finish_reason"] = s.finish_reason
                 first = False
-                yield self._chunk([choice])
-        except APIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-            yield "data: [DONE]\n\n"
-            return
+                yield choice
         finally:
             await gen.aclose()  # runs steps()' cleanup now, even when the client went away
-        if include_usage:
-            yield self._chunk([], usage=usage(self.prompt_len, self.completion_tokens))
-        yield "data: [DONE]\n\n"
 
-    # ---- one JSON body -------------------------------------------------------------------------
+    # ---- one choice object -----------------------------------------------------------------------
     async def collect(self, is_disconnected: Callable[[], Any] | None = None) -> dict[str, Any]:
         reasoning, content, steps = [], [], []
         checked = time.perf_counter()
@@ -172,7 +207,6 @@ class Generation:
                         break
         finally:
             await gen.aclose()  # a client gone before the end: steps() aborts the request
-        use = usage(self.prompt_len, self.completion_tokens)
         if self.kind == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
             if self.thinking:
@@ -180,25 +214,17 @@ class Generation:
             lp = None
             if self.logprobs:
                 lp = {"content": [c for s in steps if (x := self._chat_lp(s)) for c in x["content"]]}
-            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": self.finish_reason}
-            obj = "chat.completion"
-        else:
-            text = "".join(r + c for r, c in zip(reasoning, content, strict=True))
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._comp_lp(steps),
-                "finish_reason": self.finish_reason,
-            }
-            obj = "text_completion"
-        return {
-            "id": self.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": use,
+            return {"index": self.index, "message": msg, "logprobs": lp, "finish_reason": self.finish_reason}
+        text = "".join(r + c for r, c in zip(reasoning, content, strict=True))
+        choice = {
+            "index": self.index,
+            "text": (self.echo.text if self.echo else "") + text,
+            "logprobs": self._comp_lp(steps, with_prompt=True),
+            "finish_reason": self.finish_reason,
         }
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = self.prompt_logprobs_field()
+        return choice
 
 
 def request_id(kind: str) -> str:

@@ -12,6 +12,8 @@ from kernels.upload import upload
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.state import StateHandle, StatePools
+from service.engine.prompt_logprobs import score_lazy
+from service.engine.request import PromptLogprob
 
 log = logging.getLogger("dsv4.engine")
 
@@ -149,9 +151,21 @@ class Engine:
     # (its followers replay decode steps only), and the worker then feeds prompts token by token.
     parallel_prefill = True
 
-    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
-        """Feed prompt tokens of one request at positions start.. in one parallel pass (no logits kept)."""
-        self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)), logits=False)
+    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int, logprobs: int | None = None,
+                next_ids: Sequence[int] = ()) -> list[PromptLogprob] | None:  # fmt: skip
+        """Feed prompt tokens of one request at positions start.. in one parallel pass. No logits kept, or with
+        `logprobs` (the alternatives per position): every token's, scoring `next_ids` (the prompt tokens
+        after each one), read back as one PromptLogprob per token."""
+        every = logprobs is not None
+        out = self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)),
+                                 logits=every, every=every)  # fmt: skip
+        if out is None:
+            return None
+        return score_lazy(out, next_ids, logprobs or 0).result()
+
+    def copy_state(self, src: Handle, dst: Handle, positions: int) -> None:
+        """`dst` takes `src`'s state after `positions` positions (n > 1: the rows share one prefill)."""
+        self.pools.copy_slot(src, dst, positions)
 
     def warmup(self) -> None:
         """Run a step at every batch size and one prefill so kernels and compiled segments are built before

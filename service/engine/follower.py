@@ -23,7 +23,7 @@ from service.engine.engine import Engine, Handle
 log = logging.getLogger("dsv4.follower")
 
 STEP, EVENTS, STOP = 1, 2, 3
-ALLOC, FREE = 1, 2
+ALLOC, FREE, COPY = 1, 2, 3
 MAX_EVENTS = 16  # per message; more are flushed in EVENTS-only messages first
 HEADER = 3  # op, events, rows
 
@@ -52,6 +52,10 @@ class LeaderEngine(Engine):
     def release(self, handle: Handle) -> None:
         super().release(handle)
         self._events.append((FREE, handle.slot, 0))
+
+    def copy_state(self, src: Handle, dst: Handle, positions: int) -> None:
+        super().copy_state(src, dst, positions)
+        self._events.append((COPY, src.slot << 8 | dst.slot, positions))
 
     def _send(self, op: int, rows: Sequence[tuple[int, int, int]] = ()) -> None:
         while len(self._events) > MAX_EVENTS:
@@ -94,6 +98,8 @@ def follow(engine: Engine, group: Any) -> int:
                 if h.slot != b:
                     raise RuntimeError(f"follower: allocation diverged (slot {h.slot}, rank 0 has {b})")
                 handles[h.slot] = h
+            elif kind == COPY:
+                engine.pools.copy_slot(handles[a >> 8], handles[a & 255], b)
             else:
                 engine.pools.free(handles.pop(a))
         if op == STOP:

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class PromptLogprob(NamedTuple):
+    """One scored prompt position: the prompt token's raw logprob, its rank, the top alternatives."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs. 0: the chosen token's logprob only. k > 0: plus the top k alternatives.
     logprobs: int | None = None
+    # Prompt logprobs: None off, else the number of alternatives per prompt position (0: the token's only).
+    prompt_logprobs: int | None = None
+    # (token id, bias) added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +63,8 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Scored prompt positions, in order (positions 1.. of the prompt; position 0 has none).
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass
@@ -61,6 +76,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens already fed through the model (prompt first, then generated ones).
     fed: int = 0
+    # n > 1: rows sharing this prompt; they are admitted with it and take a copy of its state once its
+    # prompt (all but the last token) is fed (`Scheduler.fork`). `leader` is set on them until then.
+    followers: list[Request] = field(default_factory=list, repr=False, compare=False)
+    leader: Request | None = field(default=None, repr=False, compare=False)
+    # The prompt logprobs scored so far, kept for followers (they get them at the fork).
+    scored: list[PromptLogprob] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def total_len(self) -> int:
@@ -74,7 +95,7 @@ def check_admissible(prompt_ids: list[int], params: SamplingParams, max_model_le
     n = len(prompt_ids) + params.max_tokens
     if not prompt_ids:
         raise ValueError("prompt is empty")
-    if params.max_tokens < 1:
+    if params.max_tokens < (0 if params.prompt_logprobs is not None else 1):  # 0: score the prompt only
         raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
     what = f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {n}"
     if n > max_model_len:

@@ -1,6 +1,6 @@
 """Batched per-row sampling: one set of mx ops for all rows, one host sync per step.
 
-Order per row (vLLM v1's): repetition penalty (prompt + generated; positive logits divided,
+Order per row (vLLM v1's): logit_bias, repetition penalty (prompt + generated; positive logits divided,
 negative multiplied), presence/frequency penalties (OpenAI: generated tokens only), stop tokens
 masked while fewer than min_tokens are generated, then greedy argmax (temperature 0, lowest index
 on ties) or: temperature, min-p, top-k, top-p, and a Gumbel-max draw.
@@ -85,6 +85,17 @@ def _col(values: list[float]) -> mx.array:
     return upload(values, mx.float32)[:, None]
 
 
+def apply_logit_bias(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """OpenAI's logit_bias: each row's (token id, bias) pairs added to its logits (rows without any: + 0)."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    b, v = logits.shape
+    flat = [i * v + t for i, p in enumerate(params) for t, _ in p.logit_bias]
+    vals = [float(x) for p in params for _, x in p.logit_bias]
+    bias = mx.zeros((b * v,), dtype=mx.float32).at[mx.array(flat)].add(mx.array(vals, dtype=mx.float32))
+    return logits + bias.reshape(b, v)
+
+
 def apply_penalties(
     logits: mx.array,
     params: Sequence[SamplingParams],
@@ -162,7 +173,8 @@ def sample_lazy(
     b, v = logits.shape
     if not (len(params) == len(histories) == len(generated_counts) == b):
         raise ValueError(f"sample: {b} logit rows but {len(params)} params / {len(histories)} histories")
-    x = apply_penalties(logits.astype(mx.float32), params, histories, generated_counts)
+    x = apply_logit_bias(logits.astype(mx.float32), params)
+    x = apply_penalties(x, params, histories, generated_counts)
 
     # Before min_tokens, EOS (unless ignore_eos) and the stop ids may not be drawn at all.
     banned = [

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from service.engine.request import FinishReason, Request, RequestStatus, TokenEvent
+from service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus, TokenEvent
 
 # (token_id, logprob or None, top alternatives) for one row, as sampler.sample returns it.
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
@@ -87,13 +87,28 @@ class Scheduler:
             raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
         if not request.prompt_ids:
             raise ValueError("empty prompt")
-        if self._find(request.request_id) is not None:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
-        request.status = RequestStatus.WAITING
+        group = [request, *request.followers]
+        if len(group) > self.max_rows:
+            raise ValueError(f"n = {len(group)} rows exceed max_rows {self.max_rows}")
+        for r in group:
+            if self._find(r.request_id) is not None:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+            r.status = RequestStatus.WAITING
+        for f in request.followers:
+            f.leader = request
         self.waiting.append(request)
 
-    def _finish(self, request: Request) -> None:
-        """Leave the running/waiting sets and free the state at once (exactly once)."""
+    def _finish(self, request: Request) -> list[Request]:
+        """Leave the running/waiting sets and free the state at once (exactly once). Returns the followers
+        that had not forked yet (they end with their leader; the caller gives them their events)."""
+        orphans = [f for f in request.followers if f.status is not RequestStatus.FINISHED]
+        request.followers = []
+        if request.leader is not None:
+            request.leader.followers = [f for f in request.leader.followers if f is not request]
+            request.leader = None
+        for f in orphans:
+            f.leader = None
+            self._finish(f)
         request.status = RequestStatus.FINISHED
         # Identity, not ==: Request is a dataclass whose == compares whole prompts.
         self.running = [r for r in self.running if r is not request]
@@ -102,50 +117,51 @@ class Scheduler:
         handle = self.handles.pop(request.request_id, None)
         if handle is not None:
             self.admission.release(handle)
+        return orphans
 
     def _find(self, request_id: str) -> Request | None:
         for r in self.running:
             if r.request_id == request_id:
                 return r
         for r in self.waiting:
-            if r.request_id == request_id:
-                return r
+            for x in (r, *r.followers):
+                if x.request_id == request_id:
+                    return x
         return None
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Drop a waiting or running request; None if it is unknown or already finished."""
+        events = self.abort_group(request_id)
+        return events[0] if events else None
+
+    def abort_group(self, request_id: str) -> list[TokenEvent]:
+        """`abort`, and the ABORT events of the followers that end with it (n > 1, before the fork)."""
         request = self._find(request_id)
         if request is None:
-            return None
-        self._finish(request)
-        return TokenEvent(request_id, finish_reason=FinishReason.ABORT)
+            return []
+        return [TokenEvent(r.request_id, finish_reason=FinishReason.ABORT) for r in (request, *self._finish(request))]
 
     def fail(self, request_ids: Iterable[str], error: str) -> list[TokenEvent]:
-        """End requests with an error event (a failed step); their state is freed."""
+        """End requests with an error event (a failed step); their state is freed, and so is that of their
+        followers not forked yet."""
         events = []
         for rid in request_ids:
             request = self._find(rid)
             if request is not None:
-                self._finish(request)
-                events.append(TokenEvent(rid, error=error))
+                events += [TokenEvent(r.request_id, error=error) for r in (request, *self._finish(request))]
         return events
 
     # -- one step ----------------------------------------------------------------------------
     def plan(self) -> list[Request]:
         """Admit waiting requests FIFO, then pick the running requests to feed this step."""
         # Strict FIFO: if the head does not fit, nobody behind it jumps the queue (no starvation).
-        while self.waiting and len(self.running) < self.max_rows:
-            head = self.waiting[0]
-            n = reserve_tokens(head)
-            if not self.admission.can_admit(n):
-                break
-            self.handles[head.request_id] = self.admission.admit(n)
+        while self.waiting and self._admit_group(self.waiting[0]):
             self.waiting.popleft()
-            head.status = RequestStatus.RUNNING
-            self.running.append(head)
         plan: list[Request] = []
         prefilling = 0
         for r in self.running:
+            if r.leader is not None:  # n > 1: waits for its leader's prompt (`fork`)
+                continue
             if r.fed < len(r.prompt_ids) - 1:  # a pure prefill row: its logits are not sampled
                 if self.max_prefill_rows is not None and prefilling >= self.max_prefill_rows:
                     continue
@@ -153,6 +169,70 @@ class Scheduler:
             plan.append(r)
         self._last_plan = plan
         return plan
+
+    def _admit_group(self, head: Request) -> bool:
+        """Admit the head and its followers, all or none (they share one prefill)."""
+        group = [head, *head.followers]
+        if len(self.running) + len(group) > self.max_rows:
+            return False
+        handles = []
+        for r in group:
+            n = reserve_tokens(r)
+            if not self.admission.can_admit(n):
+                for h in handles:
+                    self.admission.release(h)
+                return False
+            handles.append(self.admission.admit(n))
+        for r, h in zip(group, handles, strict=True):
+            self.handles[r.request_id] = h
+            r.status = RequestStatus.RUNNING
+            self.running.append(r)
+        return True
+
+    def fork(self, plan: list[Request], copy: Any) -> tuple[list[Request], list[TokenEvent]]:
+        """n > 1: a planned leader whose prompt is fed but for its last token gives each follower a copy of its
+        state (`copy(src_handle, dst_handle, positions)`); they join this step's plan (they feed the last
+        prompt token beside it) and get the prompt logprobs scored so far. (plan, events)"""
+        out, events = list(plan), []
+        for r in plan:
+            if not r.followers or r.fed + 1 < len(r.prompt_ids) or r.status is not RequestStatus.RUNNING:
+                continue
+            followers, r.followers = r.followers, []
+            try:
+                for f in followers:
+                    copy(self.handles[r.request_id], self.handles[f.request_id], r.fed)
+            except Exception as e:  # noqa: BLE001 - the group fails, everyone else keeps going
+                r.followers = followers
+                events += self.fail([r.request_id], f"state copy failed: {type(e).__name__}: {e}")
+                out = [x for x in out if x is not r]
+                continue
+            for f in followers:
+                f.leader, f.fed = None, r.fed
+                if r.scored:
+                    events.append(TokenEvent(f.request_id, prompt_logprobs=tuple(r.scored)))
+                out.append(f)
+            r.scored = []
+        self._last_plan = out
+        return out, events
+
+    def scored(self, request: Request, entries: list[PromptLogprob]) -> TokenEvent:
+        """Prompt logprobs for `request`'s next prompt positions (kept for its followers, if any)."""
+        if request.followers:
+            request.scored += entries
+        return TokenEvent(request.request_id, prompt_logprobs=tuple(entries))
+
+    def finish_scored(self, plan: list[Request]) -> tuple[list[Request], list[TokenEvent]]:
+        """max_tokens = 0 (the prompt's logprobs only): a request whose prompt is fed but for its last token
+        ends here (that token would only score a completion). (the plan without them, events)"""
+        done = [r for r in plan if r.params.max_tokens == 0 and r.fed + 1 >= len(r.prompt_ids)]
+        events = []
+        for r in done:
+            events.append(TokenEvent(r.request_id, finish_reason=FinishReason.LENGTH))
+            self._finish(r)
+        if done:
+            plan = [r for r in plan if r.status is RequestStatus.RUNNING]
+            self._last_plan = plan
+        return plan, events
 
     def resume(self, rows: list[Request]) -> list[Request]:
         """The plan of a step queued ahead for `rows` (running ones, batch order): no admission."""

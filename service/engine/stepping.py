@@ -29,8 +29,13 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
     events: list[TokenEvent] = []
     done, t0 = 0, time.perf_counter()
     for r, handle, tokens, start in sched.prefill_work(plan, budget):
+        k = r.params.prompt_logprobs
         try:
-            engine.prefill(handle, tokens, start)
+            if k is None:
+                engine.prefill(handle, tokens, start)
+            else:  # the head over every token, scoring the prompt token after each
+                nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
+                events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=k, next_ids=nxt)))
         except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
             log.exception("prefill failed (%d tokens)", len(tokens))
             events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
@@ -77,6 +82,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
     import mlx.core as mx
 
     from kernels.upload import upload
+    from service.engine.prompt_logprobs import score_lazy
 
     t0 = ahead[1] if ahead is not None else time.perf_counter()
     nxt: Ahead | None = None
@@ -85,6 +91,10 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
         logits = engine.step(sched.feeds(plan)) if ahead is None else ahead[0]
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
+        # A prompt token fed through the step (not the parallel prefill) of a row that scores its prompt.
+        scoring = [i for i, r in enumerate(plan) if r.params.prompt_logprobs is not None and not needs_sample(r)]
+        prompt_lps = [(plan[i], score_lazy(logits[i : i + 1], [plan[i].prompt_ids[plan[i].fed + 1]],
+                                           plan[i].params.prompt_logprobs or 0)) for i in scoring]  # fmt: skip
         if idx:
             rows = logits if len(idx) == len(plan) else logits[upload(idx)]
             reqs = [plan[i] for i in idx]
@@ -110,12 +120,13 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
             sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
         else:
             mx.eval(logits)  # a prefill-only step still has to run
+        scored = [sched.scored(r, p.result()) for r, p in prompt_lps]
     except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
         log.exception("engine step failed (%d rows)", len(plan))
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
         return events + sched.on_step({}), 0, None, None
     now = time.perf_counter()
-    events = sched.on_step(sampled)
+    events = scored + sched.on_step(sampled)
     if nxt is not None:
         nxt.since = now
     if spec_failed is not None:
@@ -169,6 +180,11 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     events, n_pre, t_pre = prefill(engine, sched, plan, budget)
     out = Outcome(events, n_pre, t_pre)
     plan = [r for r in plan if r.status is RequestStatus.RUNNING]
+    plan, ev = sched.finish_scored(plan)
+    out.events += ev
+    if any(r.followers for r in plan):
+        plan, ev = sched.fork(plan, engine.copy_state)
+        out.events += ev
     if not plan:
         out.events += sched.on_step({})
         return out, None

@@ -127,26 +127,38 @@ class EngineWorker:
         """Queue a request; returns its event stream. Raises before any iteration: QueueFull,
         ValueError (never fits), EngineNotReady. The stream ends after an event with
         finish_reason or error set; closing it early aborts the request."""
+        return (await self.submit_n(prompt_ids, [params], [request_id or uuid.uuid4().hex]))[0]
+
+    async def submit_n(
+        self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]
+    ) -> list[AsyncIterator[TokenEvent]]:
+        """`submit` for n rows of one prompt (n > 1 sampling): admitted together, one prefill, the state
+        copied to the other rows; one event stream per row."""
         if not self._ready.is_set():
             raise EngineNotReady(
                 f"engine failed to start: {self.start_error!r}" if self.start_error else "engine is not ready"
             )
-        check_admissible(prompt_ids, params, self.max_model_len, self.max_fit_tokens, self.bytes_budget)
-        rid = request_id or uuid.uuid4().hex
+        if not 1 <= len(params) <= self.max_rows or len(params) != len(request_ids):
+            raise ValueError(f"n = {len(params)} rows: at most max_rows = {self.max_rows}, one id each")
+        for p in params:
+            check_admissible(prompt_ids, p, self.max_model_len, self.max_fit_tokens, self.bytes_budget)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        streams = [_Stream(loop, asyncio.Queue()) for _ in request_ids]
+        reqs = [Request(rid, list(prompt_ids), p) for rid, p in zip(request_ids, params, strict=True)]
+        reqs[0].followers = reqs[1:]
         with self._lock:
             if not self._accepting:
                 raise EngineNotReady("engine is draining")
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already in flight")
+            for rid in request_ids:
+                if rid in self._streams or request_ids.count(rid) > 1:
+                    raise ValueError(f"request id {rid!r} is already in flight")
             if self._c.undrained + self._c.waiting >= self.max_queue:
                 raise QueueFull(f"waiting queue full ({self.max_queue} requests)")
             self._c.undrained += 1
-            self._streams[rid] = stream
+            self._streams.update(zip(request_ids, streams, strict=True))
             # Under the lock: a stop() can't slip between the check above and this put.
-            self._inbox.put(("add", Request(rid, list(prompt_ids), params)))
-        return self._iterate(rid, stream)
+            self._inbox.put(("add", reqs[0]))
+        return [self._iterate(rid, st) for rid, st in zip(request_ids, streams, strict=True)]
 
     async def _iterate(self, rid: str, stream: _Stream) -> AsyncIterator[TokenEvent]:
         done = False
@@ -266,7 +278,7 @@ class EngineWorker:
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
         for rid in sched.ids():
-            events.append(sched.abort(rid))  # type: ignore[arg-type]
+            events += sched.abort_group(rid)
         with self._lock:
             self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
@@ -291,11 +303,9 @@ class EngineWorker:
                 try:
                     sched.add(arg)
                 except (QueueFull, ValueError) as e:
-                    events.append(TokenEvent(arg.request_id, error=str(e)))
+                    events += [TokenEvent(r.request_id, error=str(e)) for r in (arg, *arg.followers)]
             elif kind == "abort":
-                ev = sched.abort(arg)
-                if ev is not None:
-                    events.append(ev)
+                events += sched.abort_group(arg)
             elif kind == "stop":
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 

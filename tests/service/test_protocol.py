@@ -48,6 +48,9 @@ class FakeWorker:
         self.submitted.append((prompt_ids, params))
         return self._events(request_id or "x", params)
 
+    async def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]):
+        return [await self.submit(prompt_ids, p, r) for p, r in zip(params, request_ids, strict=True)]
+
     async def _events(self, rid: str, params: SamplingParams) -> AsyncIterator[TokenEvent]:
         out = self.tokenizer.encode(ANSWER, add_special_tokens=False).ids[: params.max_tokens]
         for n, t in enumerate(out):
@@ -99,10 +102,19 @@ BAD: list[tuple[str, dict[str, Any] | str, int, str | None]] = [
     ("chat", {**CHAT, "stop": 5}, 400, "stop"),
     ("chat", {**CHAT, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("chat", {**CHAT, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ("chat", {**CHAT, "n": 2}, 400, "n"),
+    ("chat", {**CHAT, "n": 9}, 400, "n"),
+    ("chat", {**CHAT, "n": 0}, 400, "n"),
+    ("chat", {**CHAT, "frobnicate": 3}, 400, "frobnicate"),
+    ("chat", {**CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("chat", {**CHAT, "echo": True}, 400, "echo"),
     ("chat", {**CHAT, "stream": "yes"}, 400, "stream"),
     ("chat", {**CHAT, "model": "gpt-4"}, 404, "model"),
-    ("comp", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("comp", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("comp", {"prompt": "hi", "max_tokens": 0}, 400, None),
+    ("comp", {"prompt": "hi", "max_tokens": 0, "echo": True, "n": 2}, 400, None),
+    ("comp", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("comp", {"prompt": []}, 400, "prompt"),
     ("comp", {"prompt": [1, 10**6]}, 400, "prompt"),
     ("comp", {"prompt": "x" * 80}, 400, "prompt"),
@@ -123,8 +135,8 @@ def test_bad_requests(client: TestClient, ep: str, body: Any, status: int, param
         assert err["code"] == "model_not_found"
 
 
-def test_nulls_are_absent_and_unknown_fields_ignored(client: TestClient) -> None:
-    body = {**CHAT, "temperature": None, "stop": None, "n": None, "frobnicate": 3, "max_tokens": None}
+def test_nulls_are_absent_and_unknown_nulls_ignored(client: TestClient) -> None:
+    body = {**CHAT, "temperature": None, "stop": None, "n": None, "frobnicate": None, "max_tokens": None}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     w: FakeWorker = client.app.state.ctl.worker  # type: ignore[attr-defined]
@@ -217,9 +229,11 @@ def test_request_models() -> None:
     assert r.thinking
     r = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"thinking": True}, "logprobs": True})
     assert r.thinking and r.logprobs_k == 0
-    assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompts == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2]]}).prompts == [[1], [2]]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts == [[1, 2]]
     with pytest.raises(ValidationError):
-        CompletionRequest.model_validate({"prompt": [[1], [2]]})
+        CompletionRequest.model_validate({"prompt": [[1], []]})
 
 
 def test_settings_env_and_flags() -> None:

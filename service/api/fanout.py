@@ -1,0 +1,93 @@
+"""The choices of one request (n > 1, a list of prompts: one `Generation` each) framed as OpenAI bodies:
+SSE chunks as each choice produces them, or one JSON body once all are done. Usage counts every prompt
+once and every choice's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.api.protocol import APIError, now, usage
+from service.api.streaming import Generation
+
+_END = object()
+
+
+@dataclass
+class Reply:
+    id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt_tokens: int  # every prompt once (n choices of one prompt share it)
+    gens: list[Generation]
+    created: int = field(default_factory=now)
+
+    def _usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(g.completion_tokens for g in self.gens))
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        """Every choice's chunks as they come (each chunk holds one choice, with its index)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(g: Generation) -> None:
+            try:
+                async for c in g.chunks():
+                    await queue.put(c)
+            except APIError as e:
+                await queue.put(e)
+            finally:
+                await queue.put(_END)
+
+        tasks = [asyncio.create_task(pump(g)) for g in self.gens]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is _END:
+                    left -= 1
+                elif isinstance(item, APIError):
+                    yield f"data: {json.dumps(item.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    extra, g0 = {}, self.gens[0]
+                    first0 = item["index"] == g0.index and "role" in item.get("delta", {})
+                    if self.kind == "chat" and g0.prompt_logprobs and first0:  # vLLM: the prompt's, once
+                        extra["prompt_logprobs"] = g0.prompt_logprobs_field()
+                    yield self._chunk([item], **extra)
+        finally:
+            for t in tasks:  # a client gone (or an error): every choice's row is aborted by its own cleanup
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if include_usage:
+            yield self._chunk([], usage=self._usage())
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, is_disconnected: Callable[[], Any] | None = None) -> dict[str, Any]:
+        tasks = [asyncio.create_task(g.collect(is_disconnected)) for g in self.gens]
+        try:
+            choices = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        body = {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": sorted(choices, key=lambda c: c["index"]),
+            "usage": self._usage(),
+        }
+        if self.kind == "chat" and self.gens[0].prompt_logprobs:
+            body["prompt_logprobs"] = self.gens[0].prompt_logprobs_field()
+        return body
