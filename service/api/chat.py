@@ -3,7 +3,8 @@ reasoning / content split. Pure Python on the event loop; no mlx."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import codecs
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -177,16 +178,23 @@ class TextStream:
         thinking: bool = False,
         skip_ids: Iterable[int] = (),
         hidden: dict[int, str] | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
+        self.offsets = Utf8Offsets() if token_bytes is not None else None
+        self.token_bytes = token_bytes
+        self.last_offset = 0  # text_offset of the token pushed last
         self.stop = StopStrings(stop)
         self.split = ReasoningSplit(thinking)
         self.skip_ids = set(skip_ids)
         self.hidden = hidden or {}
         self.text_len = 0  # characters emitted so far (reasoning + content)
-        # Characters decoded so far, stop-string hold-back included: a token's text_offset is this before it
-        # (a token completing a held-back UTF-8 sequence starts where the sequence starts).
-        self.decoded_len = 0
+        self.decoded_len = 0  # characters decoded so far, stop-string hold-back included
+
+    @property
+    def offset(self) -> int:
+        """The text_offset a token pushed now would start at (the end of the text so far)."""
+        return self.decoded_len if self.offsets is None else self.offsets.n
 
     def _out(self, text: str, stopped: bool = False) -> Delta:
         self.text_len += len(text)
@@ -194,10 +202,13 @@ class TextStream:
         return Delta(r, c, stopped)
 
     def push(self, token_id: int) -> Delta:
+        self.last_offset = self.offset
         if self.stop.stopped or token_id in self.skip_ids:
             return Delta(stopped=self.stop.stopped)
         if token_id in self.hidden and not (self.split.in_reasoning and self.hidden[token_id] == END_THINK):
             return Delta()
+        if self.offsets is not None and self.token_bytes is not None:
+            self.last_offset = self.offsets.push(self.token_bytes(token_id))
         piece = self.detok.push(token_id)
         self.decoded_len += len(piece)
         text = self.stop.push(piece)
@@ -248,13 +259,30 @@ def token_text(tokenizer: Any, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def text_offsets(tokenizer: Decoder, ids: Sequence[int]) -> tuple[str, list[int]]:
+class Utf8Offsets:
+    """text_offset of each token from its raw bytes: where the first character holding any of its bytes starts.
+    A token that continues a character begun before it points at that character; one that follows an
+    unfinished sequence it does not continue points past the U+FFFD that sequence became."""
+
+    def __init__(self) -> None:
+        self.dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self.n = 0  # characters decoded so far
+
+    def push(self, raw: bytes) -> int:
+        tail = self.dec.getstate()[0]  # an unfinished sequence held from earlier tokens
+        piece = self.dec.decode(raw)
+        off = self.n
+        if tail and piece.startswith("\ufffd") and not (tail + raw).startswith("\ufffd".encode()):
+            off += len(tail.decode("utf-8", "replace"))  # the unfinished sequence became U+FFFD: not this token
+        self.n += len(piece)
+        return off
+
+
+def text_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[int]]:
     """(text, per-token character offsets) of a token sequence, as a completion's text_offset counts them."""
-    detok, parts, offsets, n = IncrementalDetokenizer(tokenizer), [], [], 0
+    detok, parts, offsets, utf8 = IncrementalDetokenizer(tokenizer), [], [], Utf8Offsets()
     for i in ids:
-        offsets.append(n)
-        piece = detok.push(i)
-        parts.append(piece)
-        n += len(piece)
+        offsets.append(utf8.push(token_bytes(tokenizer, i)))
+        parts.append(detok.push(i))
     parts.append(detok.flush())
     return "".join(parts), offsets

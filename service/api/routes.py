@@ -151,7 +151,8 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
                 ctl.active[r] = None
                 gens.append(Generation(
                     request_id=r, kind=kind, events=events,
-                    text=TextStream(tok, stop=req.stop_list, thinking=thinking, skip_ids=skip, hidden=hidden),
+                    text=TextStream(tok, stop=req.stop_list, thinking=thinking, skip_ids=skip, hidden=hidden,
+                                    token_bytes=lambda i: token_bytes(tok, i)),
                     abort=ctl.abort, metrics=ctl.metrics, on_done=lambda x: ctl.active.pop(x, None), t0=t0,
                     index=pi * n + j, logprobs=p.params.logprobs is not None, thinking=thinking,
                     token_str=lambda i: token_text(tok, i), token_bytes=lambda i: token_bytes(tok, i),

@@ -79,21 +79,24 @@ class Generation:
                     self.scored += ev.prompt_logprobs
                     if ev.token_id is None and ev.finish_reason is None:
                         continue
-                delta, offset = Delta(), base + self.text.decoded_len
-                if ev.token_id is not None:
+                delta, offset = Delta(), base + self.text.offset
+                tid = ev.token_id if ev.token_id is not None else ev.stop_token
+                if tid is not None:
                     t = time.perf_counter()
                     (self.metrics.itl if self.completion_tokens else self.metrics.ttft).observe(t - last)
                     last = t
                     self.completion_tokens += 1
                     self.metrics.generation_tokens.inc()
-                    delta = self.text.push(ev.token_id)
+                    if ev.token_id is not None:  # a stop token adds no text
+                        delta = self.text.push(ev.token_id)
+                        offset = base + self.text.last_offset
                 engine_done = ev.finish_reason is not None
                 finish = "stop" if delta.stopped else (ev.finish_reason.value if ev.finish_reason else None)
                 if finish and not delta.stopped:
                     tail = self.text.finish()
                     delta = Delta(delta.reasoning + tail.reasoning, delta.content + tail.content)
                 self.finish_reason = finish
-                yield Step(ev.token_id, delta, ev.logprob, ev.top_logprobs, offset, finish)
+                yield Step(tid, delta, ev.logprob, ev.top_logprobs, offset, finish)
                 if finish:
                     break
             if self.finish_reason is None:  # the iterator ended without a finish event

@@ -63,6 +63,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # A STOP event's stop token (EOS or a stop id), with `logprob` / `top_logprobs`: never text, but a
+    # generated token for usage and logprobs (lm-eval's loglikelihood drops the last generated entry).
+    stop_token: int | None = None
     # Scored prompt positions, in order (positions 1.. of the prompt; position 0 has none).
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
 

@@ -281,7 +281,7 @@ class Scheduler:
             reason = self._stop_reason(r, token)
             if reason is FinishReason.STOP:
                 # The stop/EOS token ends the stream without being emitted as text.
-                events.append(TokenEvent(r.request_id, finish_reason=FinishReason.STOP))
+                events.append(TokenEvent(r.request_id, None, logprob, top, FinishReason.STOP, stop_token=token))
                 self._finish(r)
                 continue
             r.output_ids.append(token)
