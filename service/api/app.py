@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.api.controller import Controller, call
 from service.api.metrics import Metrics
 from service.api.protocol import APIError, error_body
+from service.api.responses import router as responses_router
 from service.api.routes import router
 from service.settings import Settings
 
@@ -101,4 +102,5 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
         )
 
     app.include_router(router)
+    app.include_router(responses_router)
     return app

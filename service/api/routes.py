@@ -188,6 +188,19 @@ async def _respond(request: Request, req: Any, reply: Reply) -> Response:
     return JSONResponse(await reply.collect(request.is_disconnected))
 
 
+async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequest, t0: float) -> Reply:
+    """Encode a validated chat request and queue its choices (also the Responses API's path)."""
+    text = encode_messages(req.messages, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
+    ids = (
+        await asyncio.to_thread(_encode, ctl, text, "messages")
+        if len(text) > 20000
+        else _encode(ctl, text, "messages")
+    )
+    params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
+    return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
+                         thinking=req.thinking, t0=t0)  # fmt: skip
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     t0, ctl = time.perf_counter(), _ctl(request)
@@ -195,16 +208,7 @@ async def chat_completions(request: Request) -> Response:
         await ctl.wait_ready()
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(ctl, req.model)
-        text = encode_messages(req.messages, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
-        ids = (
-            await asyncio.to_thread(_encode, ctl, text, "messages")
-            if len(text) > 20000
-            else _encode(ctl, text, "messages")
-        )
-        params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
-        reply = await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
-                              thinking=req.thinking, t0=t0)  # fmt: skip
-        return await _respond(request, req, reply)
+        return await _respond(request, req, await submit_chat(request, ctl, req, t0))
     except APIError as e:
         _count_rejection(ctl, e)
         raise

@@ -1,0 +1,80 @@
+"""POST /v1/responses through the openai SDK against a real server: text, instructions and message items,
+reasoning items in thinking mode, the streamed events in order, and fields rejected by name."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL, Server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], **kw) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+    return r.choices[0].message
+
+
+def test_text_equals_chat(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=8,
+                                temperature=0)  # fmt: skip
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output_text == _chat(client, msgs, max_tokens=8).content
+    assert r.output[-1].type == "message" and r.output[-1].role == "assistant"
+    assert r.usage.output_tokens <= 8 and r.usage.input_tokens > 3
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    parts = [{"type": "input_text", "text": "Hello there"}]
+    items = [{"role": "system", "content": "Be brief."}, {"type": "message", "role": "user", "content": parts}]
+    again = client.responses.create(model=MODEL, input=items, max_output_tokens=8, temperature=0)
+    assert again.output_text == r.output_text
+
+
+def test_reasoning_item(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=12, temperature=0,
+                                reasoning={"effort": "high"})  # fmt: skip
+    msg = _chat(client, [{"role": "user", "content": "hi"}], max_tokens=12, reasoning_effort="high")
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    reasoning = "".join(c.text for c in (r.output[0].content or []))
+    assert reasoning == msg.reasoning_content and r.output_text == msg.content
+
+
+@pytest.mark.parametrize("effort", [None, "high"])
+def test_stream_events(client: openai.OpenAI, effort: str | None) -> None:
+    kw = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 10, "temperature": 0}
+    if effort:
+        kw["reasoning"] = {"effort": effort}
+    full = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    msg_events = ["response.output_item.added", "response.content_part.added", "response.output_text.done",
+                  "response.content_part.done", "response.output_item.done"]  # fmt: skip
+    assert [t for t in types if t in msg_events][-5:] == msg_events
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == full.output_text == events[-1].response.output_text
+    if effort:
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert reasoning == "".join(c.text for c in (full.output[0].content or []))
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "store": True}, "store"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input"),
+    ({"input": "hi", "model": "gpt-4o"}, "model"),
+])  # fmt: skip
+def test_rejected_by_name(server: Server, body: dict, param: str) -> None:
+    r = httpx.post(f"{server.url}/v1/responses", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
