@@ -127,3 +127,41 @@ def test_prefill_rejects_bad_arguments(tiny) -> None:
         model.prefill(pools, h, [1, 2], 0, chunk=0)
     with pytest.raises(ValueError, match="outside the request's capacity 16"):
         model.prefill(pools, h, [1] * 10, 10)
+
+
+def test_copy_slot_gives_the_same_state_and_continuation(tiny, serial) -> None:
+    """StatePools.copy_slot (n > 1 sampling): the copy holds what the source holds after `positions` positions,
+    and both rows then decode the same logits; a neighbour's slot does not move."""
+    model, args = tiny
+    prompt, ref_pools, ref_h, _ = serial
+    pools = StatePools(args, max_slots=3, max_positions=LEN + 8, page_size=PAGE)
+    src = pools.alloc(LEN + 8)
+    other = pools.alloc(LEN + 8)
+    model.decode(pools, [other], [11], [0])
+    before = slot_state(pools, other, args)
+    model.prefill(pools, src, prompt[: LEN - 1], 0)
+    dst = pools.alloc(LEN + 8)
+    pools.copy_slot(src, dst, LEN - 1)
+    a, b = model.decode(pools, [src, dst], [prompt[-1]] * 2, [LEN - 1] * 2)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert_same_state(slot_state(pools, dst, args), slot_state(ref_pools, ref_h, args))
+    assert_same_state(slot_state(pools, other, args), before)
+    with pytest.raises(ValueError, match="positions"):
+        pools.copy_slot(src, dst, LEN + 9)
+    with pytest.raises(ValueError, match="same slot"):
+        pools.copy_slot(src, src, 1)
+
+
+def test_every_position_logits_equal_the_last_token_logits(tiny, serial) -> None:
+    """prefill(every=True) (prompt logprobs): row t is what a prefill ending at token t returns."""
+    model, args = tiny
+    prompt = serial[0][:40]
+    pools = StatePools(args, max_slots=2, max_positions=LEN + 8, page_size=PAGE)
+    h = pools.alloc(LEN + 8)
+    rows = np.array(model.prefill(pools, h, prompt, 0, chunk=16, every=True))
+    assert rows.shape == (40, args.vocab_size)
+    for t in (0, 15, 16, 39):
+        g = pools.alloc(LEN + 8)
+        last = np.array(model.prefill(pools, g, prompt[: t + 1], 0))
+        pools.free(g)
+        assert np.max(np.abs(rows[t] - last)) <= 1e-5

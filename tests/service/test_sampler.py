@@ -166,3 +166,16 @@ def test_no_logprobs_requested() -> None:
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError):
         sample(mx.zeros((2, V)), [SP()], [[]], [0])
+
+
+def test_logit_bias_adds_per_row_and_steers_greedy() -> None:
+    rows = np.stack([logits_row(1), logits_row(1), logits_row(2)])
+    top = int(np.argmax(rows[0]))
+    params = [SP(temperature=0.0, logprobs=0), SP(temperature=0.0, logprobs=0, logit_bias=((top, -100.0),)),
+              SP(temperature=0.0, logprobs=0, logit_bias=((3, 100.0), (4, -1.0)))]  # fmt: skip
+    out = run(rows, params)
+    assert out[0][0] == top and out[1][0] != top and out[2][0] == 3
+    biased = rows[1].copy()
+    biased[top] -= 100
+    assert out[1][0] == int(np.argmax(biased))
+    assert abs(out[1][1] - log_softmax(biased)[out[1][0]]) < 1e-5  # logprobs see the bias (processed)
