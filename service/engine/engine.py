@@ -109,12 +109,12 @@ class Engine:
     def bytes_budget(self) -> int:
         return self.pools.bytes_total()
 
-    def fits_ever(self, n_tokens: int) -> bool:
-        """Could a request of n_tokens positions be admitted into empty pools?"""
+    def fits_ever(self, n_tokens: int, rows: int = 1) -> bool:
+        """Could `rows` requests of n_tokens positions each (n > 1 sampling) be admitted into empty pools?"""
         p = self.pools
-        if not 1 <= n_tokens <= self.max_model_len:
+        if not 1 <= n_tokens <= self.max_model_len or not 1 <= rows <= self.max_rows:
             return False
-        return all(p.pages_for(n_tokens, r) <= p.pages[r] - 1 for r in p.ratios)
+        return all(rows * p.pages_for(n_tokens, r) <= p.pages[r] - 1 for r in p.ratios)
 
     def can_admit(self, n_tokens: int) -> bool:
         return self.pools.can_alloc(n_tokens)

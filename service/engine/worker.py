@@ -84,6 +84,7 @@ class EngineWorker:
         self.eos_token_id: int | None = None
         self.bytes_budget = 0
         self.max_fit_tokens = 0  # the most positions one request's decode state can ever have
+        self._fits_rows: Callable[[int, int], bool] | None = None
         # Queue and step accounting shared by both threads (under _lock).
         self._c = Counters()
 
@@ -142,6 +143,9 @@ class EngineWorker:
             raise ValueError(f"n = {len(params)} rows: at most max_rows = {self.max_rows}, one id each")
         for p in params:
             check_admissible(prompt_ids, p, self.max_model_len, self.max_fit_tokens, self.bytes_budget)
+        n_pos = len(prompt_ids) + max(p.max_tokens for p in params)
+        if len(params) > 1 and self._fits_rows is not None and not self._fits_rows(n_pos, len(params)):
+            raise ValueError(f"n = {len(params)} rows of {n_pos} positions each never fit the decode state together")
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop, asyncio.Queue()) for _ in request_ids]
         reqs = [Request(rid, list(prompt_ids), p) for rid, p in zip(request_ids, params, strict=True)]
@@ -207,6 +211,7 @@ class EngineWorker:
         self.bytes_budget = engine.bytes_budget()
         budget = self.bytes_budget
         fits = getattr(engine, "fits_ever", None) or (lambda n: engine.state_bytes_for(n) <= budget)
+        self._fits_rows = getattr(engine, "fits_ever", None)  # (positions, rows) -> bool; static arithmetic
         lo, hi = 0, engine.max_model_len  # binary search: the largest n that fits empty pools
         while lo < hi:
             mid = (lo + hi + 1) // 2

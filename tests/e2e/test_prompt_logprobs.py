@@ -188,3 +188,13 @@ def test_lm_eval_local_completions_loglikelihood(srv: Server, ckpt: Path, hf, tm
             lls.append(want)
         accs.append(float(int(np.argmax(lls)) == doc["label"]))
     assert out["results"]["dsv4_local_mc"]["acc,none"] == pytest.approx(np.mean(accs))
+
+
+def test_serial_prefill_scores_every_prompt_token_from_the_step(start_server, ckpt: Path, hf) -> None:
+    """--serial-prefill: every prompt token goes through the batched step; its logits row scores the next one."""
+    srv = start_server("--model", str(ckpt), "--serial-prefill", "--served-model-name", "tiny")
+    ref = hf_logprobs(hf, PROMPT[:70])
+    body = {"model": "tiny", "prompt": PROMPT[:70], "max_tokens": 0, "echo": True, "logprobs": 0}
+    got = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    want = [ref[t - 1, PROMPT[t]] for t in range(1, 70)]
+    assert got["token_logprobs"][0] is None and np.abs(np.array(got["token_logprobs"][1:]) - want).max() <= TOL

@@ -49,3 +49,8 @@ def test_never_fits_is_a_400(start_server) -> None:
     assert r.status_code == 400
     err = r.json()["error"]
     assert "320" in err["message"] and "398" in err["message"]
+    # n rows share a prompt but each holds its own pages: 2 rows of 300 positions fit the 4 CSA pages, 3 never do.
+    body = {"model": MODEL, "prompt": list(range(2, 290)), "max_tokens": 10, "temperature": 0}
+    assert httpx.post(f"{srv.url}/v1/completions", json={**body, "n": 2}, timeout=60).status_code == 200
+    r = httpx.post(f"{srv.url}/v1/completions", json={**body, "n": 3}, timeout=30)
+    assert r.status_code == 400 and "n = 3" in r.json()["error"]["message"], r.text
