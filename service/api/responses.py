@@ -5,8 +5,8 @@ output items (a reasoning item in thinking mode, then the assistant message) or 
 
 Tools: `tools`, `tool_choice` and function_call / function_call_output items translate into the chat
 request's `tools` / `tool_choice` / tool messages once `ChatCompletionRequest` has those fields (the
-tool-call parser lives with the chat path); until then they are rejected by name. Output items of type
-function_call come from the chat choice's `tool_calls` (`_items`)."""
+tool-call parser lives with the chat path); until then they are rejected by name. `ResponseBuilder._items`
+is where a chat choice's tool calls become function_call output items once the chat path produces them."""
 
 from __future__ import annotations
 
