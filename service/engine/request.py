@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A grammar the row's output must match (service/engine/grammar.py compiles and enforces it): the
+    compiled grammar (opaque here) and the request field that asked for it."""
+
+    grammar: Any = field(compare=False)
+    source: str = "grammar"
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs. 0: the chosen token's logprob only. k > 0: plus the top k alternatives.
     logprobs: int | None = None
+    guide: Guide | None = None  # constrained decoding: every sampled token keeps the output inside it
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +72,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens already fed through the model (prompt first, then generated ones).
     fed: int = 0
+    guide_state: Any = None  # the grammar matcher of a guided request (engine thread only)
 
     @property
     def total_len(self) -> int:
