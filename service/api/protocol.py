@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from service.api.tool_protocol import Guided, ToolCall, ToolFields
+
 _REQ = ConfigDict(extra="ignore", strict=True)
 
 
@@ -64,8 +66,8 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class _Sampling(BaseModel):
-    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+class _Sampling(Guided):
+    """Fields shared by chat and completions (OpenAI + vLLM extras; structured output: tool_protocol)."""
 
     model_config = _REQ
     model: str | None = None
@@ -135,6 +137,7 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None  # accepted in history, dropped by the encoder
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def text(self) -> str:
@@ -151,7 +154,7 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from service.api.chat import TextStream, encode_messages
+from service.api import structured
+from service.api.chat import TextStream
 from service.api.controller import Controller
+from service.api.encoding import encode_messages
 from service.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -21,6 +24,7 @@ from service.api.protocol import (
     validation_to_api_error,
 )
 from service.api.streaming import Generation, request_id
+from service.api.tools import ToolStream
 from service.engine.request import SamplingParams
 from service.engine.scheduler import QueueFull
 from service.engine.worker import EngineNotReady
@@ -121,6 +125,7 @@ async def _generate(
     params: SamplingParams,
     *,
     thinking: bool = False,
+    tools: bool = False,
     t0: float,
 ) -> Response:
     rid = request_id(kind)
@@ -160,6 +165,7 @@ async def _generate(
         logprobs=params.logprobs is not None,
         thinking=thinking,
         token_str=lambda i: tok.decode([i], skip_special_tokens=False),
+        tools=ToolStream() if tools else None,
     )
     if req.stream:
         return StreamingResponse(
@@ -176,14 +182,22 @@ async def chat_completions(request: Request) -> Response:
         await ctl.wait_ready()
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(ctl, req.model)
-        text = encode_messages(req.messages, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
+        tools = structured.prompt_tools(req)
+        effort = req.reasoning_effort if req.reasoning_effort in ("max", "high") else None  # as the encoder takes it
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = encode_messages(messages, thinking=req.thinking, tools=tools, reasoning_effort=effort)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
         ids = (
             await asyncio.to_thread(_encode, ctl, text, "messages")
             if len(text) > 20000
             else _encode(ctl, text, "messages")
         )
         params = _params(ctl, req, len(ids), "messages", req.logprobs_k)
-        return await _generate(request, ctl, "chat", req, ids, params, thinking=req.thinking, t0=t0)
+        params = replace(params, guide=await structured.guide(ctl, req, thinking=req.thinking))
+        return await _generate(request, ctl, "chat", req, ids, params, thinking=req.thinking,
+                               tools=tools is not None, t0=t0)  # fmt: skip
     except APIError as e:
         _count_rejection(ctl, e)
         raise
@@ -209,6 +223,7 @@ async def completions(request: Request) -> Response:
                     code="invalid_token_id",
                 )
         params = _params(ctl, req, len(ids), "prompt", req.logprobs)
+        params = replace(params, guide=await structured.guide(ctl, req))
         return await _generate(request, ctl, "completion", req, ids, params, t0=t0)
     except APIError as e:
         _count_rejection(ctl, e)

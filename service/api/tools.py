@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.api.encoding import DSML, to_json
+from service.engine.grammar import json_format
 
 CALLS_START = f"\n\n<{DSML}tool_calls"  # as the reference parser: the ">" follows
 CALLS_END = f"</{DSML}tool_calls>"
@@ -159,11 +160,11 @@ def _param(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     end = f"</{DSML}parameter>"
     plain = schema.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & schema.keys())
     if plain:
-        text: dict[str, Any] = {"type": "any_text", "excludes": [end, "<"]}
-        if "maxLength" in schema:
-            text["max_chars"] = int(schema["maxLength"])
-        return {"type": "tag", "begin": head + '"true">', "content": text, "end": end}
-    value = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+        # Whole characters other than "<" (which would open the closing tag), within min..maxLength.
+        hi = "" if "maxLength" not in schema else int(schema["maxLength"])
+        text = {"type": "regex", "pattern": f"[^<]{{{int(schema.get('minLength', 0))},{hi}}}"}
+        return {"type": "sequence", "elements": [_const(head + '"true">'), text, _const(end)]}
+    value = json_format(schema)
     return {"type": "sequence", "elements": [_const(head + '"false">'), value, _const(end)]}
 
 
@@ -183,12 +184,12 @@ def _invoke(fn: dict[str, Any]) -> dict[str, Any]:
     return {"type": "sequence", "elements": elems}
 
 
-def calls_format(tools: list[dict[str, Any]], only: str | None) -> dict[str, Any]:
-    """The whole answer as a tool-calls block: one call of `only`, or one or more of any tool."""
+def calls_format(tools: list[dict[str, Any]], only: str | None, parallel: bool = True) -> dict[str, Any]:
+    """The whole answer as a tool-calls block: one call of `only`, or one (`parallel`: or more) of any tool."""
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     one = _invoke(fns[0]) if len(fns) == 1 else {"type": "or", "elements": [_invoke(f) for f in fns]}
     elems = [_const(CALLS_START + ">\n"), one]
-    if only is None:
+    if only is None and parallel:
         elems.append({"type": "star", "content": {"type": "sequence", "elements": [_const("\n"), one]}})
     elems.append(_const("\n" + CALLS_END))
     return {"type": "sequence", "elements": elems}

@@ -30,10 +30,30 @@ _lock = threading.Lock()
 _compilers: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, xgrammar.GrammarCompiler)
 
 
+# A JSON string's characters (RFC 8259): no raw control characters, which xgrammar's string rule lets
+# through; escapes count as one character, as maxLength counts them.
+_JSON_CHAR = r'([^\x00-\x1f"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+
+
+def _strict_strings(schema: Any) -> Any:
+    """`schema` with every plain string (no pattern, format, enum or const) given a pattern of valid JSON
+    string characters, within its minLength..maxLength."""
+    if isinstance(schema, list):
+        return [_strict_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_strings(v) for k, v in schema.items()}
+    if out.get("type") == "string" and not ({"pattern", "format", "enum", "const"} & out.keys()):
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}$"
+    return out
+
+
 # ---- formats (xgrammar structural-tag JSON; plain dicts so the API side needs no xgrammar types) -----
 def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
-    """One JSON value matching `schema`, at most one whitespace character in a row (a model cannot wander in whitespace forever)."""
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    """One JSON value matching `schema`, at most one whitespace character in a row (a model cannot wander
+    in whitespace forever)."""
+    return {"type": "json_schema", "json_schema": _strict_strings(schema), "max_whitespace_cnt": 1}
 
 
 def regex_format(pattern: str) -> dict[str, Any]:
