@@ -150,8 +150,9 @@ def _last_user(messages: list[dict[str, Any]]) -> int:
     return max((i for i, m in enumerate(messages) if m["role"] in ("user", "developer")), default=-1)
 
 
-def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False, tools: list[dict[str, Any]] | None = None,
-                    reasoning_effort: str | None = None, drop_thinking: bool = True) -> str:  # fmt: skip
+def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False,
+                    tools: list[dict[str, Any]] | None = None, reasoning_effort: str | None = None,
+                    drop_thinking: bool = True) -> str:  # fmt: skip
     """The V4 prompt of an OpenAI message list, ending in the generation prompt (<Assistant></think>, or
     <Assistant><think> in thinking mode). reasoning_effort: only "max" changes the prompt (thinking mode)."""
     msgs = copy.deepcopy(list(messages))
@@ -189,7 +190,8 @@ def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False, t
             if m.get("response_format"):
                 out.append("\n\n" + RESPONSE_FORMAT.format(schema=to_json(m["response_format"])))
         elif role == "user":
-            out.append(USER + "\n\n".join(_text(c) if kind == "text" else _tool_result(c) for kind, _, c in m["blocks"]))
+            parts = [_text(c) if kind == "text" else _tool_result(c) for kind, _, c in m["blocks"]]
+            out.append(USER + "\n\n".join(parts))
         elif role == "assistant":
             if thinking and (not drop_thinking or i > last):
                 out.append((m.get("reasoning_content") or "") + END_THINK)

@@ -2,8 +2,9 @@
 as it grows), and the grammar (xgrammar structural-tag format) that `tool_choice` "required" or a named
 function enforces. The markup (encoding.dsml_tool_calls writes it):
 
-    {content}\\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="f">\\n<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>
-    ...\\n</｜DSML｜invoke>\\n...</｜DSML｜tool_calls>
+    {content}\\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="f">\\n
+    <｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\\n...</｜DSML｜invoke>\\n...</｜DSML｜tool_calls>
+    (one line; the parameters are newline-joined)
 
 A string="true" value is raw text, any other a JSON value; arguments become one JSON object string, as the
 reference `parse_tool_calls` builds it. Text that breaks the markup is returned as content, unparsed.

@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from service.api.chat import (
-    MAX_EFFORT_PARAGRAPH,
-    IncrementalDetokenizer,
-    ReasoningSplit,
-    StopStrings,
-    TextStream,
-    encode_messages,
-)
+from service.api.chat import IncrementalDetokenizer, ReasoningSplit, StopStrings, TextStream
+from service.api.encoding import REASONING_EFFORT_MAX as MAX_EFFORT_PARAGRAPH
+from service.api.encoding import encode_messages
 
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 
@@ -62,7 +57,7 @@ def test_tool_messages_fold_into_user_turns() -> None:
     ]
     want = (
         "<｜begin▁of▁sentence｜><｜User｜>weather?<｜Assistant｜></think>calling<｜end▁of▁sentence｜>"
-        "<｜User｜><tool_result>sunny</tool_result><tool_result>20C</tool_result><｜Assistant｜></think>"
+        "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>20C</tool_result><｜Assistant｜></think>"
     )
     assert encode_messages(msgs) == want
 

@@ -41,7 +41,8 @@ A_CALLS = {"role": "assistant", "content": "", "reasoning_content": "Two cities:
            "tool_calls": [call("c1", "get_weather", {"city": "Paris", "days": 2}),
                           call("c2", "get_weather", {"city": "Rome"})]}
 T1 = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
-T2 = {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "rain"}, {"type": "text", "text": "wind"}]}
+T2 = {"role": "tool", "tool_call_id": "c2",
+      "content": [{"type": "text", "text": "rain"}, {"type": "text", "text": "wind"}]}
 
 # (messages, tools, thinking, reasoning_effort)
 CASES: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, str | None]] = [
@@ -127,7 +128,8 @@ def test_parse_equals_reference(text: str) -> None:
 
 
 def test_broken_markup_is_content() -> None:
-    text = "Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nnot a parameter\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    text = ("Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nnot a parameter\n</｜DSML｜invoke>\n"
+            "</｜DSML｜tool_calls>")
     assert parse_completion(text) == (text, [])
     st = ToolStream()
     out = "".join(st.push(text[i : i + 5])[0] for i in range(0, len(text), 5)) + st.finish()
