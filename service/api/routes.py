@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from service.api import structured
-from service.api.app import Controller
 from service.api.chat import TextStream
 from service.api.controller import Controller
 from service.api.encoding import encode_messages
