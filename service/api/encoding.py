@@ -1,7 +1,7 @@
 """DeepSeek-V4 prompt encoding (spec section 5): the release's `encoding/encoding_dsv4.py` rules for
 system / developer / user / assistant turns, tools rendered into the system turn, assistant tool calls
 as DSML, tool results folded into user turns, thinking mode and reasoning effort. The output is the
-exact string the reference `encode_messages` builds (tests/fixtures/encoding_dsv4.py checks it).
+exact string DeepSeek's reference renderer builds (the `deepseek-recipe` package; tests/service/test_dsml.py).
 
 Messages are OpenAI-style dicts: {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"};
 `tools` (OpenAI function tools) go into a system turn at the front, as SGLang and vLLM put them.
@@ -21,7 +21,9 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 
-REASONING_EFFORT_MAX = (
+# The paragraph right after BOS in thinking mode, by reasoning effort (as DeepSeek's deepseek-recipe renders
+# V4: "high", "xhigh" and none given take the release's "max" text, "max" a stronger one, "low" none).
+REASONING_EFFORT_HIGH = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
@@ -29,6 +31,16 @@ REASONING_EFFORT_MAX = (
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
+    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
+    "underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
+    "that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+EFFORT_TEXT = {None: REASONING_EFFORT_HIGH, "low": "", "high": REASONING_EFFORT_HIGH,
+               "xhigh": REASONING_EFFORT_HIGH, "max": REASONING_EFFORT_MAX}  # fmt: skip
 
 TOOLS_TEMPLATE = """## Tools
 
@@ -71,8 +83,11 @@ def to_json(value: Any) -> str:
 
 
 def render_tools(tools: list[dict[str, Any]]) -> str:
-    """The tools section of the system turn; `tools` are OpenAI tools ({"type", "function": {...}})."""
-    schemas = "\n".join(to_json(t["function"]) for t in tools)
+    """The tools section of the system turn; `tools` are OpenAI tools ({"type", "function": {...}}). Each
+    schema is {name, description, parameters}, in that order, "" and {} where missing (as the reference)."""
+    fns = [t["function"] for t in tools]
+    schemas = "\n".join(to_json({"name": f["name"], "description": f.get("description") or "",
+                                  "parameters": f.get("parameters") or {}}) for f in fns)  # fmt: skip
     return TOOLS_TEMPLATE.format(dsml=DSML, think=THINK, end_think=END_THINK, schemas=schemas)
 
 
@@ -93,11 +108,11 @@ def dsml_parameters(arguments: str | dict[str, Any]) -> str:
 
 
 def dsml_tool_calls(calls: list[dict[str, Any]]) -> str:
-    """OpenAI tool_calls -> the DSML block an assistant turn ends with (leading blank line included)."""
-    invokes = [
-        f'<{DSML}invoke name="{c["function"]["name"]}">\n{dsml_parameters(c["function"]["arguments"])}\n</{DSML}invoke>'
-        for c in calls
-    ]
+    """OpenAI tool_calls -> the DSML block an assistant turn ends with (leading blank line included).
+    An invoke without parameters is its two tags on two lines."""
+    params = [dsml_parameters(c["function"]["arguments"]) for c in calls]
+    invokes = [f'<{DSML}invoke name="{c["function"]["name"]}">\n' + (p + "\n" if p else "") + f"</{DSML}invoke>"
+               for c, p in zip(calls, params, strict=True)]  # fmt: skip
     return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
 
 
@@ -154,7 +169,10 @@ def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False,
                     tools: list[dict[str, Any]] | None = None, reasoning_effort: str | None = None,
                     drop_thinking: bool = True) -> str:  # fmt: skip
     """The V4 prompt of an OpenAI message list, ending in the generation prompt (<Assistant></think>, or
-    <Assistant><think> in thinking mode). reasoning_effort: only "max" changes the prompt (thinking mode)."""
+    <Assistant><think> in thinking mode). reasoning_effort (thinking mode only): None, "low", "high", "xhigh"
+    or "max", each with its paragraph after BOS (EFFORT_TEXT)."""
+    if reasoning_effort not in EFFORT_TEXT:
+        raise ValueError(f"reasoning_effort must be one of low, high, xhigh, max, not {reasoning_effort!r}")
     msgs = copy.deepcopy(list(messages))
     if tools:
         if msgs and msgs[0].get("role") == "system":
@@ -176,8 +194,8 @@ def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False,
     last = _last_user(msgs)
     out = [BOS]
     for i, m in enumerate(msgs):
-        if i == 0 and thinking and reasoning_effort == "max":
-            out.append(REASONING_EFFORT_MAX)
+        if i == 0 and thinking:
+            out.append(EFFORT_TEXT[reasoning_effort])
         role = m["role"]
         if role in ("system", "developer"):
             if role == "developer":

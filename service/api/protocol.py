@@ -159,7 +159,7 @@ class ChatCompletionRequest(_Sampling, ToolFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property

@@ -62,6 +62,10 @@ def _check_model(ctl: Controller, name: str | None) -> None:
         )
 
 
+# OpenAI reasoning_effort -> the encoder's level ("none" turns thinking off: ChatCompletionRequest.thinking).
+EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
+
+
 def _encode(ctl: Controller, text: str, param: str) -> list[int]:
     tok = ctl.tokenizer
     if tok is None:
@@ -183,7 +187,7 @@ async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(ctl, req.model)
         tools = structured.prompt_tools(req)
-        effort = req.reasoning_effort if req.reasoning_effort in ("max", "high") else None  # as the encoder takes it
+        effort = EFFORT.get(req.reasoning_effort or "")  # the encoder's levels, as deepseek-recipe maps them
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             text = encode_messages(messages, thinking=req.thinking, tools=tools, reasoning_effort=effort)

@@ -179,8 +179,6 @@ def _invoke(fn: dict[str, Any]) -> dict[str, Any]:
     for name, schema in props.items():
         one = {"type": "sequence", "elements": [_param(name, schema if isinstance(schema, dict) else {}), _const("\n")]}
         elems.append(one if name in required else {"type": "optional", "content": one})
-    if not props:
-        elems.append(_const("\n"))
     elems.append(_const(f"</{DSML}invoke>"))
     return {"type": "sequence", "elements": elems}
 

@@ -7,7 +7,6 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from service.api.chat import IncrementalDetokenizer, ReasoningSplit, StopStrings, TextStream
-from service.api.encoding import REASONING_EFFORT_MAX as MAX_EFFORT_PARAGRAPH
 from service.api.encoding import encode_messages
 
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -45,7 +44,7 @@ def test_multi_turn_drops_earlier_reasoning() -> None:
     )
     assert encode_messages(msgs) == want
     thinking = want.removesuffix("</think>") + "<think>"
-    assert encode_messages(msgs, thinking=True) == thinking
+    assert encode_messages(msgs, thinking=True, reasoning_effort="low") == thinking  # "low": no effort paragraph
 
 
 def test_tool_messages_fold_into_user_turns() -> None:
@@ -62,13 +61,23 @@ def test_tool_messages_fold_into_user_turns() -> None:
     assert encode_messages(msgs) == want
 
 
-def test_max_effort_paragraph_after_bos_before_system() -> None:
+HIGH_EFFORT = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+MAX_EFFORT = "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+
+
+def test_effort_paragraph_after_bos_before_system() -> None:
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-    got = encode_messages(msgs, thinking=True, reasoning_effort="max")
-    assert got == f"<｜begin▁of▁sentence｜>{MAX_EFFORT_PARAGRAPH}S<｜User｜>U<｜Assistant｜><think>"
-    # chat mode, or a lower effort: no paragraph
-    assert MAX_EFFORT_PARAGRAPH not in encode_messages(msgs, thinking=True, reasoning_effort="high")
-    assert MAX_EFFORT_PARAGRAPH not in encode_messages(msgs, thinking=False, reasoning_effort="max")
+    bos = "<｜begin▁of▁sentence｜>"
+    tail = {MAX_EFFORT: "undiscovered.\n\n", HIGH_EFFORT: "unchecked.\n\n"}
+    for effort, head in [("max", MAX_EFFORT), ("high", HIGH_EFFORT), ("xhigh", HIGH_EFFORT), (None, HIGH_EFFORT)]:
+        got = encode_messages(msgs, thinking=True, reasoning_effort=effort)
+        assert got.startswith(bos + head), effort
+        assert got.endswith(tail[head] + "S<｜User｜>U<｜Assistant｜><think>"), effort
+    # low effort, or chat mode: no paragraph
+    assert encode_messages(msgs, thinking=True, reasoning_effort="low") == f"{bos}S<｜User｜>U<｜Assistant｜><think>"
+    assert encode_messages(msgs, thinking=False, reasoning_effort="max") == f"{bos}S<｜User｜>U<｜Assistant｜></think>"
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        encode_messages(msgs, thinking=True, reasoning_effort="extreme")
 
 
 # ---- detokenizing ------------------------------------------------------------------------------

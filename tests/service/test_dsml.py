@@ -1,15 +1,19 @@
-"""DeepSeek-V4 prompts and DSML tool calls against the release's reference encoder (tests/fixtures)."""
+"""DeepSeek-V4 prompts and DSML tool calls against DeepSeek's reference implementation, the `deepseek-recipe`
+package (PyPI): its V4 prompt renderer and its Chat Completions output parser are the oracle."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import deepseek_recipe as recipe
 import pytest
 
 from service.api.encoding import encode_messages
 from service.api.tools import ToolStream, parse_completion
-from tests.fixtures import encoding_dsv4 as ref
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
 
 WEATHER = {
     "type": "function",
@@ -67,67 +71,111 @@ CASES: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, str |
       {"role": "tool", "tool_call_id": "s1", "content": "{\"hits\": 0}"}], [SEARCH], True, None),
     ([SYS, U1, A_CALLS, T1, T2], None, True, "max"),  # tool history without tools declared
 ]
+DEVELOPER = 8  # the case the reference cannot render
+
+
+def ref_request(messages: list[dict[str, Any]], tools: Any, thinking: bool, effort: str | None) -> Any:
+    body: dict[str, Any] = {"model": "DeepSeek-V4-Pro", "messages": messages,
+                            "thinking": {"type": "enabled" if thinking else "disabled"}}  # fmt: skip
+    if tools:
+        body["tools"] = tools
+    if effort:
+        body["reasoning_effort"] = effort
+    return recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
 
 
 def ref_prompt(messages: list[dict[str, Any]], tools: Any, thinking: bool, effort: str | None) -> str:
-    msgs = [dict(m) for m in messages]
-    if tools:
-        if msgs[0]["role"] == "system":
-            msgs[0]["tools"] = tools
-        else:
-            msgs.insert(0, {"role": "system", "content": "", "tools": tools})
-    return ref.encode_messages(msgs, thinking_mode="thinking" if thinking else "chat", reasoning_effort=effort)
+    conversation = ref_request(messages, tools, thinking, effort).conversation
+    return recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", [i for i in range(len(CASES)) if i != DEVELOPER])
 def test_prompt_equals_reference(case: int) -> None:
     messages, tools, thinking, effort = CASES[case]
     ours = encode_messages(messages, tools=tools, thinking=thinking, reasoning_effort=effort)
     assert ours == ref_prompt(messages, tools, thinking, effort)
 
 
-COMPLETIONS = [
-    "Just text." + ref.eos_token,
-    "Checking.\n\n" + ref.tool_calls_template.format(dsml_token=ref.dsml_token, tc_block_name="tool_calls",
-        tool_calls="\n".join(ref.tool_call_template.format(dsml_token=ref.dsml_token, name=c["function"]["name"],
-                             arguments=ref.encode_arguments_to_dsml(c["function"])) for c in A_CALLS["tool_calls"]))
-    + ref.eos_token,
+def test_reasoning_effort_levels_equal_reference() -> None:
+    msgs = [SYS, U1]
+    for effort in (None, "low", "high", "xhigh", "max"):
+        for thinking in (True, False):
+            got = encode_messages(msgs, thinking=thinking, reasoning_effort=effort)
+            assert got == ref_prompt(msgs, None, thinking, effort), (effort, thinking)
+
+
+def test_developer_turns() -> None:
+    """The reference has no developer role (it rejects one); ours follows the release's encoder: a developer
+    turn is a user turn, and in thinking mode those before the last user turn are dropped."""
+    messages, tools, thinking, effort = CASES[DEVELOPER]
+    with pytest.raises(ValueError, match="unknown variant `developer`"):
+        ref_prompt(messages, tools, thinking, effort)
+    effort_text = ref_prompt([{"role": "user", "content": "u"}], None, True, effort)
+    effort_text = effort_text.removeprefix(BOS).removesuffix(USER + "u" + ASSISTANT + THINK)
+    assert effort_text.startswith("Reasoning Effort: ")
+    want = (f"{BOS}{effort_text}{USER}Weather in Paris and Rome?{ASSISTANT}{END_THINK}x{EOS}"
+            f"{USER}later rules{ASSISTANT}{THINK}")  # fmt: skip
+    assert encode_messages(messages, tools=tools, thinking=thinking, reasoning_effort=effort) == want
+
+
+def ref_assistant_text(m: dict[str, Any]) -> str:
+    """An assistant turn as the reference renders it (chat mode): a completion text, EOS excluded."""
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "r"} for c in m.get("tool_calls") or ()]
+    prompt = ref_prompt([{"role": "user", "content": "q"}, m, *results], None, False, None)
+    return prompt.split(ASSISTANT + END_THINK, 1)[1].split(EOS, 1)[0]
+
+
+def ref_parse(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The reference's Chat Completions parser over a completion: (content, [(name, arguments)])."""
+    req = ref_request([{"role": "user", "content": "q"}], [WEATHER, SEARCH, NOARGS], False, None)
+    proc = recipe.StreamProcessor(recipe.ChatCompletionRequest.chunk_generator(req, "id", "m"), req.parsing_options)
+    chunks = proc.push(recipe.InferenceChunk.ready())
+    for i in range(0, len(text), 7):
+        chunks += proc.push(recipe.InferenceChunk.text(text[i : i + 7], 1))
+    chunks += proc.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop)) + proc.finish()
+    resp = recipe.ChatCompletionResponse("id", "m", 0, 0, 0)
+    for c in chunks:
+        resp.accumulate(c)
+    msg = json.loads(resp.to_json())["choices"][0]["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or ()]
+    return msg.get("content") or "", calls
+
+
+NAMED = {"content": "Checking.", "tool_calls": [call("w1", "get_weather", {"city": "Paris", "days": 2}),
+                                                call("w2", "search", {"q": "x", "filters": {"k": [1, None, True]}})]}
+COMPLETIONS = ["Just text.", "Two\n\nparagraphs, <b>tags</b>, DSML-free."] + [
+    ref_assistant_text(m) for m in (A_CALLS, CASES[9][0][1], CASES[10][0][1], {"role": "assistant", **NAMED})
 ]
 
 
-def assistant_texts() -> list[str]:
-    """Assistant turns as the reference encoder writes them (chat mode), each a completion text."""
-    out = [c for c in COMPLETIONS]
-    for m in (A_CALLS, CASES[9][0][1], CASES[10][0][1]):
-        p = ref.encode_messages([{"role": "user", "content": "q"}, m], thinking_mode="chat")
-        out.append(p.split(ref.ASSISTANT_SP_TOKEN + ref.thinking_end_token, 1)[1])
-    return out
-
-
-@pytest.mark.parametrize("text", assistant_texts())
+@pytest.mark.parametrize("text", COMPLETIONS)
 def test_parse_equals_reference(text: str) -> None:
-    want = ref.parse_message_from_completion_text(text, thinking_mode="chat")
-    body = text.removesuffix(ref.eos_token)
-    content, calls = parse_completion(body)
-    assert content == want["content"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want["tool_calls"]
-    ]
+    want_content, want_calls = ref_parse(text)
+    content, calls = parse_completion(text)
+    assert content == want_content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want_calls
     # Streamed in small pieces: the same content and calls, indices in order.
     st, got_content, got_calls = ToolStream(), "", []
-    for i in range(0, len(body), 3):
-        c, cs = st.push(body[i : i + 3])
+    for i in range(0, len(text), 3):
+        c, cs = st.push(text[i : i + 3])
         got_content += c
         got_calls += cs
     got_content += st.finish()
-    assert got_content == want["content"]
+    assert got_content == want_content
     assert [c["index"] for c in got_calls] == list(range(len(got_calls)))
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == [
         (c["name"], c["arguments"]) for c in calls
     ]
 
 
+def test_completions_hold_calls() -> None:
+    """The parse cases above are not vacuous: the reference finds 2, 1, 1 and 2 calls in the rendered turns."""
+    assert [len(ref_parse(t)[1]) for t in COMPLETIONS] == [0, 0, 2, 1, 1, 2]
+
+
 def test_broken_markup_is_content() -> None:
+    """Our choice where the reference differs: text that breaks the markup is content, unparsed (the
+    reference's parser drops what follows a "<｜DSML｜" it cannot read, and keeps the invokes it can)."""
     text = ("Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nnot a parameter\n</｜DSML｜invoke>\n"
             "</｜DSML｜tool_calls>")
     assert parse_completion(text) == (text, [])
