@@ -21,9 +21,11 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 
-# The paragraph right after BOS in thinking mode, by reasoning effort (as DeepSeek's deepseek-recipe renders
-# V4: "high", "xhigh" and none given take the release's "max" text, "max" a stronger one, "low" none).
-REASONING_EFFORT_HIGH = (
+# The paragraph right after BOS in thinking mode, by reasoning effort, as the V4-Flash release's encoder renders it
+# (docs/deepseek_v4.md section 5): "max" only. DeepSeek's deepseek-recipe 0.2.0 (its V4 Pro encoding) puts this
+# text for "high" / "xhigh" / none given and a stronger one for "max"; the tests compare against it with the
+# paragraph put back to the release's (tests/service/test_dsml.py).
+REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
@@ -31,16 +33,7 @@ REASONING_EFFORT_HIGH = (
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
-REASONING_EFFORT_MAX = (
-    "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
-    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
-    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
-    "underlying cause rather than any surface symptom.\n"
-    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
-    "that no assumption remains unchecked and no error remains undiscovered.\n\n"
-)
-EFFORT_TEXT = {None: REASONING_EFFORT_HIGH, "low": "", "high": REASONING_EFFORT_HIGH,
-               "xhigh": REASONING_EFFORT_HIGH, "max": REASONING_EFFORT_MAX}  # fmt: skip
+EFFORT_TEXT = {None: "", "low": "", "high": "", "xhigh": "", "max": REASONING_EFFORT_MAX}
 
 TOOLS_TEMPLATE = """## Tools
 

@@ -61,20 +61,20 @@ def test_tool_messages_fold_into_user_turns() -> None:
     assert encode_messages(msgs) == want
 
 
-HIGH_EFFORT = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-MAX_EFFORT = "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+MAX_EFFORT = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
 
 
 def test_effort_paragraph_after_bos_before_system() -> None:
+    """The V4-Flash release's encoder: "max" in thinking mode puts its paragraph right after BOS; no other
+    level, and chat mode, puts none (docs/deepseek_v4.md section 5)."""
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     bos = "<｜begin▁of▁sentence｜>"
-    tail = {MAX_EFFORT: "undiscovered.\n\n", HIGH_EFFORT: "unchecked.\n\n"}
-    for effort, head in [("max", MAX_EFFORT), ("high", HIGH_EFFORT), ("xhigh", HIGH_EFFORT), (None, HIGH_EFFORT)]:
-        got = encode_messages(msgs, thinking=True, reasoning_effort=effort)
-        assert got.startswith(bos + head), effort
-        assert got.endswith(tail[head] + "S<｜User｜>U<｜Assistant｜><think>"), effort
-    # low effort, or chat mode: no paragraph
-    assert encode_messages(msgs, thinking=True, reasoning_effort="low") == f"{bos}S<｜User｜>U<｜Assistant｜><think>"
+    got = encode_messages(msgs, thinking=True, reasoning_effort="max")
+    assert got.startswith(bos + MAX_EFFORT)
+    assert got.endswith("unchecked.\n\nS<｜User｜>U<｜Assistant｜><think>")
+    for effort in (None, "low", "high", "xhigh"):
+        want = f"{bos}S<｜User｜>U<｜Assistant｜><think>"
+        assert encode_messages(msgs, thinking=True, reasoning_effort=effort) == want
     assert encode_messages(msgs, thinking=False, reasoning_effort="max") == f"{bos}S<｜User｜>U<｜Assistant｜></think>"
     with pytest.raises(ValueError, match="reasoning_effort"):
         encode_messages(msgs, thinking=True, reasoning_effort="extreme")

@@ -9,7 +9,7 @@ from typing import Any
 import deepseek_recipe as recipe
 import pytest
 
-from service.api.encoding import encode_messages
+from service.api.encoding import REASONING_EFFORT_MAX, encode_messages
 from service.api.tools import ToolStream, parse_completion
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -84,9 +84,21 @@ def ref_request(messages: list[dict[str, Any]], tools: Any, thinking: bool, effo
     return recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
 
 
-def ref_prompt(messages: list[dict[str, Any]], tools: Any, thinking: bool, effort: str | None) -> str:
+def recipe_prompt(messages: list[dict[str, Any]], tools: Any, thinking: bool, effort: str | None) -> str:
     conversation = ref_request(messages, tools, thinking, effort).conversation
     return recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
+
+
+def ref_prompt(messages: list[dict[str, Any]], tools: Any, thinking: bool, effort: str | None) -> str:
+    """The reference's prompt with its effort paragraph (the text between BOS and the first turn of a bare
+    prompt at this level) put back to the V4-Flash release's: REASONING_EFFORT_MAX for "max" in thinking mode,
+    none otherwise (deepseek-recipe renders V4 Pro's policy: see service/api/encoding.py)."""
+    bare = recipe_prompt([{"role": "user", "content": "u"}], None, thinking, effort)
+    theirs = bare[len(BOS) : bare.index(USER)]
+    ours = REASONING_EFFORT_MAX if thinking and effort == "max" else ""
+    prompt = recipe_prompt(messages, tools, thinking, effort)
+    assert prompt.startswith(BOS + theirs)
+    return BOS + ours + prompt[len(BOS) + len(theirs) :]
 
 
 @pytest.mark.parametrize("case", [i for i in range(len(CASES)) if i != DEVELOPER])
@@ -110,9 +122,7 @@ def test_developer_turns() -> None:
     messages, tools, thinking, effort = CASES[DEVELOPER]
     with pytest.raises(ValueError, match="unknown variant `developer`"):
         ref_prompt(messages, tools, thinking, effort)
-    effort_text = ref_prompt([{"role": "user", "content": "u"}], None, True, effort)
-    effort_text = effort_text.removeprefix(BOS).removesuffix(USER + "u" + ASSISTANT + THINK)
-    assert effort_text.startswith("Reasoning Effort: ")
+    effort_text = REASONING_EFFORT_MAX if effort == "max" else ""
     want = (f"{BOS}{effort_text}{USER}Weather in Paris and Rome?{ASSISTANT}{END_THINK}x{EOS}"
             f"{USER}later rules{ASSISTANT}{THINK}")  # fmt: skip
     assert encode_messages(messages, tools=tools, thinking=thinking, reasoning_effort=effort) == want
