@@ -7,6 +7,8 @@ ARG PYTHON_VERSION=3.11
 
 # ---- builder: a venv with the package and the chosen MLX build ----------------------------------
 FROM python:${PYTHON_VERSION}-slim AS builder
+# EXTRAS=structured: response_format / guided_* / enforced tool_choice (xgrammar, which brings torch)
+ARG EXTRAS=
 ARG MLX_BACKEND=cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
@@ -20,7 +22,7 @@ COPY kernels ./kernels
 # pyproject pins mlx[cpu] on Linux; the CUDA build replaces mlx-cpu with mlx-cuda-13 afterwards.
 RUN touch README.md \
  && pip install --upgrade pip \
- && pip install . \
+ && pip install ".${EXTRAS:+[$EXTRAS]}" \
  && case "$MLX_BACKEND" in \
       cpu) pip install "mlx[cpu]>=0.32.4" ;; \
       cuda13) pip install "mlx[cuda13]>=0.32.4" && pip uninstall -y mlx-cpu ;; \

@@ -1,5 +1,5 @@
-"""DeepSeek-V4 chat encoding (spec section 5), incremental detokenizing, stop strings and the
-reasoning / content split. Pure Python on the event loop; no mlx."""
+"""Incremental detokenizing, stop strings and the reasoning / content split (the prompt encoding is
+service/api/encoding.py). Pure Python on the event loop; no mlx."""
 
 from __future__ import annotations
 
@@ -14,54 +14,6 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
-# The spec names a fixed instruction paragraph for reasoning_effort="max" but does not quote it
-# (encoding_dsv4.py was not in the mirror). Placeholder until the official text is available;
-# it is inserted right after BOS, before the system text, in thinking mode only.
-MAX_EFFORT_PARAGRAPH = (
-    "Reasoning effort: maximum. Think as long and as carefully as the problem needs: explore "
-    "alternatives, check each step, and verify the final answer before responding.\n\n"
-)
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
-
-
-def encode_messages(
-    messages: Sequence[dict[str, Any] | Any], *, thinking: bool = False, reasoning_effort: str | None = None
-) -> str:
-    """messages: dicts or protocol.ChatMessage. Turns are concatenated with no newlines:
-    BOS {system} <User>{user} <Assistant></think>{answer}<EOS> ... <Assistant></think>|<think>.
-    Earlier turns' reasoning is dropped; tool messages are folded into user turns as
-    <tool_result>..</tool_result> (consecutive user/tool messages form one user turn)."""
-    out = [BOS]
-    if thinking and reasoning_effort == "max":
-        out.append(MAX_EFFORT_PARAGRAPH)
-    in_user = False
-    for m in messages:
-        role = m["role"] if isinstance(m, dict) else m.role
-        text = _text(m.get("content") if isinstance(m, dict) else m.content)
-        if role in ("system", "developer"):
-            out.append(text)
-            in_user = False
-        elif role in ("user", "tool"):
-            if not in_user:
-                out.append(USER)
-                in_user = True
-            out.append(f"<tool_result>{text}</tool_result>" if role == "tool" else text)
-        elif role == "assistant":
-            out.append(f"{ASSISTANT}{END_THINK}{text}{EOS}")
-            in_user = False
-        else:
-            raise ValueError(f"unknown role {role!r}")
-    out.append(ASSISTANT + (THINK if thinking else END_THINK))
-    return "".join(out)
-
-
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 

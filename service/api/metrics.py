@@ -26,6 +26,7 @@ PREFIX = "dsv4"
 OUTCOMES = (
     "stop",
     "length",
+    "tool_calls",
     "abort",
     "client_disconnect",
     "rejected_4xx",

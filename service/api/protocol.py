@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from service.api.tool_protocol import Guided, ToolCall, ToolFields
+
 _REQ = ConfigDict(extra="ignore", strict=True)  # nested objects (messages: clients echo extra keys back)
 # A request body: a field the server does not know is rejected by name (`validation_to_api_error`), never
 # silently dropped; one sent as null is absent.
@@ -84,8 +86,10 @@ class Body(BaseModel):
         return data
 
 
-class _Sampling(Body):
-    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+class _Sampling(Body, Guided):
+    """Fields shared by chat and completions (OpenAI + vLLM extras; structured output: tool_protocol)."""
+
+    model_config = _BODY
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -167,6 +171,7 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None  # accepted in history, dropped by the encoder
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def text(self) -> str:
@@ -183,12 +188,13 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
+    model_config = _BODY
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property

@@ -12,8 +12,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from service.api.chat import TextStream, encode_messages, special_tokens, text_offsets, token_bytes, token_text
+from service.api import structured
+from service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
 from service.api.controller import Controller
+from service.api.encoding import encode_messages
 from service.api.fanout import Reply
 from service.api.protocol import (
     APIError,
@@ -23,6 +25,7 @@ from service.api.protocol import (
     validation_to_api_error,
 )
 from service.api.streaming import Echo, Generation, request_id
+from service.api.tools import ToolStream
 from service.engine.request import SamplingParams
 from service.engine.scheduler import QueueFull
 from service.engine.worker import EngineNotReady
@@ -61,6 +64,10 @@ def _check_model(ctl: Controller, name: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+# OpenAI reasoning_effort -> the encoder's level ("none" turns thinking off: ChatCompletionRequest.thinking).
+EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
 
 
 def _encode(ctl: Controller, text: str, param: str) -> list[int]:
@@ -133,7 +140,7 @@ class _Prompt:
 
 
 async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: str, prompts: list[_Prompt],
-                  *, thinking: bool = False, t0: float) -> Reply:  # fmt: skip
+                  *, thinking: bool = False, tools: bool = False, t0: float) -> Reply:  # fmt: skip
     """Queue every prompt's n choices (choice index = prompt index * n + j; j > 0 gets seed + j, as vLLM)."""
     n, gens = req.n_choices, []
     tok = ctl.tokenizer or _NoTokenizer()
@@ -157,6 +164,7 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
                     index=pi * n + j, logprobs=p.params.logprobs is not None, thinking=thinking,
                     token_str=lambda i: token_text(tok, i), token_bytes=lambda i: token_bytes(tok, i),
                     echo=p.echo, prompt_ids=p.ids, prompt_logprobs=req.prompt_logprobs is not None,
+                    tools=ToolStream() if tools else None,
                 ))  # fmt: skip
     except (QueueFull, EngineNotReady, ValueError) as e:
         for g in gens:  # the prompts queued before this one go too
@@ -190,15 +198,22 @@ async def _respond(request: Request, req: Any, reply: Reply) -> Response:
 
 async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequest, t0: float) -> Reply:
     """Encode a validated chat request and queue its choices (also the Responses API's path)."""
-    text = encode_messages(req.messages, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
+    tools = structured.prompt_tools(req)
+    effort = EFFORT.get(req.reasoning_effort or "")  # the encoder's levels
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        text = encode_messages(messages, thinking=req.thinking, tools=tools, reasoning_effort=effort)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
     ids = (
         await asyncio.to_thread(_encode, ctl, text, "messages")
         if len(text) > 20000
         else _encode(ctl, text, "messages")
     )
     params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
+    params = replace(params, guide=await structured.guide(ctl, req, thinking=req.thinking))
     return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
-                         thinking=req.thinking, t0=t0)  # fmt: skip
+                         thinking=req.thinking, tools=tools is not None, t0=t0)  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -237,6 +252,7 @@ async def completions(request: Request) -> Response:
         for prompt in req.prompts:  # all validated before any is queued
             ids = _prompt_ids(ctl, prompt)
             params = _params(ctl, req, len(ids), "prompt", req.logprobs, req.prompt_logprobs_k)
+            params = replace(params, guide=await structured.guide(ctl, req))
             echo = None
             if req.echo:
                 text, offsets = text_offsets(ctl.tokenizer or _NoTokenizer(), ids)

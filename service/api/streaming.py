@@ -12,7 +12,8 @@ from typing import Any
 
 from service.api.chat import Delta, TextStream
 from service.api.metrics import Metrics
-from service.api.protocol import APIError, new_id
+from service.api.protocol import APIError, new_id, now
+from service.api.tools import ToolStream
 from service.engine.request import PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class Step:
     top: tuple[tuple[int, float], ...] = ()
     text_offset: int = 0
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Generation:
     prompt_ids: list[int] = field(default_factory=list)  # for vLLM's prompt_logprobs
     prompt_logprobs: bool = False  # report vLLM's `prompt_logprobs`
     scored: list[PromptLogprob] = field(default_factory=list)  # the prompt's, as the engine sends them
+    tools: ToolStream | None = None  # chat with tools: DSML tool calls are parsed out of the content
+    created: int = field(default_factory=now)
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -95,8 +99,16 @@ class Generation:
                 if finish and not delta.stopped:
                     tail = self.text.finish()
                     delta = Delta(delta.reasoning + tail.reasoning, delta.content + tail.content)
+                calls: list[dict[str, Any]] = []
+                if self.tools is not None:
+                    content, calls = self.tools.push(delta.content)
+                    if finish:
+                        content += self.tools.finish()
+                    delta = Delta(delta.reasoning, content, delta.stopped)
+                    if finish == "stop" and self.tools.calls:
+                        finish = "tool_calls"
                 self.finish_reason = finish
-                yield Step(tid, delta, ev.logprob, ev.top_logprobs, offset, finish)
+                yield Step(tid, delta, ev.logprob, ev.top_logprobs, offset, finish, calls)
                 if finish:
                     break
             if self.finish_reason is None:  # the iterator ended without a finish event
@@ -180,6 +192,8 @@ class Generation:
                         delta["reasoning_content"] = s.delta.reasoning
                     if s.token_id is not None or s.delta.content:
                         delta["content"] = s.delta.content  # every token chunk carries content, maybe ""
+                    if s.tool_calls:
+                        delta["tool_calls"] = s.tool_calls
                     choice["delta"] = delta
                     choice["logprobs"] = self._chat_lp(s)
                 else:
@@ -212,6 +226,10 @@ class Generation:
             await gen.aclose()  # a client gone before the end: steps() aborts the request
         if self.kind == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+            calls = [{k: v for k, v in c.items() if k != "index"} for s in steps for c in s.tool_calls]
+            if calls:
+                msg["tool_calls"] = calls
+                msg["content"] = msg["content"] or None
             if self.thinking:
                 msg["reasoning_content"] = "".join(reasoning)
             lp = None

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A grammar the row's output must match (service/engine/grammar.py compiles and enforces it): the
+    compiled grammar (opaque here) and the request field that asked for it."""
+
+    grammar: Any = field(compare=False)
+    source: str = "grammar"
 
 
 class PromptLogprob(NamedTuple):
@@ -35,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # (token id, bias) added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    guide: Guide | None = None  # constrained decoding: every sampled token keeps the output inside it
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +95,7 @@ class Request:
     leader: Request | None = field(default=None, repr=False, compare=False)
     # The prompt logprobs scored so far, kept for followers (they get them at the fork).
     scored: list[PromptLogprob] = field(default_factory=list, repr=False, compare=False)
+    guide_state: Any = None  # the grammar matcher of a guided request (engine thread only)
 
     @property
     def total_len(self) -> int:

@@ -127,6 +127,22 @@ def apply_penalties(
     return x
 
 
+_bit_cache: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def apply_masks(x: mx.array, masks: np.ndarray) -> mx.array:
+    """Grammar masks (grammar.Guides.masks: [B, ceil(V / 32)] packed int32, bit v = token v allowed) -> the
+    disallowed logits of x [B, V] set to -inf. One upload of B * V / 32 words and three elementwise ops."""
+    v = x.shape[-1]
+    if v not in _bit_cache:
+        ids = mx.arange(v, dtype=mx.uint32)
+        _bit_cache[v] = (ids // 32, ids % 32)
+    word, bit = _bit_cache[v]
+    packed = upload(masks.view(np.uint32), mx.uint32)
+    allowed = (mx.take(packed, word, axis=1) >> bit[None, :]) & 1
+    return mx.where(allowed > 0, x, -mx.inf)
+
+
 def sample(logits: mx.array, *args: Any, **kwargs: Any) -> list[Sampled]:
     """`sample_lazy` and its read-back: one (token, logprob, top) per row."""
     return sample_lazy(logits, *args, **kwargs).result()
@@ -162,13 +178,16 @@ def sample_lazy(
     generated_counts: Sequence[int],
     *,
     eos_token_id: int | None = None,
+    masks: np.ndarray | None = None,
 ) -> Pending:
     """Sample one token per row of `logits` [B, V]: the sampling graph, built and queued (async_eval);
     `Pending.result()` reads back (token, logprob, top) per row.
 
     histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
     otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
-    logprob is None unless params[b].logprobs is not None.
+    logprob is None unless params[b].logprobs is not None. masks: the guided rows' grammar masks
+    (grammar.Guides.masks), applied after penalties and min_tokens, before everything else; None: no row
+    is guided (nothing is done).
     """
     b, v = logits.shape
     if not (len(params) == len(histories) == len(generated_counts) == b):
@@ -188,6 +207,8 @@ def sample_lazy(
     ]
     if any(a.size for a in banned):
         x = mx.where(_row_mask(banned, (b, v)) > 0, -mx.inf, x)
+    if masks is not None:
+        x = apply_masks(x, masks)
 
     greedy_tok = mx.argmax(x, axis=-1)  # first max: lowest index on ties
     s = x / _col([p.temperature if p.temperature > 0 else 1.0 for p in params])

@@ -98,12 +98,15 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
         if idx:
             rows = logits if len(idx) == len(plan) else logits[upload(idx)]
             reqs = [plan[i] for i in idx]
+            guides = getattr(engine, "guides", None)  # grammar.Guides: set by the worker when it has a tokenizer
+            masks = guides.masks(reqs) if guides is not None else None
             pending = sample(
                 rows,
                 [r.params for r in reqs],
                 [r.prompt_ids + r.output_ids if has_penalty(r.params) else [] for r in reqs],
                 [len(r.output_ids) for r in reqs],
                 eos_token_id=engine.eos_token_id,
+                **({"masks": masks} if masks is not None else {}),
             )
             if pipeline and can_pipeline(engine, sched, plan):
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]

@@ -208,6 +208,10 @@ class EngineWorker:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
+        if getattr(engine, "guides", None) is None:
+            from service.engine.grammar import Guides  # the guided rows' token masks (stepping.decode_step)
+
+            engine.guides = Guides(engine.vocab_size, engine.eos_token_id)
         self.bytes_budget = engine.bytes_budget()
         budget = self.bytes_budget
         fits = getattr(engine, "fits_ever", None) or (lambda n: engine.state_bytes_for(n) <= budget)

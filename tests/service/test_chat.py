@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from service.api.chat import (
-    MAX_EFFORT_PARAGRAPH,
-    IncrementalDetokenizer,
-    ReasoningSplit,
-    StopStrings,
-    TextStream,
-    encode_messages,
-)
+from service.api.chat import IncrementalDetokenizer, ReasoningSplit, StopStrings, TextStream
+from service.api.encoding import encode_messages
 
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 
@@ -50,7 +44,7 @@ def test_multi_turn_drops_earlier_reasoning() -> None:
     )
     assert encode_messages(msgs) == want
     thinking = want.removesuffix("</think>") + "<think>"
-    assert encode_messages(msgs, thinking=True) == thinking
+    assert encode_messages(msgs, thinking=True, reasoning_effort="low") == thinking  # "low": no effort paragraph
 
 
 def test_tool_messages_fold_into_user_turns() -> None:
@@ -62,18 +56,28 @@ def test_tool_messages_fold_into_user_turns() -> None:
     ]
     want = (
         "<｜begin▁of▁sentence｜><｜User｜>weather?<｜Assistant｜></think>calling<｜end▁of▁sentence｜>"
-        "<｜User｜><tool_result>sunny</tool_result><tool_result>20C</tool_result><｜Assistant｜></think>"
+        "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>20C</tool_result><｜Assistant｜></think>"
     )
     assert encode_messages(msgs) == want
 
 
-def test_max_effort_paragraph_after_bos_before_system() -> None:
+MAX_EFFORT = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+
+
+def test_effort_paragraph_after_bos_before_system() -> None:
+    """The V4-Flash release's encoder: "max" in thinking mode puts its paragraph right after BOS; no other
+    level, and chat mode, puts none (docs/deepseek_v4.md section 5)."""
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    bos = "<｜begin▁of▁sentence｜>"
     got = encode_messages(msgs, thinking=True, reasoning_effort="max")
-    assert got == f"<｜begin▁of▁sentence｜>{MAX_EFFORT_PARAGRAPH}S<｜User｜>U<｜Assistant｜><think>"
-    # chat mode, or a lower effort: no paragraph
-    assert MAX_EFFORT_PARAGRAPH not in encode_messages(msgs, thinking=True, reasoning_effort="high")
-    assert MAX_EFFORT_PARAGRAPH not in encode_messages(msgs, thinking=False, reasoning_effort="max")
+    assert got.startswith(bos + MAX_EFFORT)
+    assert got.endswith("unchecked.\n\nS<｜User｜>U<｜Assistant｜><think>")
+    for effort in (None, "low", "high", "xhigh"):
+        want = f"{bos}S<｜User｜>U<｜Assistant｜><think>"
+        assert encode_messages(msgs, thinking=True, reasoning_effort=effort) == want
+    assert encode_messages(msgs, thinking=False, reasoning_effort="max") == f"{bos}S<｜User｜>U<｜Assistant｜></think>"
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        encode_messages(msgs, thinking=True, reasoning_effort="extreme")
 
 
 # ---- detokenizing ------------------------------------------------------------------------------
