@@ -39,7 +39,12 @@ SHARED: dict[str, tuple[Any, str]] = {
     "stream": (True, OK),
     "stream_options": ({"include_usage": True}, OK),
     "user": ("someone", OK),
+    "response_format": ({"type": "json_object"}, OK),
+    "guided_json": ({"type": "object"}, OK),
+    "guided_regex": ("[a-z]+", OK),
+    "guided_choice": (["yes", "no"], OK),
 }
+CHAT_FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HI = [{"role": "user", "content": "hi"}]
 CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
     "/v1/chat/completions": (ChatCompletionRequest, {"messages": HI, "max_tokens": 2}, {
@@ -50,6 +55,9 @@ CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
         "top_logprobs": (2, OK),
         "reasoning_effort": ("high", OK),
         "chat_template_kwargs": ({"thinking": True}, OK),
+        "tools": ([CHAT_FN], OK),
+        "tool_choice": ("none", OK),
+        "parallel_tool_calls": (True, OK),
     }),
     "/v1/completions": (CompletionRequest, {"prompt": "hi", "max_tokens": 2}, {
         **SHARED,
