@@ -5,7 +5,7 @@ once per module. Two controls the real engine does not offer come from `Controll
 subclass that adds only them and otherwise runs the real model, pools and accounting:
   * `gate`: a threading.Event that step() waits on, to hold a step so requests stay waiting or
     outlive a drain deadline;
-  * `fail_token`: step() (and prefill()) raises when that token id is fed, to fail a step on demand.
+  * `fail_token`: step() (and prefill_batch()) raises when that token id is fed, to fail a step on demand.
 One more: the real Engine always sizes its pools to hold a whole max_model_len request, so the
 worker's "never fits the decode state" rejection can only be reached by giving a real engine real
 pools (pools_for_budget) smaller than its context limit; test_never_fits_the_decode_state does that.
@@ -57,11 +57,11 @@ class ControlledEngine(Engine):
             raise RuntimeError(f"step fed token {self.fail_token}")
         return super().step(feeds, tokens)
 
-    def prefill(self, handle, token_ids, start):  # prompts reach the model here first
+    def prefill_batch(self, work):  # prompts reach the model here first
         self.gate.wait()
-        if self.fail_token is not None and self.fail_token in token_ids:
+        if self.fail_token is not None and any(self.fail_token in toks for _, toks, _ in work):
             raise RuntimeError(f"step fed token {self.fail_token}")
-        return super().prefill(handle, token_ids, start)
+        return super().prefill_batch(work)
 
 
 def make_engine(tiny, max_rows: int = 8, max_model_len: int = MAX_LEN, **kw) -> ControlledEngine:
