@@ -173,9 +173,10 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
     row-wise, each row at its own position and token id) run once over the T rows; the attention with
     its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
-    block tables, so no request's keys, entries or masks ever meet another's. Work buffers are those of
-    the T rows (window logits [len, nh, W + len] per request; the compressed entries' [n, D] f32 view
-    and [len, nh, topk or n] logits; indexer scores in SCORE_BYTES blocks), never of a whole prompt.
+    block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
+    the chunk (window logits [len, nh, W + len], CSA's [len, topk, D] keys, indexer scores in SCORE_BYTES
+    blocks), never the whole prompt; the entries' f32 view [n, D] and HCA's [len, nh, n] logits grow
+    with the context (n = context / ratio).
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     check_work(work)
     a = model.args
