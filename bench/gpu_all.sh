@@ -41,7 +41,8 @@ for part in ${PART:-tests}; do
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
-    prefill) timeout 300 python3 bench/prefill.py --out "$OUT/prefill.json" 2>&1 | tail -10 ;;
+    prefill) timeout 560 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
+               --out "$OUT/prefill.json" 2>&1 | tail -10 ;;  # 64K: --prompts 65536 --no-profile, its own call
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;

@@ -20,7 +20,7 @@ from model.attention import Attention
 from model.config import ModelArgs
 from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq, rope_angles
 from model.layers import reset_compiled as forget_hc_pre
-from model.prefill import prefill_chunk
+from model.prefill import prefill_batch, prefill_chunk
 from model.state import StateHandle, StatePools
 
 PREFILL_CHUNK = 256  # prompt tokens per parallel prefill pass
@@ -163,4 +163,13 @@ class DeepseekV4(nn.Module):
         if every and logits:
             out = rows[0] if len(rows) == 1 else mx.concatenate(rows)
         mx.eval(pools.arrays() if out is None else out)
+        return out
+
+    def prefill_batch(self, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+                      logits: bool = True) -> list[mx.array] | None:  # fmt: skip
+        """Several requests' chunks, work[i] = (handle, token_ids, start), through ONE forward
+        (`model.prefill.prefill_batch`), state and logits evaluated; each request's last-token logits
+        [vocab] (None with `logits=False`). The caller bounds the total tokens (the work buffers')."""
+        out = prefill_batch(self, pools, work, logits)
+        mx.eval(pools.arrays() if out is None else [*out, *pools.arrays()])
         return out

@@ -1,4 +1,4 @@
-"""Parallel prefill: T prompt tokens of one request through every layer at once.
+"""Parallel prefill: T prompt tokens of one or several requests through every layer at once.
 
 The same math as T decode steps (`DeepseekV4.step` one token at a time): it leaves the same state
 (window ring, compressor windows, compressed KV, indexer keys) and the same last-token logits, up
@@ -6,7 +6,8 @@ to f32 summation order. Each layer runs its projections and MoE for the T tokens
 attends with causal masks in plain MLX ops: the window (W keys before the chunk + the chunk), the
 entries each token's indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
 Entries a window emits inside the chunk are pooled together (`_compress`) before anything reads
-them, and each token only sees those emitted at or before its position.
+them, and each token only sees those emitted at or before its position. Several requests' chunks
+share one forward (`prefill_batch`): the row-wise parts over all their tokens, attention per request.
 """
 
 from __future__ import annotations
@@ -144,26 +145,74 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     return sink_softmax(parts, attn.attn_sink).astype(q.dtype)
 
 
-def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
-                  logits: bool = True, every: bool = False) -> mx.array | None:  # fmt: skip
-    """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32
-    (None with `logits=False`: the head is skipped; `every=True`: every token's, [T, vocab], for prompt
-    logprobs: the head then costs T rows instead of one, paid only by requests that ask).
+def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
+    """ValueError naming the argument for a batch `prefill_batch` cannot run: empty, an empty chunk,
+    positions outside a request's capacity, a state slot twice (two chunks of one request in one
+    forward would read each other's state before it is written)."""
+    if not work:
+        raise ValueError("prefill: work must not be empty")
+    slots = set()
+    for handle, token_ids, start in work:
+        if not len(token_ids):
+            raise ValueError("prefill: token_ids must not be empty")
+        if start < 0 or start + len(token_ids) > handle.capacity:
+            raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
+                             f"request's capacity {handle.capacity}")  # fmt: skip
+        if handle.slot in slots:
+            raise ValueError(f"prefill: work holds state slot {handle.slot} twice (one chunk per request)")
+        slots.add(handle.slot)
 
+
+def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+                  logits: bool = True, every: bool = False) -> list[mx.array] | None:  # fmt: skip
+    """Feed several requests' chunks in ONE forward: work[i] = (handle, token_ids, start), request i's
+    tokens at positions start.. . Returns each request's last-token logits [vocab] f32 (None with
+    `logits=False`: the head is skipped; `every=True`: every token's, [len_i, vocab], for prompt
+    logprobs: the head then costs T rows instead of one a request, paid only by requests that ask).
+
+    The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
+    row-wise, each row at its own position and token id) run once over the T rows; the attention with
+    its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
+    block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
+    the chunk (window logits [len, nh, W + len], CSA's [len, topk, D] keys, indexer scores in SCORE_BYTES
+    blocks), never the whole prompt; the entries' f32 view [n, D] and HCA's [len, nh, n] logits grow
+    with the context (n = context / ratio).
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
+    check_work(work)
     a = model.args
-    ids = mx.array([int(x) for x in token_ids], dtype=mx.int32)
+    ids = mx.array([int(x) for _, toks, _ in work for x in toks], dtype=mx.int32)
+    lens = [len(toks) for _, toks, _ in work]
+    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    pos = mx.array([p for (_, toks, s) in work for p in range(s, s + len(toks))], dtype=mx.int32)
     t = ids.shape[0]
-    pos = mx.arange(start, start + t, dtype=mx.int32)
     x = model.embed(ids)
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
         post, comb, *proj = block.before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
-        o = _attend(block.attn, proj, pools, handle, start)
+        if len(work) == 1:
+            o = _attend(block.attn, proj, pools, work[0][0], work[0][2])
+        else:
+            o = mx.concatenate([
+                _attend(block.attn, [p[b0:b1] for p in proj], pools, handle, start)
+                for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
+            ])  # fmt: skip
         hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
     if not logits:
         return None
-    y = model.norm(hc_head(hs if every else hs[-1:], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
-    out = y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T
-    return out if every else out[0]
+    rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
+    y = model.norm(hc_head(rows, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
+    out = y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T  # [T or requests, vocab]
+    if every:
+        return [out[b0:b1] for b0, b1 in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [out[j] for j in range(len(work))]
+
+
+def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,
+                  logits: bool = True, every: bool = False) -> mx.array | None:  # fmt: skip
+    """Feed `token_ids` at positions start.. of one request in one pass; logits of the last token [vocab] f32
+    (None with `logits=False`; `every=True`: every token's [T, vocab]). `prefill_batch` with one request.
+
+    The state update is lazy: evaluate the logits and `pools.arrays()` together."""
+    out = prefill_batch(model, pools, [(handle, token_ids, start)], logits, every)
+    return None if out is None else out[0]

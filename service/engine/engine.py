@@ -167,6 +167,11 @@ class Engine:
         """`dst` takes `src`'s state after `positions` positions (n > 1: the rows share one prefill)."""
         self.pools.copy_slot(src, dst, positions)
 
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]]) -> None:
+        """Several requests' prompt chunks, (handle, token_ids, start) each, in ONE parallel forward (no
+        logits kept); the worker's per-step budget bounds their total."""
+        self.model.prefill_batch(self.pools, work, logits=False)
+
     def warmup(self) -> None:
         """Run a step at every batch size and one prefill so kernels and compiled segments are built before
         /ready says yes."""

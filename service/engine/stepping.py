@@ -24,25 +24,37 @@ def has_penalty(p: SamplingParams) -> bool:
 
 def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             budget: int) -> tuple[list[TokenEvent], int, float]:  # fmt: skip
-    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first;
-    (events, tokens prefilled, seconds)."""
+    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
+    tokens prefilled, seconds). The chunks go through ONE forward (`engine.prefill_batch`), except those
+    of requests asking for prompt logprobs (the head over every token: `engine.prefill`, one each). A
+    failed forward fails the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
-    done, t0 = 0, time.perf_counter()
-    for r, handle, tokens, start in sched.prefill_work(plan, budget):
-        k = r.params.prompt_logprobs
+    done, t0 = [], time.perf_counter()
+    work = sched.prefill_work(plan, budget)
+    batch = [w for w in work if w[0].params.prompt_logprobs is None]
+    if batch:
         try:
-            if k is None:
-                engine.prefill(handle, tokens, start)
-            else:  # the head over every token, scoring the prompt token after each
-                nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
-                events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=k, next_ids=nxt)))
+            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in batch])
+            done += batch
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
+            log.exception("prefill failed (%d requests, %d tokens)", len(batch), sum(len(w[2]) for w in batch))
+            events += sched.fail([w[0].request_id for w in batch], f"prefill failed: {type(e).__name__}: {e}")
+    for w in work:
+        r, handle, tokens, start = w
+        k = r.params.prompt_logprobs
+        if k is None:
+            continue
+        try:  # the head over every token, scoring the prompt token after each
+            nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
+            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=k, next_ids=nxt)))
+            done.append(w)
         except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
             log.exception("prefill failed (%d tokens)", len(tokens))
             events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
-            continue
+    for r, _, tokens, _ in done:
         sched.prefilled(r, len(tokens))
-        done += len(tokens)
-    return events, done, time.perf_counter() - t0 if done else 0.0
+    n = sum(len(w[2]) for w in done)
+    return events, n, time.perf_counter() - t0 if n else 0.0
 
 
 @dataclass

@@ -5,7 +5,7 @@ once per module. Two controls the real engine does not offer come from `Controll
 subclass that adds only them and otherwise runs the real model, pools and accounting:
   * `gate`: a threading.Event that step() waits on, to hold a step so requests stay waiting or
     outlive a drain deadline;
-  * `fail_token`: step() (and prefill()) raises when that token id is fed, to fail a step on demand.
+  * `fail_token`: step() (and prefill_batch()) raises when that token id is fed, to fail a step on demand.
 One more: the real Engine always sizes its pools to hold a whole max_model_len request, so the
 worker's "never fits the decode state" rejection can only be reached by giving a real engine real
 pools (pools_for_budget) smaller than its context limit; test_never_fits_the_decode_state does that.
@@ -57,11 +57,11 @@ class ControlledEngine(Engine):
             raise RuntimeError(f"step fed token {self.fail_token}")
         return super().step(feeds, tokens)
 
-    def prefill(self, handle, token_ids, start):  # prompts reach the model here first
+    def prefill_batch(self, work):  # prompts reach the model here first
         self.gate.wait()
-        if self.fail_token is not None and self.fail_token in token_ids:
+        if self.fail_token is not None and any(self.fail_token in toks for _, toks, _ in work):
             raise RuntimeError(f"step fed token {self.fail_token}")
-        return super().prefill(handle, token_ids, start)
+        return super().prefill_batch(work)
 
 
 def make_engine(tiny, max_rows: int = 8, max_model_len: int = MAX_LEN, **kw) -> ControlledEngine:
@@ -386,3 +386,35 @@ def test_long_prompts_prefill_in_chunks_beside_a_stream(tiny, serial_prefill) ->
     short, *outs = run(body, make_engine(tiny), prefill_chunk=16, serial_prefill=serial_prefill)
     assert tokens(short) == want_short
     assert [tokens(o) for o in outs] == want
+
+
+def test_prompts_share_one_prefill_forward_within_the_budget(tiny) -> None:
+    """Three prompts longer than the budget (13 tokens a step): each step's prompt chunks go through ONE
+    forward, oldest first, several requests in some; no forward exceeds the budget; a decode step
+    follows every forward; every output is what the model gives each request alone."""
+    calls: list[tuple[str, list[int]]] = []
+
+    class Recording(ControlledEngine):
+        def step(self, feeds, tokens=None):
+            calls.append(("step", [len(feeds)]))
+            return super().step(feeds, tokens)
+
+        def prefill_batch(self, work):
+            calls.append(("prefill", [len(toks) for _, toks, _ in work]))
+            return super().prefill_batch(work)
+
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(3, tiny[1].vocab_size, n)] for n in (35, 29, 51)]  # 34 = 2 * 13 + 8
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [reference(tiny, p, params)[0] for p in prompts]
+
+    async def body(w, eng):
+        calls.clear()  # warm-up's
+        return await asyncio.gather(*(collect(w, p, params) for p in prompts))
+
+    eng = Recording(tiny[0], max_rows=8, max_model_len=MAX_LEN, page_size=PAGE)
+    outs = run(body, eng, prefill_chunk=13)
+    assert [tokens(o) for o in outs] == want
+    forwards = [lens for kind, lens in calls if kind == "prefill"]
+    assert all(sum(lens) <= 13 for lens in forwards) and any(len(lens) > 1 for lens in forwards)
+    assert all(b[0] == "step" for a, b in zip(calls, [*calls[1:], ("end", [])], strict=True) if a[0] == "prefill")

@@ -1,0 +1,151 @@
+"""Several requests' chunks in one prefill forward (model/prefill.py `prefill_batch`) against
+token-by-token decoding (fp32, tiny model).
+
+The reference is each prompt fed one token at a time through the decode step, alone, then 32 greedy
+steps. The batched prefill feeds all three prompts together, every forward holding a chunk of each
+request still prefilling (different lengths, positions, slots, block tables), then the three decode
+greedily as one batch: last-token logits within 1e-4, every request's state as decoding leaves it,
+and the same 32 greedy ids. The prompts cross the CSA windows and HCA's first 128-token window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.loader import tiny_model
+from model.state import StatePools
+from tests.model.test_prefill import assert_same_state
+
+PAGE, LENS, GEN = 8, (300, 77, 141), 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, args, _ = tiny_model(seed=0)
+    return model, args
+
+
+def pools_for(args) -> StatePools:
+    return StatePools(args, max_slots=4, max_positions=max(LENS) + GEN + 8, page_size=PAGE)
+
+
+def slot_state(pools: StatePools, h, args, n_pos: int) -> dict[str, np.ndarray]:
+    """Everything the request owns after n_pos positions: its slot's rows, its pages' first entries."""
+    out = {f"window{i}": np.array(w[h.slot]) for i, w in enumerate(pools.window)}
+    for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
+        out |= {f"{name}{layer}": np.array(arr[h.slot]) for layer, arr in getattr(pools, name).items()}
+    for name in ("ckv", "ikeys"):
+        for layer, arr in getattr(pools, name).items():
+            r = args.compress_ratios[layer]
+            if n_pos // r:
+                out[f"{name}{layer}"] = np.concatenate([np.array(arr[p]) for p in h.tables[r]])[: n_pos // r]
+    return out
+
+
+@pytest.fixture(scope="module")
+def serial(tiny):
+    """Each prompt fed token by token alone, then GEN greedy steps: (prompts, pools, handles, the logits
+    after each prompt, the greedy ids, the state after each prompt)."""
+    model, args = tiny
+    rng = np.random.default_rng(21)
+    prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for n in LENS]
+    pools = pools_for(args)
+    handles = [pools.alloc(max(LENS) + GEN + 8) for _ in prompts]
+    lasts, ids, states = [], [], []
+    for p, h in zip(prompts, handles, strict=True):
+        for i, t in enumerate(p):
+            last = np.array(model.decode(pools, [h], [t], [i])[0])
+        lasts.append(last)
+        states.append(slot_state(pools, h, args, len(p)))
+        out, nxt = [], int(np.argmax(last))
+        for k in range(GEN):
+            out.append(nxt)
+            nxt = int(np.argmax(np.array(model.decode(pools, [h], [nxt], [len(p) + k])[0])))
+        ids.append(out)
+    return prompts, lasts, ids, states
+
+
+def oldest_first(prompts, fed, budget):
+    """The scheduler's rule: each request in turn takes what it still needs, up to what is left."""
+    work = []
+    for j, p in enumerate(prompts):
+        n = min(budget, len(p) - fed[j])
+        if n > 0:
+            work.append((j, n))
+            budget -= n
+    return work
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 256, "budget"])
+def test_batched_prefill_leaves_the_state_of_decoding(tiny, serial, chunk) -> None:
+    """`chunk` tokens of every unfinished request per forward, or ("budget") 100 tokens per forward
+    handed out oldest first, as the scheduler does: uneven chunks, requests joining and leaving."""
+    model, args = tiny
+    prompts, ref_last, ref_ids, ref_state = serial
+    pools = pools_for(args)
+    other = pools.alloc(16)  # a neighbour in slot 0 whose state must not move
+    model.decode(pools, [other], [11], [0])
+    before = slot_state(pools, other, args, 1)
+    handles = [pools.alloc(max(LENS) + GEN + 8) for _ in prompts]
+    fed, last, forwards = [0] * len(prompts), [None] * len(prompts), 0
+    while any(f < len(p) for f, p in zip(fed, prompts, strict=True)):
+        if chunk == "budget":
+            plan = oldest_first(prompts, fed, 100)
+        else:
+            plan = [(j, min(chunk, len(p) - fed[j])) for j, p in enumerate(prompts) if fed[j] < len(p)]
+        work = [(handles[j], prompts[j][fed[j] : fed[j] + n], fed[j]) for j, n in plan]
+        out = model.prefill_batch(pools, work)
+        forwards += 1
+        for (j, n), lg in zip(plan, out, strict=True):
+            fed[j] += n
+            last[j] = np.array(lg)
+    assert chunk != "budget" or forwards == -(-sum(LENS) // 100)
+    for j in range(len(prompts)):
+        assert np.max(np.abs(last[j] - ref_last[j])) <= 1e-4, j
+        assert_same_state(slot_state(pools, handles[j], args, LENS[j]), ref_state[j])
+    after = slot_state(pools, other, args, 1)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    nxt = [int(np.argmax(x)) for x in last]
+    got = [[] for _ in prompts]
+    for k in range(GEN):  # the three continue greedily as one decode batch
+        for j, t in enumerate(nxt):
+            got[j].append(t)
+        out = model.decode(pools, handles, nxt, [len(p) + k for p in prompts])
+        nxt = [int(np.argmax(np.array(out[j]))) for j in range(len(prompts))]
+    assert got == ref_ids
+
+
+def test_one_forward_equals_separate_forwards(tiny) -> None:
+    """The rows of a batched forward are those of each request's own forward (no mixing across requests),
+    down to the logits, at unaligned starts after some decode steps."""
+    model, args = tiny
+    rng = np.random.default_rng(3)
+    seqs = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for n in (90, 40)]
+    starts = (5, 3)
+    outs = []
+    for batched in (True, False):
+        pools = pools_for(args)
+        hs = [pools.alloc(128) for _ in seqs]
+        for h, s, st in zip(hs, seqs, starts, strict=True):
+            for i in range(st):
+                model.decode(pools, [h], [s[i]], [i])
+        work = [(h, s[st:], st) for h, s, st in zip(hs, seqs, starts, strict=True)]
+        res = model.prefill_batch(pools, work) if batched else [model.prefill_batch(pools, [w])[0] for w in work]
+        outs.append([np.array(x) for x in res])
+    for a, b in zip(*outs, strict=True):
+        assert np.max(np.abs(a - b)) <= 1e-5
+
+
+def test_prefill_batch_rejects_bad_work(tiny) -> None:
+    model, args = tiny
+    pools = StatePools(args, max_slots=2, max_positions=32, page_size=PAGE)
+    a, b = pools.alloc(16), pools.alloc(16)
+    with pytest.raises(ValueError, match="work must not be empty"):
+        model.prefill_batch(pools, [])
+    with pytest.raises(ValueError, match="token_ids must not be empty"):
+        model.prefill_batch(pools, [(a, [1], 0), (b, [], 0)])
+    with pytest.raises(ValueError, match="outside the request's capacity 16"):
+        model.prefill_batch(pools, [(a, [1], 0), (b, [1] * 10, 10)])
+    with pytest.raises(ValueError, match="slot .* twice"):
+        model.prefill_batch(pools, [(a, [1, 2], 0), (a, [3], 2)])
