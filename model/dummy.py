@@ -4,7 +4,8 @@
 The model is what `load_model(quantize=True)` makes of a release checkpoint: the FP8 projections of the
 `model.quant.FP8_LINEAR` as mxfp8 QuantizedLinear, the routed experts as mxfp4 QuantizedExperts (as
 model/quant.py's quantize_model does), wo_a and the rest in the model dtype, the release's F32 tensors
-in f32 (checkpoint.is_f32_resident: the loader's one rule, whatever it keeps f32), tid2eid int32.
+and the f32-multiplied weights as the loader keeps them (checkpoint.is_f32_resident with
+kernels.matmul.weights_as_stored(): f32 copies unless the skinny kernels read them as stored), tid2eid int32.
 Built one tensor at a time on the default device: each is drawn, cut to the rank's shard, quantized
 and evaluated before the next, and each expert projection of a layer is drawn expert by expert; the
 peak is the final model plus one layer's float draw of one expert projection (no float copy of the
@@ -27,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from kernels.matmul import weights_as_stored
 from model.checkpoint import expert_param, is_f32_resident
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
@@ -132,12 +134,13 @@ def dummy_model(
     rule = shard_slices(args, group.rank(), group.size()) if sharded else (lambda _name: None)
     model = DeepseekV4(args)  # lazy zeros: every parameter is replaced before anything is evaluated
     weights: list[tuple[str, mx.array]] = []
+    as_stored = weights_as_stored()
     what, t0, done = "dummy weights" + (" of this rank's shard" if sharded else ""), time.perf_counter(), 0
     cache_limit = mx.set_cache_limit(0)  # freed draws go back to the allocator's owner, not MLX's cache
     try:
         for name, p in tree_flatten(model.parameters()):
             shape, sl = tuple(p.shape), rule(name)
-            pdt = mx.float32 if is_f32_resident(name) else dtype
+            pdt = mx.float32 if is_f32_resident(name, as_stored) else dtype
             layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
             if layer > done:  # a layer is done: its progress in the log
                 _progress(what, layer, args.num_hidden_layers, t0)
@@ -187,9 +190,11 @@ def _progress(what: str, done: int, n: int, t0: float) -> None:
 
 
 # ---- memory arithmetic ----------------------------------------------------------------------------
-def resident_bytes(args: ModelArgs, *, dtype_bytes: int = 2, ranks: int = 1) -> int:
+def resident_bytes(args: ModelArgs, *, dtype_bytes: int = 2, ranks: int = 1, as_stored: bool | None = None) -> int:
     """Bytes of dummy_model(args) (quantized) on one of `ranks` ranks, from the shapes alone: mxfp4 is
-    K/2 + K/32 bytes a row, mxfp8 K + K/32, f32-resident tensors 4 bytes an element, the rest dtype_bytes."""
+    K/2 + K/32 bytes a row, mxfp8 K + K/32, f32-resident tensors 4 bytes an element, the rest dtype_bytes.
+    as_stored: the f32-multiplied weights in the model dtype (default: weights_as_stored(), as built)."""
+    as_stored = weights_as_stored() if as_stored is None else as_stored
     from model.distributed import shard_slices
 
     rule = shard_slices(args, 0, ranks) if ranks > 1 else (lambda _name: None)
@@ -204,7 +209,7 @@ def resident_bytes(args: ModelArgs, *, dtype_bytes: int = 2, ranks: int = 1) -> 
             n *= d
         rows, k = n // shape[-1], shape[-1]
         stem = name.removesuffix(".weight")
-        if name.endswith("tid2eid") or is_f32_resident(name):
+        if name.endswith("tid2eid") or is_f32_resident(name, as_stored):
             total += 4 * n
         elif expert_param(name):
             total += rows * (k // 2 + k // 32)
