@@ -82,7 +82,6 @@ class LeaderEngine(Engine):
             raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
                              f"request's capacity {handle.capacity}")  # fmt: skip
         self._chunks.append((handle, [int(t) for t in token_ids], start))
->>>>>>> 3bc9e8d (serve --load-format dummy and the distributed path at full depth (issues 29 item 4, 35 CPU part))
 
     def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None) -> mx.array:
         try:  # validate on rank 0 before anything is sent: a bad batch must not reach the followers
