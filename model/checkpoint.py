@@ -79,6 +79,7 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = -1  # of its first byte in the file (-1: unknown)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -105,8 +106,26 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if 8 + n + hi > size:
             raise ValueError(f"tensor {name} in {path.name}: shard is truncated ({size} bytes, "
                              f"tensor ends at {8 + n + hi})")
-        out[name] = TensorInfo(path, h["dtype"], shape)
+        out[name] = TensorInfo(path, h["dtype"], shape, 8 + n + lo)
     return out
+
+
+ROW_READABLE = {"F32": np.float32, "BF16": np.uint16, "F16": np.float16, "F8_E4M3": np.uint8, "F8_E8M0": np.uint8,
+       "U8": np.uint8, "I8": np.int8}
+
+
+def read_rows(info: TensorInfo, lo: int, hi: int) -> mx.array:
+    """Rows lo..hi (along axis 0) of a safetensors tensor: only their bytes are read (a memory map)."""
+    if info.dtype not in ROW_READABLE or info.offset < 0:
+        raise ValueError(f"read_rows: cannot read {info.dtype} rows of {info.file.name}")
+    if not 0 <= lo < hi <= info.shape[0]:
+        raise ValueError(f"read_rows: rows {lo}..{hi} outside 0..{info.shape[0]}")
+    dt = np.dtype(ROW_READABLE[info.dtype])
+    row = int(np.prod(info.shape[1:], dtype=np.int64))
+    m = np.memmap(info.file, dtype=dt, mode="r", offset=info.offset + lo * row * dt.itemsize,
+                  shape=(hi - lo, *info.shape[1:]))
+    out = mx.array(np.array(m))
+    return out.view(mx.bfloat16) if info.dtype == "BF16" else out
 
 
 def read_layout(model_dir: Path) -> dict[str, TensorInfo]:

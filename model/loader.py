@@ -22,16 +22,19 @@ from kernels.matmul import weights_as_stored
 from model.checkpoint import (
     FLOAT_DTYPES,
     INT_DTYPES,
+    ROW_READABLE,
     TensorInfo,
     expert_param,
     is_f32_resident,
     read_layout,
+    read_rows,
     scale_names,
 )
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.load_progress import LoadProgress
 from model.quant import (
+    FP8_BLOCK,
     FP8_LINEAR,
     QuantizedExperts,
     dequant_fp4,
@@ -79,6 +82,13 @@ class _Reader:
         self.used.add(name)
         self.progress.skip(name)
 
+    def rows(self, name: str, lo: int, hi: int) -> mx.array:
+        """Rows lo..hi of a tensor, reading only their bytes (a rank's heads of a sharded load)."""
+        info = self.info(name)
+        self.used.add(name)
+        self.progress.read(name)  # counted whole: done, though only these rows were read
+        return read_rows(info, lo, hi)
+
     def shape_error(self, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ValueError:
         # Point at the config keys that produced the expected sizes (config contradicting the weights).
         ints = {f.name: getattr(self.args, f.name) for f in fields(self.args)
@@ -102,9 +112,13 @@ class _Reader:
                 return cand, s
         raise ValueError(f"tensor {scale_names(weight)[0]} (scale of {weight}) is missing from the checkpoint")
 
-    def matrix(self, name: str, want: tuple[int, ...], dtype: mx.Dtype, quant: bool):
-        """A float/FP8/FP4 2-D weight -> array in `dtype`, or ('mxfp8'|'mxfp4', weight, scales) if quant."""
+    def matrix(self, name: str, want: tuple[int, ...], dtype: mx.Dtype, quant: bool,
+               rows: tuple[int, int] | None = None):  # fmt: skip
+        """A float/FP8/FP4 2-D weight -> array in `dtype`, or ('mxfp8'|'mxfp4', weight, scales) if quant.
+        rows: only rows lo..hi (read alone; FP8 on whole 128-row scale blocks), else None."""
         info = self.info(name)
+        if rows is not None:
+            return self._matrix_rows(name, info, want, dtype, quant, *rows)
         if info.dtype in FLOAT_DTYPES:
             if info.shape != want:
                 raise self.shape_error(name, info.shape, want)
@@ -126,6 +140,27 @@ class _Reader:
                 return ("mxfp4", *fp4_to_mxfp4(self.get(name), s))
             return dequant_fp4(self.get(name), s, dtype)
         raise ValueError(f"tensor {name}: dtype {info.dtype} is not a weight dtype (F32/BF16/F16/FP8/FP4)")
+
+    def _matrix_rows(self, name: str, info: TensorInfo, want: tuple[int, ...], dtype: mx.Dtype, quant: bool,
+                     lo: int, hi: int):  # fmt: skip
+        if info.shape != want:
+            raise self.shape_error(name, info.shape, want)
+        if info.dtype in FLOAT_DTYPES:
+            return self.rows(name, lo, hi).astype(dtype)
+        sname, _ = next(((c, 0) for c in scale_names(name) if c in self.layout), (None, 0))
+        if info.dtype not in ("F8_E4M3", "U8") or sname is None:
+            raise ValueError(f"tensor {name}: dtype {info.dtype} cannot be read by rows")
+        grid = fp8_grid(want)
+        if self.layout[sname].shape != grid:
+            raise ValueError(f"tensor {sname}: scale grid {list(self.layout[sname].shape)} does not match weight "
+                             f"{name} (expected {list(grid)})")
+        s = self.rows(sname, lo // FP8_BLOCK, -(-hi // FP8_BLOCK))
+        if s.dtype == mx.uint8 and bool(mx.any(s == 255)):
+            raise ValueError(f"tensor {sname}: UE8M0 byte 0xFF (NaN scale)")
+        q = self.rows(name, lo, hi)
+        if quant and s.dtype == mx.uint8 and want[1] % 32 == 0:
+            return ("mxfp8", *fp8_to_mxfp8(q, s))
+        return dequant_fp8(q, s, dtype)
 
 
 def _tid2eid(r: _Reader, name: str, want: tuple[int, ...]) -> mx.array:
@@ -199,6 +234,14 @@ def _cut(x, sl: tuple[int, int, int] | None, full: int):
     return take(x, sl, full)
 
 
+def _by_rows(r: _Reader, name: str, sl: tuple[int, int, int]) -> bool:
+    """Can rows sl[1]..sl[2] of a 2-D weight be read alone? Floats always; FP8 on whole scale blocks."""
+    info = r.info(name)
+    if info.dtype in FLOAT_DTYPES:
+        return True
+    return info.dtype in ("F8_E4M3", "U8") and sl[1] % FP8_BLOCK == 0 and sl[2] % FP8_BLOCK == 0
+
+
 def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quantize: bool, shard=None) -> None:
     weights: list[tuple[str, mx.array]] = []
     as_stored = weights_as_stored()
@@ -229,8 +272,12 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                      for e, x in zip(range(lo, hi), parts, strict=True)]
             arr = mx.stack(parts)
         elif p.ndim == 2 and name.endswith(".weight"):
-            arr = r.matrix(name, want, pdt, quantize and name[: -len(".weight")].split(".", 2)[-1] in FP8_LINEAR)
-            arr = _cut(arr, sl, want[sl[0]]) if sl else arr
+            quant = quantize and name[: -len(".weight")].split(".", 2)[-1] in FP8_LINEAR
+            if sl is not None and sl[0] == 0 and _by_rows(r, name, sl):  # a rank's heads: only their rows read
+                arr = r.matrix(name, want, pdt, quant, rows=(sl[1], sl[2]))
+            else:
+                arr = r.matrix(name, want, pdt, quant)
+                arr = _cut(arr, sl, want[sl[0]]) if sl else arr
             if isinstance(arr, tuple):
                 lin = mxfp8_linear(arr[1], arr[2])
                 mx.eval(lin.parameters())
@@ -242,7 +289,10 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                 raise ValueError(f"tensor {name}: dtype {info.dtype}, expected a float type (F32/BF16/F16)")
             if info.shape != want:
                 raise r.shape_error(name, info.shape, want)
-            arr = _cut(r.get(name).astype(pdt), sl, want[sl[0]] if sl else 0)
+            if sl is not None and sl[0] == 0 and info.dtype in ROW_READABLE:  # attn_sink: a rank's heads
+                arr = r.rows(name, sl[1], sl[2]).astype(pdt)
+            else:
+                arr = _cut(r.get(name).astype(pdt), sl, want[sl[0]] if sl else 0)
         mx.eval(arr)
         weights.append((name, arr))
     r.progress.finish()

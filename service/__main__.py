@@ -25,6 +25,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     # Every default is None so that DSV4_* env vars apply unless a flag is given.
     p.add_argument("--model", help="HF checkpoint dir (default: embedded tiny model)  [DSV4_MODEL]")
+    p.add_argument(
+        "--load-format", choices=("auto", "dummy"),
+        help="auto: --model is a checkpoint dir; dummy: random weights at release precision for --model, a "
+        "preset (flash, pro, tiny) or a config.json (no checkpoint read)  [DSV4_LOAD_FORMAT]",
+    )
+    p.add_argument("--experts", type=int, help="dummy: cut the routed experts to N (fit one GPU)  [DSV4_EXPERTS]")
+    p.add_argument("--layers", type=int, help="dummy: the config's first N layers  [DSV4_LAYERS]")
     p.add_argument("--host", help="bind address (default 127.0.0.1)  [DSV4_HOST]")
     p.add_argument("--port", type=int, help="port (default 8000)  [DSV4_PORT]")
     p.add_argument("--max-rows", type=int, help="decode rows per step, 1..8 (default 8)  [DSV4_MAX_ROWS]")
@@ -72,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to_stderr(settings: Settings) -> None:
+    """The project's loggers (dsv4.*: loading progress, state budget, warm-up) at the chosen level; uvicorn
+    keeps its own handlers."""
+    import logging
+
+    rank = f"rank {os.environ['MLX_RANK']} " if settings.distributed and "MLX_RANK" in os.environ else ""
+    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+    logging.basicConfig(level=logging.WARNING, format=f"{rank}%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dsv4").setLevel(level)
+
+
 def follow(settings: Settings) -> int | None:
     """--distributed on a rank > 0: no HTTP, replay rank 0's steps until it stops. None on rank 0."""
     import logging
@@ -84,12 +102,10 @@ def follow(settings: Settings) -> int | None:
     from service.engine.build import build_engine
     from service.engine.follower import follow as follow_loop
 
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-                        format=f"rank {group.rank()} %(levelname)s %(name)s: %(message)s")
-    engine, _ = build_engine(settings.model, max_rows=settings.max_rows, max_model_len=settings.max_model_len,
-                             state_budget_bytes=settings.state_budget_bytes, group=group,
-                             dequantize=settings.dequantize)
-    steps = follow_loop(engine, group)
+    engine, _ = build_engine(settings.model, group=group, **settings.engine_options())
+    from model.deepseek_v4 import PREFILL_CHUNK
+
+    steps = follow_loop(engine, group, prefill_cap=settings.prefill_chunk or PREFILL_CHUNK)
     logging.getLogger("dsv4.follower").info("rank %d: stop after %d steps", group.rank(), steps)
     return 0
 
@@ -119,7 +135,27 @@ def listen_early(args: argparse.Namespace, env: Mapping[str, str]) -> socket.soc
     return sock
 
 
+def check_dummy(settings: Settings) -> str | None:
+    """--load-format dummy: the preset / config.json and the cuts, checked before anything starts."""
+    if settings.load_format != "dummy":
+        return None
+    from model.dummy import resolve_args
+
+    try:
+        resolve_args(settings.model or "", experts=settings.experts, layers=settings.layers)
+    except ValueError as e:
+        given = [f"--model {settings.model}"] + [f"--{k} {v}" for k in ("experts", "layers")
+                                                  if (v := getattr(settings, k)) is not None]
+        return f"{' '.join(given)}: {e}"
+    return None
+
+
 def serve(settings: Settings, sock: socket.socket | None = None) -> int:
+    bad = check_dummy(settings)
+    if bad:
+        print(f"dsv4-serve: invalid settings: {bad}", file=sys.stderr)
+        return 2
+    _log_to_stderr(settings)
     if settings.distributed:
         rc = follow(settings)
         if rc is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "DSV4_"
 EMBEDDED_MODEL_NAME = "deepseek-v4-tiny"
@@ -18,6 +18,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str | None = None  # None: the embedded tiny model and tokenizer
+    # auto: a checkpoint directory; dummy (vLLM's name): random weights for `model`, a preset (flash, pro,
+    # tiny) or a config.json, at release precision (model/dummy.py)
+    load_format: Literal["auto", "dummy"] = "auto"
+    experts: int | None = Field(None, ge=1)  # dummy: routed experts cut to this many (to fit one device)
+    layers: int | None = Field(None, ge=1)  # dummy: the config's first N layers
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     max_rows: int = Field(8, ge=1, le=8)  # decode rows per step (the kernels' row contract caps it at 8)
@@ -47,13 +52,33 @@ class Settings(BaseModel):
     def _blank_is_none(cls, v: str | None) -> str | None:
         return v or None
 
+    @model_validator(mode="after")
+    def _dummy_flags(self) -> Settings:
+        if self.load_format == "dummy" and self.model is None:
+            raise ValueError("--load-format dummy needs --model / DSV4_MODEL: a preset (flash, pro, tiny) or a "
+                             "config.json path")
+        for name in ("experts", "layers"):
+            if getattr(self, name) is not None and self.load_format != "dummy":
+                raise ValueError(f"--{name} / {ENV_PREFIX}{name.upper()} applies to --load-format dummy only")
+        return self
+
     @property
     def served_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         if self.model is None:
             return EMBEDDED_MODEL_NAME
-        return Path(self.model).expanduser().resolve().name or self.model
+        path = Path(self.model).expanduser()
+        if self.load_format == "dummy" and path.suffix == ".json":
+            path = path.resolve().parent  # a config.json: its directory names the model
+        return path.resolve().name or self.model
+
+    def engine_options(self) -> dict[str, Any]:
+        """build_engine's keywords (rank 0's worker and the follower ranks alike)."""
+        return {"max_rows": self.max_rows, "max_model_len": self.max_model_len,
+                "state_budget_bytes": self.state_budget_bytes, "dequantize": self.dequantize,
+                "load_format": self.load_format, "experts": self.experts, "layers": self.layers,
+                "prefill_chunk": self.prefill_chunk}
 
     @property
     def state_budget_bytes(self) -> int | None:
@@ -83,6 +108,9 @@ def describe_error(err: ValidationError) -> str:
     """One line per bad knob, naming its flag and env var."""
     lines = []
     for e in err.errors():
-        name = str(e["loc"][0]) if e["loc"] else "?"
+        if not e["loc"]:  # a check across knobs: its message names them
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+            continue
+        name = str(e["loc"][0])
         lines.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {e['msg']}")
     return "; ".join(lines)

@@ -36,12 +36,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         from service.engine.build import build_engine, distributed_group
 
         engine, tokenizer = build_engine(
-            settings.model,
-            max_rows=settings.max_rows,
-            max_model_len=settings.max_model_len,
-            state_budget_bytes=settings.state_budget_bytes,
-            group=distributed_group() if settings.distributed else None,
-            dequantize=settings.dequantize,
+            settings.model, group=distributed_group() if settings.distributed else None, **settings.engine_options()
         )
         ctl.engine = engine  # for bytes_in_use() at scrape time (plain Python accounting)
         return engine, tokenizer

@@ -1,12 +1,15 @@
-"""build_engine: the model (embedded tiny, a checkpoint, or this rank's shard of either), its tokenizer and
-the Engine around it. Runs on the engine thread, where every MLX call happens."""
+"""build_engine: the model (embedded tiny, a checkpoint, random weights (`--load-format dummy`), or this rank's
+shard of any), its tokenizer and the Engine around it. Runs on the engine thread, where every MLX call happens."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from service.engine.engine import Engine
 from service.engine.follower import LeaderEngine
+
+log = logging.getLogger("dsv4.engine")
 
 
 def distributed_group() -> Any:
@@ -24,16 +27,26 @@ def build_engine(
     state_budget_bytes: int | None = None,
     group: object | None = None,
     dequantize: bool = False,
+    load_format: str = "auto",
+    experts: int | None = None,
+    layers: int | None = None,
+    prefill_chunk: int | None = None,
 ):
-    """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer.
+    """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer. load_format
+    'dummy': random weights for model_dir, a preset or a config.json (model/dummy.py), cut to
+    `experts` / `layers`; its tokenizer is the config directory's tokenizer.json, the tiny one for
+    the tiny preset, else none (token-id prompts only).
 
     group: an mx.distributed group of > 1 ranks: this rank's shard of the model (model/distributed.py);
-    rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`."""
+    rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`;
+    prefill_chunk (the worker's prompt tokens a step) sizes the leader's plan messages."""
     from model.loader import load_model, tiny_model
     from model.tokenizer import load_tokenizer
 
     sharded = group is not None and group.size() > 1  # type: ignore[attr-defined]
-    if model_dir is None:
+    if load_format == "dummy":
+        model, tokenizer = _dummy(model_dir or "", experts, layers, group if sharded else None, dequantize)
+    elif model_dir is None:
         model, _args, tokenizer = tiny_model()
         if sharded:
             from model.distributed import shard_model
@@ -50,5 +63,30 @@ def build_engine(
         tokenizer = load_tokenizer(model_dir)
     kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes}
     if sharded and group.rank() == 0:  # type: ignore[attr-defined]
-        return LeaderEngine(model, group, **kw), tokenizer
+        from model.deepseek_v4 import PREFILL_CHUNK
+
+        return LeaderEngine(model, group, prefill_cap=prefill_chunk or PREFILL_CHUNK, **kw), tokenizer
     return Engine(model, **kw), tokenizer
+
+
+def _dummy(spec: str, experts: int | None, layers: int | None, group: object | None, dequantize: bool):
+    import time
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from model.dummy import PRESETS, dummy_model, resolve_args
+    from model.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+    args = resolve_args(spec, experts=experts, layers=layers)
+    t0 = time.perf_counter()
+    model = dummy_model(args, quantize=not dequantize, group=group)
+    log.info("dummy weights for %s (%d layers, %d routed experts) in %.1f s: %.2f GiB", spec,
+             args.num_hidden_layers, args.n_routed_experts, time.perf_counter() - t0, mx.get_active_memory() / 2**30)
+    if spec == "tiny":
+        return model, build_tiny_tokenizer(args.vocab_size)
+    path = None if spec in PRESETS else Path(spec).expanduser()
+    tokenizer = load_tokenizer(path if path.is_dir() else path.parent) if path is not None else None
+    if tokenizer is None:
+        log.info("no tokenizer.json for %s: prompts must be token ids (/v1/completions)", spec)
+    return model, tokenizer

@@ -128,7 +128,8 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------
     # The worker may queue step N + 1 with step N's sampled tokens still on the device (`tokens`), so
     # that building one step overlaps the GPU running the previous one; False where every step's
-    # token ids must be known on the host first (a distributed leader sends them to its followers).
+    # token ids must be known on the host first (the distributed leader sends its followers the sampled
+    # tokens by an all_sum inside the step instead: service/engine/follower.py).
     pipeline_decode = True
 
     def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None) -> mx.array:
@@ -147,8 +148,8 @@ class Engine:
         mx.async_eval(logits, self.pools.arrays())
         return logits
 
-    # Prompts go through `prefill` (all tokens of a chunk at once); the distributed leader turns this off
-    # (its followers replay decode steps only), and the worker then feeds prompts token by token.
+    # Prompts go through `prefill` (all tokens of a chunk at once); an engine may turn this off, and the
+    # worker then feeds prompts token by token (the distributed leader queues its chunks into the next plan).
     parallel_prefill = True
 
     def prefill(self, handle: Handle, token_ids: Sequence[int], start: int, logprobs: int | None = None,
@@ -204,4 +205,3 @@ class Engine:
             finally:
                 self.release(h)
         log.info("warm-up took %.2f s", time.perf_counter() - t0)
-

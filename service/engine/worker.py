@@ -57,7 +57,8 @@ class EngineWorker:
         self.max_rows = max_rows
         self.max_queue = max_queue
         # Prompt tokens per step through the engine's parallel prefill (None: PREFILL_CHUNK). An engine
-        # without one (distributed) feeds prompts token by token and this caps the prefilling rows.
+        # without one (parallel_prefill False, or serial_prefill) feeds prompts token by token and this caps
+        # the prefilling rows.
         self.prefill_chunk = prefill_chunk
         self.serial_prefill = serial_prefill  # token by token even when the engine has a parallel prefill
         # Pure decode: queue step N + 1 (fed step N's tokens on the device) before reading step N back, so

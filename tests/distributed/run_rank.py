@@ -1,6 +1,7 @@
 """One rank of the 2-rank test (or the single-process reference when imported): greedy decode of 8 rows.
 
     mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json [CHECKPOINT_DIR]
+    mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json --engine   # LeaderEngine + follow()
 """
 
 from __future__ import annotations
@@ -41,11 +42,51 @@ def greedy(model: DeepseekV4) -> tuple[list[list[int]], list[list[float]]]:
     return out, logits.tolist()
 
 
+def engine_greedy(engine) -> list[list[int]]:
+    """8 rows through an Engine as the worker drives it: each prompt but its last token prefilled in one
+    call (a LeaderEngine splits them into pieces of its prefill_cap), then one host-fed step, then
+    pipelined steps: step N + 1 queued with step N's argmax still on the device, N read back after."""
+    ps = prompts()
+    handles = [engine.admit(64) for _ in ps]
+    for h, p in zip(handles, ps, strict=True):
+        if len(p) > 1:
+            engine.prefill(h, p[:-1], 0)
+    feeds = [(h, p[-1], len(p) - 1) for h, p in zip(handles, ps, strict=True)]
+    tok = mx.argmax(engine.step(feeds), axis=-1).astype(mx.int32)
+    out: list[list[int]] = [[] for _ in ps]
+    for n in range(STEPS):
+        nxt = None
+        if n < STEPS - 1:
+            feeds = [(h, None, len(p) + n) for h, p in zip(handles, ps, strict=True)]
+            nxt = mx.argmax(engine.step(feeds, tokens=tok), axis=-1).astype(mx.int32)
+        for i, t in enumerate(tok.tolist()):
+            out[i].append(int(t))
+        tok = nxt
+    for h in handles:
+        engine.release(h)
+    return out
+
+
 def main() -> None:
     from model.distributed import shard_model
     from model.loader import tiny_model
 
     group = mx.distributed.init(strict=True)
+    if sys.argv[2:] == ["--engine"]:
+        from service.engine.engine import Engine
+        from service.engine.follower import LeaderEngine, follow
+
+        model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
+        shard_model(model, group)
+        if group.rank() == 0:
+            engine = LeaderEngine(model, group, prefill_cap=5, max_rows=8, max_model_len=64)
+            engine.warmup()
+            ids = engine_greedy(engine)
+            engine.close()
+            Path(sys.argv[1]).write_text(json.dumps({"size": group.size(), "ids": ids}))
+        else:
+            follow(Engine(model, max_rows=8, max_model_len=64), group, prefill_cap=5)
+        return
     if len(sys.argv) > 2:  # a checkpoint directory: read only this rank's shard of it
         from model.distributed import load_sharded
 

@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 import model.loader as loader
 from model.checkpoint import write_checkpoint
+from model.config import ModelArgs
 from model.distributed import ShardedMoE, check_shardable, load_sharded, shard_model
 from model.loader import load_model, tiny_model
 
@@ -83,3 +84,42 @@ def test_load_sharded_reads_only_local_experts(tmp_path: Path, monkeypatch: pyte
     ref = dict(tree_flatten(shard_model(full, FakeGroup(0, 2)).parameters()))
     for name, p in tree_flatten(shard.parameters()):
         assert np.array_equal(np.array(p), np.array(ref[name])), name
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_load_sharded_reads_only_its_heads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantize: bool) -> None:
+    """Dims whose head slices fall on whole FP8 scale blocks (128 rows): a rank reads only its rows of wq_b,
+    wo_a and attn_sink (a memory map of their bytes), never the whole tensors; the shard equals the full
+    load's slices, mxfp8-packed or decoded."""
+    from dataclasses import replace
+
+    from model.dummy import dummy_model
+
+    args = replace(ModelArgs.tiny(), num_attention_heads=8, head_dim=64, o_groups=2, o_lora_rank=128,
+                   moe_intermediate_size=64)
+    write_checkpoint(dummy_model(args, quantize=False), args, tmp_path, dtype="release")
+    full, _ = load_model(tmp_path, dtype=mx.float32, quantize=quantize)
+    whole: list[str] = []
+    by_rows: list[tuple[tuple[int, ...], int, int]] = []
+    orig_get, orig_rows = loader._Reader.get, loader.read_rows
+    monkeypatch.setattr(loader._Reader, "get", lambda self, name: whole.append(name) or orig_get(self, name))
+    monkeypatch.setattr(loader, "read_rows", lambda info, lo, hi: by_rows.append((info.shape, lo, hi))
+                        or orig_rows(info, lo, hi))
+    for rank in (0, 1):
+        whole.clear()
+        by_rows.clear()
+        shard, _ = load_sharded(tmp_path, FakeGroup(rank, 2), dtype=mx.float32, quantize=quantize)
+        for layer in range(args.num_hidden_layers):
+            for t in ("wq_b", "wo_a"):
+                assert f"layers.{layer}.attn.{t}.weight" not in whole
+            assert f"layers.{layer}.attn.attn_sink" not in whole
+        rows = 8 * 64 // 2  # wq_b rows a rank
+        assert ((8 * 64, 32), rank * rows, (rank + 1) * rows) in by_rows  # its wq_b rows, nothing else
+        assert ((8,), rank * 4, rank * 4 + 4) in by_rows  # its sinks
+        ref = dict(tree_flatten(shard_model(load_model(tmp_path, dtype=mx.float32, quantize=quantize)[0],
+                                            FakeGroup(rank, 2)).parameters()))
+        got = dict(tree_flatten(shard.parameters()))
+        assert got.keys() == ref.keys()
+        for name, p in got.items():
+            assert p.dtype == ref[name].dtype and np.array_equal(np.array(p), np.array(ref[name])), name
+    del full

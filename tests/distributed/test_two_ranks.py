@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -106,12 +107,30 @@ def test_two_ranks_greedy_matches_single_process(tmp_path: Path, source: str) ->
     np.testing.assert_allclose(np.array(got["logits"]), np.array(want_logits), rtol=1e-4, atol=1e-4)
 
 
-def _generate_single(prompt: list[int], n: int) -> list[int]:
-    """Greedy ids from the single-process tiny model (what `dsv4-serve generate` computes)."""
+def test_two_ranks_engine_prefill_and_pipeline(tmp_path: Path) -> None:
+    """LeaderEngine + follow(): 8 rows prefilled in parallel (each prompt split into pieces of 5 tokens over
+    several plan messages), then pipelined steps fed the device tokens; ids identical to one process."""
+    from service.engine.engine import Engine
+    from tests.distributed.run_rank import engine_greedy
+
+    out, log = tmp_path / "ids.json", tmp_path / "launch.log"
+    proc = _launch(sys.executable, "tests/distributed/run_rank.py", str(out), "--engine", log=log)
+    try:
+        model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
+        want = engine_greedy(Engine(model, max_rows=8, max_model_len=64))
+        rc = proc.wait(90)
+    finally:
+        _kill(proc)
+    assert rc == 0, log.read_text(errors="replace")[-4000:]
+    got = json.loads(out.read_text())
+    assert got["size"] == 2 and got["ids"] == want
+
+
+def _generate_single(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy ids from one process (what `dsv4-serve generate` computes): parallel prefill, then decode."""
     from model.state import StatePools
 
-    model, args, _tok = tiny_model()
-    pools = StatePools(args, max_slots=1, max_positions=len(prompt) + n, page_size=64)
+    pools = StatePools(model.args, max_slots=1, max_positions=len(prompt) + n, page_size=64, dtype=model.dtype)
     h = pools.alloc(len(prompt) + n)
     logits = model.prefill(pools, h, prompt, 0)
     out = [int(mx.argmax(logits))]
@@ -121,13 +140,28 @@ def _generate_single(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_serve_distributed_http(tmp_path: Path) -> None:
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+PROMPTS = [[(11 * i + 7 * j + 5) % 500 + 2 for j in range(n)] for i, n in enumerate((1, 3, 7, 12, 17, 24, 33, 41))]
+
+
+@pytest.mark.parametrize("source", ["embedded", "dummy"])
+def test_serve_distributed_http(tmp_path: Path, source: str) -> None:
+    """Rank 0 serves 8 concurrent greedy requests: prompts prefilled in parallel (chunks of 16 tokens a step,
+    the longer ones over several steps), decode pipelined; every request's ids are those of one process.
+    `dummy`: each rank builds its own shard of `--load-format dummy --model tiny` (float weights)."""
     log = tmp_path / "serve.log"
     port = _free_port()
     script = Path(sys.executable).parent / "dsv4-serve"
     serve = [str(script)] if script.exists() else [sys.executable, "-m", "service"]
+    extra = ["--load-format", "dummy", "--model", "tiny", "--dequantize"] if source == "dummy" else []
     proc = _launch(*serve, "serve", "--distributed", "--host", "127.0.0.1", "--port", str(port),
-                   "--max-model-len", "256", "--drain-timeout", "5", log=log)
+                   "--max-model-len", "256", "--drain-timeout", "5", "--prefill-chunk", "16", *extra, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -140,12 +174,18 @@ def test_serve_distributed_http(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        prompt = [5, 17, 42, 99, 3, 250, 7]
-        body = {"model": "deepseek-v4-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        got = r.json()
+
+        def ask(prompt: list[int]) -> dict:
+            body = {"model": "tiny" if source == "dummy" else "deepseek-v4-tiny", "prompt": prompt,
+                    "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(ask, PROMPTS))
+        prefilled = _metric(url, "dsv4_prefill_tokens_total")
+        ahead = _metric(url, "dsv4_decode_steps_ahead_total")
         ranks = {_rank_of(p): p for p in _children(proc.pid)}
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[0], signal.SIGTERM)  # rank 0 drains, then tells rank 1 to stop
@@ -154,7 +194,18 @@ def test_serve_distributed_http(tmp_path: Path) -> None:
         assert all(not Path(f"/proc/{p}").exists() for p in ranks.values())
     finally:
         _kill(proc)
-    want = _generate_single(prompt, 12)
-    _model, _args, tok = tiny_model()
-    assert got["usage"]["completion_tokens"] == 12
-    assert got["choices"][0]["text"] == tok.decode(want, skip_special_tokens=False)
+    # Prompt tokens fed by the parallel prefill, 16 a step (the rest went one a step through the decode
+    # step, as on one process): more than one step's chunk, so plans carried prefills step after step.
+    assert 16 < prefilled <= sum(len(p) - 1 for p in PROMPTS)
+    assert ahead > 0  # decode steps queued before the previous one was read back
+    if source == "dummy":
+        from model.config import ModelArgs
+        from model.dummy import dummy_model
+        from model.tokenizer import build_tiny_tokenizer
+
+        model, tok = dummy_model(ModelArgs.tiny(), quantize=False), build_tiny_tokenizer(512)
+    else:
+        model, _args, tok = tiny_model()
+    for prompt, got in zip(PROMPTS, answers, strict=True):
+        assert got["usage"]["completion_tokens"] == 12
+        assert got["choices"][0]["text"] == tok.decode(_generate_single(model, prompt, 12), skip_special_tokens=False)
