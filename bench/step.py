@@ -33,11 +33,10 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
-from kernels.matmul import weights_as_stored  # noqa: E402
-from model.checkpoint import is_f32_param, is_f32_resident  # noqa: E402
+from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.quant import quantize_block  # noqa: E402
+from model.dummy import dummy_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
 
 SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows")
@@ -71,40 +70,9 @@ def most_experts(layers: int, reserve_gib: float = 12.0) -> int:
 
 
 def random_model(args: ModelArgs, quantize: bool = True, seed: int = 0) -> DeepseekV4:
-    """Random weights as the loader holds them (model.checkpoint.is_f32_resident: f32 or bf16), each
-    block quantized to the release precision before the next is drawn: the float copy of one block at a
-    time is all the memory it takes beyond the model."""
-    model = DeepseekV4(args)  # lazy zeros: nothing allocated yet
-    key = mx.random.key(seed)
-    as_stored = weights_as_stored()
-
-    def draw(module, prefix: str) -> None:
-        nonlocal key
-        for name, p in tree_flatten(module.parameters()):
-            full = prefix + name
-            key, sub = mx.random.split(key)
-            if p.dtype == mx.int32:  # tid2eid: random experts
-                v = mx.random.randint(0, args.n_routed_experts, p.shape, key=sub).astype(mx.int32)
-            else:
-                std = p.shape[-1] ** -0.5 if p.ndim >= 2 else 0.1
-                base = 1.0 if name.endswith("norm.weight") else 0.0
-                v = (base + std * mx.random.normal(p.shape, key=sub)).astype(
-                    mx.float32 if is_f32_resident(full, as_stored) else mx.bfloat16)
-            module.update(tree_unflatten([(name, v)]))
-
-    for i, block in enumerate(model.layers):
-        draw(block, f"layers.{i}.")
-        if quantize:
-            quantize_block(block)
-        mx.eval(block.parameters())
-    for name in ("embed", "norm", "head"):
-        draw(getattr(model, name), f"{name}.")
-    for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
-        key, sub = mx.random.split(key)
-        setattr(model, name, 0.1 * mx.random.normal(getattr(model, name).shape, key=sub))
-    mx.eval(model.parameters())
-    model.reset_compiled()
-    return model
+    """Random weights laid out as the loader lays out a release checkpoint (model/dummy.py, what
+    `serve --load-format dummy` serves): mxfp8 dense + mxfp4 experts, one tensor drawn at a time."""
+    return dummy_model(args, seed=seed, dtype=mx.bfloat16, quantize=quantize)
 
 
 def fill_state(pools: StatePools, ctx: int) -> None:

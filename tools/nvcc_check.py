@@ -26,6 +26,7 @@ from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import compressor_pair as cpp  # noqa: E402
 from kernels.cuda import hc  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
+from kernels.cuda import matmul as mm  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
@@ -122,6 +123,18 @@ def units() -> dict[str, str]:
         out[f"hc_pre_mix_{nc}_{iters}"] = standalone(
             "hc_pre_mix", hc_in, [("x", BF), ("post", F32), ("comb", F32)],
             [("T", BF), ("NC", nc), ("ITERS", iters)], hc.SOURCE)  # fmt: skip
+    # the skinny matmuls, V4-Flash shapes of each weight format / epilogue
+    mm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
+             ("s2", mx.uint8, False), ("idx", U32, False), ("fparams", F32, False)]  # fmt: skip
+    for name, o, wf, k, n, pair, exp, topk in (("mm_fp8", BF, 1, 4096, 1024, False, 0, 1),
+                                               ("mm_fp8_pair", BF, 1, 4096, 2048, True, 0, 1),
+                                               ("mm_bf16_f32", F32, 0, 4096, 129280, False, 0, 1),
+                                               ("mm_fp4_gate_up", BF, 2, 4096, 2048, True, 1, 6),
+                                               ("mm_fp4_down", BF, 2, 2048, 4096, False, 2, 6)):  # fmt: skip
+        mt, wk, wr, u = mm.geometry(n, k, wf, pair)
+        out[name] = standalone("skinny_mm", mm_in, [("out", o)],
+                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
+                                ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk)], mm.SOURCE)  # fmt: skip
     return out
 
 

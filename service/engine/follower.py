@@ -74,14 +74,23 @@ class LeaderEngine(Engine):
         super().copy_state(src, dst, positions)
         self._events.append((COPY, src.slot << 8 | dst.slot, positions))
 
-    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
-        """Queued: it runs, on every rank, right after the next plan is broadcast (before its step)."""
+    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int, logprobs: int | None = None,
+                next_ids: Sequence[int] = ()) -> None:  # fmt: skip
+        """Queued: it runs, on every rank, right after the next plan is broadcast (before its step). Prompt
+        logprobs need the scored forward on rank 0 alone: not with --distributed."""
+        if logprobs is not None:
+            raise ValueError("prompt logprobs are not served with --distributed")
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if start < 0 or start + len(token_ids) > handle.capacity:
             raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} are outside the "
                              f"request's capacity {handle.capacity}")  # fmt: skip
         self._chunks.append((handle, [int(t) for t in token_ids], start))
+
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]]) -> None:
+        """Each request's chunk queued as `prefill` queues it (the plan then packs them into shared forwards)."""
+        for handle, token_ids, start in work:
+            self.prefill(handle, token_ids, start)
 
     def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None) -> mx.array:
         try:  # validate on rank 0 before anything is sent: a bad batch must not reach the followers

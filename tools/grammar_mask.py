@@ -5,7 +5,7 @@ schema grammar (random allowed tokens): the service's xgrammar masks (`grammar.G
 fill) and, with --llguidance, llguidance's (consume + parallel fill), plus applying the packed mask to
 [8, V] logits in MLX (`sampler.apply_masks`). Prints one table.
 
-    python bench/grammar_mask.py [--steps 200] [--llguidance]
+    python tools/grammar_mask.py [--steps 200] [--llguidance]
 """
 
 from __future__ import annotations
