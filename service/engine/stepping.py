@@ -28,7 +28,17 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
     (events, tokens prefilled, seconds)."""
     events: list[TokenEvent] = []
     done, t0 = 0, time.perf_counter()
-    for r, handle, tokens, start in sched.prefill_work(plan, budget):
+    for r in plan:  # the prefix cache first: a hit moves `fed` on
+        try:
+            sched.reuse_prefix(r)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
+            log.exception("prefix reuse failed")
+            events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
+    snapshot = getattr(engine, "prefilled", None)
+    for r, handle, tokens, start in sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING],
+                                                       budget):  # fmt: skip
+        if r.status is not RequestStatus.RUNNING:
+            continue  # an earlier piece of it failed
         k = r.params.prompt_logprobs
         try:
             if k is None:
@@ -42,6 +52,11 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             continue
         sched.prefilled(r, len(tokens))
         done += len(tokens)
+        if snapshot is not None:
+            try:
+                snapshot(handle, r.prompt_ids, r.fed)
+            except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
+                log.exception("prefix snapshot failed")
     return events, done, time.perf_counter() - t0 if done else 0.0
 
 
@@ -129,7 +144,8 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
         return events + sched.on_step({}), 0, None, None
     now = time.perf_counter()
-    events = scored + sched.on_step(sampled)
+    ahead_ids = frozenset(r.request_id for r in nxt.rows) if nxt is not None else frozenset()
+    events = scored + sched.on_step(sampled, ahead_ids)
     if nxt is not None:
         nxt.since = now
     if spec_failed is not None:
