@@ -19,6 +19,7 @@ from service.api.metrics import Metrics
 from service.api.protocol import APIError, error_body
 from service.api.responses import router as responses_router
 from service.api.routes import router
+from service.api.state_routes import router as state_router
 from service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
@@ -42,6 +43,8 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
             state_budget_bytes=settings.state_budget_bytes,
             group=distributed_group() if settings.distributed else None,
             dequantize=settings.dequantize,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
+            prefix_interval=settings.prefix_cache_interval,
         )
         ctl.engine = engine  # for bytes_in_use() at scrape time (plain Python accounting)
         return engine, tokenizer
@@ -103,4 +106,5 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
 
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(state_router)
     return app

@@ -120,3 +120,11 @@ def check_admissible(prompt_ids: list[int], params: SamplingParams, max_model_le
     if n > max_fit_tokens:
         raise ValueError(f"{what} positions exceed the {max_fit_tokens} that fit the decode state "
                          f"budget of {bytes_budget} bytes")  # fmt: skip
+
+
+class StateError(ValueError):
+    """A decode state this server cannot import or export: malformed, corrupt, another version or model."""
+
+
+class StateNotFound(LookupError):
+    """No cached decode state under this id (never finished here, or evicted)."""

@@ -23,14 +23,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from service.engine.prefix_cache import Entry, PrefixCache
+from service.engine.request import StateError, StateNotFound
 
 MAGIC = b"DSV4-STATE\n"
 VERSION = 1
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-class StateError(ValueError):
-    """A state that this server cannot import: malformed, corrupt, another version or another model."""
 
 
 def model_identity(model) -> str:
@@ -141,3 +138,31 @@ def import_state(cache: PrefixCache, data: bytes, identity: str, vocab_size: int
     rid = f"state-{uuid.uuid4().hex}"
     cache.insert(tokens, slot, pages, rid)
     return rid, n
+
+
+def _identity(engine) -> str:
+    ident = getattr(engine, "_state_identity", None)
+    if ident is None:
+        ident = engine._state_identity = model_identity(engine.model)
+    return ident
+
+
+def _cache(engine) -> PrefixCache:
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is None:
+        raise StateError("this server runs without a prefix cache (--prefix-cache-gib 0): no states to move")
+    return cache
+
+
+def export_for(engine, state_id: str) -> bytes:
+    """GET /v1/state/{id} on the engine thread: the end state of finished request `state_id`."""
+    cache = _cache(engine)
+    entry = cache.by_request(state_id)
+    if entry is None:
+        raise StateNotFound(f"no cached state for {state_id!r} (unknown, still running, or evicted)")
+    return export_state(cache, entry, _identity(engine))
+
+
+def import_for(engine, data: bytes) -> tuple[str, int]:
+    """POST /v1/state on the engine thread."""
+    return import_state(_cache(engine), data, _identity(engine), engine.vocab_size, engine.max_model_len)

@@ -161,6 +161,7 @@ class Outcome:
     events: list[TokenEvent]
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prompt_steps: int = 0  # prompt tokens fed through the decode step (each prefilling row's next one)
     rows: int = 0
     sampled: int = 0
     seconds: float = 0.0
@@ -207,10 +208,11 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     if not plan:
         out.events += sched.on_step({})
         return out, None
+    prompt_steps = sum(r.fed < len(r.prompt_ids) for r in plan)
     step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline)
     out.events += step_events
     if dt is not None:  # None: the step failed and its rows were failed
-        out.rows, out.sampled, out.seconds = len(plan), sampled, dt
+        out.rows, out.sampled, out.seconds, out.prompt_steps = len(plan), sampled, dt, prompt_steps
     return out, nxt
 
 
@@ -229,11 +231,13 @@ class Counters:
     step_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens fed by the parallel prefill
     prefill_seconds: float = 0.0
+    prompt_computed: int = 0  # prompt tokens run through the model (prefill + decode step): not from a cache
     rows_hist: list[int] = field(default_factory=lambda: [0] * 9)  # index = rows in a step
 
     def record(self, out: Outcome) -> None:
         self.prefill_tokens += out.prefill_tokens
         self.prefill_seconds += out.prefill_seconds
+        self.prompt_computed += out.prefill_tokens + out.prompt_steps
         if out.rows:
             self.steps += 1
             self.steps_ahead += out.ahead
@@ -254,5 +258,6 @@ class Counters:
             "step_seconds_total": self.step_seconds,
             "prefill_tokens_total": self.prefill_tokens,
             "prefill_seconds_total": self.prefill_seconds,
+            "prompt_tokens_computed_total": self.prompt_computed,
             "rows_per_step": list(self.rows_hist),  # rows_per_step[r] = steps with r rows
         }
