@@ -194,7 +194,9 @@ class StatePools:
     def copy_page(self, ratio: int, src: int, dst: int) -> None:
         """Page `src` -> page `dst` in every pool of `ratio` (copy-before-write of a shared partial page)."""
         for _, pools, layer in self._page_fields(ratio):
-            pools[layer][dst] = pools[layer][src]
+            page = pools[layer][src] * 1  # its own buffer first: the update may then reuse the pool's
+            mx.eval(page)
+            pools[layer][dst] = page
             pools[layer] = mx.contiguous(pools[layer])
 
     def _page_fields(self, ratio: int) -> list[tuple[str, dict[int, mx.array], int]]:

@@ -139,6 +139,8 @@ class Engine:
             return True
         if cache is None or not p.has_free_slot() or not self.fits_ever(n_tokens):
             return False
+        if any(p.pages_for(n_tokens, r) > p.free_pages(r) + cache.reclaimable(r) for r in p.ratios):
+            return False  # running requests hold the pages: evicting would not help
         while not p.can_alloc(n_tokens) and cache.evict_one():
             pass
         return p.can_alloc(n_tokens)
@@ -167,9 +169,8 @@ class Engine:
         longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
         cache = self.prefix_cache
         entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed)
-        if entry is None:
-            return None
-        return cache.adopt(handle, entry), entry.length  # type: ignore[union-attr]
+        new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
+        return None if new is None else (new, entry.length)  # type: ignore[union-attr]
 
     def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> None:
         """After a prefill piece: a snapshot at every interval boundary and at the prompt's end."""

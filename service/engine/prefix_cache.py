@@ -56,6 +56,7 @@ class PrefixCache:
         self._by_request: dict[str, bytes] = {}
         self.version = 0  # bumped by every store: a request re-looks up only when something new is there
         self.bytes = 0  # slot copies + distinct pages held
+        self.page_bytes = 0  # of which pages (read by /metrics scrapes on another thread: plain ints only)
         self.lookups = self.hits = self.cached_tokens = self.evictions = 0
 
     # ---- sizes ---------------------------------------------------------------------------------
@@ -64,9 +65,6 @@ class PrefixCache:
         page = self.pools.page_size
         return {r: -(-(length // r) // page) for r in self.pools.ratios}
 
-    def page_bytes(self) -> int:
-        return sum(self.pools.page_bytes(r) for r, _ in self._page_holds)
-
     def stats(self) -> dict[str, int]:
         return {
             "prefix_lookups_total": self.lookups,
@@ -74,7 +72,7 @@ class PrefixCache:
             "prefix_cached_tokens_total": self.cached_tokens,
             "prefix_evictions_total": self.evictions,
             "prefix_cache_bytes": self.bytes,
-            "prefix_cache_page_bytes": self.page_bytes(),
+            "prefix_cache_page_bytes": self.page_bytes,
             "prefix_cache_entries": len(self._entries),
         }
 
@@ -94,15 +92,21 @@ class PrefixCache:
             entry = self._entries.get(buf[: 4 * n])
             if entry is not None:
                 self._entries.move_to_end(entry.key)
-                self.hits += 1
                 return entry
         return None
 
-    def adopt(self, handle: StateHandle, entry: Entry) -> StateHandle:
-        """Put `entry`'s state into `handle`'s slot and tables; returns the live handle (new tables)."""
+    def adopt(self, handle: StateHandle, entry: Entry) -> StateHandle | None:
+        """Put `entry`'s state into `handle`'s slot and tables; returns the live handle (new tables), or
+        None (nothing changed) when a page to copy into is not free."""
         pools, page, n = self.pools, self.pools.page_size, entry.length
         if n > handle.capacity:
             raise ValueError(f"PrefixCache.adopt: a {n}-token prefix exceeds the request's capacity {handle.capacity}")
+        # The page the request writes next must be its alone: after an earlier adoption and snapshots of
+        # its own, it may be a cached entry's partial page; then a fresh page takes the copy.
+        fresh = {r: (n // r) % page and pools.page_refs(r, handle.tables[r][(n // r) // page]) > 1
+                 for r in pools.ratios}  # fmt: skip
+        if any(f and pools.free_pages(r) < 1 for r, f in fresh.items()):
+            return None
         pools.load_slot(handle.slot, entry.slot)
         tables = {}
         for r in pools.ratios:
@@ -110,10 +114,14 @@ class PrefixCache:
             own, shared = handle.tables[r], entry.pages[r][:full]
             pools.ref_pages(r, shared)
             pools.unref_pages(r, own[:full])
+            if fresh[r]:
+                pools.unref_pages(r, own[full : full + 1])
+                own = own[:full] + pools.new_pages(r, 1) + own[full + 1 :]
             if part:  # the request writes entries n // r.. into this page: its own copy
                 pools.copy_page(r, entry.pages[r][full], own[full])
             tables[r] = shared + own[full:]
         mx.eval(pools.arrays())
+        self.hits += 1
         self.cached_tokens += n
         return pools.rebind(handle, tables)
 
@@ -152,6 +160,10 @@ class PrefixCache:
         key = self._by_request.get(request_id)
         return None if key is None else self._entries.get(key)
 
+    def reclaimable(self, ratio: int) -> int:
+        """Pages of `ratio` that evicting every entry would free (held by the cache alone)."""
+        return sum(1 for (r, p), n in self._page_holds.items() if r == ratio and self.pools.page_refs(r, p) == n)
+
     def evict_one(self) -> bool:
         """Drop the least recently used entry; False when the cache is empty."""
         if not self._entries:
@@ -170,7 +182,9 @@ class PrefixCache:
         return self.pools.slot_bytes() + new
 
     def _add(self, entry: Entry, fresh: bool = False) -> Entry:
-        self.bytes += self._cost(entry.pages)
+        cost = self._cost(entry.pages)
+        self.bytes += cost
+        self.page_bytes += cost - self.pools.slot_bytes()
         for r, ps in entry.pages.items():
             if not fresh:
                 self.pools.ref_pages(r, ps)
@@ -194,6 +208,7 @@ class PrefixCache:
                 if not self._page_holds[(r, p)]:
                     del self._page_holds[(r, p)]
                     self.bytes -= self.pools.page_bytes(r)
+                    self.page_bytes -= self.pools.page_bytes(r)
             self.pools.unref_pages(r, ps)
 
     def _shrink(self) -> None:

@@ -128,3 +128,29 @@ def test_a_prefix_that_is_not_a_prefix_is_not_found(tiny, prompt) -> None:
     assert cache.lookup([prompt[0] + 1, *prompt[1:40]]) is None  # one token differs
     assert cache.lookup(prompt[:40]).length == 20
     assert cache.lookup(prompt[:40], longer_than=20) is None
+
+
+def test_a_longer_prefix_adopted_later_never_writes_an_own_snapshot_s_page(tiny, prompt) -> None:
+    """A request that adopted a prefix (40), computed on (to 44) and left a snapshot of its own, then adopts
+    a longer one (46, another request's): the page it writes next is that snapshot's partial page, so the
+    copy goes into a fresh page and the snapshot still gives cold logits."""
+    model, args = tiny
+    pools = StatePools(args, max_slots=3, max_positions=CAP, page_size=PAGE)
+    cache = PrefixCache(pools, 1 << 30, interval=0)
+    src = pools.alloc(CAP)
+    model.prefill(pools, src, prompt[:40], 0, chunk=40, logits=False)
+    cache.store(src, prompt[:40])
+    model.prefill(pools, src, prompt[40:46], 40, logits=False)
+    cache.store(src, prompt[:46])
+    pools.free(src)
+    h = cache.adopt(pools.alloc(CAP), cache.lookup(prompt[:40]))
+    model.prefill(pools, h, prompt[40:44], 40, logits=False)
+    own = cache.store(h, prompt[:44])  # CSA entries 0..10: page 1 (entries 8..10) is h's and this entry's
+    assert own.pages[4][1] == h.tables[4][1] and pools.page_refs(4, h.tables[4][1]) == 2
+    h2 = cache.adopt(h, cache.lookup(prompt[:46], longer_than=44))
+    assert h2.tables[4][1] != own.pages[4][1]
+    cold = cold_logits(tiny, prompt)
+    assert np.max(np.abs(np.array(model.prefill(pools, h2, prompt[46:], 46, chunk=LEN)) - cold)) <= 1e-5
+    pools.free(h2)
+    h3 = cache.adopt(pools.alloc(CAP), cache.lookup(prompt[:45]))  # the request's own snapshot (44)
+    assert np.max(np.abs(np.array(model.prefill(pools, h3, prompt[44:], 44, chunk=LEN)) - cold)) <= 1e-5
