@@ -65,3 +65,25 @@ def test_four_turns_reuse_every_fed_token(tiny, interval) -> None:
         # The previous request fed its prompt and all its generated ids but the last one (LENGTH).
         assert t["cached"] == prev["prompt"] + len(prev["ids"]) - 1
         assert t["computed"] == t["prompt"] - t["cached"]  # only the rest went through the model
+
+
+def test_admission_takes_pages_back_from_the_cache_never_from_a_running_request(tiny) -> None:
+    """Pools for 2 rows of 256 positions: a finished request's cached pages go back to admission (LRU
+    eviction) when a new request needs them; the full pages a running request maps stay with it."""
+    engine = Engine(tiny[0], max_rows=2, max_model_len=256, page_size=16, prefix_cache_bytes=64 << 20)
+    pools, cache = engine.pools, engine.prefix_cache
+    prompt = [int(t) for t in np.random.default_rng(4).integers(2, 512, 200)]
+    h = engine.admit(256)
+    engine.prefill(h, prompt, 0)
+    engine.retire(h, prompt, "done")  # the cache holds its pages now
+    assert len(cache) == 1 and pools.can_alloc(256)  # the other row's pages are still free
+    running = engine.admit(256)
+    running, n = engine.reuse(running, prompt + [5], 0)  # maps the entry's 3 full CSA pages (48 entries)
+    assert n == 200 and running.tables[4][:3] == cache.by_request("done").pages[4][:3]
+    assert not pools.can_alloc(256) and engine.can_admit(256)  # by evicting the entry
+    assert cache.evictions == 1 and len(cache) == 0
+    new = engine.admit(256)
+    for r in pools.ratios:  # the running request's pages are still held, and none was handed out again
+        assert all(pools.page_refs(r, p) == 1 for p in running.tables[r])
+        assert not set(new.tables[r]) & set(running.tables[r])
+    assert not engine.can_admit(16)  # both rows taken: nothing to evict for
