@@ -304,3 +304,17 @@ def test_prefill_pieces_end_at_the_snapshot_interval_and_finish_retires_the_fed_
     assert led.retired == [(2, [10, 11, 12, 13], "b")]  # b fed its prompt; the EOS was not fed
     run_step(s, default=41)  # a's second token: max_tokens
     assert led.retired[-1] == (1, list(range(10, 31)) + [40], "a")  # its prompt + the first token
+
+
+def test_a_stop_fed_by_a_step_queued_ahead_is_part_of_the_retired_state() -> None:
+    led = SnapshotLedger()
+    s, _ = make(led)
+    a = req("a", n_prompt=3, max_tokens=5)
+    s.add(a)
+    run_step(s, default=3)  # token serial: prompt 10 at 0
+    run_step(s, default=3)
+    run_step(s, default=30)  # the last prompt token: samples 30
+    plan = s.plan()
+    s.feeds(plan)
+    s.on_step({"a": (EOS, None, ())}, ahead=frozenset({"a"}))  # a step queued ahead already fed the EOS
+    assert led.retired == [(1, [10, 11, 12, 30, EOS], "a")]
