@@ -82,7 +82,7 @@ def test_eight_conversations_share_a_system_prompt_once(on: Server, off: Server)
         cold = list(pool.map(lambda p: complete(off, p, 4), prompts))
     assert [greedy(r) for r in warm] == [greedy(r) for r in cold]
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in warm]
-    assert sorted(cached)[1:] >= [768] * 7, cached  # all but the first took >= 3 CSA pages' worth
+    assert sorted(cached)[0] == 0 and all(c >= 768 for c in sorted(cached)[1:]), cached  # >= 3 CSA pages
     assert metric(on, "dsv4_prefix_hits_total") - hits >= 7
     # Unshared, each conversation's state (1,007 positions) is 4 CSA pages + 1 HCA page. Shared, the
     # system prompt's 3 full CSA pages (entries 0..191) are stored once: each conversation adds its own
