@@ -106,11 +106,12 @@ def import_state(cache: PrefixCache, data: bytes, identity: str, vocab_size: int
             want[f"entries.{name}"] = (arr.dtype, (n // r, arr.shape[-1]))
     arrays, off = {}, 0
     listed = header.get("arrays")
-    if not isinstance(listed, list) or [a[0] if isinstance(a, list) and a else None for a in listed] != list(want):
+    ok = isinstance(listed, list) and all(isinstance(a, list) and len(a) == 3 for a in listed)
+    if not ok or [a[0] for a in listed] != list(want):
         raise StateError("the state's arrays do not match this model's decode state")
     for name, dtype, shape in listed:
         wdtype, wshape = want[name]
-        if dtype != _dtype_name(wdtype) or tuple(shape) != wshape:
+        if dtype != _dtype_name(wdtype) or not isinstance(shape, list) or tuple(shape) != wshape:
             raise StateError(f"array {name}: {dtype} {shape}, this server needs {_dtype_name(wdtype)} {list(wshape)}")
         size = int(np.prod(wshape, dtype=np.int64)) * wdtype.size
         if off + size > len(payload):
