@@ -2,12 +2,13 @@
 
 Turn 1: --tokens random prompt ids (streamed completion, --output-len tokens, greedy, ignore_eos). Turn 2:
 the ids turn 1 left in the cache (read back from GET /v1/state/{id}: its prompt + the generated ids it
-fed) + --tail new ids. Cold: another random prompt of turn 2's length (no cached prefix). Each TTFT is
+fed) + --tail new ids. Cold: another random prompt of turn 2's length on the same server (a miss), or, with
+--cold-server-args, the same turn-2 prompt on a second server (cache off). Each TTFT is
 the first streamed token's arrival; the figure is cold / warm (the issue's H200 point: >= 10x at 16K,
-43 layers, release precision). Starts its own server unless --url is given; one server serves all arms,
-so the full model is loaded once.
+43 layers, release precision). Starts its own server unless --url is given.
 
-    python bench/prefix_turn.py --server-args "--model /path/to/DeepSeek-V4-Flash --max-model-len 32768" \\
+    python bench/prefix_turn.py --server-args "--model DIR --max-model-len 32768" \\
+        [--cold-server-args "--model DIR --max-model-len 32768 --prefix-cache-gib 0"] \\
         [--tokens 16384] [--output-len 32] [--tail 64] [--repeats 2] [--out prefix_turn.json]
 """
 
@@ -82,6 +83,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default=None, help="a running server; default: start one")
     ap.add_argument("--server-args", default="", help="args for the server we start (--model ...)")
+    ap.add_argument("--cold-server-args", default="",
+                    help="the cold arm on its own server (e.g. the same args + --prefix-cache-gib 0), started after "
+                    "the first one stops, fed the same turn-2 prompts; default: a fresh prompt on the same "
+                    "server")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=1800)
     ap.add_argument("--tokens", type=int, default=16384, help="turn 1's prompt length")
     ap.add_argument("--output-len", type=int, default=32)
@@ -108,15 +113,27 @@ def main() -> None:
             base = state_tokens(url, t1["id"]) if t1["id"] else None
             second = (base or []) + ids(opt.tail)
             t2 = ttft(url, second, opt.output_len)
-            cold = ttft(url, ids(len(second)), opt.output_len)
-            x = cold["ttft_s"] / t2["ttft_s"]
-            runs.append({"turn1": t1, "turn2": t2, "cold": cold, "speedup": x})
-            print(f"turn 1 {t1['ttft_s']:.2f} s | turn 2 {t2['ttft_s']:.3f} s (cached {t2['cached']} of "
-                  f"{t2['prompt']}) | cold {cold['ttft_s']:.2f} s | {x:.1f}x", flush=True)
+            cold = None if opt.cold_server_args else ttft(url, ids(len(second)), opt.output_len)
+            runs.append({"turn1": t1, "turn2": t2, "cold": cold, "second_prompt": second})
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(60)
+            proc.wait(120)
+    if opt.cold_server_args:  # the same turn-2 prompts on a server started with these args (cache off)
+        port = free_port()
+        proc = start(port, opt.cold_server_args.split(), opt.ready_timeout)
+        try:
+            for run in runs:
+                run["cold"] = ttft(f"http://127.0.0.1:{port}", run["second_prompt"], opt.output_len)
+        finally:
+            proc.terminate()
+            proc.wait(120)
+    for run in runs:
+        t1, t2, cold = run["turn1"], run["turn2"], run.pop("cold")
+        run["cold"], run["speedup"] = cold, cold["ttft_s"] / t2["ttft_s"]
+        del run["second_prompt"]
+        print(f"turn 1 {t1['ttft_s']:.2f} s | turn 2 {t2['ttft_s']:.3f} s (cached {t2['cached']} of "
+              f"{t2['prompt']}) | cold {cold['ttft_s']:.2f} s | {run['speedup']:.1f}x", flush=True)
     out = {"bench": "prefix_turn", "args": vars(opt), "runs": runs, "provenance": provenance()}
     Path(opt.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {opt.out}")
