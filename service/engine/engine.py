@@ -173,10 +173,15 @@ class Engine:
         return None if new is None else (new, entry.length)  # type: ignore[union-attr]
 
     def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> None:
-        """After a prefill piece: a snapshot at every interval boundary and at the prompt's end."""
+        """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary if it fits
+        the budget as it is (those never evict another entry)."""
         cache = self.prefix_cache
-        if cache is not None and fed and ((cache.interval and fed % cache.interval == 0) or fed == len(prompt_ids) - 1):
+        if cache is None or not fed:
+            return
+        if fed == len(prompt_ids) - 1:
             cache.store(handle, prompt_ids[:fed])
+        elif cache.interval and fed % cache.interval == 0:
+            cache.store(handle, prompt_ids[:fed], optional=True)
 
     def retire(self, handle: Handle, tokens: Sequence[int], request_id: str) -> None:
         """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""

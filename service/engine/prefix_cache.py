@@ -126,14 +126,16 @@ class PrefixCache:
         return pools.rebind(handle, tables)
 
     # ---- store / evict -------------------------------------------------------------------------
-    def store(self, handle: StateHandle, tokens: Sequence[int], request_id: str | None = None) -> Entry | None:
+    def store(self, handle: StateHandle, tokens: Sequence[int], request_id: str | None = None,
+              optional: bool = False) -> Entry | None:  # fmt: skip
         """Cache the state `handle` holds after `tokens` (its first len(tokens) positions). None when the
-        entry alone would not fit the budget."""
+        entry alone would not fit the budget, or, `optional` (a snapshot inside a prompt), when it would
+        not fit without evicting another."""
         key = token_key(tokens)
         entry = self._entries.get(key)
         if entry is None:
             pages = {r: handle.tables[r][:k] for r, k in self.pages_of(len(tokens)).items()}
-            if self._cost(pages) > self.budget:
+            if self._cost(pages) > (self.budget - self.bytes if optional else self.budget):
                 return None
             entry = self._add(Entry(key, self.pools.slot_state(handle.slot), pages))
         self._entries.move_to_end(key)

@@ -200,3 +200,18 @@ def test_export_import_moves_a_state_between_page_sizes_and_refuses_others(tiny,
     for why, blob in bad.items():
         with pytest.raises(StateError, match=why):
             import_state(there, blob, ident, args.vocab_size, CAP)
+
+
+def test_an_optional_snapshot_never_evicts(tiny, prompt) -> None:
+    model, args = tiny
+    pools = StatePools(args, max_slots=2, max_positions=CAP, page_size=PAGE)
+    one = pools.slot_bytes() + 5 * pools.page_bytes(4) + pools.page_bytes(128)  # a 150-token prefix
+    cache = PrefixCache(pools, one + pools.slot_bytes(), interval=0)
+    h = pools.alloc(CAP)
+    model.prefill(pools, h, prompt[:150], 0, chunk=150, logits=False)
+    assert cache.store(h, prompt[:150]) is not None
+    other = [1, *prompt[1:150]]  # unrelated: its pages are new
+    g = pools.alloc(CAP)
+    model.prefill(pools, g, other, 0, chunk=150, logits=False)
+    assert cache.store(g, other, optional=True) is None and cache.evictions == 0 and len(cache) == 1
+    assert cache.store(g, other) is not None and cache.evictions == 1  # a required one evicts LRU
