@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
+from bench.common import provenance  # noqa: E402
 from bench.serve import free_port  # noqa: E402
 
 
@@ -134,7 +134,8 @@ def main() -> None:
         del run["second_prompt"]
         print(f"turn 1 {t1['ttft_s']:.2f} s | turn 2 {t2['ttft_s']:.3f} s (cached {t2['cached']} of "
               f"{t2['prompt']}) | cold {cold['ttft_s']:.2f} s | {run['speedup']:.1f}x", flush=True)
-    out = {"bench": "prefix_turn", "args": vars(opt), "runs": runs, "provenance": provenance()}
+    meta = {"bench": "prefix_turn", "args": vars(opt), "date": time.strftime("%Y-%m-%d %H:%M:%S")} | provenance()
+    out = {"meta": meta, "results": runs}
     Path(opt.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {opt.out}")
 
