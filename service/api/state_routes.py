@@ -37,7 +37,7 @@ async def _on_engine(ctl: Controller, fn: Any) -> Any:
 @router.get("/v1/state/{state_id}")
 async def export_state(state_id: str, request: Request) -> Response:
     ctl = _ctl(request)
-    ctl.check_ready()
+    await ctl.wait_ready()
 
     def run(engine: Any) -> bytes:
         from service.engine.state_io import export_for
@@ -52,7 +52,7 @@ async def export_state(state_id: str, request: Request) -> Response:
 @router.post("/v1/state")
 async def import_state(request: Request) -> Response:
     ctl = _ctl(request)
-    ctl.check_ready()
+    await ctl.wait_ready()
     if int(request.headers.get("content-length") or 0) > MAX_STATE_BYTES:
         raise APIError(413, f"a state is at most {MAX_STATE_BYTES} bytes", code="state_too_large")
     data = await request.body()
