@@ -3,6 +3,11 @@
 Allocated once; a request gets a slot and, per compression ratio, the pages its positions can reach
 (prompt + max_tokens) at admission. Nothing is reallocated or copied while it grows; freeing makes the
 slot and pages reusable at once. Page 0 of every page pool is the trash page (see ARCHITECTURE.md).
+
+Pages are reference-counted: the prefix cache (service/engine/prefix_cache.py) holds pages of finished
+or running requests and maps full ones read-only into other requests' tables; a page returns to the free
+list when its last holder lets go. The slot helpers (`slot_state`, `load_slot`) copy a slot's fixed-size
+state (window ring + compressor windows) out and back in.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class StatePools:
         mx.eval(self.arrays())
         self._free_slots = list(range(max_slots))
         self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}
+        self._refs = {r: [0] * self.pages[r] for r in ratios}  # holders of each page (handles + cache)
         self._live: dict[int, StateHandle] = {}
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -127,10 +133,7 @@ class StatePools:
         if not self.can_alloc(positions):
             raise RuntimeError(f"StatePools.alloc: no free slot or pages for {positions} positions")
         slot = self._free_slots.pop(0)
-        tables = {}
-        for r in self.ratios:
-            n = self.pages_for(positions, r)
-            tables[r], self._free_pages[r] = tuple(self._free_pages[r][:n]), self._free_pages[r][n:]
+        tables = {r: self.new_pages(r, self.pages_for(positions, r)) for r in self.ratios}
         self._reset_slot(slot)
         handle = StateHandle(slot=slot, capacity=positions, tables=tables)
         self._live[slot] = handle
@@ -142,7 +145,119 @@ class StatePools:
         del self._live[handle.slot]
         self._free_slots.append(handle.slot)
         for r, t in handle.tables.items():
-            self._free_pages[r].extend(t)
+            self.unref_pages(r, t)
+
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots)
+
+    # ---- shared pages --------------------------------------------------------------------------
+    def free_pages(self, ratio: int) -> int:
+        return len(self._free_pages[ratio])
+
+    def new_pages(self, ratio: int, n: int) -> tuple[int, ...]:
+        """n fresh pages of `ratio`, each with one holder (the caller)."""
+        if n > len(self._free_pages[ratio]):
+            raise RuntimeError(f"StatePools.new_pages: {n} pages of ratio {ratio} wanted, "
+                               f"{len(self._free_pages[ratio])} free")  # fmt: skip
+        got, self._free_pages[ratio] = tuple(self._free_pages[ratio][:n]), self._free_pages[ratio][n:]
+        for p in got:
+            self._refs[ratio][p] = 1
+        return got
+
+    def ref_pages(self, ratio: int, pages: tuple[int, ...]) -> None:
+        """One more holder of each page (it must be held already)."""
+        for p in pages:
+            if self._refs[ratio][p] < 1:
+                raise ValueError(f"StatePools.ref_pages: page {p} of ratio {ratio} is free")
+            self._refs[ratio][p] += 1
+
+    def unref_pages(self, ratio: int, pages: tuple[int, ...]) -> None:
+        """One holder fewer; a page nobody holds is free again."""
+        for p in pages:
+            if self._refs[ratio][p] < 1:
+                raise ValueError(f"StatePools.unref_pages: page {p} of ratio {ratio} is already free")
+            self._refs[ratio][p] -= 1
+            if not self._refs[ratio][p]:
+                self._free_pages[ratio].append(p)
+
+    def page_refs(self, ratio: int, page: int) -> int:
+        return self._refs[ratio][page]
+
+    def rebind(self, handle: StateHandle, tables: dict[int, tuple[int, ...]]) -> StateHandle:
+        """The live handle of `handle.slot` with other tables (the caller moved the page references)."""
+        if self._live.get(handle.slot) is not handle:
+            raise ValueError(f"StatePools.rebind: slot {handle.slot} is not held by this handle")
+        new = StateHandle(slot=handle.slot, capacity=handle.capacity, tables=tables)
+        self._live[handle.slot] = new
+        return new
+
+    def copy_page(self, ratio: int, src: int, dst: int) -> None:
+        """Page `src` -> page `dst` in every pool of `ratio` (copy-before-write of a shared partial page)."""
+        for _, pools, layer in self._page_fields(ratio):
+            page = pools[layer][src] * 1  # its own buffer first: the update may then reuse the pool's
+            mx.eval(page)
+            pools[layer][dst] = page
+            pools[layer] = mx.contiguous(pools[layer])
+
+    def _page_fields(self, ratio: int) -> list[tuple[str, dict[int, mx.array], int]]:
+        """(name, pools, layer) of every page pool of `ratio`: `ckv<layer>`, `ikeys<layer>`."""
+        return [(f"{name}{layer}", pools, layer) for name, pools in (("ckv", self.ckv), ("ikeys", self.ikeys))
+                for layer in pools if self.args.compress_ratios[layer] == ratio]  # fmt: skip
+
+    def page_pools(self, ratio: int) -> dict[str, mx.array]:
+        """Every page pool of `ratio` by name, [pages, page_size, d]."""
+        return {name: pools[layer] for name, pools, layer in self._page_fields(ratio)}
+
+    def read_entries(self, ratio: int, table: tuple[int, ...], n: int) -> dict[str, mx.array]:
+        """The first n entries of `table` in every page pool of `ratio`: name -> [n, d]."""
+        ids = mx.arange(n, dtype=mx.int32)
+        pages = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size]
+        return {name: pools[layer][pages, ids % self.page_size] for name, pools, layer in self._page_fields(ratio)}
+
+    def write_entries(self, ratio: int, table: tuple[int, ...], entries: dict[str, mx.array]) -> None:
+        """`read_entries`' inverse: entries [n, d] by name into the first n places of `table`."""
+        fields = self._page_fields(ratio)
+        if entries.keys() != {f[0] for f in fields}:
+            raise ValueError(f"StatePools.write_entries: names do not match the pools of ratio {ratio}")
+        for name, pools, layer in fields:
+            x = entries[name]
+            if not x.shape[0]:
+                continue
+            ids = mx.arange(x.shape[0], dtype=mx.int32)
+            pages = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size]
+            pools[layer][pages, ids % self.page_size] = x.astype(self.dtype)
+            pools[layer] = mx.contiguous(pools[layer])
+
+    # ---- slot copies ---------------------------------------------------------------------------
+    def _slot_fields(self) -> list[tuple[str, list[mx.array] | dict[int, mx.array], int]]:
+        """(name, container, key) of every per-slot array: `window<layer>`, `comp_kv<layer>`, ..."""
+        out: list[tuple[str, list[mx.array] | dict[int, mx.array], int]] = [
+            (f"window{i}", self.window, i) for i in range(len(self.window))
+        ]
+        for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
+            pools = getattr(self, name)
+            out += [(f"{name}{layer}", pools, layer) for layer in pools]
+        return out
+
+    def slot_arrays(self) -> dict[str, mx.array]:
+        """Every per-slot array by name, [slots, ...]."""
+        return {name: c[k] for name, c, k in self._slot_fields()}
+
+    def slot_state(self, slot: int) -> dict[str, mx.array]:
+        """A copy of the slot's fixed-size state (window ring, compressor windows), evaluated: later
+        writes to the slot (also in-place kernels') leave it alone."""
+        out = {name: c[k][slot] * 1 for name, c, k in self._slot_fields()}  # * 1: a new buffer, not a view
+        mx.eval(list(out.values()))
+        return out
+
+    def load_slot(self, slot: int, state: dict[str, mx.array]) -> None:
+        """Write a `slot_state` copy into `slot` (the pools stay row-major buffers, as in _reset_slot)."""
+        fields = self._slot_fields()
+        if state.keys() != {f[0] for f in fields}:
+            raise ValueError("StatePools.load_slot: state does not match these pools' arrays")
+        for name, c, k in fields:
+            c[k][slot] = state[name]
+            c[k] = mx.contiguous(c[k])
 
     def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
         """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one

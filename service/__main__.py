@@ -41,6 +41,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")
     p.add_argument(
+        "--prefix-cache-gib", type=float,
+        help="prefix cache budget in GiB (default: a quarter of the decode state, at least 64 MiB; 0: off)  "
+        "[DSV4_PREFIX_CACHE_GIB]",
+    )
+    p.add_argument(
+        "--prefix-cache-interval", type=int,
+        help="prompt positions between prefix cache snapshots (default 128; 0: only at prompt and request "
+        "ends)  [DSV4_PREFIX_CACHE_INTERVAL]",
+    )
+    p.add_argument(
         "--drain-timeout", type=float, help="SIGTERM drain seconds (default 30)  [DSV4_DRAIN_TIMEOUT]"
     )
     p.add_argument(

@@ -31,6 +31,8 @@ class Settings(BaseModel):
     prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 256
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
+    prefix_cache_gib: float | None = Field(None, ge=0)  # prefix cache budget; None: a share of the state, 0: off
+    prefix_cache_interval: int = Field(128, ge=0)  # prompt positions between prefix cache snapshots; 0: ends only
     drain_timeout: float = Field(30.0, ge=0)  # seconds SIGTERM waits for streams before aborting them
     ready_timeout: float = Field(300.0, ge=0)  # seconds a request waits for the model to load, then 503
     log_level: str = "info"
@@ -78,11 +80,16 @@ class Settings(BaseModel):
         return {"max_rows": self.max_rows, "max_model_len": self.max_model_len,
                 "state_budget_bytes": self.state_budget_bytes, "dequantize": self.dequantize,
                 "load_format": self.load_format, "experts": self.experts, "layers": self.layers,
-                "prefill_chunk": self.prefill_chunk}
+                "prefill_chunk": self.prefill_chunk, "prefix_cache_bytes": self.prefix_cache_bytes,
+                "prefix_interval": self.prefix_cache_interval}
 
     @property
     def state_budget_bytes(self) -> int | None:
         return None if self.max_state_gib is None else int(self.max_state_gib * 2**30)
+
+    @property
+    def prefix_cache_bytes(self) -> int | None:
+        return None if self.prefix_cache_gib is None else int(self.prefix_cache_gib * 2**30)
 
     @classmethod
     def env_names(cls) -> dict[str, str]:

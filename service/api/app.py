@@ -19,6 +19,7 @@ from service.api.metrics import Metrics
 from service.api.protocol import APIError, error_body
 from service.api.responses import router as responses_router
 from service.api.routes import router
+from service.api.state_routes import router as state_router
 from service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
@@ -98,4 +99,5 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
 
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(state_router)
     return app

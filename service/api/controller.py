@@ -86,6 +86,7 @@ class Controller:
         if self.engine is not None:
             s["bytes_in_use"] = self.engine.bytes_in_use()
             s["bytes_budget"] = self.engine.bytes_budget()
+            s.update(getattr(self.engine, "prefix_stats", dict)())
         return s
 
     def abort(self, request_id: str) -> None:

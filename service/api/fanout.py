@@ -25,8 +25,11 @@ class Reply:
     gens: list[Generation]
     created: int = field(default_factory=now)
 
-    def _usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(g.completion_tokens for g in self.gens))
+    def _usage(self) -> dict[str, Any]:
+        # Cached tokens once per prompt too: its n choices share one prompt list (and one prefill).
+        cached = {id(g.prompt_ids): g.cached_tokens for g in self.gens}
+        hit = None if None in cached.values() else sum(cached.values())  # type: ignore[arg-type]
+        return usage(self.prompt_tokens, sum(g.completion_tokens for g in self.gens), hit)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

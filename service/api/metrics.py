@@ -8,6 +8,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   bytes_in_use, bytes_budget: int   decode state bytes (slots + pages) reserved / total
   prefill_tokens_total, prefill_seconds_total   the parallel prefill's prompt tokens / engine time
   steps_ahead_total: int            decode steps queued before the previous one was read back (pipelined)
+  prefix_*                          the prefix cache's lookups, hits, cached tokens, evictions, bytes, entries
 Step durations come through the worker's on_step_metrics hook (observe_step).
 Missing keys are simply not exported."""
 
@@ -53,6 +54,9 @@ class _EngineCollector(Collector):
             ("running", "requests_running", "Requests holding a decode row"),
             ("bytes_in_use", "state_bytes_in_use", "Decode state bytes reserved by running requests"),
             ("bytes_budget", "state_bytes_budget", "Decode state bytes available in the pools"),
+            ("prefix_cache_bytes", "prefix_cache_bytes", "Prefix cache bytes: slot copies + distinct pages held"),
+            ("prefix_cache_page_bytes", "prefix_cache_page_bytes", "Prefix cache bytes of pages (each counted once)"),
+            ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes (slot snapshots)"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
@@ -61,6 +65,12 @@ class _EngineCollector(Collector):
             ("prefill_tokens_total", "prefill_tokens", "Prompt tokens fed by the parallel prefill"),
             ("prefill_seconds_total", "prefill_seconds", "Engine time spent in the parallel prefill"),
             ("steps_ahead_total", "decode_steps_ahead", "Decode steps queued before the previous one was read back"),
+            ("prompt_tokens_computed_total", "prompt_tokens_computed",
+             "Prompt tokens run through the model (parallel prefill or decode step), not taken from a cache"),
+            ("prefix_lookups_total", "prefix_lookups", "Prefix cache lookups"),
+            ("prefix_hits_total", "prefix_hits", "Prefix cache hits (a cached prefix adopted)"),
+            ("prefix_cached_tokens_total", "prefix_cached_tokens", "Prompt tokens taken from the prefix cache"),
+            ("prefix_evictions_total", "prefix_evictions", "Prefix cache entries evicted (LRU)"),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))

@@ -129,6 +129,7 @@ class ResponseBuilder:
         self.msg_id, self.rs_id = new_id("msg"), new_id("rs")
         self.reasoning, self.text = "", ""
         self.output_tokens = 0
+        self.cached_tokens = 0  # the prefix cache's hit (0: none, or no cache)
         self.finish: str | None = None
 
     def _items(self) -> list[dict[str, Any]]:
@@ -170,7 +171,7 @@ class ResponseBuilder:
         }  # fmt: skip
 
     def usage(self) -> dict[str, Any]:
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_tokens + self.output_tokens}  # fmt: skip
 
@@ -179,7 +180,7 @@ class ResponseBuilder:
             self.reasoning += s.delta.reasoning
             self.text += s.delta.content
             self.finish = s.finish_reason or self.finish
-        self.output_tokens = gen.completion_tokens
+        self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
         return self.body()
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
@@ -224,7 +225,7 @@ class ResponseBuilder:
             return
         finally:
             await steps.aclose()
-        self.output_tokens = gen.completion_tokens
+        self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
         yield ev("response.output_text.done", **ids, text=self.text, logprobs=[])
         yield ev("response.content_part.done", **ids, part=self.part(self.text))
         yield ev("response.output_item.done", output_index=out, item=self.message_item(self.text, "completed"))

@@ -65,6 +65,7 @@ class Generation:
     tools: ToolStream | None = None  # chat with tools: DSML tool calls are parsed out of the content
     created: int = field(default_factory=now)
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # from the engine's events (None: no prefix cache)
     finish_reason: str | None = None
 
     async def steps(self) -> AsyncIterator[Step]:
@@ -79,6 +80,8 @@ class Generation:
                     raise APIError(
                         500, f"engine error: {ev.error}", type="internal_error", code="engine_error"
                     )
+                if ev.cached_tokens is not None:
+                    self.cached_tokens = ev.cached_tokens
                 if ev.prompt_logprobs:
                     self.scored += ev.prompt_logprobs
                     if ev.token_id is None and ev.finish_reason is None:

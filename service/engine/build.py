@@ -31,6 +31,8 @@ def build_engine(
     experts: int | None = None,
     layers: int | None = None,
     prefill_chunk: int | None = None,
+    prefix_cache_bytes: int | None = None,
+    prefix_interval: int = 128,
 ):
     """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer. load_format
     'dummy': random weights for model_dir, a preset or a config.json (model/dummy.py), cut to
@@ -61,7 +63,8 @@ def build_engine(
             # Release FP8/FP4 weights stay quantized (mxfp8 / mxfp4) unless asked to decode them.
             model, _args = load_model(model_dir, quantize=not dequantize)
         tokenizer = load_tokenizer(model_dir)
-    kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes}
+    kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes,
+          "prefix_cache_bytes": 0 if sharded else prefix_cache_bytes, "prefix_interval": prefix_interval}
     if sharded and group.rank() == 0:  # type: ignore[attr-defined]
         from model.deepseek_v4 import PREFILL_CHUNK
 

@@ -12,12 +12,15 @@ from kernels.upload import upload
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
 from model.state import StateHandle, StatePools
+from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt_logprobs import score_lazy
 from service.engine.request import PromptLogprob
 
 log = logging.getLogger("dsv4.engine")
 
 Handle = StateHandle
+PREFIX_SHARE = 0.25  # default prefix cache budget: this share of the state pools' bytes ...
+PREFIX_MIN_BYTES = 64 << 20  # ... but at least this much
 
 
 def pools_for_budget(
@@ -72,6 +75,8 @@ class Engine:
         max_model_len: int | None = None,
         state_budget_bytes: int | None = None,
         page_size: int = 64,
+        prefix_cache_bytes: int | None = None,
+        prefix_interval: int = 128,
     ):
         args = model.args
         if not 1 <= max_rows <= 8:
@@ -90,6 +95,8 @@ class Engine:
                                     dtype=model.dtype, page_size=page_size)
             need = max_rows * full.bytes_for(self.max_model_len)
             spare = int(0.9 * free_device_bytes())
+            if prefix_cache_bytes != 0 and self.parallel_prefill:  # the cache's slot copies: outside the pools
+                spare = int(spare * (1 - PREFIX_SHARE / (1 + PREFIX_SHARE)))
             state_budget_bytes = None if need <= spare else spare
             del full
         self.pools = pools_for_budget(
@@ -98,6 +105,15 @@ class Engine:
         )
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
+        # The prefix cache: off for engines without the parallel prefill (a distributed leader: its
+        # followers replay decode steps only). Default budget: a share of the state pools' bytes.
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = max(PREFIX_MIN_BYTES, int(PREFIX_SHARE * self.pools.bytes_total()))
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_bytes > 0 and self.parallel_prefill:
+            self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
+            log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
+                     prefix_interval)  # fmt: skip
 
     # ---- state accounting ----------------------------------------------------------------------
     def state_bytes_for(self, n_tokens: int) -> int:
@@ -117,13 +133,67 @@ class Engine:
         return all(rows * p.pages_for(n_tokens, r) <= p.pages[r] - 1 for r in p.ratios)
 
     def can_admit(self, n_tokens: int) -> bool:
-        return self.pools.can_alloc(n_tokens)
+        """Free pages, or pages the prefix cache alone holds (evicted LRU first until the request fits)."""
+        p, cache = self.pools, self.prefix_cache
+        if p.can_alloc(n_tokens):
+            return True
+        if cache is None or not p.has_free_slot() or not self.fits_ever(n_tokens):
+            return False
+        if any(p.pages_for(n_tokens, r) > p.free_pages(r) + cache.reclaimable(r) for r in p.ratios):
+            return False  # running requests hold the pages: evicting would not help
+        while not p.can_alloc(n_tokens) and cache.evict_one():
+            pass
+        return p.can_alloc(n_tokens)
 
     def admit(self, n_tokens: int) -> Handle:
         return self.pools.alloc(n_tokens)
 
     def release(self, handle: Handle) -> None:
         self.pools.free(handle)
+
+    # ---- the prefix cache (service/engine/prefix_cache.py) -------------------------------------
+    @property
+    def prefix_enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Prefill pieces end at multiples of this (a snapshot each); 0: no snapshots inside prompts."""
+        return self.prefix_cache.interval if self.prefix_cache is not None else 0
+
+    def prefix_version(self) -> int:
+        return self.prefix_cache.version if self.prefix_cache is not None else 0
+
+    def reuse(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> tuple[Handle, int] | None:
+        """Adopt the longest cached prefix of the prompt (never its last token: the step feeds that one)
+        longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
+        cache = self.prefix_cache
+        entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed)
+        new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
+        return None if new is None else (new, entry.length)  # type: ignore[union-attr]
+
+    def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> None:
+        """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary if it fits
+        the budget as it is (those never evict another entry)."""
+        cache = self.prefix_cache
+        if cache is None or not fed:
+            return
+        if fed == len(prompt_ids) - 1:
+            cache.store(handle, prompt_ids[:fed])
+        elif cache.interval and fed % cache.interval == 0:
+            cache.store(handle, prompt_ids[:fed], optional=True)
+
+    def retire(self, handle: Handle, tokens: Sequence[int], request_id: str) -> None:
+        """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""
+        try:
+            if self.prefix_cache is not None and tokens:
+                self.prefix_cache.store(handle, tokens, request_id)
+        except Exception:  # noqa: BLE001 - a failed snapshot must not keep the state
+            log.exception("prefix cache store failed")
+        self.release(handle)
+
+    def prefix_stats(self) -> dict[str, int]:
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
 
     # ---- the step ------------------------------------------------------------------------------
     # The worker may queue step N + 1 with step N's sampled tokens still on the device (`tokens`), so

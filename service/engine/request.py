@@ -78,6 +78,7 @@ class TokenEvent:
     stop_token: int | None = None
     # Scored prompt positions, in order (positions 1.. of the prompt; position 0 has none).
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (None: no cache)
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Request:
     # The prompt logprobs scored so far, kept for followers (they get them at the fork).
     scored: list[PromptLogprob] = field(default_factory=list, repr=False, compare=False)
     guide_state: Any = None  # the grammar matcher of a guided request (engine thread only)
+    cached: int | None = None  # prompt tokens adopted from the prefix cache (None: the cache is off)
+    prefix_seen: int = -1  # the prefix cache's version at this request's last lookup
 
     @property
     def total_len(self) -> int:
@@ -117,3 +120,11 @@ def check_admissible(prompt_ids: list[int], params: SamplingParams, max_model_le
     if n > max_fit_tokens:
         raise ValueError(f"{what} positions exceed the {max_fit_tokens} that fit the decode state "
                          f"budget of {bytes_budget} bytes")  # fmt: skip
+
+
+class StateError(ValueError):
+    """A decode state this server cannot import or export: malformed, corrupt, another version or model."""
+
+
+class StateNotFound(LookupError):
+    """No cached decode state under this id (never finished here, or evicted)."""

@@ -5,6 +5,11 @@ prompt token while prefilling, else its last generated token, at position `reque
 are sampled only for rows whose fed token is the last prompt token or a generated one
 (`needs_sample`). Before the step, `prefill_work` hands out prompt tokens (all but the last) for
 the engine's parallel prefill, up to a per-step token budget, oldest request first.
+
+With an engine that has a prefix cache (the optional `reuse` / `retire` / `snapshot_interval` of
+Admission), a prefilling request first adopts the longest cached prefix of its prompt (`reuse_prefix`),
+prefill pieces end at the snapshot interval's multiples, and a request that ends normally hands the
+state of the tokens it fed to the cache (`retire`) instead of just freeing it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Admission(Protocol):
     def can_admit(self, n_tokens: int) -> bool: ...
     def admit(self, n_tokens: int) -> Any: ...
     def release(self, handle: Any) -> None: ...
+    # Optional (a prefix cache; service/engine/engine.py): prefix_enabled, snapshot_interval,
+    # prefix_version(), reuse(handle, prompt_ids, fed), retire(handle, tokens, request_id).
 
 
 def reserve_tokens(request: Request) -> int:
@@ -98,9 +105,10 @@ class Scheduler:
             f.leader = request
         self.waiting.append(request)
 
-    def _finish(self, request: Request) -> list[Request]:
+    def _finish(self, request: Request, fed: list[int] | None = None) -> list[Request]:
         """Leave the running/waiting sets and free the state at once (exactly once). Returns the followers
-        that had not forked yet (they end with their leader; the caller gives them their events)."""
+        that had not forked yet (they end with their leader; the caller gives them their events). `fed`:
+        the tokens whose state the request's slot holds, when it ended normally (the prefix cache keeps it)."""
         orphans = [f for f in request.followers if f.status is not RequestStatus.FINISHED]
         request.followers = []
         if request.leader is not None:
@@ -115,7 +123,10 @@ class Scheduler:
         if any(r is request for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if r is not request)
         handle = self.handles.pop(request.request_id, None)
-        if handle is not None:
+        retire = getattr(self.admission, "retire", None)
+        if handle is not None and fed and retire is not None:
+            retire(handle, fed, request.request_id)
+        elif handle is not None:
             self.admission.release(handle)
         return orphans
 
@@ -186,6 +197,8 @@ class Scheduler:
         for r, h in zip(group, handles, strict=True):
             self.handles[r.request_id] = h
             r.status = RequestStatus.RUNNING
+            if getattr(self.admission, "prefix_enabled", False):
+                r.cached = 0
             self.running.append(r)
         return True
 
@@ -207,7 +220,7 @@ class Scheduler:
                 out = [x for x in out if x is not r]
                 continue
             for f in followers:
-                f.leader, f.fed = None, r.fed
+                f.leader, f.fed, f.cached = None, r.fed, r.cached
                 if r.scored:
                     events.append(TokenEvent(f.request_id, prompt_logprobs=tuple(r.scored)))
                 out.append(f)
@@ -245,15 +258,38 @@ class Scheduler:
         stops is wasted, not wrong: its state is freed)."""
         return not self._at_length(r, ahead=1)
 
+    def reuse_prefix(self, r: Request) -> None:
+        """A prefilling request adopts the longest cached prefix of its prompt beyond what it has fed
+        (looked up again only when the cache has changed since its last lookup). Not with prompt logprobs:
+        those score every prompt position, so each must be computed."""
+        reuse = getattr(self.admission, "reuse", None)
+        if reuse is None or r.status is not RequestStatus.RUNNING or r.fed >= len(r.prompt_ids) - 1:
+            return
+        if r.params.prompt_logprobs is not None or r.leader is not None:
+            return
+        version = self.admission.prefix_version()  # type: ignore[attr-defined]
+        if r.prefix_seen == version:
+            return
+        r.prefix_seen = version
+        got = reuse(self.handles[r.request_id], r.prompt_ids, r.fed)
+        if got is not None:
+            self.handles[r.request_id], r.fed = got
+            r.cached = r.fed
+
     def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
         """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
-        tokens in all; a prompt's last token is left for the step (its logits are sampled)."""
+        tokens in all; a prompt's last token is left for the step (its logits are sampled). Pieces end
+        at multiples of the engine's snapshot interval (a prefix cache snapshot after each)."""
         work = []
+        every = getattr(self.admission, "snapshot_interval", 0)
         for r in plan:
-            n = min(budget, len(r.prompt_ids) - 1 - r.fed)
-            if n > 0:
-                work.append((r, self.handles[r.request_id], r.prompt_ids[r.fed : r.fed + n], r.fed))
-                budget -= n
+            start = r.fed
+            end = start + max(0, min(budget, len(r.prompt_ids) - 1 - start))
+            budget -= end - start
+            while start < end:
+                stop = min(end, (start // every + 1) * every) if every else end
+                work.append((r, self.handles[r.request_id], r.prompt_ids[start:stop], start))
+                start = stop
         return work
 
     def prefilled(self, request: Request, n: int) -> None:
@@ -268,8 +304,9 @@ class Scheduler:
             out.append((self.handles[r.request_id], token, r.fed))
         return out
 
-    def on_step(self, sampled: dict[str, Sampled]) -> list[TokenEvent]:
-        """Account the last plan's step; `sampled` holds the rows whose logits were sampled."""
+    def on_step(self, sampled: dict[str, Sampled], ahead: frozenset[str] = frozenset()) -> list[TokenEvent]:
+        """Account the last plan's step; `sampled` holds the rows whose logits were sampled; `ahead`: the
+        rows of a step already queued (fed the token sampled now)."""
         events: list[TokenEvent] = []
         for r in self._last_plan:
             if r.status is not RequestStatus.RUNNING:
@@ -279,16 +316,18 @@ class Scheduler:
                 continue
             token, logprob, top = sampled[r.request_id]
             reason = self._stop_reason(r, token)
+            fed = (r.prompt_ids + r.output_ids)[: r.fed]
             if reason is FinishReason.STOP:
-                # The stop/EOS token ends the stream without being emitted as text.
-                events.append(TokenEvent(r.request_id, None, logprob, top, FinishReason.STOP, stop_token=token))
-                self._finish(r)
+                # The stop/EOS token ends the stream without being emitted as text (a step queued ahead fed it).
+                events.append(TokenEvent(r.request_id, None, logprob, top, FinishReason.STOP, stop_token=token,
+                                         cached_tokens=r.cached))  # fmt: skip
+                self._finish(r, fed + [token] if r.request_id in ahead else fed)
                 continue
             r.output_ids.append(token)
-            events.append(TokenEvent(r.request_id, token, logprob, top))
+            events.append(TokenEvent(r.request_id, token, logprob, top, cached_tokens=r.cached))
             if self._at_length(r):
-                events.append(TokenEvent(r.request_id, finish_reason=FinishReason.LENGTH))
-                self._finish(r)
+                events.append(TokenEvent(r.request_id, finish_reason=FinishReason.LENGTH, cached_tokens=r.cached))
+                self._finish(r, fed)
         self._last_plan = []
         return events
 

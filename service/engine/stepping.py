@@ -25,36 +25,68 @@ def has_penalty(p: SamplingParams) -> bool:
 def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             budget: int) -> tuple[list[TokenEvent], int, float]:  # fmt: skip
     """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
-    tokens prefilled, seconds). The chunks go through ONE forward (`engine.prefill_batch`), except those
-    of requests asking for prompt logprobs (the head over every token: `engine.prefill`, one each). A
-    failed forward fails the requests in it (their state is half-written); the decode rows go on."""
+    tokens prefilled, seconds). The prefix cache goes first (a hit moves `fed` on). The chunks go through
+    shared forwards (`engine.prefill_batch`), one piece of each request a forward (the cache cuts a prompt
+    at its snapshot interval and snapshots the state after each piece), except those of requests asking
+    for prompt logprobs (the head over every token: `engine.prefill`, one each). A failed forward fails
+    the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
-    done, t0 = [], time.perf_counter()
-    work = sched.prefill_work(plan, budget)
-    batch = [w for w in work if w[0].params.prompt_logprobs is None]
-    if batch:
+    done, t0 = 0, time.perf_counter()
+    for r in plan:
         try:
-            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in batch])
-            done += batch
-        except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
-            log.exception("prefill failed (%d requests, %d tokens)", len(batch), sum(len(w[2]) for w in batch))
-            events += sched.fail([w[0].request_id for w in batch], f"prefill failed: {type(e).__name__}: {e}")
+            sched.reuse_prefix(r)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
+            log.exception("prefix reuse failed")
+            events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
+    snapshot = getattr(engine, "prefilled", None)
+    work = sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING], budget)
+    rounds: list[list[tuple[Request, Any, list[int], int]]] = []  # round i: the i-th piece of each request
+    scored: list[tuple[Request, Any, list[int], int]] = []
+    pieces: dict[str, int] = {}
     for w in work:
-        r, handle, tokens, start = w
-        k = r.params.prompt_logprobs
-        if k is None:
+        if w[0].params.prompt_logprobs is not None:
+            scored.append(w)
+            continue
+        i = pieces[w[0].request_id] = pieces.get(w[0].request_id, -1) + 1
+        if i == len(rounds):
+            rounds.append([])
+        rounds[i].append(w)
+
+    def finished(r: Request, handle: Any, tokens: list[int]) -> None:
+        nonlocal done
+        sched.prefilled(r, len(tokens))
+        done += len(tokens)
+        if snapshot is not None:
+            try:
+                snapshot(handle, r.prompt_ids, r.fed)
+            except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
+                log.exception("prefix snapshot failed")
+
+    for rnd in rounds:
+        live = [w for w in rnd if w[0].status is RequestStatus.RUNNING]  # an earlier piece may have failed
+        if not live:
+            continue
+        try:
+            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in live])
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
+            log.exception("prefill failed (%d requests, %d tokens)", len(live), sum(len(w[2]) for w in live))
+            events += sched.fail([w[0].request_id for w in live], f"prefill failed: {type(e).__name__}: {e}")
+            continue
+        for r, handle, tokens, _ in live:
+            finished(r, handle, tokens)
+    for r, handle, tokens, start in scored:
+        if r.status is not RequestStatus.RUNNING:
             continue
         try:  # the head over every token, scoring the prompt token after each
             nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
-            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=k, next_ids=nxt)))
-            done.append(w)
+            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=r.params.prompt_logprobs,
+                                                         next_ids=nxt)))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
             log.exception("prefill failed (%d tokens)", len(tokens))
             events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
-    for r, _, tokens, _ in done:
-        sched.prefilled(r, len(tokens))
-    n = sum(len(w[2]) for w in done)
-    return events, n, time.perf_counter() - t0 if n else 0.0
+            continue
+        finished(r, handle, tokens)
+    return events, done, time.perf_counter() - t0 if done else 0.0
 
 
 @dataclass
@@ -141,7 +173,8 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
         return events + sched.on_step({}), 0, None, None
     now = time.perf_counter()
-    events = scored + sched.on_step(sampled)
+    ahead_ids = frozenset(r.request_id for r in nxt.rows) if nxt is not None else frozenset()
+    events = scored + sched.on_step(sampled, ahead_ids)
     if nxt is not None:
         nxt.since = now
     if spec_failed is not None:
@@ -157,6 +190,7 @@ class Outcome:
     events: list[TokenEvent]
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prompt_steps: int = 0  # prompt tokens fed through the decode step (each prefilling row's next one)
     rows: int = 0
     sampled: int = 0
     seconds: float = 0.0
@@ -203,10 +237,11 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     if not plan:
         out.events += sched.on_step({})
         return out, None
+    prompt_steps = sum(r.fed < len(r.prompt_ids) for r in plan)
     step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline)
     out.events += step_events
     if dt is not None:  # None: the step failed and its rows were failed
-        out.rows, out.sampled, out.seconds = len(plan), sampled, dt
+        out.rows, out.sampled, out.seconds, out.prompt_steps = len(plan), sampled, dt, prompt_steps
     return out, nxt
 
 
@@ -225,11 +260,13 @@ class Counters:
     step_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens fed by the parallel prefill
     prefill_seconds: float = 0.0
+    prompt_computed: int = 0  # prompt tokens run through the model (prefill + decode step): not from a cache
     rows_hist: list[int] = field(default_factory=lambda: [0] * 9)  # index = rows in a step
 
     def record(self, out: Outcome) -> None:
         self.prefill_tokens += out.prefill_tokens
         self.prefill_seconds += out.prefill_seconds
+        self.prompt_computed += out.prefill_tokens + out.prompt_steps
         if out.rows:
             self.steps += 1
             self.steps_ahead += out.ahead
@@ -250,5 +287,6 @@ class Counters:
             "step_seconds_total": self.step_seconds,
             "prefill_tokens_total": self.prefill_tokens,
             "prefill_seconds_total": self.prefill_seconds,
+            "prompt_tokens_computed_total": self.prompt_computed,
             "rows_per_step": list(self.rows_hist),  # rows_per_step[r] = steps with r rows
         }

@@ -184,6 +184,16 @@ class EngineWorker:
         """Thread-safe; the engine frees the row before its next step. Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (state export / import); its result, or
+        its exception raised here."""
+        if not self.ready:
+            raise EngineNotReady("engine is not ready")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("call", (fn, loop, fut)))
+        return await fut
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self._c.snapshot(self.ready)
@@ -316,6 +326,8 @@ class EngineWorker:
                     events += [TokenEvent(r.request_id, error=str(e)) for r in (arg, *arg.followers)]
             elif kind == "abort":
                 events += sched.abort_group(arg)
+            elif kind == "call":
+                _settle(*arg, self._engine)
             elif kind == "stop":
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
@@ -330,6 +342,22 @@ class EngineWorker:
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("on_step_metrics failed")
         return out.events
+
+
+def _settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], engine: Any) -> None:
+    try:
+        result, err = fn(engine), None
+    except Exception as e:  # noqa: BLE001 - handed to the caller
+        result, err = None, e
+
+    def done() -> None:
+        if not fut.cancelled():
+            fut.set_result(result) if err is None else fut.set_exception(err)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # that loop is closed: nobody is waiting
+        pass
 
 
 def _deliver(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:

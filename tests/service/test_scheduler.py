@@ -270,3 +270,51 @@ def test_can_pipeline_only_while_nobody_waiting_could_be_admitted() -> None:
     reqs[0].output_ids += [7, 7]  # r0's next token reaches max_tokens and frees a row for r2
     assert not can_pipeline(PipelinedEngine(), sched, plan)
     assert not can_pipeline(object(), sched, plan[1:])  # an engine without device-token steps
+
+
+class SnapshotLedger(Ledger):
+    """A ledger with the prefix cache's optional hooks: pieces end at multiples of 8, retire records."""
+
+    snapshot_interval = 8
+    prefix_enabled = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.retired: list[tuple[int, list[int], str]] = []
+
+    def retire(self, h: int, tokens: list[int], request_id: str) -> None:
+        self.retired.append((h, list(tokens), request_id))
+        self.release(h)
+
+
+def test_prefill_pieces_end_at_the_snapshot_interval_and_finish_retires_the_fed_tokens() -> None:
+    led = SnapshotLedger()
+    s, _ = make(led)
+    a, b = req("a", n_prompt=21, max_tokens=2, ignore_eos=True), req("b", n_prompt=4, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    plan = s.plan()
+    assert a.cached == 0 and b.cached == 0
+    work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=19)]
+    assert work == [("a", 0, 8), ("a", 8, 8), ("a", 16, 3)]  # 19 tokens, cut at 8 and 16; none left for b
+    for r, _, toks, _ in s.prefill_work(plan, budget=100):
+        s.prefilled(r, len(toks))
+    s.feeds(plan)
+    s.on_step({"a": (40, None, ()), "b": (EOS, None, ())})  # b stops on EOS, a samples its first token
+    assert led.retired == [(2, [10, 11, 12, 13], "b")]  # b fed its prompt; the EOS was not fed
+    run_step(s, default=41)  # a's second token: max_tokens
+    assert led.retired[-1] == (1, list(range(10, 31)) + [40], "a")  # its prompt + the first token
+
+
+def test_a_stop_fed_by_a_step_queued_ahead_is_part_of_the_retired_state() -> None:
+    led = SnapshotLedger()
+    s, _ = make(led)
+    a = req("a", n_prompt=3, max_tokens=5)
+    s.add(a)
+    run_step(s, default=3)  # token serial: prompt 10 at 0
+    run_step(s, default=3)
+    run_step(s, default=30)  # the last prompt token: samples 30
+    plan = s.plan()
+    s.feeds(plan)
+    s.on_step({"a": (EOS, None, ())}, ahead=frozenset({"a"}))  # a step queued ahead already fed the EOS
+    assert led.retired == [(1, [10, 11, 12, 30, EOS], "a")]

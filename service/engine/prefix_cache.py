@@ -1,0 +1,218 @@
+"""Prefix cache of V4's decode state: a later request whose prompt starts with a cached token prefix
+prefills only the rest.
+
+A request's state after p tokens is its slot (window ring + compressor windows: fixed size) and, per
+compression ratio r, the first p // r compressed entries (+ indexer keys) in its pages. An `Entry`
+is both, keyed by the exact token ids: a copy of the slot (`StatePools.slot_state`) and references
+to the pages holding those entries (`StatePools.ref_pages`: shared, read-only, refcounted).
+Adopting an entry copies the slot copy into the request's slot, maps the entry's full pages into its
+tables in place of its own, and copies the last, partial page into the request's own page (the
+request writes its next entries there: copy-before-write). Entries are exact (bytes keys, no hash
+collisions) and live under a byte budget with LRU eviction; evicting drops only the cache's page
+references, so a page a running request maps stays. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from model.state import StateHandle, StatePools
+
+
+def token_key(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
+@dataclass
+class Entry:
+    key: bytes  # the prefix's token ids, int32
+    slot: dict[str, mx.array]  # StatePools.slot_state
+    pages: dict[int, tuple[int, ...]]  # ratio -> the pages of the prefix's entries (held by the cache)
+    request_ids: set[str] = field(default_factory=set)  # finished requests whose end state this is
+
+    @property
+    def length(self) -> int:
+        return len(self.key) // 4
+
+    def tokens(self) -> list[int]:
+        return np.frombuffer(self.key, dtype=np.int32).tolist()
+
+
+class PrefixCache:
+    def __init__(self, pools: StatePools, budget_bytes: int, interval: int = 128) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"PrefixCache: budget_bytes must be >= 1, got {budget_bytes}")
+        if interval < 0:
+            raise ValueError(f"PrefixCache: interval must be >= 0, got {interval}")
+        self.pools, self.budget, self.interval = pools, budget_bytes, interval
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
+        self._lengths: Counter[int] = Counter()
+        self._page_holds: Counter[tuple[int, int]] = Counter()  # (ratio, page) -> entries holding it
+        self._by_request: dict[str, bytes] = {}
+        self.version = 0  # bumped by every store: a request re-looks up only when something new is there
+        self.bytes = 0  # slot copies + distinct pages held
+        self.page_bytes = 0  # of which pages (read by /metrics scrapes on another thread: plain ints only)
+        self.lookups = self.hits = self.cached_tokens = self.evictions = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    def pages_of(self, length: int) -> dict[int, int]:
+        """Pages of a `length`-token prefix per ratio (the last one may be partial)."""
+        page = self.pools.page_size
+        return {r: -(-(length // r) // page) for r in self.pools.ratios}
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "prefix_lookups_total": self.lookups,
+            "prefix_hits_total": self.hits,
+            "prefix_cached_tokens_total": self.cached_tokens,
+            "prefix_evictions_total": self.evictions,
+            "prefix_cache_bytes": self.bytes,
+            "prefix_cache_page_bytes": self.page_bytes,
+            "prefix_cache_entries": len(self._entries),
+        }
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        return token_key(tokens) in self._entries
+
+    # ---- lookup / adopt ------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], longer_than: int = 0) -> Entry | None:
+        """The longest entry that is a prefix of `tokens` and longer than `longer_than` tokens; it becomes
+        the most recently used."""
+        self.lookups += 1
+        buf = token_key(tokens)
+        for n in sorted((n for n in self._lengths if longer_than < n <= len(tokens)), reverse=True):
+            entry = self._entries.get(buf[: 4 * n])
+            if entry is not None:
+                self._entries.move_to_end(entry.key)
+                return entry
+        return None
+
+    def adopt(self, handle: StateHandle, entry: Entry) -> StateHandle | None:
+        """Put `entry`'s state into `handle`'s slot and tables; returns the live handle (new tables), or
+        None (nothing changed) when a page to copy into is not free."""
+        pools, page, n = self.pools, self.pools.page_size, entry.length
+        if n > handle.capacity:
+            raise ValueError(f"PrefixCache.adopt: a {n}-token prefix exceeds the request's capacity {handle.capacity}")
+        # The page the request writes next must be its alone: after an earlier adoption and snapshots of
+        # its own, it may be a cached entry's partial page; then a fresh page takes the copy.
+        fresh = {r: (n // r) % page and pools.page_refs(r, handle.tables[r][(n // r) // page]) > 1
+                 for r in pools.ratios}  # fmt: skip
+        if any(f and pools.free_pages(r) < 1 for r, f in fresh.items()):
+            return None
+        pools.load_slot(handle.slot, entry.slot)
+        tables = {}
+        for r in pools.ratios:
+            full, part = divmod(n // r, page)
+            own, shared = handle.tables[r], entry.pages[r][:full]
+            pools.ref_pages(r, shared)
+            pools.unref_pages(r, own[:full])
+            if fresh[r]:
+                pools.unref_pages(r, own[full : full + 1])
+                own = own[:full] + pools.new_pages(r, 1) + own[full + 1 :]
+            if part:  # the request writes entries n // r.. into this page: its own copy
+                pools.copy_page(r, entry.pages[r][full], own[full])
+            tables[r] = shared + own[full:]
+        mx.eval(pools.arrays())
+        self.hits += 1
+        self.cached_tokens += n
+        return pools.rebind(handle, tables)
+
+    # ---- store / evict -------------------------------------------------------------------------
+    def store(self, handle: StateHandle, tokens: Sequence[int], request_id: str | None = None,
+              optional: bool = False) -> Entry | None:  # fmt: skip
+        """Cache the state `handle` holds after `tokens` (its first len(tokens) positions). None when the
+        entry alone would not fit the budget, or, `optional` (a snapshot inside a prompt), when it would
+        not fit without evicting another."""
+        key = token_key(tokens)
+        entry = self._entries.get(key)
+        if entry is None:
+            pages = {r: handle.tables[r][:k] for r, k in self.pages_of(len(tokens)).items()}
+            if self._cost(pages) > (self.budget - self.bytes if optional else self.budget):
+                return None
+            entry = self._add(Entry(key, self.pools.slot_state(handle.slot), pages))
+        self._entries.move_to_end(key)
+        if request_id is not None:
+            self._by_request[request_id] = key
+            entry.request_ids.add(request_id)
+        self._shrink()
+        return entry if key in self._entries else None
+
+    def insert(self, tokens: Sequence[int], slot: dict[str, mx.array], pages: dict[int, tuple[int, ...]],
+               request_id: str) -> Entry:  # fmt: skip
+        """An entry built elsewhere (an imported state): its pages' one reference passes to the cache."""
+        key = token_key(tokens)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._drop(old)
+        entry = self._add(Entry(key, slot, pages), fresh=True)
+        self._by_request[request_id] = key
+        entry.request_ids.add(request_id)
+        self._shrink()
+        return entry
+
+    def by_request(self, request_id: str) -> Entry | None:
+        key = self._by_request.get(request_id)
+        return None if key is None else self._entries.get(key)
+
+    def reclaimable(self, ratio: int) -> int:
+        """Pages of `ratio` that evicting every entry would free (held by the cache alone)."""
+        return sum(1 for (r, p), n in self._page_holds.items() if r == ratio and self.pools.page_refs(r, p) == n)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry; False when the cache is empty."""
+        if not self._entries:
+            return False
+        _, entry = self._entries.popitem(last=False)
+        self._drop(entry)
+        self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        while self._entries:
+            self._drop(self._entries.popitem(last=False)[1])
+
+    def _cost(self, pages: dict[int, tuple[int, ...]]) -> int:
+        new = sum(self.pools.page_bytes(r) for r, ps in pages.items() for p in ps if (r, p) not in self._page_holds)
+        return self.pools.slot_bytes() + new
+
+    def _add(self, entry: Entry, fresh: bool = False) -> Entry:
+        cost = self._cost(entry.pages)
+        self.bytes += cost
+        self.page_bytes += cost - self.pools.slot_bytes()
+        for r, ps in entry.pages.items():
+            if not fresh:
+                self.pools.ref_pages(r, ps)
+            self._page_holds.update((r, p) for p in ps)
+        self._entries[entry.key] = entry
+        self._lengths[entry.length] += 1
+        self.version += 1
+        return entry
+
+    def _drop(self, entry: Entry) -> None:
+        self._lengths[entry.length] -= 1
+        if not self._lengths[entry.length]:
+            del self._lengths[entry.length]
+        for rid in entry.request_ids:
+            if self._by_request.get(rid) == entry.key:
+                del self._by_request[rid]
+        self.bytes -= self.pools.slot_bytes()
+        for r, ps in entry.pages.items():
+            for p in ps:
+                self._page_holds[(r, p)] -= 1
+                if not self._page_holds[(r, p)]:
+                    del self._page_holds[(r, p)]
+                    self.bytes -= self.pools.page_bytes(r)
+                    self.page_bytes -= self.pools.page_bytes(r)
+            self.pools.unref_pages(r, ps)
+
+    def _shrink(self) -> None:
+        while self.bytes > self.budget and self.evict_one():
+            pass
