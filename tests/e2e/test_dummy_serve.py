@@ -41,7 +41,8 @@ def test_dummy_preset_serves_a_completion(start_server) -> None:
     assert r.status_code == 200, r.text
     got = r.json()
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert got["choices"][0]["text"] == tok.decode(_greedy(ids, 8), skip_special_tokens=False)
 
 
