@@ -2,7 +2,10 @@
 # dsv4-serve: DeepSeek-V4 decode on MLX behind an OpenAI-compatible API.
 #   docker build -t dsv4-serve .                          # CPU MLX (default)
 #   docker build --build-arg MLX_BACKEND=cuda13 -t dsv4-serve:cuda .
-#   docker run -p 8000:8000 -v /path/to/DeepSeek-V4:/models/v4:ro -e DSV4_MODEL=/models/v4 dsv4-serve
+#   docker run -p 8000:8000 -v /path/to/DeepSeek-V4:/models/v4:ro -e DSV4_MODEL=/models/v4 \
+#     -v /path/to/api-keys:/run/secrets/dsv4_api_key:ro dsv4-serve
+# API keys come from a secret file (one key a line) at DSV4_API_KEY_FILE; without that file the server
+# refuses to start. `-e DSV4_API_KEY_FILE=` runs it without keys (anyone who reaches the port can use it).
 ARG PYTHON_VERSION=3.11
 
 # ---- builder: a venv with the package and the chosen MLX build ----------------------------------
@@ -43,7 +46,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     MLX_PTX_CACHE_DIR=/home/dsv4/.cache/mlx-ptx \
     DSV4_HOST=0.0.0.0 \
-    DSV4_PORT=8000
+    DSV4_PORT=8000 \
+    DSV4_API_KEY_FILE=/run/secrets/dsv4_api_key
 USER dsv4
 WORKDIR /home/dsv4
 VOLUME /models

@@ -78,6 +78,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="run as one rank of `mlx.launch -n N -- dsv4-serve serve --distributed`: rank 0 serves HTTP, "
         "the others follow its steps  [DSV4_DISTRIBUTED]",
     )
+    _hardening_flags(p)
+
+
+def _hardening_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-body-mb", type=float,
+                   help="largest request body in MiB, else 413 (default: sized from the context length)  "
+                   "[DSV4_MAX_BODY_MB]")  # fmt: skip
+    p.add_argument("--api-key", action="append",
+                   help="a Bearer key for /v1/* (repeatable; default: no auth)  [DSV4_API_KEY, comma list]")
+    p.add_argument("--api-key-file", help="a file of API keys, one a line  [DSV4_API_KEY_FILE]")
+    p.add_argument("--metrics-key", help="a Bearer key for /metrics (default: open)  [DSV4_METRICS_KEY]")
+    p.add_argument("--stream-queue", type=int,
+                   help="token events held for one slow stream before it is aborted (default 1024)  "
+                   "[DSV4_STREAM_QUEUE]")  # fmt: skip
+    p.add_argument("--stream-stall-timeout", type=float,
+                   help="seconds one stream write may block before the request is aborted (default 60)  "
+                   "[DSV4_STREAM_STALL_TIMEOUT]")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +178,11 @@ def check_dummy(settings: Settings) -> str | None:
 
 
 def serve(settings: Settings, sock: socket.socket | None = None) -> int:
+    try:
+        settings.api_keys()  # an unreadable or empty key file stops start-up here
+    except (OSError, ValueError) as e:
+        print(f"dsv4-serve: --api-key-file: {e}", file=sys.stderr)
+        return 2
     bad = check_dummy(settings)
     if bad:
         print(f"dsv4-serve: invalid settings: {bad}", file=sys.stderr)
@@ -178,10 +200,15 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # Runs on the main (= event loop) thread: start the drain now, before uvicorn waits for
-            # the open streams (it only runs the lifespan shutdown after they have all closed).
-            app.state.ctl.begin_drain_threadsafe()
-            super().handle_exit(sig, frame)
+            # The first signal drains while the socket still accepts (new requests get 503 +
+            # Retry-After, /ready 503); uvicorn's own shutdown starts when the drain has ended. A
+            # second signal shuts down at once (uvicorn's graceful path, then its forced exit).
+            ctl = app.state.ctl
+            if getattr(self, "drain_begun", False) or ctl.loop is None:
+                super().handle_exit(sig, frame)
+                return
+            self.drain_begun = True
+            ctl.begin_drain_threadsafe(then=lambda: super(_Server, self).handle_exit(sig, None))
 
     config = uvicorn.Config(
         app,

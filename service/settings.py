@@ -40,6 +40,13 @@ class Settings(BaseModel):
     no_pipeline: bool = False  # read every decode step back before building the next (no step queued ahead)
     dequantize: bool = False  # decode release FP8/FP4 weights to the model dtype instead of mxfp8/mxfp4
     distributed: bool = False  # one rank of an mlx.launch job (see service/engine/follower.py)
+    # Hardening (service/api/limits.py, auth.py): limits checked before any work, API keys, slow readers.
+    max_body_mb: float | None = Field(None, gt=0)  # request body cap; None: sized from the context length
+    api_key: tuple[str, ...] = ()  # Bearer keys for /v1/*; env DSV4_API_KEY: one key or a comma list
+    api_key_file: str | None = None  # a file of keys, one a line ('#' comments); read at start-up
+    metrics_key: str | None = None  # Bearer key for /metrics; None: /metrics is open
+    stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
+    stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
 
     @field_validator("log_level")
     @classmethod
@@ -49,7 +56,15 @@ class Settings(BaseModel):
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         return v
 
-    @field_validator("model", "served_model_name")
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _keys(cls, v: Any) -> tuple[str, ...]:
+        items = v.split(",") if isinstance(v, str) else list(v or ())
+        if not all(isinstance(k, str) for k in items):
+            raise ValueError("API keys must be strings")
+        return tuple(k.strip() for k in items if k.strip())
+
+    @field_validator("model", "served_model_name", "api_key_file", "metrics_key")
     @classmethod
     def _blank_is_none(cls, v: str | None) -> str | None:
         return v or None
@@ -90,6 +105,18 @@ class Settings(BaseModel):
     @property
     def prefix_cache_bytes(self) -> int | None:
         return None if self.prefix_cache_gib is None else int(self.prefix_cache_gib * 2**30)
+
+    def api_keys(self) -> tuple[str, ...]:
+        """--api-key values and the key file's lines. OSError / ValueError: the file is unreadable or
+        names no key (a key file that was asked for never means "no auth")."""
+        keys = list(self.api_key)
+        if self.api_key_file:
+            lines = Path(self.api_key_file).expanduser().read_text().splitlines()
+            found = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+            if not found:
+                raise ValueError(f"the API key file {self.api_key_file} holds no key")
+            keys += found
+        return tuple(dict.fromkeys(keys))
 
     @classmethod
     def env_names(cls) -> dict[str, str]:

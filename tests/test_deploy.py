@@ -139,3 +139,22 @@ def test_mlx_ptx_cache_is_on_a_mounted_volume() -> None:
     assert len(holding) == 1 and holding[0][0] in compose["volumes"], "a named volume, kept across restarts"
     _, c = _container()
     assert any(cache.is_relative_to(Path(m["mountPath"])) and not m.get("readOnly") for m in c["volumeMounts"])
+
+
+def test_api_keys_come_from_a_secret() -> None:
+    """Each deployment reads its keys from a secret file, never from a value in the manifest."""
+    final = dict(last_stage(dockerfile()))
+    env = dict(t.split("=", 1) for t in shlex.split(final["ENV"]) if "=" in t)
+    assert env["DSV4_API_KEY_FILE"].startswith("/run/secrets/")
+    svc = load("deploy/compose.yaml")
+    service = svc["services"]["dsv4-serve"]
+    assert service["environment"]["DSV4_API_KEY"] == ""
+    (name,) = service["secrets"]
+    assert service["environment"]["DSV4_API_KEY_FILE"] == f"/run/secrets/{name}" and "file" in svc["secrets"][name]
+    pod, c = _container()
+    env = {e["name"]: e.get("value", "") for e in c["env"]}
+    assert env["DSV4_API_KEY"] == ""
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+    (vol,) = secrets
+    assert env["DSV4_API_KEY_FILE"].startswith(mounts[vol] + "/")

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.auth import guard
 from service.api.controller import Controller, call
 from service.api.metrics import Metrics
 from service.api.protocol import APIError, error_body
@@ -50,6 +51,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         prefill_chunk=settings.prefill_chunk,
         serial_prefill=settings.serial_prefill,
         pipeline=not settings.no_pipeline,
+        stream_queue=settings.stream_queue,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
     )
 
@@ -71,6 +73,7 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
 
     app = FastAPI(title="dsv4-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctl = ctl
+    guard(app, ctl)  # API keys and the body cap, before routing
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

@@ -29,6 +29,7 @@ class Controller:
     loop: asyncio.AbstractEventLoop | None = None
     held: int = 0  # requests waiting for the model to be ready
     _drain_task: asyncio.Task[None] | None = None
+    _after_drain: list[Callable[[], None]] = field(default_factory=list)
 
     # Engine facts the worker publishes before `ready` (plain ints / the tokenizer).
     @property
@@ -94,11 +95,17 @@ class Controller:
             self.worker.abort(request_id)
 
     # ---- drain: stop admission, let streams finish within drain_timeout, then abort them -------
-    def begin_drain_threadsafe(self) -> None:
+    def begin_drain_threadsafe(self, then: Callable[[], None] | None = None) -> None:
+        """`then` runs on the event loop once the drain has ended (the server's shutdown)."""
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.begin_drain)
+            self.loop.call_soon_threadsafe(self.begin_drain, then)
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, then: Callable[[], None] | None = None) -> None:
+        if then is not None:
+            if self._drain_task is not None and self._drain_task.done():
+                then()
+            else:
+                self._after_drain.append(then)
         if self._drain_task is None:
             self.draining = True
             n, t = len(self.active), self.settings.drain_timeout
@@ -106,6 +113,14 @@ class Controller:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
+        try:
+            await self._drain_streams()
+        finally:  # the server's shutdown (uvicorn's) runs whatever happened above
+            log.info("drained")
+            for then in self._after_drain:
+                then()
+
+    async def _drain_streams(self) -> None:
         loop, timeout = asyncio.get_running_loop(), self.settings.drain_timeout
         deadline = loop.time() + timeout
         drain = getattr(self.worker, "drain", None)

@@ -39,7 +39,9 @@ class Reply:
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Every choice's chunks as they come (each chunk holds one choice, with its index)."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Bounded: a client that stops reading stops the pumps, and each choice's worker queue then fills
+        # up to its cap (--stream-queue), which aborts it.
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=8 * len(self.gens))
 
         async def pump(g: Generation) -> None:
             try:

@@ -9,6 +9,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   prefill_tokens_total, prefill_seconds_total   the parallel prefill's prompt tokens / engine time
   steps_ahead_total: int            decode steps queued before the previous one was read back (pipelined)
   prefix_*                          the prefix cache's lookups, hits, cached tokens, evictions, bytes, entries
+  stream_events_queued: int         token events waiting for their readers (each stream capped)
 Step durations come through the worker's on_step_metrics hook (observe_step).
 Missing keys are simply not exported."""
 
@@ -57,6 +58,7 @@ class _EngineCollector(Collector):
             ("prefix_cache_bytes", "prefix_cache_bytes", "Prefix cache bytes: slot copies + distinct pages held"),
             ("prefix_cache_page_bytes", "prefix_cache_page_bytes", "Prefix cache bytes of pages (each counted once)"),
             ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes (slot snapshots)"),
+            ("stream_events_queued", "stream_events_queued", "Token events waiting for their (slow) readers"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))

@@ -11,10 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from service.api.tool_protocol import Guided, ToolCall, ToolFields
 
-_REQ = ConfigDict(extra="ignore", strict=True)  # nested objects (messages: clients echo extra keys back)
+_REQ = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # nested objects: clients echo extra keys
 # A request body: a field the server does not know is rejected by name (`validation_to_api_error`), never
 # silently dropped; one sent as null is absent.
-_BODY = ConfigDict(extra="forbid", strict=True)
+_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # every float field finite
 MAX_N = 8  # choices per request (rows of one step)
 
 

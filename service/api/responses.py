@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from service.api import routes
+from service.api.limits import StallGuardedStream
 from service.api.protocol import (
     _REQ,
     APIError,
@@ -254,7 +255,8 @@ async def responses(request: Request) -> Response:
         builder = ResponseBuilder(req, chat, ctl.settings.served_name, reply.prompt_tokens)
         gen = reply.gens[0]
         if req.stream:
-            return StreamingResponse(builder.events(gen), media_type="text/event-stream", headers=routes._SSE_HEADERS)
+            return StallGuardedStream(builder.events(gen), media_type="text/event-stream", headers=routes._SSE_HEADERS,
+                                      stall_timeout=ctl.settings.stream_stall_timeout)  # fmt: skip
         return JSONResponse(await builder.collect(gen))
     except APIError as e:
         routes._count_rejection(ctl, e)

@@ -9,20 +9,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from service.api import structured
 from service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
 from service.api.controller import Controller
 from service.api.encoding import encode_messages
 from service.api.fanout import Reply
+from service.api.limits import StallGuardedStream, check_content_type, check_text_fits, encode, parse_body
 from service.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     model_card,
-    validation_to_api_error,
 )
 from service.api.streaming import Echo, Generation, request_id
 from service.api.tools import ToolStream
@@ -49,11 +49,8 @@ def _ctl(request: Request) -> Controller:
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw or b"null")
-    except ValidationError as e:
-        raise validation_to_api_error(e) from None
+    check_content_type(request.headers.get("content-type"))
+    return parse_body(await request.body(), model)  # the body cap is enforced while it is read
 
 
 def _check_model(ctl: Controller, name: str | None) -> None:
@@ -70,7 +67,7 @@ def _check_model(ctl: Controller, name: str | None) -> None:
 EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
 
 
-def _encode(ctl: Controller, text: str, param: str) -> list[int]:
+async def _encode(ctl: Controller, text: str, param: str) -> list[int]:
     tok = ctl.tokenizer
     if tok is None:
         raise APIError(
@@ -79,7 +76,8 @@ def _encode(ctl: Controller, text: str, param: str) -> list[int]:
             param=param,
             code="no_tokenizer",
         )
-    return list(tok.encode(text, add_special_tokens=False).ids)
+    check_text_fits(tok, text, ctl.max_model_len, param)  # before tokenizing: no work for hopeless text
+    return await encode(tok, text)
 
 
 def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: int | None,
@@ -192,7 +190,8 @@ async def _forget(g: Generation) -> None:
 
 async def _respond(request: Request, req: Any, reply: Reply) -> Response:
     if req.stream:
-        return StreamingResponse(reply.sse(req.include_usage), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StallGuardedStream(reply.sse(req.include_usage), media_type="text/event-stream", headers=_SSE_HEADERS,
+                                  stall_timeout=_ctl(request).settings.stream_stall_timeout)  # fmt: skip
     return JSONResponse(await reply.collect(request.is_disconnected))
 
 
@@ -205,11 +204,7 @@ async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequ
         text = encode_messages(messages, thinking=req.thinking, tools=tools, reasoning_effort=effort)
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
-    ids = (
-        await asyncio.to_thread(_encode, ctl, text, "messages")
-        if len(text) > 20000
-        else _encode(ctl, text, "messages")
-    )
+    ids = await _encode(ctl, text, "messages")
     params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
     params = replace(params, guide=await structured.guide(ctl, req, thinking=req.thinking))
     return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
@@ -229,9 +224,9 @@ async def chat_completions(request: Request) -> Response:
         raise
 
 
-def _prompt_ids(ctl: Controller, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(ctl: Controller, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return _encode(ctl, prompt, "prompt")
+        return await _encode(ctl, prompt, "prompt")
     ids = list(prompt)
     bad = [i for i in ids if not 0 <= i < ctl.vocab_size]
     if bad:
@@ -250,7 +245,7 @@ async def completions(request: Request) -> Response:
         _check_model(ctl, req.model)
         prompts = []
         for prompt in req.prompts:  # all validated before any is queued
-            ids = _prompt_ids(ctl, prompt)
+            ids = await _prompt_ids(ctl, prompt)
             params = _params(ctl, req, len(ids), "prompt", req.logprobs, req.prompt_logprobs_k)
             params = replace(params, guide=await structured.guide(ctl, req))
             echo = None

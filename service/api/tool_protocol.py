@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-_REQ = ConfigDict(extra="ignore", strict=True)
+_REQ = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class FunctionDef(BaseModel):
@@ -51,7 +51,7 @@ class ToolCall(BaseModel):
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True, allow_inf_nan=False)
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")

@@ -23,6 +23,14 @@ class PromptLogprob(NamedTuple):
     rank: int
     top: tuple[tuple[int, float], ...] = ()
 
+SAMPLING_EPS = 1e-5
+LOGPROB_FLOOR = -9999.0  # what vLLM reports for a -inf logprob: every number on the wire is finite
+
+
+def finite_logprob(v: float) -> float:
+    """v, or LOGPROB_FLOOR for -inf (a masked token) and NaN."""
+    return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,7 +56,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below SAMPLING_EPS are greedy (as vLLM): dividing by them overflows f32."""
+        return self.temperature < SAMPLING_EPS
 
 
 class RequestStatus(enum.Enum):

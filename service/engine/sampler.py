@@ -2,12 +2,13 @@
 
 Order per row (vLLM v1's): logit_bias, repetition penalty (prompt + generated; positive logits divided,
 negative multiplied), presence/frequency penalties (OpenAI: generated tokens only), stop tokens
-masked while fewer than min_tokens are generated, then greedy argmax (temperature 0, lowest index
-on ties) or: temperature, min-p, top-k, top-p, and a Gumbel-max draw.
+masked while fewer than min_tokens are generated, then greedy argmax (temperature < SAMPLING_EPS,
+lowest index on ties) or: temperature, min-p, top-k, top-p, and a Gumbel-max draw.
 
 Logprobs are the *processed* ones: log-softmax after penalties, min-tokens masking and temperature
 (temperature 1 for greedy rows) but before min-p/top-k/top-p truncation, so the chosen token's
-logprob is always finite. `top_logprobs` come sorted best first (lowest id on ties).
+logprob is always finite; a masked alternative's -inf is read back as LOGPROB_FLOOR (-9999, as
+vLLM reports it). `top_logprobs` come sorted best first (lowest id on ties).
 
 Randomness: each row's noise is a counter-based hash of (row key, token id), where a seeded row's
 key depends only on (seed, generated_count). A seeded request thus draws the same tokens alone or
@@ -25,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.upload import upload
-from service.engine.request import SamplingParams
+from service.engine.request import SamplingParams, finite_logprob
 from service.engine.scheduler import Sampled
 
 _M64 = (1 << 64) - 1
@@ -165,8 +166,8 @@ class Pending:
             top: tuple[tuple[int, float], ...] = ()
             if p.logprobs and k > 0:
                 pairs = sorted(zip(host[2][i], host[3][i], strict=True), key=lambda t: (-t[1], t[0]))
-                top = tuple((int(t), float(val)) for t, val in pairs[: p.logprobs])
-            logprob = float(host[1][i]) if p.logprobs is not None else None
+                top = tuple((int(t), finite_logprob(float(val))) for t, val in pairs[: p.logprobs])
+            logprob = finite_logprob(float(host[1][i])) if p.logprobs is not None else None
             result.append((int(host[0][i]), logprob, top))
         return result
 
@@ -211,7 +212,7 @@ def sample_lazy(
         x = apply_masks(x, masks)
 
     greedy_tok = mx.argmax(x, axis=-1)  # first max: lowest index on ties
-    s = x / _col([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    s = x / _col([1.0 if p.greedy else p.temperature for p in params])
     lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
 
     random_rows = [not p.greedy for p in params]

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.request import Request, SamplingParams, TokenEvent, check_admissible
+from service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
 from service.engine.scheduler import QueueFull, Scheduler
 from service.engine.stepping import Counters, iterate
 
@@ -39,6 +39,10 @@ class EngineNotReady(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenEvent]
+    # A consumer `cap` events behind (a client that stopped reading) is aborted: its request's row is
+    # freed, later events are dropped, and its iterator ends with finish_reason "abort".
+    cap: int = 1 << 30
+    overflowed: bool = False
 
 
 class EngineWorker:
@@ -52,8 +56,10 @@ class EngineWorker:
         serial_prefill: bool = False,
         pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
+        stream_queue: int = 1024,
     ) -> None:
         self._factory = engine_factory
+        self.stream_queue = stream_queue  # the most token events one stream may have waiting
         self.max_rows = max_rows
         self.max_queue = max_queue
         # Prompt tokens per step through the engine's parallel prefill (None: PREFILL_CHUNK). An engine
@@ -148,7 +154,7 @@ class EngineWorker:
         if len(params) > 1 and self._fits_rows is not None and not self._fits_rows(n_pos, len(params)):
             raise ValueError(f"n = {len(params)} rows of {n_pos} positions each never fit the decode state together")
         loop = asyncio.get_running_loop()
-        streams = [_Stream(loop, asyncio.Queue()) for _ in request_ids]
+        streams = [_Stream(loop, asyncio.Queue(), cap=self.stream_queue) for _ in request_ids]
         reqs = [Request(rid, list(prompt_ids), p) for rid, p in zip(request_ids, params, strict=True)]
         reqs[0].followers = reqs[1:]
         with self._lock:
@@ -169,6 +175,10 @@ class EngineWorker:
         done = False
         try:
             while True:
+                if stream.overflowed and stream.queue.empty():
+                    done = True  # the engine was told to abort it when the queue overflowed
+                    yield TokenEvent(rid, finish_reason=FinishReason.ABORT)
+                    return
                 ev = await stream.queue.get()
                 done = ev.finish_reason is not None or ev.error is not None
                 yield ev
@@ -196,19 +206,22 @@ class EngineWorker:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return self._c.snapshot(self.ready)
+            s = self._c.snapshot(self.ready)
+            streams = list(self._streams.values())
+        s["stream_events_queued"] = sum(st.queue.qsize() for st in streams)
+        return s
 
     # -- the engine thread ----------------------------------------------------------------------
     def _publish(self, events: list[TokenEvent]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, TokenEvent]]] = {}
         with self._lock:
             for ev in events:
                 s = self._streams.get(ev.request_id)
                 if s is not None:
-                    by_loop.setdefault(s.loop, []).append((s.queue, ev))
+                    by_loop.setdefault(s.loop, []).append((s, ev))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(self._deliver, items)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
 
@@ -343,6 +356,17 @@ class EngineWorker:
                 log.exception("on_step_metrics failed")
         return out.events
 
+    def _deliver(self, items: list[tuple[_Stream, TokenEvent]]) -> None:
+        """On the stream's event loop. A full queue means its reader stopped: abort, drop the rest."""
+        for s, ev in items:
+            if s.overflowed:
+                continue
+            if s.queue.qsize() >= s.cap:
+                s.overflowed = True
+                log.warning("request %s: %d token events unread, aborted (--stream-queue)", ev.request_id, s.cap)
+                self.abort(ev.request_id)
+                continue
+            s.queue.put_nowait(ev)
 
 def _settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], engine: Any) -> None:
     try:
@@ -358,8 +382,3 @@ def _settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyn
         loop.call_soon_threadsafe(done)
     except RuntimeError:  # that loop is closed: nobody is waiting
         pass
-
-
-def _deliver(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)

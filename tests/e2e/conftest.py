@@ -32,14 +32,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="dsv4-e2e-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_") or k == "DSV4_KERNELS"}
         full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
         full_env.update(env or {})
-        cmd = [*server_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [*(command or server_command()), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def log_tail(self, n: int = 4000) -> str:
@@ -83,8 +83,8 @@ def start_server() -> Iterator[type[Server]]:
         pytest.skip("the engine (model.loader / model.tokenizer / mlx) is not importable yet")
     started: list[Server] = []
 
-    def make(*args: str, env: dict[str, str] | None = None) -> Server:
-        srv = Server(*args, env=env)
+    def make(*args: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> Server:
+        srv = Server(*args, env=env, command=command)
         started.append(srv)
         srv.wait_ready()
         return srv

@@ -1,0 +1,68 @@
+"""API keys: `Authorization: Bearer KEY` on /v1/* (and /metrics with --metrics-key), checked in
+constant time before routing; 401 with an OpenAI error body otherwise. /health and /ready stay open
+(probes). Also installs the body cap (limits.BodyLimit) inside the key check, so a request without
+a key is turned away before its body is read."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from service.api.limits import BodyLimit, body_limit_bytes, send_error
+from service.api.protocol import error_body
+
+
+def _digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+class KeySet:
+    """Keys kept as SHA-256 digests: every check compares fixed-length digests against every key
+    (hmac.compare_digest, no early exit), so its time says nothing about any key."""
+
+    def __init__(self, keys: tuple[str, ...] | list[str]) -> None:
+        self._digests = [_digest(k) for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def accepts(self, header: bytes | None) -> bool:
+        scheme, _, token = (header or b"").partition(b" ")
+        given = _digest(token.strip() if scheme.lower() == b"bearer" else b"\0not-a-bearer-token")
+        ok = False
+        for d in self._digests:
+            ok |= hmac.compare_digest(d, given)
+        return ok
+
+
+def _unauthorized(what: str) -> dict[str, Any]:
+    msg = f"Incorrect or missing API key for {what}: send 'Authorization: Bearer <key>'"
+    return error_body(msg, "invalid_request_error", None, "invalid_api_key")
+
+
+class APIKeys:
+    """ASGI middleware: /v1/* needs one of `keys`, /metrics `metrics` (when either set is non-empty)."""
+
+    def __init__(self, app: Any, keys: KeySet, metrics: KeySet) -> None:
+        self.app, self.keys, self.metrics = app, keys, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            need = self.keys if path.startswith("/v1/") or path == "/v1" else None
+            if path == "/metrics":
+                need = self.metrics
+            if need and not need.accepts(dict(scope["headers"]).get(b"authorization")):
+                await send_error(send, 401, _unauthorized(path), {"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+
+def guard(app: Any, ctl: Any) -> None:
+    """Install the body cap and, outside it, the key check on `app` (a FastAPI / Starlette app)."""
+    s = ctl.settings
+    app.add_middleware(BodyLimit, limit=lambda: body_limit_bytes(s.max_body_mb, ctl.max_model_len))
+    metrics = KeySet([s.metrics_key] if s.metrics_key else [])
+    app.add_middleware(APIKeys, keys=KeySet(s.api_keys()), metrics=metrics)
