@@ -5,7 +5,7 @@ path (`service.api.limits.encode`: `encode_batch` in a worker thread) and by its
 (`tokenizer.encode` on the event loop). Reported per arm: the tokenize time, the event loop's
 longest tick gap, and the streams' longest gap between tokens against their median.
 
-    python -m bench.tokenize_stall --mb 1
+    python bench/tokenize_stall.py --mb 1 [--reps 3] [--out tokenize_stall.json]
 """
 
 from __future__ import annotations
@@ -13,13 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from service.api.limits import encode
-from service.engine.engine import build_engine
-from service.engine.request import SamplingParams
-from service.engine.worker import EngineWorker
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import provenance  # noqa: E402
+from service.api.limits import encode  # noqa: E402
+from service.engine.build import build_engine  # noqa: E402
+from service.engine.request import SamplingParams  # noqa: E402
+from service.engine.worker import EngineWorker  # noqa: E402
 
 
 async def _stream(w: EngineWorker, i: int, n: int, times: list[float]) -> None:
@@ -58,29 +66,36 @@ async def arm(w: EngineWorker, tok, text: str, off_loop: bool, tokens: int) -> d
     return {"tokens": len(ids), "tokenize_s": t1 - t0, "loop_max_gap_s": loop_gap, "stream_gap_over_median": worst}
 
 
-async def main_async(mb: float, tokens: int, reps: int) -> None:
+async def main_async(mb: float, tokens: int, reps: int) -> list[dict]:
     engine, tok = build_engine(None, max_rows=8)
     w = EngineWorker(lambda: (engine, tok), max_rows=8)
     w.start()
     assert await w.wait_ready(120), w.start_error
     text = ("The quick brown fox jumps over the lazy dog. " * (int(mb * 2**20) // 45 + 1))[: int(mb * 2**20)]
+    rows = []
     try:
         for rep in range(reps):  # the arms alternate: drift hits both alike
             for off_loop in (True, False):
                 r = await arm(w, tok, text, off_loop, tokens)
-                name = "encode_batch in a thread (limits.encode)" if off_loop else "encode on the loop (plain twin)"
-                print(json.dumps({"rep": rep, "arm": name, "mb": mb, **{k: round(v, 4) for k, v in r.items()}}))
+                name = "thread" if off_loop else "loop"  # limits.encode / tokenizer.encode on the loop
+                rows.append({"rep": rep, "arm": name, "mb": mb, **{k: round(v, 4) for k, v in r.items()}})
+                print(json.dumps(rows[-1]))
     finally:
         await w.drain(0)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=float, default=1.0, help="prompt size in MiB")
     p.add_argument("--tokens", type=int, default=150, help="tokens each of the 8 streams generates")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tokenize_stall.json"))
     a = p.parse_args()
-    asyncio.run(main_async(a.mb, a.tokens, a.reps))
+    rows = asyncio.run(main_async(a.mb, a.tokens, a.reps))
+    meta = {"device": f"cpu ({os.cpu_count()} cores, {platform.machine()})", "date": time.strftime("%F %T"),
+            **provenance()}
+    Path(a.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -27,7 +25,6 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_TOOLS_BYTES = 256 * 1024  # the tools list as JSON
-TOKENIZE_NICE = 10  # the tokenizer threads' nice value
 INLINE_ENCODE_CHARS = 4096  # shorter text is tokenized on the event loop (a thread hop costs more)
 
 
@@ -165,26 +162,13 @@ def check_text_fits(tok: Any, text: str, max_model_len: int, param: str) -> None
         )
 
 
-def _lower_priority() -> None:
-    """Tokenizer threads yield the CPU to the engine thread (Linux nice is per thread); tokenizers'
-    own thread pool is kept out (its threads would not be niced)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, TOKENIZE_NICE)
-    except (AttributeError, OSError):  # not Linux / not allowed: plain priority
-        pass
-
-
-_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv4-tokenize", initializer=_lower_priority)
-
-
 async def encode(tok: Any, text: str) -> list[int]:
-    """Token ids of `text`. Long text goes through `encode_batch` in a niced worker thread: it releases the
-    GIL (`encode` holds it), so neither the event loop nor the engine thread waits for it."""
+    """Token ids of `text`. Long text goes through `encode_batch` in a worker thread: it releases the GIL
+    while it tokenizes (`encode` holds it), so neither the event loop nor the engine thread waits for it
+    (only for the id list's conversion at the end)."""
     if len(text) <= INLINE_ENCODE_CHARS:
         return list(tok.encode(text, add_special_tokens=False).ids)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_TOKENIZE_POOL, lambda: tok.encode_batch([text], add_special_tokens=False)[0].ids)
+    return await asyncio.to_thread(lambda: tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 class StallGuardedStream(StreamingResponse):
