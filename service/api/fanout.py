@@ -44,13 +44,18 @@ class Reply:
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=8 * len(self.gens))
 
         async def pump(g: Generation) -> None:
+            cancelled = False
             try:
                 async for c in g.chunks():
                     await queue.put(c)
             except APIError as e:
                 await queue.put(e)
+            except asyncio.CancelledError:
+                cancelled = True  # the reader is gone (the cleanup below): nobody waits, the queue may be full
+                raise
             finally:
-                await queue.put(_END)
+                if not cancelled:
+                    await queue.put(_END)
 
         tasks = [asyncio.create_task(pump(g)) for g in self.gens]
         try:

@@ -65,7 +65,7 @@ for ep, base in BASES.items():
         "n": ("0", "-1", '"1"', "1.5"),
     }
     for field, lits in ints.items():
-        for lit in lits if full else lits[:2]:
+        for lit in lits if full else lits[1:3]:  # (completions: max_tokens=0 is valid with echo)
             add(f"{ep}-{field}-{lit}", ep, with_literal(base, field, lit), param=field)
     for lit in ('"yes"', "1", "[true]") if full else ('"yes"',):
         add(f"{ep}-ignore_eos-{lit}", ep, with_literal(base, "ignore_eos", lit), param="ignore_eos")
@@ -120,7 +120,7 @@ if "tools" in ChatCompletionRequest.model_fields:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     add("chat-tools-oversize", "chat", {**CHAT, "tools": [tool] * (limits.MAX_TOOLS + 1)}, param="tools")
 # completions only
-for v in ([], "", [-1], [10**6], [1.5], {"a": 1}, ["a", "b"], [[1], [2]], True, None, [3] * 2000,
+for v in ([], "", [-1], [10**6], [1.5], {"a": 1}, ["a", [1]], [[1], []], True, None, [3] * 2000,
           "word " * 10000, [True]):  # fmt: skip
     add(f"comp-prompt-{str(v)[:16]}", "comp", {**COMP, "prompt": v}, param="prompt")
 add("comp-prompt-missing", "comp", {"model": MODEL}, param="prompt")
