@@ -368,6 +368,7 @@ class EngineWorker:
                 continue
             s.queue.put_nowait(ev)
 
+
 def _settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], engine: Any) -> None:
     try:
         result, err = fn(engine), None
