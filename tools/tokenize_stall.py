@@ -5,7 +5,7 @@ path (`service.api.limits.encode`: `encode_batch` in a worker thread) and by its
 (`tokenizer.encode` on the event loop). Reported per arm: the tokenize time, the event loop's
 longest tick gap, and the streams' longest gap between tokens against their median.
 
-    python bench/tokenize_stall.py --mb 1 [--reps 3] [--out tokenize_stall.json]
+    python tools/tokenize_stall.py --mb 1 [--reps 3] [--out tokenize_stall.json]
 """
 
 from __future__ import annotations
