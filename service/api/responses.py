@@ -3,10 +3,10 @@ completion request (instructions -> system, input items -> messages, max_output_
 thinking) and validated as one, so every chat feature and check applies; the one choice's steps become
 output items (a reasoning item in thinking mode, then the assistant message) or the streamed events.
 
-Tools: `tools`, `tool_choice` and function_call / function_call_output items translate into the chat
-request's `tools` / `tool_choice` / tool messages once `ChatCompletionRequest` has those fields (the
-tool-call parser lives with the chat path); until then they are rejected by name. `ResponseBuilder._items`
-is where a chat choice's tool calls become function_call output items once the chat path produces them."""
+Tools: `tools`, `tool_choice` and function_call / function_call_output input items translate into the chat
+request's `tools` / `tool_choice` / tool messages (the DSML tool-call parser lives with the chat path); the
+chat choice's tool calls come back as function_call output items after the message item (empty when the turn
+is only tool calls: the streamed events and the final body list the same items)."""
 
 from __future__ import annotations
 
@@ -129,6 +129,7 @@ class ResponseBuilder:
         self.req, self.chat, self.model, self.prompt_tokens = req, chat, model, prompt_tokens
         self.msg_id, self.rs_id = new_id("msg"), new_id("rs")
         self.reasoning, self.text = "", ""
+        self.calls: list[dict[str, Any]] = []  # the chat choice's tool calls, in order
         self.output_tokens = 0
         self.cached_tokens = 0  # the prefix cache's hit (0: none, or no cache)
         self.finish: str | None = None
@@ -138,7 +139,15 @@ class ResponseBuilder:
         if self.chat.thinking:
             items.append(self.reasoning_item(self.reasoning))
         items.append(self.message_item(self.text, "completed" if self.finish else "in_progress"))
+        items += [self.call_item(c, "completed") for c in self.calls]
         return items
+
+    @staticmethod
+    def call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
+        """A chat tool call as a Responses function_call item (its id derived from the call's)."""
+        fn = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"], "status": status}  # fmt: skip
 
     def reasoning_item(self, text: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": self.rs_id, "summary": [],
@@ -180,6 +189,7 @@ class ResponseBuilder:
         async for s in gen.steps():
             self.reasoning += s.delta.reasoning
             self.text += s.delta.content
+            self.calls += s.tool_calls
             self.finish = s.finish_reason or self.finish
         self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
         return self.body()
@@ -220,6 +230,7 @@ class ResponseBuilder:
                 if s.delta.content:
                     self.text += s.delta.content
                     yield ev("response.output_text.delta", **ids, delta=s.delta.content, logprobs=[])
+                self.calls += s.tool_calls
                 self.finish = s.finish_reason or self.finish
         except APIError as e:
             yield ev("error", code=e.code, message=e.message, param=e.param)
@@ -230,6 +241,14 @@ class ResponseBuilder:
         yield ev("response.output_text.done", **ids, text=self.text, logprobs=[])
         yield ev("response.content_part.done", **ids, part=self.part(self.text))
         yield ev("response.output_item.done", output_index=out, item=self.message_item(self.text, "completed"))
+        for i, call in enumerate(self.calls):  # each whole when its closing tag arrived: one delta each
+            at = {"output_index": out + 1 + i, "item_id": self.call_item(call, "")["id"]}
+            yield ev("response.output_item.added", output_index=at["output_index"],
+                     item=self.call_item(call, "in_progress") | {"arguments": ""})  # fmt: skip
+            yield ev("response.function_call_arguments.delta", **at, delta=call["function"]["arguments"])
+            yield ev("response.function_call_arguments.done", **at, arguments=call["function"]["arguments"])
+            yield ev("response.output_item.done", output_index=at["output_index"],
+                     item=self.call_item(call, "completed"))  # fmt: skip
         done = "response.incomplete" if self.finish == "length" else "response.completed"
         yield ev(done, response=self.body())
 

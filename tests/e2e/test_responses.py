@@ -78,3 +78,28 @@ def test_stream_events(client: openai.OpenAI, effort: str | None) -> None:
 def test_rejected_by_name(server: Server, body: dict, param: str) -> None:
     r = httpx.post(f"{server.url}/v1/responses", json=body)
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_tool_calls_become_function_call_items(client: openai.OpenAI) -> None:
+    """tool_choice "required": the chat path's tool calls come back as function_call items, whole and streamed
+    alike, their arguments the chat call's (valid JSON for the tool's parameters)."""
+    import json
+
+    params = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 3}}, "required": ["c"]}
+    tool = {"type": "function", "name": "f", "parameters": params}
+    args = {"model": MODEL, "input": "hi", "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_output_tokens": 180, "temperature": 0}  # fmt: skip
+    whole = client.responses.create(**args)
+    calls = [o for o in whole.output if o.type == "function_call"]
+    assert whole.status == "completed" and len(calls) == 1, whole.output
+    assert calls[0].name == "f" and calls[0].call_id.startswith("call_")
+    assert set(json.loads(calls[0].arguments)) == {"c"}
+    events = list(client.responses.create(**args, stream=True))
+    kinds = [e.type for e in events]
+    i = kinds.index("response.function_call_arguments.done")
+    assert kinds[i - 2 : i + 2] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                    "response.function_call_arguments.done", "response.output_item.done"]  # fmt: skip
+    assert events[i].arguments == calls[0].arguments  # greedy: the same call streamed
+    done = events[-1].response
+    assert [o.type for o in done.output] == [o.type for o in whole.output]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
