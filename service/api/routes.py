@@ -82,6 +82,9 @@ async def _encode(ctl: Controller, text: str, param: str) -> list[int]:
 
 def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: int | None,
             prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+    if prompt_logprobs is not None and ctl.settings.distributed:  # the scored forward runs on rank 0 alone
+        raise APIError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) are not served with --distributed",
+                       param="prompt_logprobs" if req.prompt_logprobs is not None else "echo")  # fmt: skip
     limit = ctl.max_model_len
     if prompt_len >= limit + (req.limit_tokens == 0):
         raise APIError(

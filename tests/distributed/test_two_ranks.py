@@ -184,6 +184,9 @@ def test_serve_distributed_http(tmp_path: Path, source: str) -> None:
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(ask, PROMPTS))
+        scored = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 0, "echo": True,
+                                                           "logprobs": 1}, timeout=60)  # fmt: skip
+        assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo", scored.text
         prefilled = _metric(url, "dsv4_prefill_tokens_total")
         ahead = _metric(url, "dsv4_decode_steps_ahead_total")
         ranks = {_rank_of(p): p for p in _children(proc.pid)}
