@@ -29,26 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import provenance  # noqa: E402
-from bench.serve import free_port  # noqa: E402
-
-
-def start(port: int, extra: list[str], timeout: float):
-    import subprocess
-
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server not ready within {timeout} s")
+from bench.serve import free_port, start_server  # noqa: E402
 
 
 def ttft(url: str, prompt: list[int], out_len: int) -> dict:
@@ -99,7 +80,7 @@ def main() -> None:
     proc, url = None, opt.url
     if url is None:
         port = free_port()
-        proc, url = start(port, opt.server_args.split(), opt.ready_timeout), f"http://127.0.0.1:{port}"
+        proc, url = start_server(port, opt.server_args.split(), opt.ready_timeout), f"http://127.0.0.1:{port}"
     rng = random.Random(opt.seed)
     hi = opt.vocab or 30000
 
@@ -121,7 +102,7 @@ def main() -> None:
             proc.wait(120)
     if opt.cold_server_args:  # the same turn-2 prompts on a server started with these args (cache off)
         port = free_port()
-        proc = start(port, opt.cold_server_args.split(), opt.ready_timeout)
+        proc = start_server(port, opt.cold_server_args.split(), opt.ready_timeout)
         try:
             for run in runs:
                 run["cold"] = ttft(f"http://127.0.0.1:{port}", run["second_prompt"], opt.output_len)

@@ -40,10 +40,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, extra: list[str]) -> subprocess.Popen:
+def start_server(port: int, extra: list[str], timeout: float = 120) -> subprocess.Popen:
+    """`dsv4-serve serve` on 127.0.0.1:port with `extra` flags, returned once /ready says 200."""
     cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
@@ -54,7 +55,7 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
             raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server not ready within 120 s")
+    raise RuntimeError(f"server not ready within {timeout} s")
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> dict:
