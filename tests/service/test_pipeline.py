@@ -10,6 +10,7 @@ from the model alone (`reference`), never hard-coded.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import mlx.core as mx
 import numpy as np
@@ -187,6 +188,9 @@ def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
         handles = [pools.alloc(50_000) for _ in range(2)]
         mx.eval(pools.arrays())
         sizes = sorted(x.nbytes for x in pools.arrays())
+        gc.collect()  # what earlier tests left in MLX's buffer cache must not shift this arm's peak
+        mx.synchronize()
+        mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         tok, pending, out = mx.array([5, 9], dtype=mx.int32), None, []
@@ -201,5 +205,7 @@ def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
         got[pipelined], peak[pipelined] = out, mx.get_peak_memory() - base
         del pools, handles
     assert peak[False] < sizes[-1], (peak, sizes[-1])  # no copy of a largest pool when synced
-    assert peak[True] <= peak[False] + sizes[-4] / 4, (peak, sizes[-4])  # and none more when pipelined
+    # and none more when pipelined: a copy of any of the four largest pools would add at least sizes[-4]; the
+    # overlap of two steps' temporaries measured up to ~0.3 of it in a full-suite run
+    assert peak[True] <= peak[False] + sizes[-4] / 2, (peak, sizes[-4])
     assert got[True] == got[False] and len(got[True]) == 6
