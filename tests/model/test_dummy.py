@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,18 +18,7 @@ from model.dummy import cut, dummy_model, preset_args, resident_bytes, resolve_a
 from model.loader import load_model, tiny_model
 from model.quant import QuantizedExperts
 from model.state import StatePools
-
-
-@dataclass
-class FakeGroup:
-    r: int
-    n: int
-
-    def rank(self) -> int:
-        return self.r
-
-    def size(self) -> int:
-        return self.n
+from tests.distributed.test_shard import FakeGroup
 
 
 def _layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
