@@ -2,9 +2,11 @@
 # The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
 # `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
 #
-#   PART=skinny  the skinny matmul kernels' gpu tests (tests/kernels/test_cuda_matmul.py), then the full-depth
-#                step at 1 and 8 rows, 4K, fast vs mlx_mm alternated, with the CUPTI profile (first run of a GPU
-#                session after the kernels change: kernels.matmul.SKINNY stays opt-in until this passes)
+#   PART=skinny  the skinny matmul kernels' gpu tests and the layer-by-layer numerics, then the full-depth
+#                step at rows 1-8, 4K, fast vs mlx_mm alternated, with the CUPTI profile of each arm
+#   PART=step64  the same step at 64K context, 1 and 8 rows
+#   PART=http    bench/serve.py and bench/prefix_turn.py (16K second turn, cache on vs off) against
+#                `serve --load-format dummy --model flash --experts 32`
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
 #   PART=step    bench/step.py: the full-depth decode step (43 layers, mxfp8 + mxfp4, 32 experts), rows 1-8, 4K
@@ -31,21 +33,29 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    skinny) DSV4_SKINNY=1 timeout 240 python3 -m pytest -m gpu -q -x --tb=short -rf -p no:cacheprovider \
-              tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -20
-            timeout 360 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 --profile \
-              --out "$OUT/step_skinny.json" 2>&1 | tail -30 ;;
+    skinny) DSV4_SKINNY=1 timeout 200 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
+              tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -40
+            timeout 370 python3 bench/step.py --experts 32 --contexts 4096 --reps 10 --profile \
+              --out "$OUT/step_4k.json" 2>&1 | tail -30 ;;
+    step64) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 65536 --reps 8 --profile \
+              --out "$OUT/step_64k.json" 2>&1 | tail -12 ;;
+    http) flash="--load-format dummy --model flash --experts 32"
+          DSV4_SKINNY=1 timeout 260 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
+            --out "$OUT/serve_flash.json" 2>&1 | tail -6
+          DSV4_SKINNY=1 timeout 320 python3 bench/prefix_turn.py --server-args "$flash" --cold-server-args \
+            "$flash --prefix-cache-gib 0" --tokens 16384 --output-len 32 --tail 64 --repeats 1 \
+            --out "$OUT/prefix_turn.json" 2>&1 | tail -8 ;;
     step) timeout 560 python3 bench/step.py --experts 32 --profile --out "$OUT/step.json" --plot "$OUT/step.png" \
             2>&1 | tail -40 ;;
     kernels) timeout 560 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" --plot "$OUT/kernels.png" 2>&1 | tail -30 ;;
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
-    prefill) timeout 560 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
+    prefill) DSV4_SKINNY=1 timeout 380 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
                --out "$OUT/prefill.json" 2>&1 | tail -10 ;;  # 64K: --prompts 65536 --no-profile, its own call
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (skinny tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (skinny step64 http tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

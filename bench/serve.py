@@ -155,7 +155,7 @@ def main() -> None:
     url = opt.url
     if url is None:
         port = free_port()
-        proc = start_server(port, opt.server_args.split())
+        proc = start_server(port, opt.server_args.split(), timeout=900)  # a full-size dummy model builds first
         url = f"http://127.0.0.1:{port}"
     try:
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]

@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--arms", default="fast,mlx_mm", help="of fast, mlx_mm (MLX's matmuls for the weights)")
-    ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (fast arm)")
+    ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
     ap.add_argument("--plot", metavar="PNG", help="also draw ms a step against rows, with the floor")
@@ -242,20 +242,20 @@ def main() -> None:
                 times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
-            prof = {}
-            if opt.profile and "fast" in arms:
-                set_skinny(True, model)
+            profs: dict[str, dict] = {}
+            for arm in arms if opt.profile else ():  # each arm's kernels and busy time, for the before/after
+                set_skinny(arm == "fast", model)
                 hs = handles[:rows]
-                prof = gpu_profile(lambda n, p=pools, hs=hs, at=pos: time_loop(model, p, hs, at, n), 4, traces,
-                                   f"{ctx}_{rows}")  # fmt: skip
+                profs[arm] = gpu_profile(lambda n, p=pools, hs=hs, at=pos: time_loop(model, p, hs, at, n), 4, traces,
+                                         f"{ctx}_{rows}_{arm}")  # fmt: skip
             for arm, ts in times.items():
                 med = statistics.median(ts)
                 cell = {"layers": opt.layers, "experts": experts, "context": ctx, "rows": rows, "arm": arm,
                         "ms_per_step": med * 1e3, "spread_ms": (max(ts) - min(ts)) * 1e3, "tokens_per_s": rows / med,
                         "floor_ms": floor * 1e3, "weight_gb": wb / 1e9, "state_gb": sb / 1e9,
                         "x_floor": med / floor}  # fmt: skip
-                if arm == "fast" and prof:
-                    cell |= prof | {"busy_x_floor": prof["gpu_busy_ms_per_step"] / (floor * 1e3)}
+                if arm in profs:
+                    cell |= profs[arm] | {"busy_x_floor": profs[arm]["gpu_busy_ms_per_step"] / (floor * 1e3)}
                 results.append(cell)
                 print(json.dumps(cell), flush=True)
         del pools, handles
