@@ -103,8 +103,10 @@ def _draw(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array) -> 
 
 
 def _tid2eid(shape: tuple[int, ...], n_experts: int, key: mx.array) -> mx.array:
-    """Hash-layer routing table: distinct experts per token."""
-    return mx.argsort(mx.random.uniform(shape=(shape[0], n_experts), key=key), axis=-1)[:, : shape[1]].astype(mx.int32)
+    """Hash-layer routing table: distinct experts per token. Drawn on the CPU: MLX's CUDA sort launches a block
+    row per sorted row, and 129,280 rows are past the grid's 65,535 (cudaGraphAddKernelNode: invalid argument)."""
+    u = mx.random.uniform(shape=(shape[0], n_experts), key=key, stream=mx.cpu)
+    return mx.argsort(u, axis=-1, stream=mx.cpu)[:, : shape[1]].astype(mx.int32, stream=mx.cpu)
 
 
 def _experts(name: str, shape: tuple[int, ...], lo: int, hi: int, dtype: mx.Dtype, seed: int,

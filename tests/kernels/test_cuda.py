@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kernels import Row, RowBatch, backend
+from kernels import matmul as kmatmul
 from kernels.compressor import compressor_rows_reference
 from kernels.sparse_attention import sparse_attention_rows_reference
 from tests.kernels.naive import scatter_tables
@@ -147,6 +148,8 @@ def test_dispatch_uses_fast_path() -> None:
     kc = fast()
     assert backend.name() == "cuda"
     opt_out = set() if kc.HC_KERNEL else {"hc_pre_mix"}  # DSV4_HC_KERNEL=0 keeps the plain mHC pre-mix
+    if not kmatmul.SKINNY:  # DSV4_SKINNY=0 keeps MLX's own matmuls for the weight products
+        opt_out |= {"qlinear_rows", "f32_linear_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows"}
     assert set(backend.registered()) == set(backend.OPS) - opt_out
 
 
