@@ -33,16 +33,16 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    skinny) DSV4_SKINNY=1 timeout 200 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
+    skinny) timeout 200 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
               tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -40
             timeout 370 python3 bench/step.py --experts 32 --contexts 4096 --reps 10 --profile \
               --out "$OUT/step_4k.json" 2>&1 | tail -30 ;;
     step64) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 65536 --reps 8 --profile \
               --out "$OUT/step_64k.json" 2>&1 | tail -12 ;;
     http) flash="--load-format dummy --model flash --experts 32"
-          DSV4_SKINNY=1 timeout 260 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
+          timeout 260 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6
-          DSV4_SKINNY=1 timeout 320 python3 bench/prefix_turn.py --server-args "$flash" --cold-server-args \
+          timeout 320 python3 bench/prefix_turn.py --server-args "$flash" --cold-server-args \
             "$flash --prefix-cache-gib 0" --tokens 16384 --output-len 32 --tail 64 --repeats 1 \
             --out "$OUT/prefix_turn.json" 2>&1 | tail -8 ;;
     step) timeout 560 python3 bench/step.py --experts 32 --profile --out "$OUT/step.json" --plot "$OUT/step.png" \
@@ -51,7 +51,7 @@ for part in ${PART:-tests}; do
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
-    prefill) DSV4_SKINNY=1 timeout 380 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
+    prefill) timeout 380 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
                --out "$OUT/prefill.json" 2>&1 | tail -10 ;;  # 64K: --prompts 65536 --no-profile, its own call
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \

@@ -27,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__main__.py)
-os.environ.setdefault("DSV4_SKINNY", "1")  # the fast arm's kernels (opt-in in the server until measured)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402

@@ -71,7 +71,7 @@ backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
-# Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY, DSV4_SKINNY=1; else MLX's own quantized / f32 matmuls)
+# Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY; DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
 if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)
     backend.register("f32_linear_rows", f32_linear_rows_cuda)

@@ -76,7 +76,7 @@ def test_flash_fits_one_h200() -> None:
     flash = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=False)
     assert 28 * 2**30 < flash < 29 * 2**30  # ~28.3 GiB of the H200's 139 (f32 copies of the f32-multiplied)
     stored = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=True)
-    assert 26 * 2**30 < stored < 27 * 2**30  # ~26.8 GiB as stored (DSV4_SKINNY=1 on CUDA)
+    assert 26 * 2**30 < stored < 27 * 2**30  # ~26.8 GiB as stored (the skinny kernels on CUDA)
     assert resident_bytes(preset_args("flash"), as_stored=True) > 139 * 2**30  # all 256 experts do not fit one
     assert resident_bytes(preset_args("flash"), ranks=2, as_stored=False) < 80 * 2**30  # a rank's shard of two
 
