@@ -5,6 +5,8 @@
 #   PART=skinny  the skinny matmul kernels' gpu tests and the layer-by-layer numerics, then the full-depth
 #                step at rows 1-8, 4K, fast vs mlx_mm alternated, with the CUPTI profile of each arm
 #   PART=step64  the same step at 64K context, 1 and 8 rows
+#   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
+#                the sweep run twice in turn: MLX reads it once a process)
 #   PART=http    bench/serve.py and bench/prefix_turn.py (16K second turn, cache on vs off) against
 #                `serve --load-format dummy --model flash --experts 32`
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
@@ -37,6 +39,11 @@ for part in ${PART:-tests}; do
               tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -40
             timeout 370 python3 bench/step.py --experts 32 --contexts 4096 --reps 10 --profile \
               --out "$OUT/step_4k.json" 2>&1 | tail -30 ;;
+    commit) for rep in 1 2; do for ops in 8 32 100 400; do  # MLX's CUDA-graph commit size, read once a process
+              MLX_MAX_OPS_PER_BUFFER=$ops timeout 120 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
+                --arms fast --reps 10 --out "/tmp/commit_${ops}_$rep.json" 2>&1 | grep -E "^ +4096" | sed "s/^/ops $ops: /"
+            done; done
+            python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/commit_*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/commit.json" ;;
     step64) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 65536 --reps 8 --profile \
               --out "$OUT/step_64k.json" 2>&1 | tail -12 ;;
     http) flash="--load-format dummy --model flash --experts 32"
@@ -56,6 +63,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (skinny step64 http tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (skinny commit step64 http tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

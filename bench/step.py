@@ -8,7 +8,8 @@ read). The context is laid down as random state, not prefilled. Arms alternate i
 kernels of kernels/cuda/matmul.py off). Per cell: ms a step, tokens/s, the byte floor (the bytes a step
 must read at the release's precision over a plain copy's bandwidth measured in this run) and, with
 `--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU busy time a step
-and the kernels that take it. Prints a table, writes JSON.
+and the kernels that take it; always the host's split of a step (`build`: Python making the lazy graph;
+`encode`: MLX's async_eval, each node's host work and the CUDA graphs' launch). Prints a table, writes JSON.
 
     python3 bench/step.py --out $OUT/step.json [--experts 32] [--rows 1,8] [--contexts 4096,65536] [--profile]
         [--plot step.png]
@@ -157,17 +158,28 @@ def set_skinny(on: bool, model: DeepseekV4) -> None:
     model.reset_compiled()
 
 
+HOST: dict[str, list[float]] = {"build": [], "encode": []}
+
+
 def time_loop(model: DeepseekV4, pools: StatePools, handles, ctx: int, reps: int) -> list[float]:
     """Pipelined greedy decode of `reps` steps (the engine's loop): step i + 1 is built and queued with step
-    i's tokens still on the device, then step i's are read back. Returns the times between read-backs."""
+    i's tokens still on the device, then step i's are read back. Returns the times between read-backs;
+    HOST gets each step's host split: `build` (Python making the lazy graph) and `encode` (MLX's
+    async_eval: each node's eval on the host, the CUDA graphs' update and launch)."""
     tok = mx.array([7] * len(handles), dtype=mx.int32)
     ts, pending = [], None
+    HOST["build"].clear()
+    HOST["encode"].clear()
     t = time.perf_counter()
     for i in range(reps + 1):
         if i < reps:
+            t0 = time.perf_counter()
             logits = model.step(model.make_batch(pools, handles, [ctx + i] * len(handles)), tok, pools)
             tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+            t1 = time.perf_counter()
             mx.async_eval(tok, pools.arrays())
+            HOST["build"].append(t1 - t0)
+            HOST["encode"].append(time.perf_counter() - t1)
         done, pending = pending, tok
         if done is not None:
             done.tolist()
@@ -198,8 +210,9 @@ def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
     for a, b in spans:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
-    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:12]
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]
     return {"kernels_per_step": len(ev) / steps, "gpu_busy_ms_per_step": busy / steps / 1e3,
+            "kernel_kinds": len(by),
             "top": [[n, round(len(d) / steps, 1), round(sum(d) / steps / 1e3, 3)] for n, d in top]}  # fmt: skip
 
 
@@ -235,10 +248,13 @@ def main() -> None:
         pos = ctx
         for rows in rows_list:
             times: dict[str, list[float]] = {}
+            host: dict[tuple[str, str], list[float]] = {}
             for arm in arms * 2:  # alternated
                 set_skinny(arm == "fast", model)
                 time_loop(model, pools, handles[:rows], pos, 3)  # trace + warm
                 times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
+                for k, v in HOST.items():
+                    host.setdefault((arm, k), []).extend(v)
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
             profs: dict[str, dict] = {}
@@ -252,7 +268,8 @@ def main() -> None:
                 cell = {"layers": opt.layers, "experts": experts, "context": ctx, "rows": rows, "arm": arm,
                         "ms_per_step": med * 1e3, "spread_ms": (max(ts) - min(ts)) * 1e3, "tokens_per_s": rows / med,
                         "floor_ms": floor * 1e3, "weight_gb": wb / 1e9, "state_gb": sb / 1e9,
-                        "x_floor": med / floor}  # fmt: skip
+                        "x_floor": med / floor, "build_ms": statistics.median(host[(arm, "build")]) * 1e3,
+                        "encode_ms": statistics.median(host[(arm, "encode")]) * 1e3}  # fmt: skip
                 if arm in profs:
                     cell |= profs[arm] | {"busy_x_floor": profs[arm]["gpu_busy_ms_per_step"] / (floor * 1e3)}
                 results.append(cell)
@@ -264,12 +281,12 @@ def main() -> None:
     print(json.dumps(meta))
     if opt.plot:
         plot_step(results, meta, opt.plot)
-    head = ("ctx", "rows", "arm", "ms/step", "tok/s", "floor ms", "x floor", "kern/step", "busy ms")
-    print("{:>6} {:>4} {:>7} {:>8} {:>7} {:>8} {:>7} {:>9} {:>8}".format(*head))
+    head = ("ctx", "rows", "arm", "ms/step", "tok/s", "floor ms", "x floor", "kern/step", "busy ms", "build", "encode")
+    print("{:>6} {:>4} {:>7} {:>8} {:>7} {:>8} {:>7} {:>9} {:>8} {:>6} {:>6}".format(*head))
     for r in results:
         print(f"{r['context']:>6} {r['rows']:>4} {r['arm']:>7} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['floor_ms']:>8.3f} {r['x_floor']:>7.2f} {r.get('kernels_per_step', 0):>9.0f} "
-              f"{r.get('gpu_busy_ms_per_step', 0):>8.2f}")
+              f"{r.get('gpu_busy_ms_per_step', 0):>8.2f} {r['build_ms']:>6.1f} {r['encode_ms']:>6.1f}")
 
 
 if __name__ == "__main__":
