@@ -9,6 +9,12 @@ before the fast path existed, so the CPU path is unchanged:
 - `swiglu_rows`: SwiGLU(x @ W1.T, x @ W3.T) of two mxfp8 weights (the shared expert's first half);
 - `experts_gate_up_rows` / `experts_down_rows`: the routed experts' two halves for mxfp4 weights
   stacked [E, N, K / 8], each (row, k) pair through its own expert.
+
+Past MANY_ROWS rows (prefill), `qlinear_rows` and `swiglu_rows` dequantize the mxfp8 weight once to x's
+dtype (exact: an e4m3 code times a power of two) and run a plain GEMM, cuBLAS's tensor-core kernels on
+CUDA: MLX's quantized GEMM there (qmm_sm80) ran an 8-row call in ~100 us against ~7 us of weight bytes on
+the H200, and its tiles stay that slow per FLOP at prefill's row counts, while the dequantized copy costs 3
+bytes a weight (well under the GEMM's time from 64 rows on).
 """
 
 from __future__ import annotations
@@ -85,6 +91,17 @@ def swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
     return nn.silu(gate) * up
 
 
+MANY_ROWS = 64  # more rows than this: dequantize + GEMM (prefill chunks; decode stays at <= 8)
+
+
+def _many(x: object) -> bool:
+    return isinstance(x, mx.array) and x.ndim >= 2 and x.size // max(x.shape[-1], 1) > MANY_ROWS
+
+
+def _dq8(w: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
+    return mx.dequantize(w, s, group_size=GROUP, bits=8, mode="mxfp8", dtype=dtype)
+
+
 def _qmm(x: mx.array, w: mx.array, s: mx.array) -> mx.array:
     return mx.quantized_matmul(x, w, s, transpose=True, group_size=GROUP, bits=8, mode="mxfp8")
 
@@ -142,8 +159,23 @@ def experts_down_rows_reference(h: mx.array, idx: mx.array, w2: mx.array, s2: mx
     return _gqmm(h[:, :, None, :], w2, s2, pair_rows, idx.astype(mx.uint32))[:, :, 0, :]
 
 
+def qlinear_many_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """qlinear_rows for prefill's row counts: the weight dequantized to x.dtype, then x @ W.T."""
+    check_linear("qlinear_rows", x, w, scales, 8)
+    return x @ _dq8(w, scales, x.dtype).T
+
+
+def swiglu_many_rows(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
+                     limit: float | None) -> mx.array:  # fmt: skip
+    """swiglu_rows for prefill's row counts, as the reference: products in x.dtype, SwiGLU in f32."""
+    g, u = qlinear_many_rows(x, w1, s1), qlinear_many_rows(x, w3, s3)
+    return swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype)
+
+
 def qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """x [..., K] @ mxfp8 W [N, K].T -> [..., N] in x.dtype."""
+    if _many(x):
+        return qlinear_many_rows(x, w, scales)
     return backend.pick("qlinear_rows", qlinear_rows_reference)(x, w, scales)
 
 
@@ -155,6 +187,8 @@ def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
 def swiglu_rows(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
                 limit: float | None) -> mx.array:  # fmt: skip
     """SwiGLU(x @ W1.T, x @ W3.T) for two mxfp8 weights -> [..., I] in x.dtype."""
+    if _many(x):
+        return swiglu_many_rows(x, w1, s1, w3, s3, limit=limit)
     return backend.pick("swiglu_rows", swiglu_rows_reference)(x, w1, s1, w3, s3, limit=limit)
 
 

@@ -74,3 +74,38 @@ def test_experts_rows_route_each_pair_through_its_expert() -> None:
 def test_bad_arguments_are_named(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def scaled_err(got: mx.array, want: np.ndarray) -> float:
+    g = np.array(got.astype(mx.float32), dtype=np.float64)
+    return float(np.abs(g - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [km.MANY_ROWS + 1, 100, 300])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_prefill_rows_dequantize_then_multiply(rows: int, dtype: mx.Dtype) -> None:
+    """Past MANY_ROWS the weight is dequantized once and multiplied plainly: within the output dtype's
+    rounding of the exact product (float64 of the dequantized weights), and no further from it than MLX's
+    quantized matmul (the reference; on the CPU it is the less exact of the two), dense and shared expert."""
+    q1, s1, w1 = mxfp((96, 128), 8)
+    q3, s3, w3 = mxfp((96, 128), 8)
+    x = mx.random.normal((rows, 128)).astype(dtype)
+    x64 = np.array(x.astype(mx.float32), dtype=np.float64)
+    w1_64, w3_64 = (np.array(w.astype(mx.float32), dtype=np.float64) for w in (w1, w3))
+    tol = 8e-3 if dtype == mx.bfloat16 else 1e-5
+    got = km.qlinear_rows(x, q1, s1)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    exact = x64 @ w1_64.T
+    assert scaled_err(got, exact) <= min(tol, scaled_err(km.qlinear_rows_reference(x, q1, s1), exact) + 1e-6)
+    g = np.minimum(exact, 2.0)
+    exact = g / (1 + np.exp(-g)) * np.clip(x64 @ w3_64.T, -2.0, 2.0)
+    got = km.swiglu_rows(x, q1, s1, q3, s3, limit=2.0)
+    assert got.dtype == dtype
+    ref = km.swiglu_rows_reference(x, q1, s1, q3, s3, limit=2.0)
+    assert scaled_err(got, exact) <= min(2 * tol, scaled_err(ref, exact) + 1e-6)
+
+
+def test_prefill_rows_name_a_bad_weight() -> None:
+    q, s, _ = mxfp((96, 128), 8)
+    with pytest.raises(ValueError, match="qlinear_rows: scales"):
+        km.qlinear_rows(mx.zeros((km.MANY_ROWS + 1, 128)), q, s[:, :2])
