@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from kernels import matmul as kmatmul
 from kernels.compressor import pooled_entry
 from kernels.indexer import topk_ids
 from kernels.sparse_attention import sink_softmax
@@ -202,7 +203,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
     y = model.norm(hc_head(rows, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
-    out = y.astype(mx.float32) @ model.head.weight.astype(mx.float32).T  # [T or requests, vocab]
+    out = kmatmul.f32_linear_rows(y, model.head.weight)  # [T or requests, vocab] f32, as the decode step's head
     if every:
         return [out[b0:b1] for b0, b1 in zip(bounds[:-1], bounds[1:], strict=True)]
     return [out[j] for j in range(len(work))]
