@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from kernels import experts_grouped
 from kernels import matmul as kmatmul
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
@@ -118,6 +119,9 @@ class QuantizedExperts(nn.Module):
         self.limit = limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        if x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS:  # prefill: one grouped GEMM a projection
+            return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
+                                                   self.w3, self.w3_scales, limit=self.limit)  # fmt: skip
         # kernels.matmul: on CUDA, 1..8 rows in two launches that read each distinct expert once; else
         # MLX's gather_qmm per (row, k) pair
         ri = idx.astype(mx.uint32)

@@ -1,0 +1,143 @@
+"""kernels.experts_grouped (the routed experts for prefill's many rows, grouped by expert) against the
+per-pair references of kernels.matmul, on random mxfp4 experts; and QuantizedExperts' dispatch to it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import backend
+from kernels import experts_grouped as eg
+from kernels import matmul as km
+from model.quant import QuantizedExperts
+
+K = 6
+
+
+def experts(e: int, hid: int, inter: int) -> dict[str, mx.array]:
+    out = {}
+    for name, shape in (("w1", (e, inter, hid)), ("w3", (e, inter, hid)), ("w2", (e, hid, inter))):
+        w = mx.random.normal(shape) * shape[-1] ** -0.5
+        out[name], out[f"{name}_scales"] = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")[:2]
+    mx.eval(out)
+    return out
+
+
+def args(p: dict[str, mx.array]) -> tuple[mx.array, ...]:
+    return p["w1"], p["w1_scales"], p["w2"], p["w2_scales"], p["w3"], p["w3_scales"]
+
+
+def routing(kind: str, b: int, e: int, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+    """idx [B, K] distinct experts a row (as the router's top-k) and router weights [B, K] f32."""
+    if kind == "same":  # every row the same expert set
+        idx = np.tile(rng.choice(e, K, replace=False), (b, 1))
+    elif kind == "unused":  # experts 1 and E - 1 (and at E >= 16 also 3, E - 2, E - 3) are never picked
+        unused = {1, e - 1} | ({3, e - 2, e - 3} if e >= 16 else set())
+        pool = [i for i in range(e) if i not in unused]
+        idx = np.stack([rng.choice(pool, K, replace=False) for _ in range(b)])
+    else:  # ragged: a skewed popularity, so some experts get many pairs and some one or none
+        p = rng.pareto(1.0, e) + 1e-3
+        idx = np.stack([rng.choice(e, K, replace=False, p=p / p.sum()) for _ in range(b)])
+    w = rng.random((b, K)).astype(np.float32) + 0.05
+    return mx.array(idx.astype(np.uint32)), mx.array(w / w.sum(1, keepdims=True))
+
+
+def close(got: mx.array, want: mx.array, tol: float) -> None:
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert g.shape == w.shape and np.isfinite(g).all()
+    scale = np.abs(w).max() + 1e-6
+    assert np.abs(g - w).max() <= tol * scale, (np.abs(g - w).max(), scale)
+    cos = (g * w).sum() / (np.linalg.norm(g) * np.linalg.norm(w) + 1e-30)
+    assert cos >= 0.9999, cos
+
+
+@pytest.mark.parametrize("b", [9, 17, 64, 300])
+@pytest.mark.parametrize("e", [8, 16])
+@pytest.mark.parametrize("kind", ["ragged", "unused", "same"])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_grouped_matches_the_per_pair_reference(b: int, e: int, kind: str, limit: float | None) -> None:
+    rng = np.random.default_rng(b * 100 + e)
+    p = experts(e, 128, 64)
+    x = 3 * mx.random.normal((b, 128))  # gate / up ~ N(0, 9): the 0.5 clamp bites on most of them
+    idx, w = routing(kind, b, e, rng)
+    got = eg.grouped_experts(x, idx, w, *args(p), limit=limit)
+    assert got.dtype == mx.float32 and got.shape == (b, 128)
+    close(got, eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 1e-4)
+
+
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_grouped_bf16_x_rounds_as_the_reference(limit: float | None) -> None:
+    rng = np.random.default_rng(3)
+    p = experts(16, 128, 64)
+    x = (4 * mx.random.normal((40, 128))).astype(mx.bfloat16)
+    idx, w = routing("ragged", 40, 16, rng)
+    close(eg.grouped_experts(x, idx, w, *args(p), limit=limit),
+          eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)  # fmt: skip
+
+
+def test_a_row_does_not_depend_on_the_other_rows() -> None:
+    rng = np.random.default_rng(7)
+    p = experts(16, 128, 64)
+    xa, xb = mx.random.normal((64, 128)), mx.random.normal((17, 128))
+    (ia, wa), (ib, wb) = routing("ragged", 64, 16, rng), routing("unused", 17, 16, rng)
+    # row 5 of batch a run as row 11 of batch b (its other rows and their experts all differ)
+    xb[11], ib[11], wb[11] = xa[5], ia[5], wa[5]
+    ya = eg.grouped_experts(xa, ia, wa, *args(p), limit=0.5)
+    yb = eg.grouped_experts(xb, ib, wb, *args(p), limit=0.5)
+    np.testing.assert_allclose(np.array(yb[11]), np.array(ya[5]), rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_experts_run_grouped_past_the_decode_rows_only() -> None:
+    rng = np.random.default_rng(11)
+    p = experts(8, 128, 64)
+    mod = QuantizedExperts(p, 0.5)
+    for b in (1, 8, eg.GROUPED_ROWS + 1, 33):
+        x = mx.random.normal((b, 128))
+        idx, w = routing("ragged", b, 8, rng)
+        want = eg.experts_rows_reference(x, idx, w, *args(p), limit=0.5)
+        got = mod(x, idx, w)
+        if b <= eg.GROUPED_ROWS:  # the decode path is the per-pair one, unchanged
+            assert mx.array_equal(got, want).item()
+        else:
+            close(got, want, 1e-4)
+
+
+def _bad(**change):
+    p = experts(4, 64, 32)
+    a = dict(x=mx.zeros((10, 64)), idx=mx.zeros((10, K), mx.uint32), weights=mx.ones((10, K)), w1=p["w1"],
+             s1=p["w1_scales"], w2=p["w2"], s2=p["w2_scales"], w3=p["w3"], s3=p["w3_scales"])  # fmt: skip
+    a.update(change)
+    return lambda: eg.grouped_experts(a.pop("x"), a.pop("idx"), a.pop("weights"), *a.values(), limit=None)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x=mx.zeros((10, 1, 64))), "^grouped_experts: x: "),
+    (dict(x=mx.zeros((9, 64))), "^grouped_experts: x: "),
+    (dict(idx=mx.zeros((10, K))), "^grouped_experts: idx: "),
+    (dict(idx=mx.zeros((10,), mx.uint32)), "^grouped_experts: idx: "),
+    (dict(weights=mx.ones((10, K - 1))), "^grouped_experts: weights: "),
+    (dict(weights=[1.0]), "^grouped_experts: weights: "),
+    (dict(w1=mx.zeros((4, 32, 8))), "^grouped_experts: w1: "),
+    (dict(w1=mx.zeros((32, 8), mx.uint32)), "^grouped_experts: w1: "),
+    (dict(s1=mx.zeros((4, 32, 2))), "^grouped_experts: w1_scales: "),
+    (dict(w3=mx.zeros((4, 64, 8), mx.uint32)), "^grouped_experts: w3: "),
+    (dict(w2=mx.zeros((4, 64, 8), mx.uint32)), "^grouped_experts: w2: "),
+    (dict(s2=mx.zeros((4, 64, 2), mx.uint8)), "^grouped_experts: w2_scales: "),
+])  # fmt: skip
+def test_bad_arguments_are_named(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _bad(**change)()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
+def test_grouped_at_v4_flash_dims_on_the_gpu() -> None:
+    """H 4096, I 2048, 32 experts, a 2048-token chunk in bf16: the CUTLASS grouped GEMM vs gather_qmm a pair."""
+    rng = np.random.default_rng(0)
+    p = experts(32, 4096, 2048)
+    x = mx.random.normal((2048, 4096)).astype(mx.bfloat16)
+    idx, w = routing("ragged", 2048, 32, rng)
+    for limit in (None, 10.0):
+        got = eg.grouped_experts(x, idx, w, *args(p), limit=limit)
+        close(got, eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)
