@@ -4,9 +4,14 @@
 product (`mx.gather_qmm`, M = 1): on CUDA a batch of B * k one-row GEMMs, each reading its expert's whole
 weight again. Past `GROUPED_ROWS` rows `grouped_experts` instead sorts the pairs by expert, gathers their
 x rows, dequantizes the layer's mxfp4 experts to x's dtype (exact: an e2m1 value times a power of two fits
-bf16) and runs `mx.gather_mm(..., rhs_indices=sorted ids, sorted_indices=True)`, which MLX's CUDA backend
-serves with one CUTLASS grouped GEMM (one problem of `count` rows per expert; `GatherMM::eval_gpu`, M == 1
-and right-sorted). The products are unsorted and router-weighted exactly as `QuantizedExperts` does.
+bf16) and runs each projection as one `mx.gather_mm` over the grouped pairs, two ways (`DSV4_GROUPED_EXPERTS`):
+- `sorted`: M = 1 rows with `rhs_indices` = the sorted ids and `sorted_indices=True`, which MLX's CUDA
+  GatherMM serves with one CUTLASS grouped GEMM (a problem of `count` rows per expert). Its tensor-core
+  configuration is only taken with MLX_ENABLE_TF32 on (mlx/backend/cuda/gemms/grouped_gemm_unaligned.cu
+  gates it on `env::enable_tf32()` for every dtype); the server sets it off, so bf16 runs its SIMT one.
+- `tiles` (default): each expert's pairs padded to whole `TILE_ROWS`-row tiles (a bound on the tile
+  count known without reading the counts back), one expert id per tile, gather_mm with M = TILE_ROWS.
+The products are unsorted and router-weighted exactly as `QuantizedExperts` does for 1..8 rows.
 
 Memory: the dequantized weights are a transient E x 3 x I x H x 2 bytes per layer at most in bf16 (V4-Flash,
 32 local experts: 1.6 GB), freed once the layer's products are made.
@@ -15,6 +20,8 @@ and of each pair's output to x.dtype is kept, as in the reference).
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -26,6 +33,11 @@ from kernels.matmul import GROUP, _is, experts_down_rows_reference, experts_gate
 # (dequantize 0.4 GB -> 1.6 GB and read it back) plus its GEMMs, so it wins from about 16 rows; 8 keeps
 # one boundary for the decode path. To tune with bench/prefill.py on the GPU.
 GROUPED_ROWS = 8
+ENV = "DSV4_GROUPED_EXPERTS"
+# `tiles`: the rows of a tile (one expert's; its last tile zero-padded). MLX's CUDA gather_mm for M > 1 is a
+# tensor-core (mma.sync) GEMM whatever MLX_ENABLE_TF32 says; each expert's weight is read once a tile, and
+# the padding is at most E x (TILE_ROWS - 1) rows (2048 x 6 pairs, 32 experts: <= 16%).
+TILE_ROWS = 64
 
 
 def _check_mxfp4(op: str, name: str, wq: mx.array, s: mx.array, shape: tuple[int, int, int]) -> None:
@@ -67,21 +79,64 @@ def _dequant(wq: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.dequantize(wq, s, group_size=GROUP, bits=4, mode="mxfp4", dtype=dtype).swapaxes(-1, -2)
 
 
+def mode() -> str:
+    """`DSV4_GROUPED_EXPERTS`: `tiles` (default), `sorted`, or `off` (every row count per pair)."""
+    m = os.environ.get(ENV, "tiles").strip().lower() or "tiles"
+    if m not in ("tiles", "sorted", "off"):
+        raise ValueError(f"experts_grouped: {ENV}: must be tiles, sorted or off, got {m!r}")
+    return m
+
+
+def _tiles(ids: mx.array, e: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Sorted expert ids [P] -> (src [R]: the sorted pair a padded row holds, -1 for padding; tile_expert
+    [R / TILE_ROWS] uint32; slot [P]: each sorted pair's padded row). Each expert's pairs start a tile, so
+    a tile holds one expert's; R bounds the padded total for any routing (no host read of the counts)."""
+    p = ids.shape[0]
+    count = mx.sum(ids[:, None] == mx.arange(e, dtype=mx.uint32)[None, :], axis=0).astype(mx.int32)  # [E]
+    start = mx.cumsum(count) - count  # each expert's first sorted pair
+    padded = (count + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+    pend = mx.cumsum(padded)
+    pstart = pend - padded  # each expert's first padded row
+    nt = (p + e * (TILE_ROWS - 1)) // TILE_ROWS  # >= sum ceil(count / TILE_ROWS)
+    tile_first = mx.arange(nt, dtype=mx.int32) * TILE_ROWS
+    tile_expert = mx.minimum(mx.sum(pend[None, :] <= tile_first[:, None], axis=1), e - 1)  # past the end: E-1
+    row_expert = mx.repeat(tile_expert, TILE_ROWS)
+    within = mx.arange(nt * TILE_ROWS, dtype=mx.int32) - pstart[row_expert]
+    src = mx.where(within < count[row_expert], start[row_expert] + within, -1)
+    slot = pstart[ids] + mx.arange(p, dtype=mx.int32) - start[ids]
+    return src, tile_expert.astype(mx.uint32), slot
+
+
 def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
-                    s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None) -> mx.array:  # fmt: skip
-    """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection."""
+                    s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None,
+                    how: str | None = None) -> mx.array:  # fmt: skip
+    """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection.
+    `how`: `sorted` (gather_mm M = 1, sorted_indices: MLX's CUTLASS grouped GEMM) or `tiles` (the pairs
+    padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS); None: `mode()`."""
     check_grouped("grouped_experts", x, idx, weights, w1, s1, w2, s2, w3, s3)
+    how = mode() if how is None else how
+    if how not in ("tiles", "sorted"):
+        raise ValueError(f"grouped_experts: how: must be tiles or sorted, got {how!r}")
     b, k = idx.shape
     ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
     flat = idx.reshape(-1).astype(mx.uint32)
     order = mx.argsort(flat)  # the B * k pairs grouped by expert (any order within an expert)
     ids = flat[order]
-    xs = x[order // k][:, None, :].astype(ct)  # [P, 1, H]: M = 1 and no lhs_indices -> the grouped GEMM
-    g = mx.gather_mm(xs, _dequant(w1, s1, ct), rhs_indices=ids, sorted_indices=True)
-    u = mx.gather_mm(xs, _dequant(w3, s3, ct), rhs_indices=ids, sorted_indices=True)
-    hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype).astype(ct)  # [P, 1, I]
-    out = mx.gather_mm(hdn, _dequant(w2, s2, ct), rhs_indices=ids, sorted_indices=True)  # [P, 1, H]
-    out = out[:, 0, :].astype(x.dtype)[mx.argsort(order)].reshape(b, k, -1)  # back to [B, k, H]
+    xs = x[order // k].astype(ct)  # [P, H]
+    if how == "sorted":  # [P, 1, H]: M = 1 and no lhs_indices -> MLX's grouped GEMM (right-sorted)
+        xs, rhs = xs[:, None, :], dict(rhs_indices=ids, sorted_indices=True)
+    else:
+        src, tile_expert, slot = _tiles(ids, w1.shape[0])
+        xs = mx.where((src >= 0)[:, None], xs[mx.maximum(src, 0)], 0).reshape(-1, TILE_ROWS, xs.shape[-1])
+        rhs = dict(rhs_indices=tile_expert)
+    g = mx.gather_mm(xs, _dequant(w1, s1, ct), **rhs)
+    u = mx.gather_mm(xs, _dequant(w3, s3, ct), **rhs)
+    hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype).astype(ct)
+    out = mx.gather_mm(hdn, _dequant(w2, s2, ct), **rhs)  # [P, 1, H] or [tiles, TILE_ROWS, H]
+    out = out.reshape(-1, out.shape[-1])
+    if how == "tiles":
+        out = out[slot]  # back to the sorted pairs
+    out = out.astype(x.dtype)[mx.argsort(order)].reshape(b, k, -1)  # back to [B, k, H]
     return mx.sum(out.astype(mx.float32) * weights[:, :, None], axis=1)
 
 

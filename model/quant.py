@@ -108,7 +108,8 @@ def mxfp8_linear(weight: mx.array, scales: mx.array) -> nn.QuantizedLinear:
 
 
 class QuantizedExperts(nn.Module):
-    """Drop-in for model.layers.Experts with mxfp4 weights: one gathered quantized matmul per projection.
+    """Drop-in for model.layers.Experts with mxfp4 weights: per (row, k) pair for 1..8 rows (decode), one
+    grouped GEMM per projection past that (prefill).
 
     Parameters: w1/w2/w3 (uint32 packed) and w1_scales/w2_scales/w3_scales (uint8), stacked [E, ...]."""
 
@@ -119,7 +120,8 @@ class QuantizedExperts(nn.Module):
         self.limit = limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
-        if x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS:  # prefill: one grouped GEMM a projection
+        if x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS and experts_grouped.mode() != "off":
+            # prefill: one grouped GEMM a projection over the pairs sorted by expert (kernels.experts_grouped)
             return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
                                                    self.w3, self.w3_scales, limit=self.limit)  # fmt: skip
         # kernels.matmul: on CUDA, 1..8 rows in two launches that read each distinct expert once; else

@@ -9,7 +9,6 @@ import pytest
 
 from kernels import backend
 from kernels import experts_grouped as eg
-from kernels import matmul as km
 from model.quant import QuantizedExperts
 
 K = 6
@@ -56,39 +55,44 @@ def close(got: mx.array, want: mx.array, tol: float) -> None:
 @pytest.mark.parametrize("e", [8, 16])
 @pytest.mark.parametrize("kind", ["ragged", "unused", "same"])
 @pytest.mark.parametrize("limit", [None, 0.5])
-def test_grouped_matches_the_per_pair_reference(b: int, e: int, kind: str, limit: float | None) -> None:
+@pytest.mark.parametrize("how", ["tiles", "sorted"])
+def test_grouped_matches_the_per_pair_reference(b: int, e: int, kind: str, limit: float | None, how: str) -> None:
     rng = np.random.default_rng(b * 100 + e)
     p = experts(e, 128, 64)
     x = 3 * mx.random.normal((b, 128))  # gate / up ~ N(0, 9): the 0.5 clamp bites on most of them
     idx, w = routing(kind, b, e, rng)
-    got = eg.grouped_experts(x, idx, w, *args(p), limit=limit)
+    got = eg.grouped_experts(x, idx, w, *args(p), limit=limit, how=how)
     assert got.dtype == mx.float32 and got.shape == (b, 128)
     close(got, eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 1e-4)
 
 
 @pytest.mark.parametrize("limit", [None, 7.0])
-def test_grouped_bf16_x_rounds_as_the_reference(limit: float | None) -> None:
+@pytest.mark.parametrize("how", ["tiles", "sorted"])
+def test_grouped_bf16_x_rounds_as_the_reference(limit: float | None, how: str) -> None:
     rng = np.random.default_rng(3)
     p = experts(16, 128, 64)
     x = (4 * mx.random.normal((40, 128))).astype(mx.bfloat16)
     idx, w = routing("ragged", 40, 16, rng)
-    close(eg.grouped_experts(x, idx, w, *args(p), limit=limit),
+    close(eg.grouped_experts(x, idx, w, *args(p), limit=limit, how=how),
           eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)  # fmt: skip
 
 
-def test_a_row_does_not_depend_on_the_other_rows() -> None:
+@pytest.mark.parametrize("how", ["tiles", "sorted"])
+def test_a_row_does_not_depend_on_the_other_rows(how: str) -> None:
     rng = np.random.default_rng(7)
     p = experts(16, 128, 64)
     xa, xb = mx.random.normal((64, 128)), mx.random.normal((17, 128))
     (ia, wa), (ib, wb) = routing("ragged", 64, 16, rng), routing("unused", 17, 16, rng)
     # row 5 of batch a run as row 11 of batch b (its other rows and their experts all differ)
     xb[11], ib[11], wb[11] = xa[5], ia[5], wa[5]
-    ya = eg.grouped_experts(xa, ia, wa, *args(p), limit=0.5)
-    yb = eg.grouped_experts(xb, ib, wb, *args(p), limit=0.5)
+    ya = eg.grouped_experts(xa, ia, wa, *args(p), limit=0.5, how=how)
+    yb = eg.grouped_experts(xb, ib, wb, *args(p), limit=0.5, how=how)
     np.testing.assert_allclose(np.array(yb[11]), np.array(ya[5]), rtol=1e-5, atol=1e-6)
 
 
-def test_quantized_experts_run_grouped_past_the_decode_rows_only() -> None:
+@pytest.mark.parametrize("env", ["", "tiles", "sorted", "off"])
+def test_quantized_experts_run_grouped_past_the_decode_rows_only(env: str, monkeypatch) -> None:
+    monkeypatch.setenv(eg.ENV, env)
     rng = np.random.default_rng(11)
     p = experts(8, 128, 64)
     mod = QuantizedExperts(p, 0.5)
@@ -97,18 +101,27 @@ def test_quantized_experts_run_grouped_past_the_decode_rows_only() -> None:
         idx, w = routing("ragged", b, 8, rng)
         want = eg.experts_rows_reference(x, idx, w, *args(p), limit=0.5)
         got = mod(x, idx, w)
-        if b <= eg.GROUPED_ROWS:  # the decode path is the per-pair one, unchanged
+        if b <= eg.GROUPED_ROWS or env == "off":  # the decode path (the per-pair one), unchanged
             assert mx.array_equal(got, want).item()
         else:
+            assert not mx.array_equal(got, want).item()  # another computation (not the per-pair one)
             close(got, want, 1e-4)
 
 
-def _bad(**change):
+def test_the_switch_is_checked(monkeypatch) -> None:
+    monkeypatch.setenv(eg.ENV, "fast")
+    with pytest.raises(ValueError, match=f"^experts_grouped: {eg.ENV}: "):
+        eg.mode()
+    with pytest.raises(ValueError, match="^grouped_experts: how: "):
+        _bad(how="pairs")()
+
+
+def _bad(how: str = "tiles", **change):
     p = experts(4, 64, 32)
     a = dict(x=mx.zeros((10, 64)), idx=mx.zeros((10, K), mx.uint32), weights=mx.ones((10, K)), w1=p["w1"],
              s1=p["w1_scales"], w2=p["w2"], s2=p["w2_scales"], w3=p["w3"], s3=p["w3_scales"])  # fmt: skip
     a.update(change)
-    return lambda: eg.grouped_experts(a.pop("x"), a.pop("idx"), a.pop("weights"), *a.values(), limit=None)
+    return lambda: eg.grouped_experts(a.pop("x"), a.pop("idx"), a.pop("weights"), *a.values(), limit=None, how=how)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -139,5 +152,6 @@ def test_grouped_at_v4_flash_dims_on_the_gpu() -> None:
     x = mx.random.normal((2048, 4096)).astype(mx.bfloat16)
     idx, w = routing("ragged", 2048, 32, rng)
     for limit in (None, 10.0):
-        got = eg.grouped_experts(x, idx, w, *args(p), limit=limit)
-        close(got, eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)
+        want = eg.experts_rows_reference(x, idx, w, *args(p), limit=limit)
+        for how in ("tiles", "sorted"):
+            close(eg.grouped_experts(x, idx, w, *args(p), limit=limit, how=how), want, 2e-2)
