@@ -2,8 +2,10 @@
 # The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
 # `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
 #
-#   PART=skinny  the skinny matmul kernels' gpu tests and the layer-by-layer numerics, then the full-depth
-#                step at rows 1-8, 4K, fast vs mlx_mm alternated, with the CUPTI profile of each arm
+#   PART=new     the gpu tests of the kernels not yet run on a GPU (norms / mHC post-mix, grouped experts) and
+#                the layer-by-layer numerics, then the full-depth step at rows 1 and 8, 4K, arms fast /
+#                mlx_mm / no_norms alternated, with the CUPTI profile of each arm
+#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / sorted / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
 #                the sweep run twice in turn: MLX reads it once a process)
@@ -35,10 +37,16 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    skinny) timeout 200 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
-              tests/kernels/test_cuda_matmul.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -40
-            timeout 370 python3 bench/step.py --experts 32 --contexts 4096 --reps 10 --profile \
-              --out "$OUT/step_4k.json" 2>&1 | tail -30 ;;
+    new) timeout 240 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
+           tests/kernels/test_cuda_norms.py tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py 2>&1 | tail -30
+         timeout 200 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
+           tests/model/test_cuda_layer_numerics.py 2>&1 | tail -15
+         timeout 150 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
+           --out "$OUT/step_4k.json" 2>&1 | tail -8 ;;
+    grouped) for how in tiles sorted off; do
+               DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
+                 --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
+             done ;;
     commit) for rep in 1 2; do for ops in 8 32 100 400; do  # MLX's CUDA-graph commit size, read once a process
               MLX_MAX_OPS_PER_BUFFER=$ops timeout 120 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
                 --arms fast --reps 10 --out "/tmp/commit_${ops}_$rep.json" 2>&1 | grep -E "^ +4096" | sed "s/^/ops $ops: /"
@@ -63,6 +71,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (skinny commit step64 http tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new grouped commit step64 http tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

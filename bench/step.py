@@ -4,12 +4,13 @@ mxfp8 dense projections + mxfp4 routed experts (as the release stores them; `--e
 experts to fit one GPU, default the most that fit), bf16 elsewhere; rows 1, 2, 4, 8 at 4K and 64K
 context, each cell a pipelined greedy loop (the engine's: step i + 1 queued before step i's tokens are
 read). The context is laid down as random state, not prefilled. Arms alternate in one process: `fast`
-(every fast path) and `mlx_mm` (the same with MLX's own matmuls for the weight products: the skinny
-kernels of kernels/cuda/matmul.py off). Per cell: ms a step, tokens/s, the byte floor (the bytes a step
-must read at the release's precision over a plain copy's bandwidth measured in this run) and, with
-`--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU busy time a step
-and the kernels that take it; always the host's split of a step (`build`: Python making the lazy graph;
-`encode`: MLX's async_eval, each node's host work and the CUDA graphs' launch). Prints a table, writes JSON.
+(every fast path), `mlx_mm` (the same with MLX's own matmuls for the weight products: the skinny kernels
+of kernels/cuda/matmul.py off) and `no_norms` (the norms' and the mHC post-mix's references). Per cell: ms
+a step, tokens/s, the byte floor (the bytes a step must read at the release's precision over a plain
+copy's bandwidth measured in this run), the host's split of a step (`build`: Python making the lazy
+graph; `encode`: MLX's async_eval, each node's host work and the CUDA graphs' launch) and, with
+`--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU busy time a step and
+the kernels that take it. Prints a table, writes JSON.
 
     python3 bench/step.py --out $OUT/step.json [--experts 32] [--rows 1,8] [--contexts 4096,65536] [--profile]
         [--plot step.png]
@@ -132,28 +133,39 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
+NORM_OPS = ("rms_norm_rows", "hc_post_rows")
+ARMS = ("fast", "mlx_mm", "no_norms")
 
 
-def set_skinny(on: bool, model: DeepseekV4) -> None:
-    """The skinny matmul kernels in or out of the backend (an A/B arm), each arm with the f32-multiplied
-    weights as it holds them (bf16 as stored for the kernels, f32 copies for MLX's matmuls: both kept);
-    the compiled segments retrace."""
+def set_arm(arm: str, model: DeepseekV4) -> None:
+    """An A/B arm's fast paths in or out of the backend: `fast` every one (the skinny matmul kernels and the
+    norm / mHC post-mix kernels included, whatever DSV4_SKINNY / DSV4_NORM_KERNELS say), `mlx_mm` MLX's own
+    matmuls for the weight products, `no_norms` the references for the norms and the post-mix. Each arm holds
+    the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32 copies for MLX's
+    matmuls: both kept); the compiled segments retrace."""
     from kernels import backend
     from model.checkpoint import is_f32_compute
 
+    if arm not in ARMS:
+        raise SystemExit(f"step.py: --arms: unknown arm {arm!r}, expected some of {', '.join(ARMS)}")
+    skinny = arm != "mlx_mm"
     if not _as_held:
         stored = [(n, p) for n, p in tree_flatten(model.parameters()) if is_f32_compute(n)]
         _as_held[True] = stored
         _as_held[False] = [(n, p.astype(mx.float32)) for n, p in stored]
         mx.eval([p for _, p in _as_held[False]])
-    model.update(tree_unflatten(_as_held[on]))
-    if on and backend.cuda_available():
+    model.update(tree_unflatten(_as_held[skinny]))
+    fast: dict[str, object] = {}
+    if backend.cuda_available():
         import kernels.cuda.matmul as km
+        import kernels.cuda.norms as kn
 
-        for op in SKINNY_OPS:
-            backend.register(op, getattr(km, f"{op}_cuda"))
-    else:
-        for op in SKINNY_OPS:
+        fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS} | {op: getattr(kn, f"{op}_cuda") for op in NORM_OPS}
+    for op in SKINNY_OPS + NORM_OPS:
+        on = op in fast and (skinny if op in SKINNY_OPS else arm != "no_norms")
+        if on:
+            backend.register(op, fast[op])
+        else:
             backend.unregister(op)
     model.reset_compiled()
 
@@ -223,7 +235,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--arms", default="fast,mlx_mm", help="of fast, mlx_mm (MLX's matmuls for the weights)")
+    ap.add_argument("--arms", default="fast,mlx_mm,no_norms",
+                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_norms (the norms' references)")
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
@@ -250,7 +263,7 @@ def main() -> None:
             times: dict[str, list[float]] = {}
             host: dict[tuple[str, str], list[float]] = {}
             for arm in arms * 2:  # alternated
-                set_skinny(arm == "fast", model)
+                set_arm(arm, model)
                 time_loop(model, pools, handles[:rows], pos, 3)  # trace + warm
                 times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
                 for k, v in HOST.items():
@@ -259,7 +272,7 @@ def main() -> None:
             floor = (wb + sb) / bw
             profs: dict[str, dict] = {}
             for arm in arms if opt.profile else ():  # each arm's kernels and busy time, for the before/after
-                set_skinny(arm == "fast", model)
+                set_arm(arm, model)
                 hs = handles[:rows]
                 profs[arm] = gpu_profile(lambda n, p=pools, hs=hs, at=pos: time_loop(model, p, hs, at, n), 4, traces,
                                          f"{ctx}_{rows}_{arm}")  # fmt: skip

@@ -21,6 +21,7 @@ from kernels.compressor import (
 )
 from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
+from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
@@ -38,6 +39,8 @@ __all__ = [
     "compressor_rows",
     "compressor_rows_inplace",
     "hc_pre_mix",
+    "hc_post_rows",
+    "rms_norm_rows",
     "indexer_rows",
     "rope",
     "rope_apply",
@@ -160,3 +163,13 @@ def hc_pre_mix(
     """mHC pre-mix of every row -> `(x [B, H] h.dtype, post [B, nc] f32, comb [B, nc, nc] f32)` (kernels/hc.py)."""
     fn = backend.pick("hc_pre_mix", hc_pre_mix_reference)
     return fn(m, scale, base, h, iters=iters, eps=eps)
+
+
+def rms_norm_rows(x: mx.array, weight: mx.array | None, *, eps: float, out_dtype: mx.Dtype | None = None) -> mx.array:
+    """RMSNorm over the last axis: f32 statistics and products, one rounding to out_dtype (kernels/norms.py)."""
+    return backend.pick("rms_norm_rows", rms_norm_rows_reference)(x, weight, eps=eps, out_dtype=out_dtype)
+
+
+def hc_post_rows(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """mHC post-mix h'[k] = post[k] y + sum_j comb[j, k] h[j] -> [B, nc, H] h.dtype (kernels/norms.py)."""
+    return backend.pick("hc_post_rows", hc_post_rows_reference)(y, h, post, comb)

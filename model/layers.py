@@ -27,11 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        # MLX's fused norm on the f32 input: f32 statistics and x * rsqrt(.) in f32 (no rounding), then the
-        # weight in f32 and one rounding, as REF. 3 graph nodes (cast, norm, weight + cast), not 4 (cast,
-        # square, mean, the rest): at <= 8 rows each node is host time, 4 of these a layer.
-        y = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps)
-        return (self.weight.astype(mx.float32) * y).astype(x.dtype)
+        # kernels.rms_norm_rows: f32 statistics, x * rsqrt(.) and the weight in f32, one rounding, as REF
+        # (MLX's fused norm rounds x * rsqrt(.) before a weight). Its reference is 3 kernels (cast, norm,
+        # weight + cast), the CUDA one 1: at <= 8 rows each is host time, 4 of these a layer.
+        return kernels.rms_norm_rows(x, self.weight, eps=self.eps)
 
 
 def rms(x: mx.array, eps: float) -> mx.array:
@@ -115,23 +114,21 @@ def _hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
     b = h.shape[0]
-    f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
+    f = kernels.rms_norm_rows(h.reshape(b, -1), None, eps=args.rms_norm_eps, out_dtype=mx.float32)
     m = f @ fn.astype(mx.float32).T
     return kernels.hc_pre_mix(m, scale, base, h, iters=args.hc_sinkhorn_iters, eps=args.hc_eps)
 
 
-@mx.compile
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """h'[k] = post[k] * y + sum_j C[j, k] h[j]  (C used transposed: one batched matmul, fewer graph
-    nodes than the einsum's transposes)."""
-    mixed = comb.swapaxes(1, 2) @ h.astype(mx.float32)
-    return (post[:, :, None] * y.astype(mx.float32)[:, None, :] + mixed).astype(h.dtype)
+    """h'[k] = post[k] * y + sum_j C[j, k] h[j] in f32, h.dtype out (kernels.hc_post_rows: one kernel on
+    CUDA, a cast + an f32 batched matmul + a fused tail in the reference)."""
+    return kernels.hc_post_rows(y, h, post, comb)
 
 
 def hc_head(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs) -> mx.array:
     """HyperHead: sigmoid weights only, no Sinkhorn and no post."""
     b = h.shape[0]
-    f = rms(h.reshape(b, -1).astype(mx.float32), args.rms_norm_eps)
+    f = kernels.rms_norm_rows(h.reshape(b, -1), None, eps=args.rms_norm_eps, out_dtype=mx.float32)
     pre = mx.sigmoid((f @ fn.astype(mx.float32).T) * scale + base) + args.hc_eps
     return mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
 

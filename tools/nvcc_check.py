@@ -24,7 +24,10 @@ from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import compressor_pair as cpp  # noqa: E402
-from kernels.cuda import hc  # noqa: E402
+from kernels.cuda import (
+    hc,  # noqa: E402
+    norms,  # noqa: E402
+)
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda import matmul as mm  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
@@ -118,6 +121,13 @@ def units() -> dict[str, str]:
     pair_t = cp.template(BF, F32, 4, 512, 32, 64, False) + [("D2", 128), ("N2", F32), ("NT", cpi.NT), ("NSPLIT", 1)]
     out["compressor_pair"] = standalone("compressor_pair", pair_in, [("token", I32)], pair_t, cpp.SOURCE,
                                         header=cpi.ROW)  # fmt: skip
+    for o, w, has in ((BF, BF, True), (F32, F32, False)):  # RMSNorm; the mHC input RMS (f32 out, no weight)
+        out[f"rms_norm_{'w' if has else 'f32'}"] = standalone(
+            "rms_norm", [("x", BF, True), ("w", w, False), ("fparams", F32, False)], [("out", o)],
+            [("T", BF), ("O", o), ("W", w), ("HAS_W", has)], norms.RMS_SOURCE)  # fmt: skip
+    out["hc_post_4"] = standalone(
+        "hc_post", [("y", BF, False), ("h", BF, True), ("post", F32, False), ("comb", F32, False)], [("out", BF)],
+        [("T", BF), ("NC", 4)], norms.POST_SOURCE)  # fmt: skip
     hc_in = [("m", F32, False), ("scale", F32, False), ("base", F32, False), ("h", BF, True), ("fparams", F32, False)]
     for nc, iters in ((4, 20), (1, 1), (8, 5)):
         out[f"hc_pre_mix_{nc}_{iters}"] = standalone(

@@ -14,7 +14,8 @@ kernels do not cover:
   of 32 (1 kernel up to 3 chunks of 64 keys per row, else wide or partial + combine). float32 (the
   tiny test model) runs the reference for these two;
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
-  ~200 graph nodes per layer instead of ~14).
+  ~200 graph nodes per layer instead of ~14);
+- rms_norm_rows / hc_post_rows: 1 kernel each instead of 3, opt-in (`DSV4_NORM_KERNELS=1`).
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -52,6 +53,7 @@ from kernels.cuda.matmul import (
     qlinear_rows_cuda,
     swiglu_rows_cuda,
 )
+from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -59,10 +61,12 @@ __all__ = [
     "compressor_pair_rows_inplace_cuda",
     "compressor_rows_cuda",
     "compressor_rows_inplace_cuda",
+    "hc_post_rows_cuda",
     "hc_pre_mix_cuda",
     "indexer_rows_cuda",
     "precompile",
     "precompile_model",
+    "rms_norm_rows_cuda",
     "sparse_attention_rows_cuda",
 ]
 
@@ -83,6 +87,13 @@ if kmatmul.SKINNY:
 HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)
+# The norm and mHC post-mix kernels (kernels/cuda/norms.py: 1 kernel each where the reference launches 3, 6
+# norms and 2 post-mixes a layer): opt-in (DSV4_NORM_KERNELS=1) until their gpu tests and the full-depth
+# A/B (bench/step.py arm no_norms) have run on a GPU.
+NORM_KERNELS = os.environ.get("DSV4_NORM_KERNELS", "0").strip() == "1"
+if NORM_KERNELS:
+    backend.register("rms_norm_rows", rms_norm_rows_cuda)
+    backend.register("hc_post_rows", hc_post_rows_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:
