@@ -36,7 +36,7 @@ RMS_SOURCE = r"""
   __syncthreads();
   if (tid == 0) {
     float t = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += red[w];
+    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) t += red[k];  // the warps' sums in order
     red[0] = t;
   }
   __syncthreads();
