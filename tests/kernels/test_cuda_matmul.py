@@ -9,6 +9,7 @@ import pytest
 
 from kernels import backend
 from kernels import matmul as ref
+from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -17,16 +18,6 @@ def cuda():
     from kernels.cuda import matmul
 
     return matmul
-
-
-def close(got: mx.array, want: mx.array, tol: float) -> None:
-    """Relative to the output's scale: bf16 outputs round once, the sums' order differs."""
-    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    assert g.shape == w.shape and np.isfinite(g).all()
-    scale = np.abs(w).max() + 1e-6
-    assert np.abs(g - w).max() <= tol * scale, (np.abs(g - w).max(), scale)
-    cos = (g * w).sum() / (np.linalg.norm(g) * np.linalg.norm(w) + 1e-30)
-    assert cos >= 0.9999, cos
 
 
 def mxfp(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array]:

@@ -10,6 +10,7 @@ import pytest
 from kernels import backend
 from kernels import experts_grouped as eg
 from model.quant import QuantizedExperts
+from tests.kernels.agreement import close
 
 K = 6
 
@@ -40,15 +41,6 @@ def routing(kind: str, b: int, e: int, rng: np.random.Generator) -> tuple[mx.arr
         idx = np.stack([rng.choice(e, K, replace=False, p=p / p.sum()) for _ in range(b)])
     w = rng.random((b, K)).astype(np.float32) + 0.05
     return mx.array(idx.astype(np.uint32)), mx.array(w / w.sum(1, keepdims=True))
-
-
-def close(got: mx.array, want: mx.array, tol: float) -> None:
-    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    assert g.shape == w.shape and np.isfinite(g).all()
-    scale = np.abs(w).max() + 1e-6
-    assert np.abs(g - w).max() <= tol * scale, (np.abs(g - w).max(), scale)
-    cos = (g * w).sum() / (np.linalg.norm(g) * np.linalg.norm(w) + 1e-30)
-    assert cos >= 0.9999, cos
 
 
 @pytest.mark.parametrize("b", [9, 17, 64, 300])
