@@ -148,11 +148,11 @@ class Attention(nn.Module):
             self.attn_sink.astype(mx.float32), scale=a.head_dim**-0.5, ratio=r, after=after,
         )
 
-    def output(self, o: mx.array, c: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
-        """After the kernels: de-rotate (V = K carries RoPE: rotate by -p; tables from `project`), grouped
-        output projection."""
+    def output(self, o: mx.array, c: mx.array, s_back: mx.array, dtype: mx.Dtype) -> mx.array:
+        """After the kernels: de-rotate (V = K carries RoPE: rotate by -p with `project`'s C and s_back = -S),
+        grouped output projection."""
         a, b, d = self.args, o.shape[0], self.args.head_dim
-        o = rope_apply(o.astype(dtype), c, -s)
+        o = rope_apply(o.astype(dtype), c, s_back)
         # Group k (contiguous heads) goes through its own rows of wo_a.
         g = self.n_groups
         u = o.reshape(b, g, self.n_heads * d // g)
@@ -163,4 +163,4 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:
         proj = self.project(x, *rope_angles(freqs, batch.positions, self.ratio, self.args))
-        return self.output(self.attend(proj, batch, pools), proj[2], proj[3], x.dtype)
+        return self.output(self.attend(proj, batch, pools), proj[2], -proj[3], x.dtype)

@@ -45,10 +45,10 @@ class Block(nn.Module):
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
         return (post, comb, *self.attn.project(self.attn_norm(x), *angles))
 
-    def after(self, o, h, post, comb, c, s, token_ids) -> mx.array:
+    def after(self, o, h, post, comb, c, s_back, token_ids) -> mx.array:
         """Pure: attention output + mHC-post, then the whole MoE half of the block."""
         a = self.args
-        h = hc_post(self.attn.output(o, c, s, h.dtype), h, post, comb)
+        h = hc_post(self.attn.output(o, c, s_back, h.dtype), h, post, comb)
         # The ffn unit's weights come from the post-attention streams.
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
         return hc_post(self.ffn(self.ffn_norm(x), token_ids), h, post, comb)
@@ -59,7 +59,9 @@ class Block(nn.Module):
         angles = batch.once(("rope_angles", r, id(freqs)), lambda: rope_angles(freqs, batch.positions, r, self.args))
         post, comb, *proj = before(h, *angles)
         o = self.attn.attend(tuple(proj), batch, pools)
-        return after(o, h, post, comb, proj[2], proj[3], token_ids)
+        # the de-rotation's table (-S), once a step per layer kind rather than a negation in every layer
+        back = batch.once(("rope_back", r, id(freqs)), lambda: -angles[1])
+        return after(o, h, post, comb, proj[2], back, token_ids)
 
     def _segments(self):
         """The pure parts around the kernels, compiled: a layer is then ~2 fused graphs + its kernel calls

@@ -198,7 +198,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
                 _attend(block.attn, [p[b0:b1] for p in proj], pools, handle, start)
                 for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
             ])  # fmt: skip
-        hs = block.after(o, hs, post, comb, proj[2], proj[3], ids)
+        hs = block.after(o, hs, post, comb, proj[2], -proj[3], ids)
     if not logits:
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
