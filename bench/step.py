@@ -5,12 +5,12 @@ experts to fit one GPU, default the most that fit), bf16 elsewhere; rows 1, 2, 4
 context, each cell a pipelined greedy loop (the engine's: step i + 1 queued before step i's tokens are
 read). The context is laid down as random state, not prefilled. Arms alternate in one process: `fast`
 (every fast path), `mlx_mm` (the same with MLX's own matmuls for the weight products: the skinny kernels
-of kernels/cuda/matmul.py off) and `no_norms` (the norms' and the mHC post-mix's references). Per cell: ms
-a step, tokens/s, the byte floor (the bytes a step must read at the release's precision over a plain
-copy's bandwidth measured in this run), the host's split of a step (`build`: Python making the lazy
-graph; `encode`: MLX's async_eval, each node's host work and the CUDA graphs' launch) and, with
-`--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU busy time a step and
-the kernels that take it. Prints a table, writes JSON.
+of kernels/cuda/matmul.py off) and `no_glue` (the glue ops' references: norms, mHC post-mix, router
+top-k). Per cell: ms a step, tokens/s, the byte floor (the bytes a step must read at the release's
+precision over a plain copy's bandwidth measured in this run), the host's split of a step (`build`:
+Python making the lazy graph; `encode`: MLX's async_eval, each node's host work and the CUDA graphs'
+launch) and, with `--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU
+busy time a step and the kernels that take it. Prints a table, writes JSON.
 
     python3 bench/step.py --out $OUT/step.json [--experts 32] [--rows 1,8] [--contexts 4096,65536] [--profile]
         [--plot step.png]
@@ -133,16 +133,16 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
-NORM_OPS = ("rms_norm_rows", "hc_post_rows")
-ARMS = ("fast", "mlx_mm", "no_norms")
+GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk")
+ARMS = ("fast", "mlx_mm", "no_glue")
 
 
 def set_arm(arm: str, model: DeepseekV4) -> None:
     """An A/B arm's fast paths in or out of the backend: `fast` every one (the skinny matmul kernels and the
-    norm / mHC post-mix kernels included, whatever DSV4_SKINNY / DSV4_NORM_KERNELS say), `mlx_mm` MLX's own
-    matmuls for the weight products, `no_norms` the references for the norms and the post-mix. Each arm holds
-    the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32 copies for MLX's
-    matmuls: both kept); the compiled segments retrace."""
+    glue kernels included, whatever DSV4_SKINNY / DSV4_GLUE_KERNELS say), `mlx_mm` MLX's own matmuls for the
+    weight products, `no_glue` the references for the norms, the mHC post-mix and the router's top-k. Each
+    arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32 copies
+    for MLX's matmuls: both kept); the compiled segments retrace."""
     from kernels import backend
     from model.checkpoint import is_f32_compute
 
@@ -159,10 +159,13 @@ def set_arm(arm: str, model: DeepseekV4) -> None:
     if backend.cuda_available():
         import kernels.cuda.matmul as km
         import kernels.cuda.norms as kn
+        import kernels.cuda.router as kr
 
-        fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS} | {op: getattr(kn, f"{op}_cuda") for op in NORM_OPS}
-    for op in SKINNY_OPS + NORM_OPS:
-        on = op in fast and (skinny if op in SKINNY_OPS else arm != "no_norms")
+        glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr}
+        fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS}
+        fast |= {op: getattr(glue[op], f"{op}_cuda") for op in GLUE_OPS}
+    for op in SKINNY_OPS + GLUE_OPS:
+        on = op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue")
         if on:
             backend.register(op, fast[op])
         else:
@@ -235,8 +238,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--arms", default="fast,mlx_mm,no_norms",
-                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_norms (the norms' references)")
+    ap.add_argument("--arms", default="fast,mlx_mm,no_glue",
+                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_glue (the glue ops' references)")
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))

@@ -23,6 +23,7 @@ from kernels.hc import hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
+from kernels.router import router_topk_reference
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
@@ -41,6 +42,7 @@ __all__ = [
     "hc_pre_mix",
     "hc_post_rows",
     "rms_norm_rows",
+    "router_topk",
     "indexer_rows",
     "rope",
     "rope_apply",
@@ -173,3 +175,8 @@ def rms_norm_rows(x: mx.array, weight: mx.array | None, *, eps: float, out_dtype
 def hc_post_rows(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
     """mHC post-mix h'[k] = post[k] y + sum_j comb[j, k] h[j] -> [B, nc, H] h.dtype (kernels/norms.py)."""
     return backend.pick("hc_post_rows", hc_post_rows_reference)(y, h, post, comb)
+
+
+def router_topk(logits: mx.array, bias: mx.array, *, k: int, route_scale: float) -> tuple[mx.array, mx.array]:
+    """The router after its f32 logits -> (expert ids [B, k] uint32, weights [B, k] f32) (kernels/router.py)."""
+    return backend.pick("router_topk", router_topk_reference)(logits, bias, k=k, route_scale=route_scale)

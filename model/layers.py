@@ -156,13 +156,11 @@ class Gate(nn.Module):
 
     def __call__(self, x: mx.array, token_ids: mx.array) -> tuple[mx.array, mx.array]:
         logits = kmatmul.f32_linear_rows(x, self.weight)  # REF: f32 product, the weight upcast
+        if not self.hashed:  # scores, biased top-k, normalised weights: kernels.router_topk (1 kernel on CUDA)
+            return kernels.router_topk(logits, self.bias, k=self.k, route_scale=self.route_scale)
         scores = mx.sqrt(nn.softplus(logits))
-        # uint32 expert ids, the dtype gather_mm takes (argpartition's own): no cast per MoE
-        if self.hashed:
-            idx = self.tid2eid[token_ids].astype(mx.uint32)
-        else:
-            biased = scores + self.bias.astype(mx.float32)
-            idx = mx.argpartition(-biased, self.k - 1, axis=-1)[:, : self.k]
+        # uint32 expert ids, the dtype gather_mm takes: no cast per MoE
+        idx = self.tid2eid[token_ids].astype(mx.uint32)
         w = mx.take_along_axis(scores, idx, axis=-1)
         w = w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * self.route_scale
         return idx, w

@@ -27,6 +27,7 @@ from kernels.cuda import compressor_pair as cpp  # noqa: E402
 from kernels.cuda import (
     hc,  # noqa: E402
     norms,  # noqa: E402
+    router,  # noqa: E402
 )
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda import matmul as mm  # noqa: E402
@@ -125,6 +126,10 @@ def units() -> dict[str, str]:
         out[f"rms_norm_{'w' if has else 'f32'}"] = standalone(
             "rms_norm", [("x", BF, True), ("w", w, False), ("fparams", F32, False)], [("out", o)],
             [("T", BF), ("O", o), ("W", w), ("HAS_W", has)], norms.RMS_SOURCE)  # fmt: skip
+    out["router_topk_6"] = standalone(
+        "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
+        [("idx", U32), ("w", F32)], [("K", 6), ("MAXE", router.MAX_EXPERTS), ("MAXK", router.MAX_K)],
+        router.SOURCE)  # fmt: skip
     out["hc_post_4"] = standalone(
         "hc_post", [("y", BF, False), ("h", BF, True), ("post", F32, False), ("comb", F32, False)], [("out", BF)],
         [("T", BF), ("NC", 4)], norms.POST_SOURCE)  # fmt: skip

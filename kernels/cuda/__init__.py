@@ -15,7 +15,8 @@ kernels do not cover:
   tiny test model) runs the reference for these two;
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
   ~200 graph nodes per layer instead of ~14);
-- rms_norm_rows / hc_post_rows: 1 kernel each instead of 3, opt-in (`DSV4_NORM_KERNELS=1`).
+- rms_norm_rows / hc_post_rows / router_topk: 1 kernel each instead of 3 (~7 for the router), opt-in
+  (`DSV4_GLUE_KERNELS=1`).
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -54,6 +55,7 @@ from kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
+from kernels.cuda.router import router_topk_cuda
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -67,6 +69,7 @@ __all__ = [
     "precompile",
     "precompile_model",
     "rms_norm_rows_cuda",
+    "router_topk_cuda",
     "sparse_attention_rows_cuda",
 ]
 
@@ -87,13 +90,15 @@ if kmatmul.SKINNY:
 HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)
-# The norm and mHC post-mix kernels (kernels/cuda/norms.py: 1 kernel each where the reference launches 3, 6
-# norms and 2 post-mixes a layer): opt-in (DSV4_NORM_KERNELS=1) until their gpu tests and the full-depth
-# A/B (bench/step.py arm no_norms) have run on a GPU.
-NORM_KERNELS = os.environ.get("DSV4_NORM_KERNELS", "0").strip() == "1"
-if NORM_KERNELS:
+# The glue kernels, 1 launch each where the reference launches 3 or more: the norms and the mHC post-mix
+# (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer) and the router's top-k (kernels/cuda/router.py).
+# Opt-in (DSV4_GLUE_KERNELS=1) until their gpu tests and the full-depth A/B (bench/step.py arm no_glue) have
+# run on a GPU.
+GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "0").strip() == "1"
+if GLUE_KERNELS:
     backend.register("rms_norm_rows", rms_norm_rows_cuda)
     backend.register("hc_post_rows", hc_post_rows_cuda)
+    backend.register("router_topk", router_topk_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:

@@ -1,0 +1,115 @@
+"""router_topk on CUDA: a row's scores, top-k and normalised weights in one launch (the reference is ~7).
+
+One block a row. Each thread scores its experts (sqrt(softplus(l)) as MLX computes logaddexp(l, 0): the
+larger plus log1p(exp(smaller - larger))) into shared memory; then k rounds of a block argmax over
+score + bias (ties to the lower expert id), each pick masked out (NaN); thread 0 writes the ids in pick order
+and the weights s / (sum s + 1e-20) * route_scale, summed in pick order. Fast path: f32 logits, up to
+MAX_EXPERTS experts and k <= MAX_K; else the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.router import check_router_topk, router_topk_reference
+
+THREADS = 256
+MAX_EXPERTS = 1024
+MAX_K = 16
+
+SOURCE = r"""
+  __shared__ float sc[MAXE];
+  __shared__ float bs[MAXE];
+  __shared__ float rv[32];
+  __shared__ int ri[32];
+  __shared__ int pick[MAXK];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const int E = logits_shape[1];
+  const float* lr = logits + (size_t)r * E;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const float l = lr[e];
+    const float hi = fmaxf(l, 0.f), lo = fminf(l, 0.f);
+    const float s = sqrtf(hi + log1pf(expf(lo - hi)));
+    sc[e] = s;
+    bs[e] = s + dsv4_f(bias[e]);
+  }
+  __syncthreads();
+  for (int j = 0; j < K; ++j) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int e = tid; e < E; e += blockDim.x) {
+      const float v = bs[e];
+      if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if ((tid & 31) == 0) { rv[tid >> 5] = bv; ri[tid >> 5] = bi; }
+    __syncthreads();
+    if (tid == 0) {
+      float v = rv[0];
+      int i = ri[0];
+      for (int q = 1; q < (int)(blockDim.x >> 5); ++q)
+        if (rv[q] > v || (rv[q] == v && ri[q] < i)) { v = rv[q]; i = ri[q]; }
+      if (i >= E) i = 0;  // every biased score NaN / -inf: expert 0 (the reference's partition is arbitrary too)
+      pick[j] = i;
+      bs[i] = NAN;  // taken: NaN loses every comparison, so no later round picks it again
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    float sum = 0.f;
+    for (int j = 0; j < K; ++j) sum += sc[pick[j]];
+    const float f = fparams[0] / (sum + 1e-20f);
+    for (int j = 0; j < K; ++j) {
+      idx[(size_t)r * K + j] = (uint32_t)pick[j];
+      w[(size_t)r * K + j] = sc[pick[j]] * f;
+    }
+  }
+"""
+
+
+class Plan:
+    __slots__ = ("fast", "fparams", "grid", "kernel", "tmpl")
+
+    def __init__(self, logits: mx.array, bias: mx.array, k: int, route_scale: float) -> None:
+        b, e = logits.shape
+        self.fast = e <= MAX_EXPERTS and k <= MAX_K and b > 0
+        if not self.fast:
+            return
+        self.kernel = kernel("router_topk", ("logits", "bias", "fparams"), ("idx", "w"), SOURCE)
+        self.tmpl = [("K", k), ("MAXE", MAX_EXPERTS), ("MAXK", MAX_K)]
+        self.grid = (b * THREADS, 1, 1)
+        self.fparams = f32_params(route_scale)
+
+
+def router_topk_cuda(logits: mx.array, bias: mx.array, *, k: int, route_scale: float) -> tuple[mx.array, mx.array]:
+    try:
+        key: tuple[Any, ...] = ("router_topk", logits.shape, logits.dtype, bias.shape, bias.dtype, type(k), k,
+                                type(route_scale), route_scale)  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check_router_topk(logits, bias, k, route_scale)
+        raise
+
+    def make() -> Plan:
+        check_router_topk(logits, bias, k, route_scale)  # once per shape key
+        return Plan(logits, bias, k, route_scale)
+
+    plan: Plan = plan_cached(key, make)
+    if not plan.fast:
+        return router_topk_reference(logits, bias, k=k, route_scale=route_scale)
+    idx, w = plan.kernel(
+        inputs=[logits, bias, plan.fparams],
+        template=plan.tmpl,
+        grid=plan.grid,
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(logits.shape[0], k), (logits.shape[0], k)],
+        output_dtypes=[mx.uint32, mx.float32],
+    )
+    return idx, w

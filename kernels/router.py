@@ -1,0 +1,37 @@
+"""The routed experts' selection (V4's noaux_tc router after its f32 logits), plain-MLX reference + checks.
+
+`router_topk(logits, bias, *, k, route_scale) -> (idx [B, k] uint32, w [B, k] f32)`: scores
+s = sqrt(softplus(logits)); the k experts of the largest s + bias (the bias only selects); their s,
+normalised to sum 1 and times route_scale. The reference is ~7 kernels on CUDA (softplus + sqrt, the
+biased negation, a partition sort, a gather, a sum, the normalisation); the CUDA fast path is one.
+The k experts come in no set order (argpartition's); the set and each one's weight are the contract.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def check_router_topk(logits: mx.array, bias: mx.array, k: int, route_scale: float) -> None:
+    if not isinstance(logits, mx.array) or logits.ndim != 2 or logits.dtype != mx.float32:
+        got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array) else type(logits).__name__
+        raise ValueError(f"router_topk: logits: must be f32 [rows, experts], got {got}")
+    e = logits.shape[1]
+    if not isinstance(bias, mx.array) or tuple(bias.shape) != (e,) or not mx.issubdtype(bias.dtype, mx.floating):
+        got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, mx.array) else type(bias).__name__
+        raise ValueError(f"router_topk: bias: must be a float [{e}], got {got}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"router_topk: k: must be an int in [1, {e}], got {k!r}")
+    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)):
+        raise ValueError(f"router_topk: route_scale: must be a number, got {route_scale!r}")
+
+
+def router_topk_reference(logits: mx.array, bias: mx.array, *, k: int,
+                          route_scale: float) -> tuple[mx.array, mx.array]:  # fmt: skip
+    check_router_topk(logits, bias, k, route_scale)
+    scores = mx.sqrt(nn.softplus(logits))
+    biased = scores + bias.astype(mx.float32)
+    idx = mx.argpartition(-biased, k - 1, axis=-1)[:, :k]  # uint32, the dtype gather_mm takes
+    w = mx.take_along_axis(scores, idx, axis=-1)
+    return idx, w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * route_scale

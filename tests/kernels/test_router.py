@@ -1,0 +1,48 @@
+"""kernels.router's plain twin against float64 NumPy, and bad arguments named."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels.router import router_topk_reference
+
+
+def numpy_router(logits: np.ndarray, bias: np.ndarray, k: int, scale: float) -> list[dict[int, float]]:
+    s = np.sqrt(np.logaddexp(logits, 0.0))
+    out = []
+    for row, b in zip(s, s + bias, strict=True):
+        top = np.argsort(-b, kind="stable")[:k]
+        out.append({int(e): float(row[e] / row[top].sum() * scale) for e in top})
+    return out
+
+
+def as_sets(idx: mx.array, w: mx.array) -> list[dict[int, float]]:
+    return [dict(zip(map(int, i), map(float, v), strict=True)) for i, v in zip(np.array(idx), np.array(w), strict=True)]
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 16, 6), (8, 256, 6), (3, 32, 1), (5, 8, 8)])
+def test_router_topk_picks_the_biased_top_k_and_weighs_them(rows: int, experts: int, k: int) -> None:
+    rng = np.random.default_rng(rows * experts + k)
+    logits = rng.normal(size=(rows, experts)).astype(np.float32)
+    bias = (0.3 * rng.normal(size=experts)).astype(np.float32)
+    idx, w = kernels.router_topk(mx.array(logits), mx.array(bias), k=k, route_scale=1.5)
+    assert idx.dtype == mx.uint32 and w.dtype == mx.float32 and idx.shape == w.shape == (rows, k)
+    got, want = as_sets(idx, w), numpy_router(logits, bias, k, 1.5)
+    for g, t in zip(got, want, strict=True):
+        assert g.keys() == t.keys()
+        np.testing.assert_allclose([g[e] for e in t], list(t.values()), rtol=1e-5)
+
+
+def test_bad_arguments_are_named() -> None:
+    lg, b = mx.zeros((2, 8)), mx.zeros((8,))
+    with pytest.raises(ValueError, match="^router_topk: logits: "):
+        router_topk_reference(lg.astype(mx.bfloat16), b, k=2, route_scale=1.0)
+    with pytest.raises(ValueError, match="^router_topk: bias: "):
+        router_topk_reference(lg, mx.zeros((7,)), k=2, route_scale=1.0)
+    with pytest.raises(ValueError, match="^router_topk: k: "):
+        router_topk_reference(lg, b, k=9, route_scale=1.0)
+    with pytest.raises(ValueError, match="^router_topk: route_scale: "):
+        router_topk_reference(lg, b, k=2, route_scale="1")
