@@ -67,3 +67,22 @@ def hc_pre_mix_reference(
     comb = mx.softmax(comb, axis=-1, precise=True) + eps
     x = mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
     return x, post, sinkhorn(comb, iters, eps)
+
+
+def check_hc_pre_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, iters: int, eps: float,
+                      norm_eps: float) -> None:  # fmt: skip
+    """hc_pre_rows' arguments: h [B, nc, H]; fn [nc (2 + nc), nc H] (the unit's mixing weights); the rest as
+    hc_pre_mix's; norm_eps the input RMS's epsilon."""
+    for name, a in (("h", h), ("fn", fn)):
+        if not isinstance(a, mx.array) or a.dtype not in _FLOATS:
+            got = a.dtype if isinstance(a, mx.array) else type(a).__name__
+            raise ValueError(f"hc_pre_rows: {name}: must be a float mx.array, got {got}")
+    if h.ndim != 3 or h.shape[1] < 1:
+        raise ValueError(f"hc_pre_rows: h: must be [rows, nc, hidden], got shape {tuple(h.shape)}")
+    nc, hid = h.shape[1], h.shape[2]
+    want = (nc * (2 + nc), nc * hid)
+    if tuple(fn.shape) != want:
+        raise ValueError(f"hc_pre_rows: fn: must be {list(want)}, got shape {tuple(fn.shape)}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
+        raise ValueError(f"hc_pre_rows: norm_eps: must be a float >= 0, got {norm_eps!r}")
+    check_hc_pre_mix(mx.zeros((h.shape[0], want[0])), scale, base, h, iters=iters, eps=eps)

@@ -113,10 +113,8 @@ def hc_pre(
 def _hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
-    b = h.shape[0]
-    f = kernels.rms_norm_rows(h.reshape(b, -1), None, eps=args.rms_norm_eps, out_dtype=mx.float32)
-    m = f @ fn.astype(mx.float32).T
-    return kernels.hc_pre_mix(m, scale, base, h, iters=args.hc_sinkhorn_iters, eps=args.hc_eps)
+    return kernels.hc_pre_rows(h, fn, scale, base, iters=args.hc_sinkhorn_iters, eps=args.hc_eps,
+                               norm_eps=args.rms_norm_eps)
 
 
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:

@@ -25,7 +25,8 @@ from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import compressor_pair as cpp  # noqa: E402
 from kernels.cuda import (
-    hc,  # noqa: E402
+    hc,
+    hc_fused,  # noqa: E402
     norms,  # noqa: E402
     router,  # noqa: E402
 )
@@ -126,6 +127,10 @@ def units() -> dict[str, str]:
         out[f"rms_norm_{'w' if has else 'f32'}"] = standalone(
             "rms_norm", [("x", BF, True), ("w", w, False), ("fparams", F32, False)], [("out", o)],
             [("T", BF), ("O", o), ("W", w), ("HAS_W", has)], norms.RMS_SOURCE)  # fmt: skip
+    out["hc_pre_rows_4_20"] = standalone(
+        "hc_pre_rows", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
+                        ("fparams", F32, False)], [("x", BF), ("post", F32), ("comb", F32)],
+        [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source())  # fmt: skip
     out["router_topk_6"] = standalone(
         "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
         [("idx", U32), ("w", F32)], [("K", 6), ("MAXE", router.MAX_EXPERTS), ("MAXK", router.MAX_K)],

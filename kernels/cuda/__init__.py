@@ -15,8 +15,8 @@ kernels do not cover:
   tiny test model) runs the reference for these two;
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
   ~200 graph nodes per layer instead of ~14);
-- rms_norm_rows / hc_post_rows / router_topk: 1 kernel each instead of 3 (~7 for the router), opt-in
-  (`DSV4_GLUE_KERNELS=1`).
+- rms_norm_rows / hc_post_rows / router_topk / hc_pre_rows: 1 kernel each instead of 3 (~7 for the
+  router), opt-in (`DSV4_GLUE_KERNELS=1`).
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -46,6 +46,7 @@ from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
+from kernels.cuda.hc_fused import hc_pre_rows_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.cuda.matmul import (
     experts_down_rows_cuda,
@@ -65,6 +66,7 @@ __all__ = [
     "compressor_rows_inplace_cuda",
     "hc_post_rows_cuda",
     "hc_pre_mix_cuda",
+    "hc_pre_rows_cuda",
     "indexer_rows_cuda",
     "precompile",
     "precompile_model",
@@ -91,7 +93,8 @@ HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)
 # The glue kernels, 1 launch each where the reference launches 3 or more: the norms and the mHC post-mix
-# (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer) and the router's top-k (kernels/cuda/router.py).
+# (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer), the router's top-k (kernels/cuda/router.py) and
+# the mHC pre-mix with its input RMS and logits (kernels/cuda/hc_fused.py).
 # Opt-in (DSV4_GLUE_KERNELS=1) until their gpu tests and the full-depth A/B (bench/step.py arm no_glue) have
 # run on a GPU.
 GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "0").strip() == "1"
@@ -99,6 +102,7 @@ if GLUE_KERNELS:
     backend.register("rms_norm_rows", rms_norm_rows_cuda)
     backend.register("hc_post_rows", hc_post_rows_cuda)
     backend.register("router_topk", router_topk_cuda)
+    backend.register("hc_pre_rows", hc_pre_rows_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:

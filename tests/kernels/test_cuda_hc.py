@@ -66,3 +66,39 @@ def test_tiny_model_decode_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(backend._fast, "hc_pre_mix", cuda_op())
     got = run()
     assert np.max(np.abs(got - want)) <= 1e-4
+
+
+def pure_pre(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int) -> tuple[mx.array, ...]:
+    """hc_pre_rows from the plain references: the input RMS, the f32 logits, the pre-mix."""
+    from kernels.norms import rms_norm_rows_reference
+
+    f = rms_norm_rows_reference(h.reshape(h.shape[0], -1), None, eps=1e-6, out_dtype=mx.float32)
+    return hc_pre_mix_reference(f @ fn.T, scale, base, h, iters=iters, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("nc,hidden", [(4, 4096), (2, 100), (4, 64), (8, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 64])
+def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden: int, dtype: mx.Dtype) -> None:
+    """The fused kernel (nc <= 4; nc 8 falls back to the composition) against the parts' references."""
+    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+
+    nm = nc * (2 + nc)
+    h = mx.random.normal((rows, nc, hidden)).astype(dtype)
+    fn = mx.random.normal((nm, nc * hidden)) * (nc * hidden) ** -0.5
+    scale, base = mx.random.uniform(0.2, 2.0, (3,)), mx.random.normal((nm,))
+    got = hc_pre_rows_cuda(h, fn, scale, base, iters=20, eps=1e-6, norm_eps=1e-6)
+    want = pure_pre(h, fn, scale, base, 20)
+    for g, w in zip(got[1:], want[1:], strict=True):  # post, comb: f32; the logits' association differs
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-5)
+    tol = 1e-4 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32)),
+                               rtol=tol, atol=tol)  # fmt: skip
+
+
+def test_hc_pre_rows_bad_arguments_are_named() -> None:
+    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+
+    h = mx.zeros((2, 4, 8))
+    with pytest.raises(ValueError, match="^hc_pre_rows: fn: "):
+        hc_pre_rows_cuda(h, mx.zeros((24, 31)), mx.ones((3,)), mx.zeros((24,)), iters=2, eps=1e-6, norm_eps=1e-6)

@@ -72,3 +72,30 @@ def test_bad_arguments_are_named(kw: dict, arg: str) -> None:
                 eps=1e-6) | kw  # fmt: skip
     with pytest.raises(ValueError, match=f"^hc_pre_mix: {arg}: "):
         kernels.hc_pre_mix(**args)
+
+
+def test_hc_pre_rows_is_the_rms_the_logits_and_the_pre_mix() -> None:
+    """Without a fast path, kernels.hc_pre_rows is its composition: the input RMS in f32, m = rms(h) @ fn.T
+    and the pre-mix, checked against float64 NumPy for the logits' part (post)."""
+    import kernels
+
+    b, nc, hid = 3, 4, 16
+    nm = nc * (2 + nc)
+    h = mx.random.normal((b, nc, hid))
+    fn = mx.random.normal((nm, nc * hid))
+    scale, base = mx.random.uniform(0.5, 1.5, (3,)), mx.random.normal((nm,))
+    x, post, comb = kernels.hc_pre_rows(h, fn, scale, base, iters=5, eps=1e-6, norm_eps=1e-6)
+    hf = np.array(h, dtype=np.float64).reshape(b, -1)
+    m = hf / np.sqrt((hf * hf).mean(-1, keepdims=True) + 1e-6) @ np.array(fn, dtype=np.float64).T
+    z = m[:, nc : 2 * nc] * float(scale[1]) + np.array(base, dtype=np.float64)[nc : 2 * nc]
+    np.testing.assert_allclose(np.array(post), 2 / (1 + np.exp(-z)), rtol=1e-5)
+    assert x.shape == (b, hid) and comb.shape == (b, nc, nc)
+
+
+def test_hc_pre_rows_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="^hc_pre_rows: fn: "):
+        kernels.hc.check_hc_pre_rows(mx.zeros((2, 4, 8)), mx.zeros((24, 31)), mx.ones((3,)), mx.zeros((24,)),
+                                     iters=2, eps=1e-6, norm_eps=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="^hc_pre_rows: norm_eps: "):
+        kernels.hc.check_hc_pre_rows(mx.zeros((2, 4, 8)), mx.zeros((24, 32)), mx.ones((3,)), mx.zeros((24,)),
+                                     iters=2, eps=1e-6, norm_eps=-1.0)  # fmt: skip
