@@ -5,7 +5,7 @@ launches (the RMS, an f32 GEMV of 24 x 16,384 that MLX ran in ~27 us on the H200
 Here each row's block first sums h's squares and the nm dot products h . fn_j itself (f32, 4 columns a
 thread in flight: a row's fn is 1.5 MB, read from L2 after the first row), then m_j = dot_j * rsqrt(mean
 h^2 + eps): the reference's rms(h) @ fn.T up to the association of that scale. The mixing that follows
-is the pre-mix kernel's source unchanged. Fast path: nc <= MAX_NC, fn / scale / base f32, h any float;
+is the pre-mix kernel's source unchanged. Fast path: nc <= MAX_NC, 1..MAX_ROWS rows, fn / scale / base f32, h any float;
 else kernels' composition (the RMS op, the GEMV, the pre-mix op).
 """
 
@@ -20,6 +20,7 @@ from kernels.cuda.common import f32_params, kernel, plan_cached
 from kernels.hc import check_hc_pre_rows
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
+MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
 U = 4  # columns a thread has in flight
 
 PROLOGUE = r"""
@@ -84,7 +85,7 @@ class Plan:
     def __init__(self, h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
                  norm_eps: float) -> None:  # fmt: skip
         b, nc, hid = h.shape
-        self.fast = nc <= MAX_NC and all(a.dtype == mx.float32 for a in (fn, scale, base)) and b > 0
+        self.fast = nc <= MAX_NC and 0 < b <= MAX_ROWS and all(a.dtype == mx.float32 for a in (fn, scale, base))
         if not self.fast:
             return
         self.kernel = kernel("hc_pre_rows", INPUTS, hc.OUTPUTS, fused_source())
