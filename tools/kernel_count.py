@@ -1,0 +1,119 @@
+"""Kernels a decode layer launches on CUDA, counted on any machine from its compiled graphs (no GPU).
+
+Each op that `kernels/cuda` serves with one launch (the skinny matmuls, the mHC pre-mix, and with
+`--glue` the glue kernels) is stood in for by one `mx.depends` node on all its inputs, so the graph
+keeps its shape; the unweighted RMS (MLX's fused norm on CUDA) likewise. Then each layer kind's two
+compiled segments (`Block.before` / `Block.after`) are exported (`mx.export_to_dot`) and their
+primitives counted, views (reshape, slice, broadcast, transpose, ...) apart: on CUDA each other
+primitive is about one kernel. The kernel part of a layer (window write, compressor, indexer,
+attention: 4-8 launches) is not in the segments and not counted. Against CUPTI on the H200 (commit
+72863cd): 58-66 here + that part, for 67 measured a layer.
+
+    python tools/kernel_count.py [--glue] [--rows 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+
+import model.attention as attention  # noqa: E402
+from kernels import backend  # noqa: E402
+from model.checkpoint import is_f32_param  # noqa: E402
+from model.config import ModelArgs  # noqa: E402
+from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.layers import rope_angles  # noqa: E402
+from model.quant import quantize_block  # noqa: E402
+
+VIEWS = {"Full", "Reshape", "Slice", "Broadcast", "BroadcastAxes", "Squeeze", "ExpandDims", "Transpose",
+         "AsStrided", "Copy"}  # fmt: skip
+
+
+def one(shapes: list[tuple[tuple[int, ...], mx.Dtype]], *deps: Any) -> list[mx.array]:
+    """One graph node for a kernel launch: zeros of the outputs' shapes depending on every array input."""
+    return mx.depends([mx.zeros(s, d) for s, d in shapes], [a for a in deps if isinstance(a, mx.array)])
+
+
+STANDINS = {
+    "qlinear_rows": lambda x, w, s: one([((*x.shape[:-1], w.shape[0]), x.dtype)], x, w, s)[0],
+    "f32_linear_rows": lambda x, w: one([((*x.shape[:-1], w.shape[0]), mx.float32)], x, w)[0],
+    "swiglu_rows": lambda x, w1, s1, w3, s3, *, limit: one([((*x.shape[:-1], w1.shape[0]), x.dtype)],
+                                                           x, w1, s1, w3, s3)[0],  # fmt: skip
+    "experts_gate_up_rows": lambda x, i, w1, s1, w3, s3, *, limit: one([((*i.shape, w1.shape[1]), x.dtype)],
+                                                                       x, i, w1, s1, w3, s3)[0],  # fmt: skip
+    "experts_down_rows": lambda h, i, w2, s2: one([((*i.shape, w2.shape[1]), h.dtype)], h, i, w2, s2)[0],
+    "hc_pre_mix": lambda m, sc, ba, h, *, iters, eps: tuple(one(
+        [((h.shape[0], h.shape[2]), h.dtype), (h.shape[:2], mx.float32), ((h.shape[0], h.shape[1], h.shape[1]),
+                                                                          mx.float32)], m, sc, ba, h)),  # fmt: skip
+}
+GLUE = {
+    "rms_norm_rows": lambda x, w, *, eps, out_dtype=None: one([(x.shape, out_dtype or x.dtype)], x, w)[0],
+    "hc_post_rows": lambda y, h, post, comb: one([(h.shape, h.dtype)], y, h, post, comb)[0],
+    "router_topk": lambda lg, b, *, k, route_scale: tuple(one([((lg.shape[0], k), mx.uint32),
+                                                                ((lg.shape[0], k), mx.float32)], lg, b)),  # fmt: skip
+    "hc_pre_rows": lambda h, fn, sc, ba, *, iters, eps, norm_eps: tuple(one(
+        [((h.shape[0], h.shape[2]), h.dtype), (h.shape[:2], mx.float32), ((h.shape[0], h.shape[1], h.shape[1]),
+                                                                          mx.float32)], h, fn, sc, ba)),  # fmt: skip
+}
+
+
+def counted(outs: list[mx.array]) -> collections.Counter:
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outs)
+        names = re.findall(r'\[label ="?([^"\]]*)"?, shape=rectangle', Path(f.name).read_text())
+    return collections.Counter(n for n in names if n not in VIEWS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--glue", action="store_true", help="the glue kernels too (DSV4_GLUE_KERNELS=1)")
+    ap.add_argument("--rows", type=int, default=1)
+    opt = ap.parse_args()
+    backend._use_fast = lambda: True  # the fast ops' dispatch, with the stand-ins below
+    for op, fn in (STANDINS | (GLUE if opt.glue else {})).items():
+        backend.register(op, fn)
+    attention.rms = lambda x, eps: one([(x.shape, x.dtype)], x)[0]  # MLX's fused norm: one CUDA kernel
+    a = ModelArgs.tiny()  # the release's structure where it sets the graph, small dims
+    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = 3, [0, 4, 128], 0
+    a.hc_mult, a.hc_sinkhorn_iters = 4, 20
+    a.num_attention_heads, a.o_groups, a.n_routed_experts, a.num_experts_per_tok = 8, 8, 16, 6
+    model = DeepseekV4(a)
+    for blk in model.layers:
+        quantize_block(blk)
+    # bf16 as the model runs, the release's f32 tensors f32 (checkpoint.is_f32_param)
+    model.update(tree_unflatten([(n, p.astype(mx.bfloat16) if p.dtype == mx.float32 and not is_f32_param(n) else p)
+                                 for n, p in tree_flatten(model.parameters())]))  # fmt: skip
+    mx.eval(model.parameters())
+    b = opt.rows
+    h = mx.random.normal((b, a.hc_mult, a.hidden_size)).astype(mx.bfloat16)
+    pos, tok = mx.arange(b) + 100, mx.arange(b).astype(mx.int32)
+    o = mx.random.normal((b, a.num_attention_heads, a.head_dim)).astype(mx.bfloat16)
+    mx.eval(h, pos, tok, o)  # inputs, not graph
+    print(f"{'layer':8} {'before':>6} {'after':>6} {'total':>6}  most common")
+    for i, kind in enumerate(("sliding", "CSA", "HCA")):
+        blk = model.layers[i]
+        angles = rope_angles(model._freqs[a.layer_ratio(i) != 0], pos, a.layer_ratio(i), a)
+        back = -angles[1]
+        mx.eval(angles, back)  # once a step, outside the segments
+        out = mx.compile(blk.before)(h, *angles)
+        c1 = counted(list(out))
+        mx.eval(out)  # the after segment's own graph only
+        post, comb, proj = out[0], out[1], out[2:]
+        c2 = counted([mx.compile(blk.after)(o, h, post, comb, proj[2], back, tok)])
+        top = (c1 + c2).most_common(5)
+        print(f"{kind:8} {sum(c1.values()):6d} {sum(c2.values()):6d} {sum((c1 + c2).values()):6d}  "
+              + ", ".join(f"{n} {k}" for n, k in top))
+
+
+if __name__ == "__main__":
+    main()
