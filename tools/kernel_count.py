@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from kernels import backend  # noqa: E402
 from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.layers import reset_compiled as forget_hc_pre  # noqa: E402
 from model.layers import rope_angles  # noqa: E402
 from model.quant import quantize_block  # noqa: E402
 
@@ -74,15 +77,27 @@ def counted(outs: list[mx.array]) -> collections.Counter:
     return collections.Counter(n for n in names if n not in VIEWS)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--glue", action="store_true", help="the glue kernels too (DSV4_GLUE_KERNELS=1)")
-    ap.add_argument("--rows", type=int, default=1)
-    opt = ap.parse_args()
-    backend._use_fast = lambda: True  # the fast ops' dispatch, with the stand-ins below
-    for op, fn in (STANDINS | (GLUE if opt.glue else {})).items():
+@contextlib.contextmanager
+def standins(glue: bool) -> Iterator[None]:
+    """The fast ops' dispatch with one-node stand-ins (and the unweighted RMS as one node), undone after."""
+    use_fast, fast, rms = backend._use_fast, dict(backend._fast), attention.rms
+    backend._use_fast = lambda: True
+    for op, fn in (STANDINS | (GLUE if glue else {})).items():
         backend.register(op, fn)
+    for op in () if glue else GLUE:
+        backend.unregister(op)
     attention.rms = lambda x, eps: one([(x.shape, x.dtype)], x)[0]  # MLX's fused norm: one CUDA kernel
+    try:
+        yield
+    finally:
+        backend._use_fast, attention.rms = use_fast, rms
+        backend._fast.clear()
+        backend._fast.update(fast)
+        forget_hc_pre()  # its compiled functions traced the stand-ins
+
+
+def layer_counts(glue: bool, rows: int = 1) -> dict[str, tuple[collections.Counter, collections.Counter]]:
+    """Per layer kind (sliding, CSA, HCA): the kernel-like primitives of its `before` and `after` segments."""
     a = ModelArgs.tiny()  # the release's structure where it sets the graph, small dims
     a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = 3, [0, 4, 128], 0
     a.hc_mult, a.hc_sinkhorn_iters = 4, 20
@@ -94,22 +109,32 @@ def main() -> None:
     model.update(tree_unflatten([(n, p.astype(mx.bfloat16) if p.dtype == mx.float32 and not is_f32_param(n) else p)
                                  for n, p in tree_flatten(model.parameters())]))  # fmt: skip
     mx.eval(model.parameters())
-    b = opt.rows
-    h = mx.random.normal((b, a.hc_mult, a.hidden_size)).astype(mx.bfloat16)
-    pos, tok = mx.arange(b) + 100, mx.arange(b).astype(mx.int32)
-    o = mx.random.normal((b, a.num_attention_heads, a.head_dim)).astype(mx.bfloat16)
+    h = mx.random.normal((rows, a.hc_mult, a.hidden_size)).astype(mx.bfloat16)
+    pos, tok = mx.arange(rows) + 100, mx.arange(rows).astype(mx.int32)
+    o = mx.random.normal((rows, a.num_attention_heads, a.head_dim)).astype(mx.bfloat16)
     mx.eval(h, pos, tok, o)  # inputs, not graph
+    out: dict[str, tuple[collections.Counter, collections.Counter]] = {}
+    with standins(glue):
+        for i, kind in enumerate(("sliding", "CSA", "HCA")):
+            blk = model.layers[i]
+            angles = rope_angles(model._freqs[a.layer_ratio(i) != 0], pos, a.layer_ratio(i), a)
+            back = -angles[1]
+            mx.eval(angles, back)  # once a step, outside the segments
+            seg = mx.compile(blk.before)(h, *angles)
+            c1 = counted(list(seg))
+            mx.eval(seg)  # the after segment's own graph only
+            post, comb, proj = seg[0], seg[1], seg[2:]
+            out[kind] = (c1, counted([mx.compile(blk.after)(o, h, post, comb, proj[2], back, tok)]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--glue", action="store_true", help="the glue kernels too (DSV4_GLUE_KERNELS=1)")
+    ap.add_argument("--rows", type=int, default=1)
+    opt = ap.parse_args()
     print(f"{'layer':8} {'before':>6} {'after':>6} {'total':>6}  most common")
-    for i, kind in enumerate(("sliding", "CSA", "HCA")):
-        blk = model.layers[i]
-        angles = rope_angles(model._freqs[a.layer_ratio(i) != 0], pos, a.layer_ratio(i), a)
-        back = -angles[1]
-        mx.eval(angles, back)  # once a step, outside the segments
-        out = mx.compile(blk.before)(h, *angles)
-        c1 = counted(list(out))
-        mx.eval(out)  # the after segment's own graph only
-        post, comb, proj = out[0], out[1], out[2:]
-        c2 = counted([mx.compile(blk.after)(o, h, post, comb, proj[2], back, tok)])
+    for kind, (c1, c2) in layer_counts(opt.glue, opt.rows).items():
         top = (c1 + c2).most_common(5)
         print(f"{kind:8} {sum(c1.values()):6d} {sum(c2.values()):6d} {sum((c1 + c2).values()):6d}  "
               + ", ".join(f"{n} {k}" for n, k in top))

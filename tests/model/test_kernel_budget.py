@@ -1,0 +1,29 @@
+"""The CUDA kernels a decode layer launches, as a budget held on any machine (tools/kernel_count.py: the
+compiled segments' graphs with each fast op as one node). At <= 8 rows the step is host-bound and each
+kernel is host time, so a change that adds kernels to a layer fails here, not on the next GPU run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.kernel_count import layer_counts
+
+# Counted 2026-12-01 (tools/kernel_count.py); without the glue kernels CUPTI measured 67 a layer on the H200 (+ the 4-8
+# launches of the row-batched ops, which are not in the segments).
+BUDGET = {False: {"sliding": 58, "CSA": 66, "HCA": 60}, True: {"sliding": 26, "CSA": 34, "HCA": 28}}
+
+
+@pytest.mark.parametrize("glue", [False, True])
+def test_each_layer_kind_stays_within_its_kernel_budget(glue: bool) -> None:
+    counts = {kind: sum((c1 + c2).values()) for kind, (c1, c2) in layer_counts(glue).items()}
+    assert counts.keys() == BUDGET[glue].keys()
+    over = {k: (n, BUDGET[glue][k]) for k, n in counts.items() if n > BUDGET[glue][k]}
+    assert not over, f"kernels a layer over budget (count, budget): {over}"
+
+
+def test_the_glue_kernels_take_the_counted_glue() -> None:
+    """The glue kernels remove what they are for: no f32 casts, reductions or sorts left between the ops."""
+    for kind, (c1, c2) in layer_counts(True).items():
+        c = c1 + c2
+        assert c["ArgPartition"] == c["Square"] == 0, (kind, c)
+        assert c["AsType"] == 0, (kind, c)
