@@ -19,7 +19,7 @@ from kernels.compressor import (
     compressor_rows_inplace_reference,
     compressor_rows_reference,
 )
-from kernels.hc import hc_pre_mix_reference
+from kernels.hc import hc_pre_composed, hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
@@ -182,15 +182,6 @@ def hc_post_rows(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx
 def router_topk(logits: mx.array, bias: mx.array, *, k: int, route_scale: float) -> tuple[mx.array, mx.array]:
     """The router after its f32 logits -> (expert ids [B, k] uint32, weights [B, k] f32) (kernels/router.py)."""
     return backend.pick("router_topk", router_topk_reference)(logits, bias, k=k, route_scale=route_scale)
-
-
-def hc_pre_composed(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, iters: int, eps: float,
-                    norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
-    """hc_pre_rows as its parts, each through its own dispatch: the input RMS (f32), the mixing logits
-    m = rms(h) @ fn.T in f32, the pre-mix."""
-    b = h.shape[0]
-    f = rms_norm_rows(h.reshape(b, -1), None, eps=norm_eps, out_dtype=mx.float32)
-    return hc_pre_mix(f @ fn.astype(mx.float32).T, scale, base, h, iters=iters, eps=eps)
 
 
 def hc_pre_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, iters: int, eps: float,

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels import backend
+from kernels.norms import rms_norm_rows_reference
+
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
@@ -86,3 +89,14 @@ def check_hc_pre_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
         raise ValueError(f"hc_pre_rows: norm_eps: must be a float >= 0, got {norm_eps!r}")
     check_hc_pre_mix(mx.zeros((h.shape[0], want[0])), scale, base, h, iters=iters, eps=eps)
+
+
+def hc_pre_composed(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, iters: int, eps: float,
+                    norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """hc_pre_rows as its parts, each through its own dispatch (`kernels.backend`): the input RMS in f32
+    (`rms_norm_rows`), the mixing logits m = rms(h) @ fn.T in f32, the pre-mix (`hc_pre_mix`)."""
+    b = h.shape[0]
+    f = backend.pick("rms_norm_rows", rms_norm_rows_reference)(h.reshape(b, -1), None, eps=norm_eps,
+                                                                out_dtype=mx.float32)  # fmt: skip
+    mix = backend.pick("hc_pre_mix", hc_pre_mix_reference)
+    return mix(f @ fn.astype(mx.float32).T, scale, base, h, iters=iters, eps=eps)

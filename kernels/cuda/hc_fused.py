@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from kernels.cuda import hc
 from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.hc import check_hc_pre_rows
+from kernels.hc import check_hc_pre_rows, hc_pre_composed
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
@@ -110,9 +110,7 @@ def hc_pre_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
 
     plan: Plan = plan_cached(key, make)
     if not plan.fast:
-        import kernels
-
-        return kernels.hc_pre_composed(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+        return hc_pre_composed(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
     x, post, comb = plan.kernel(
         inputs=[h, fn, scale, base, plan.fparams],
         template=plan.tmpl,
