@@ -133,16 +133,16 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
-GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows")
+GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows")
 ARMS = ("fast", "mlx_mm", "no_glue")
 
 
 def set_arm(arm: str, model: DeepseekV4) -> None:
     """An A/B arm's fast paths in or out of the backend: `fast` every one (the skinny matmul kernels and the
     glue kernels included, whatever DSV4_SKINNY / DSV4_GLUE_KERNELS say), `mlx_mm` MLX's own matmuls for the
-    weight products, `no_glue` the references for the norms, the mHC pre- and post-mix and the router's top-k. Each
-    arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32 copies
-    for MLX's matmuls: both kept); the compiled segments retrace."""
+    weight products, `no_glue` the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE
+    combine). Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny
+    kernels, f32 copies for MLX's matmuls: both kept); the compiled segments retrace."""
     from kernels import backend
     from model.checkpoint import is_f32_compute
 
@@ -162,7 +162,7 @@ def set_arm(arm: str, model: DeepseekV4) -> None:
         import kernels.cuda.norms as kn
         import kernels.cuda.router as kr
 
-        glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh}
+        glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh, "moe_combine_rows": kr}
         fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS}
         fast |= {op: getattr(glue[op], f"{op}_cuda") for op in GLUE_OPS}
     for op in SKINNY_OPS + GLUE_OPS:

@@ -23,7 +23,7 @@ from kernels.hc import hc_pre_composed, hc_pre_mix_reference
 from kernels.indexer import indexer_rows_reference
 from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 from kernels.rope import rope, rope_apply, rope_tables
-from kernels.router import router_topk_reference
+from kernels.router import moe_combine_rows_reference, router_topk_reference
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
@@ -45,6 +45,7 @@ __all__ = [
     "hc_pre_rows",
     "rms_norm_rows",
     "router_topk",
+    "moe_combine_rows",
     "indexer_rows",
     "rope",
     "rope_apply",
@@ -191,3 +192,8 @@ def hc_pre_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, i
     fast = backend.pick("hc_pre_rows", None)
     fn_ = fast if fast is not None else hc_pre_composed
     return fn_(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+
+
+def moe_combine_rows(pairs: mx.array, w: mx.array, shared: mx.array, *, out_dtype: mx.Dtype) -> mx.array:
+    """The routed pairs' weighted sum plus the shared expert's output -> [B, H] out_dtype (kernels/router.py)."""
+    return backend.pick("moe_combine_rows", moe_combine_rows_reference)(pairs, w, shared, out_dtype=out_dtype)

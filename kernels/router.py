@@ -1,10 +1,15 @@
-"""The routed experts' selection (V4's noaux_tc router after its f32 logits), plain-MLX reference + checks.
+"""The MoE's glue around its products, plain-MLX references + checks: the routed experts' selection (V4's
+noaux_tc router after its f32 logits) and the combine of the experts' outputs.
 
 `router_topk(logits, bias, *, k, route_scale) -> (idx [B, k] uint32, w [B, k] f32)`: scores
 s = sqrt(softplus(logits)); the k experts of the largest s + bias (the bias only selects); their s,
 normalised to sum 1 and times route_scale. The reference is ~7 kernels on CUDA (softplus + sqrt, the
 biased negation, a partition sort, a gather, a sum, the normalisation); the CUDA fast path is one.
 The k experts come in no set order (argpartition's); the set and each one's weight are the contract.
+
+`moe_combine_rows(pairs, w, shared, *, out_dtype) -> [B, H]`: sum_j w[b, j] pairs[b, j] + shared[b] in f32,
+rounded once to out_dtype (the routed pairs' weighted sum, then the shared expert's output). The reference
+is 3 kernels (the weighted products, the sum over k, the add and cast); the CUDA fast path is one.
 """
 
 from __future__ import annotations
@@ -35,3 +40,25 @@ def router_topk_reference(logits: mx.array, bias: mx.array, *, k: int,
     idx = mx.argpartition(-biased, k - 1, axis=-1)[:, :k]  # uint32, the dtype gather_mm takes
     w = mx.take_along_axis(scores, idx, axis=-1)
     return idx, w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * route_scale
+
+
+def check_moe_combine_rows(pairs: mx.array, w: mx.array, shared: mx.array, out_dtype: mx.Dtype) -> None:
+    for name, a in (("pairs", pairs), ("w", w), ("shared", shared)):
+        if not isinstance(a, mx.array) or not mx.issubdtype(a.dtype, mx.floating):
+            got = a.dtype if isinstance(a, mx.array) else type(a).__name__
+            raise ValueError(f"moe_combine_rows: {name}: must be a float mx.array, got {got}")
+    if pairs.ndim != 3:
+        raise ValueError(f"moe_combine_rows: pairs: must be [rows, k, hidden], got shape {tuple(pairs.shape)}")
+    b, k, hid = pairs.shape
+    if tuple(w.shape) != (b, k):
+        raise ValueError(f"moe_combine_rows: w: must be [{b}, {k}], got shape {tuple(w.shape)}")
+    if tuple(shared.shape) != (b, hid):
+        raise ValueError(f"moe_combine_rows: shared: must be [{b}, {hid}], got shape {tuple(shared.shape)}")
+    if not isinstance(out_dtype, mx.Dtype) or not mx.issubdtype(out_dtype, mx.floating):
+        raise ValueError(f"moe_combine_rows: out_dtype: must be a float dtype, got {out_dtype}")
+
+
+def moe_combine_rows_reference(pairs: mx.array, w: mx.array, shared: mx.array, *, out_dtype: mx.Dtype) -> mx.array:
+    check_moe_combine_rows(pairs, w, shared, out_dtype)
+    routed = mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1)
+    return (routed + shared.astype(mx.float32)).astype(out_dtype)

@@ -15,6 +15,7 @@ import numpy as np
 
 import kernels
 from kernels import matmul as kmatmul
+from kernels.experts_grouped import GROUPED_ROWS
 from model.config import ModelArgs
 
 
@@ -190,6 +191,10 @@ class Experts(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        return mx.sum(self.pairs(x, idx).astype(mx.float32) * w[:, :, None], axis=1)  # [B, k, H] -> [B, H]
+
+    def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
+        """Each (row, k) pair through its expert -> [B, k, H]."""
         # MLX's CPU gather_mm is f32-only: there, run a bf16 model's experts in f32.
         ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
         xe = x[:, None, None, :].astype(ct)  # [B, 1, 1, H]: broadcast against idx [B, k]
@@ -199,7 +204,7 @@ class Experts(nn.Module):
         u = mx.gather_mm(xe, self.w3.astype(ct).swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ri)
         hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), self.limit).astype(ct)
         out = mx.gather_mm(hdn, self.w2.astype(ct).swapaxes(-1, -2), lhs_indices=hid_rows, rhs_indices=ri)
-        return mx.sum(out[:, :, 0, :].astype(mx.float32) * w[:, :, None], axis=1)  # [B, k, H] -> [B, H]
+        return out[:, :, 0, :]
 
 
 class SharedExpert(nn.Module):
@@ -211,13 +216,17 @@ class SharedExpert(nn.Module):
         self.limit = args.swiglu_limit if args.clamp_shared_expert else None
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.project(x).astype(mx.float32)
+
+    def project(self, x: mx.array) -> mx.array:
+        """The shared expert's output in x's dtype (its down projection's)."""
         w1, w3 = self.w1, self.w3
         if x.ndim == 2 and isinstance(w1, nn.QuantizedLinear) and w1.mode == "mxfp8" == w3.mode:
             # one launch for both products and the SwiGLU on CUDA (kernels.matmul)
             h = kmatmul.swiglu_rows(x, w1.weight, w1.scales, w3.weight, w3.scales, limit=self.limit)
         else:
             h = swiglu(w1(x).astype(mx.float32), w3(x).astype(mx.float32), self.limit).astype(x.dtype)
-        return self.w2(h).astype(mx.float32)
+        return self.w2(h)
 
 
 class MoE(nn.Module):
@@ -229,4 +238,7 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array, token_ids: mx.array) -> mx.array:
         idx, w = self.gate(x, token_ids)
+        if x.ndim == 2 and x.shape[0] <= GROUPED_ROWS:  # decode's rows: per pair, then one combine
+            return kernels.moe_combine_rows(self.experts.pairs(x, idx), w, self.shared_experts.project(x),
+                                            out_dtype=x.dtype)  # fmt: skip
         return (self.experts(x, idx, w) + self.shared_experts(x)).astype(x.dtype)

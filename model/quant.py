@@ -124,12 +124,14 @@ class QuantizedExperts(nn.Module):
             # prefill: one grouped GEMM a projection over the pairs sorted by expert (kernels.experts_grouped)
             return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
                                                    self.w3, self.w3_scales, limit=self.limit)  # fmt: skip
-        # kernels.matmul: on CUDA, 1..8 rows in two launches that read each distinct expert once; else
-        # MLX's gather_qmm per (row, k) pair
+        return mx.sum(self.pairs(x, idx).astype(mx.float32) * w[:, :, None], axis=1)
+
+    def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
+        """Each (row, k) pair through its expert -> [B, k, H] in x.dtype. kernels.matmul: on CUDA, 1..8 rows
+        in two launches that read each distinct expert once; else MLX's gather_qmm per pair."""
         ri = idx.astype(mx.uint32)
         hdn = kmatmul.experts_gate_up_rows(x, ri, self.w1, self.w1_scales, self.w3, self.w3_scales, limit=self.limit)
-        out = kmatmul.experts_down_rows(hdn, ri, self.w2, self.w2_scales)  # [B, k, H]
-        return mx.sum(out.astype(mx.float32) * w[:, :, None], axis=1)
+        return kmatmul.experts_down_rows(hdn, ri, self.w2, self.w2_scales)
 
 
 # ---- encoding (NumPy; release-format writer) -----------------------------------------------------

@@ -64,6 +64,7 @@ GLUE = {
     "hc_post_rows": lambda y, h, post, comb: one([(h.shape, h.dtype)], y, h, post, comb)[0],
     "router_topk": lambda lg, b, *, k, route_scale: tuple(one([((lg.shape[0], k), mx.uint32),
                                                                 ((lg.shape[0], k), mx.float32)], lg, b)),  # fmt: skip
+    "moe_combine_rows": lambda p, w, s, *, out_dtype: one([((p.shape[0], p.shape[2]), out_dtype)], p, w, s)[0],
     "hc_pre_rows": lambda h, fn, sc, ba, *, iters, eps, norm_eps: tuple(one(
         [((h.shape[0], h.shape[2]), h.dtype), (h.shape[:2], mx.float32), ((h.shape[0], h.shape[1], h.shape[1]),
                                                                           mx.float32)], h, fn, sc, ba)),  # fmt: skip

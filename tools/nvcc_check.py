@@ -135,6 +135,9 @@ def units() -> dict[str, str]:
         "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
         [("idx", U32), ("w", F32)], [("K", 6), ("MAXE", router.MAX_EXPERTS), ("MAXK", router.MAX_K)],
         router.SOURCE)  # fmt: skip
+    out["moe_combine_6"] = standalone(
+        "moe_combine", [("pairs", BF, True), ("w", F32, False), ("shared", BF, False)], [("out", BF)],
+        [("O", BF), ("K", 6)], router.COMBINE_SOURCE)  # fmt: skip
     out["hc_post_4"] = standalone(
         "hc_post", [("y", BF, False), ("h", BF, True), ("post", F32, False), ("comb", F32, False)], [("out", BF)],
         [("T", BF), ("NC", 4)], norms.POST_SOURCE)  # fmt: skip

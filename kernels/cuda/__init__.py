@@ -15,8 +15,8 @@ kernels do not cover:
   tiny test model) runs the reference for these two;
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
   ~200 graph nodes per layer instead of ~14);
-- rms_norm_rows / hc_post_rows / router_topk / hc_pre_rows: 1 kernel each instead of 3 (~7 for the
-  router), opt-in (`DSV4_GLUE_KERNELS=1`).
+- rms_norm_rows / hc_post_rows / router_topk / hc_pre_rows / moe_combine_rows: 1 kernel each instead of 3
+  (~7 for the router), opt-in (`DSV4_GLUE_KERNELS=1`).
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -56,7 +56,7 @@ from kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
-from kernels.cuda.router import router_topk_cuda
+from kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -68,6 +68,7 @@ __all__ = [
     "hc_pre_mix_cuda",
     "hc_pre_rows_cuda",
     "indexer_rows_cuda",
+    "moe_combine_rows_cuda",
     "precompile",
     "precompile_model",
     "rms_norm_rows_cuda",
@@ -93,8 +94,8 @@ HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)
 # The glue kernels, 1 launch each where the reference launches 3 or more: the norms and the mHC post-mix
-# (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer), the router's top-k (kernels/cuda/router.py) and
-# the mHC pre-mix with its input RMS and logits (kernels/cuda/hc_fused.py).
+# (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer), the router's top-k and the MoE's combine
+# (kernels/cuda/router.py) and the mHC pre-mix with its input RMS and logits (kernels/cuda/hc_fused.py).
 # Opt-in (DSV4_GLUE_KERNELS=1) until their gpu tests and the full-depth A/B (bench/step.py arm no_glue) have
 # run on a GPU.
 GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "0").strip() == "1"
@@ -103,6 +104,7 @@ if GLUE_KERNELS:
     backend.register("hc_post_rows", hc_post_rows_cuda)
     backend.register("router_topk", router_topk_cuda)
     backend.register("hc_pre_rows", hc_pre_rows_cuda)
+    backend.register("moe_combine_rows", moe_combine_rows_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:

@@ -1,4 +1,6 @@
-"""router_topk on CUDA: a row's scores, top-k and normalised weights in one launch (the reference is ~7).
+"""The MoE's glue on CUDA: router_topk (a row's scores, top-k and normalised weights in one launch, the
+reference ~7) and moe_combine_rows (one thread a (row, column): the k weighted pairs summed in order, the
+shared output added, one rounding; the reference 3).
 
 One block a row. Each thread scores its experts (sqrt(softplus(l)) as MLX computes logaddexp(l, 0): the
 larger plus log1p(exp(smaller - larger))) into shared memory; then k rounds of a block argmax over
@@ -14,7 +16,12 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.router import check_router_topk, router_topk_reference
+from kernels.router import (
+    check_moe_combine_rows,
+    check_router_topk,
+    moe_combine_rows_reference,
+    router_topk_reference,
+)
 
 THREADS = 256
 MAX_EXPERTS = 1024
@@ -113,3 +120,55 @@ def router_topk_cuda(logits: mx.array, bias: mx.array, *, k: int, route_scale: f
         output_dtypes=[mx.uint32, mx.float32],
     )
     return idx, w
+
+
+COMBINE_SOURCE = r"""
+  const int b = blockIdx.y;
+  const int H = pairs_shape[2];
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= H) return;
+  const size_t row = (size_t)b * K;
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) acc += dsv4_f(pairs[(row + j) * H + d]) * dsv4_f(w[row + j]);
+  out[(size_t)b * H + d] = dsv4_t<O>(acc + dsv4_f(shared[(size_t)b * H + d]));
+"""
+
+
+class CombinePlan:
+    __slots__ = ("grid", "kernel", "tmpl")
+
+    def __init__(self, pairs: mx.array, out_dtype: mx.Dtype) -> None:
+        b, k, hid = pairs.shape
+        self.kernel = kernel("moe_combine", ("pairs", "w", "shared"), ("out",), COMBINE_SOURCE)
+        self.tmpl = [("O", out_dtype), ("K", k)]
+        self.grid = (-(-hid // THREADS) * THREADS, b, 1)
+
+
+def moe_combine_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, *, out_dtype: mx.Dtype) -> mx.array:
+    try:
+        key: tuple[Any, ...] = ("moe_combine", pairs.shape, pairs.dtype, w.shape, w.dtype, shared.shape,
+                                shared.dtype, out_dtype)  # fmt: skip
+    except AttributeError:
+        check_moe_combine_rows(pairs, w, shared, out_dtype)
+        raise
+
+    def make() -> CombinePlan | None:
+        check_moe_combine_rows(pairs, w, shared, out_dtype)
+        dts = (pairs.dtype, w.dtype, shared.dtype, out_dtype)
+        if pairs.size == 0 or any(d not in (mx.float32, mx.bfloat16, mx.float16) for d in dts):
+            return None
+        return CombinePlan(pairs, out_dtype)
+
+    plan: CombinePlan | None = plan_cached(key, make)
+    if plan is None:
+        return moe_combine_rows_reference(pairs, w, shared, out_dtype=out_dtype)
+    (out,) = plan.kernel(
+        inputs=[pairs, w, shared],
+        template=plan.tmpl,
+        grid=plan.grid,
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(pairs.shape[0], pairs.shape[2])],
+        output_dtypes=[out_dtype],
+    )
+    return out

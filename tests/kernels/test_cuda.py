@@ -151,7 +151,7 @@ def test_dispatch_uses_fast_path() -> None:
     if not kmatmul.SKINNY:  # DSV4_SKINNY=0 keeps MLX's own matmuls for the weight products
         opt_out |= {"qlinear_rows", "f32_linear_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows"}
     if not kc.GLUE_KERNELS:  # opt-in (DSV4_GLUE_KERNELS=1)
-        opt_out |= {"rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows"}
+        opt_out |= {"rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows"}
     assert set(backend.registered()) == set(backend.OPS) - opt_out
 
 

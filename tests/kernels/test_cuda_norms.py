@@ -69,9 +69,9 @@ def test_bad_arguments_are_named() -> None:
 
 def test_tiny_model_decode_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy decode of the tiny f32 model: the same logits with the glue kernels (norms, mHC pre- and
-    post-mix, router) as with the references."""
+    post-mix, router, MoE combine) as with the references."""
     from kernels.cuda.hc_fused import hc_pre_rows_cuda
-    from kernels.cuda.router import router_topk_cuda
+    from kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
     from model.loader import tiny_model
     from model.state import StatePools
 
@@ -81,12 +81,13 @@ def test_tiny_model_decode_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch
         a, b = pools.alloc(64), pools.alloc(64)
         return np.stack([np.array(model.decode(pools, [a, b], [3 + i, 100 + 2 * i], [i, i])) for i in range(20)])
 
-    for op in ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows"):
+    for op in ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows"):
         monkeypatch.delitem(backend._fast, op, raising=False)
     want = run()
     monkeypatch.setitem(backend._fast, "rms_norm_rows", cuda().rms_norm_rows_cuda)
     monkeypatch.setitem(backend._fast, "hc_post_rows", cuda().hc_post_rows_cuda)
     monkeypatch.setitem(backend._fast, "router_topk", router_topk_cuda)
     monkeypatch.setitem(backend._fast, "hc_pre_rows", hc_pre_rows_cuda)
+    monkeypatch.setitem(backend._fast, "moe_combine_rows", moe_combine_rows_cuda)
     got = run()
     assert np.max(np.abs(got - want)) <= 1e-4

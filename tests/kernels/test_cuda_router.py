@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels import backend
-from kernels.router import router_topk_reference
+from kernels.router import moe_combine_rows_reference, router_topk_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -46,3 +46,19 @@ def test_bad_arguments_are_named() -> None:
 
     with pytest.raises(ValueError, match="^router_topk: k: "):
         router_topk_cuda(mx.zeros((2, 8)), mx.zeros((8,)), k=0, route_scale=1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k,hidden", [(6, 4096), (1, 100), (8, 64)])
+@pytest.mark.parametrize("out_dtype", [mx.bfloat16, mx.float32])
+def test_moe_combine_rows_matches_reference(rows: int, k: int, hidden: int, out_dtype: mx.Dtype) -> None:
+    from kernels.cuda.router import moe_combine_rows_cuda
+
+    pairs = mx.random.normal((rows, k, hidden)).astype(mx.bfloat16)
+    w, shared = mx.random.uniform(0, 1, (rows, k)), mx.random.normal((rows, hidden)).astype(mx.bfloat16)
+    got = moe_combine_rows_cuda(pairs, w, shared, out_dtype=out_dtype)
+    want = moe_combine_rows_reference(pairs, w, shared, out_dtype=out_dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-5 if out_dtype == mx.float32 else 8e-3  # f32 sums in another order; one bf16 rounding each
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol,
+                               atol=tol)  # fmt: skip

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels.router import router_topk_reference
+from kernels.router import moe_combine_rows_reference, router_topk_reference
 
 
 def numpy_router(logits: np.ndarray, bias: np.ndarray, k: int, scale: float) -> list[dict[int, float]]:
@@ -46,3 +46,28 @@ def test_bad_arguments_are_named() -> None:
         router_topk_reference(lg, b, k=9, route_scale=1.0)
     with pytest.raises(ValueError, match="^router_topk: route_scale: "):
         router_topk_reference(lg, b, k=2, route_scale="1")
+
+
+@pytest.mark.parametrize("out_dtype", [mx.float32, mx.bfloat16])
+def test_moe_combine_rows_weighs_the_pairs_and_adds_the_shared_output(out_dtype: mx.Dtype) -> None:
+    rng = np.random.default_rng(0)
+    pairs, shared = (mx.array(rng.normal(size=s).astype(np.float32)).astype(mx.bfloat16) for s in ((3, 6, 40), (3, 40)))
+    w = mx.array(rng.random((3, 6)).astype(np.float32))
+    got = kernels.moe_combine_rows(pairs, w, shared, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (3, 40)
+    f64 = [np.array(a.astype(mx.float32), dtype=np.float64) for a in (pairs, w, shared)]
+    want = np.einsum("bkh,bk->bh", f64[0], f64[1]) + f64[2]
+    ulp = 2.0**-8 if out_dtype == mx.bfloat16 else 1e-5
+    np.testing.assert_array_less(np.abs(np.array(got.astype(mx.float32)) - want), ulp * np.abs(want) + 1e-5)
+
+
+def test_moe_combine_rows_bad_arguments_are_named() -> None:
+    p, w, s = mx.zeros((2, 6, 8)), mx.zeros((2, 6)), mx.zeros((2, 8))
+    with pytest.raises(ValueError, match="^moe_combine_rows: w: "):
+        moe_combine_rows_reference(p, mx.zeros((2, 5)), s, out_dtype=mx.float32)
+    with pytest.raises(ValueError, match="^moe_combine_rows: shared: "):
+        moe_combine_rows_reference(p, w, mx.zeros((2, 9)), out_dtype=mx.float32)
+    with pytest.raises(ValueError, match="^moe_combine_rows: pairs: "):
+        moe_combine_rows_reference(mx.zeros((2, 8)), w, s, out_dtype=mx.float32)
+    with pytest.raises(ValueError, match="^moe_combine_rows: out_dtype: "):
+        moe_combine_rows_reference(p, w, s, out_dtype=mx.int32)
