@@ -39,8 +39,7 @@ for part in ${PART:-tests}; do
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
     new) timeout 180 python3 -m pytest -m gpu -q --maxfail=10 --tb=short -rf -p no:cacheprovider \
            tests/kernels/test_cuda_norms.py tests/kernels/test_cuda_router.py tests/kernels/test_cuda_hc.py \
-           tests/kernels/test_experts_grouped.py \
-           tests/kernels/test_cuda.py 2>&1 | tail -30
+           tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -30
          timeout 200 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
            tests/model/test_cuda_layer_numerics.py 2>&1 | tail -15
          timeout 150 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
