@@ -49,7 +49,7 @@ for part in ${PART:-tests}; do
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
              done ;;
     commit) for rep in 1 2; do for ops in 8 32 100 400; do  # MLX's CUDA-graph commit size, read once a process
-              MLX_MAX_OPS_PER_BUFFER=$ops timeout 120 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
+              MLX_MAX_OPS_PER_BUFFER=$ops timeout 70 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
                 --arms fast --reps 10 --out "/tmp/commit_${ops}_$rep.json" 2>&1 | grep -E "^ +4096" | sed "s/^/ops $ops: /"
             done; done
             python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/commit_*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/commit.json" ;;
