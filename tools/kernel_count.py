@@ -47,6 +47,12 @@ def one(shapes: list[tuple[tuple[int, ...], mx.Dtype]], *deps: Any) -> list[mx.a
     return mx.depends([mx.zeros(s, d) for s, d in shapes], [a for a in deps if isinstance(a, mx.array)])
 
 
+def pre_mix(h: mx.array, *deps: Any) -> tuple[mx.array, ...]:
+    """The mHC pre-mix's outputs (x [B, H], post [B, nc], comb [B, nc, nc]) as one node."""
+    b, nc, hid = h.shape
+    return tuple(one([((b, hid), h.dtype), ((b, nc), mx.float32), ((b, nc, nc), mx.float32)], h, *deps))
+
+
 STANDINS = {
     "qlinear_rows": lambda x, w, s: one([((*x.shape[:-1], w.shape[0]), x.dtype)], x, w, s)[0],
     "f32_linear_rows": lambda x, w: one([((*x.shape[:-1], w.shape[0]), mx.float32)], x, w)[0],
@@ -55,9 +61,7 @@ STANDINS = {
     "experts_gate_up_rows": lambda x, i, w1, s1, w3, s3, *, limit: one([((*i.shape, w1.shape[1]), x.dtype)],
                                                                        x, i, w1, s1, w3, s3)[0],  # fmt: skip
     "experts_down_rows": lambda h, i, w2, s2: one([((*i.shape, w2.shape[1]), h.dtype)], h, i, w2, s2)[0],
-    "hc_pre_mix": lambda m, sc, ba, h, *, iters, eps: tuple(one(
-        [((h.shape[0], h.shape[2]), h.dtype), (h.shape[:2], mx.float32), ((h.shape[0], h.shape[1], h.shape[1]),
-                                                                          mx.float32)], m, sc, ba, h)),  # fmt: skip
+    "hc_pre_mix": lambda m, sc, ba, h, *, iters, eps: pre_mix(h, m, sc, ba),
 }
 GLUE = {
     "rms_norm_rows": lambda x, w, *, eps, out_dtype=None: one([(x.shape, out_dtype or x.dtype)], x, w)[0],
@@ -65,9 +69,7 @@ GLUE = {
     "router_topk": lambda lg, b, *, k, route_scale: tuple(one([((lg.shape[0], k), mx.uint32),
                                                                 ((lg.shape[0], k), mx.float32)], lg, b)),  # fmt: skip
     "moe_combine_rows": lambda p, w, s, *, out_dtype: one([((p.shape[0], p.shape[2]), out_dtype)], p, w, s)[0],
-    "hc_pre_rows": lambda h, fn, sc, ba, *, iters, eps, norm_eps: tuple(one(
-        [((h.shape[0], h.shape[2]), h.dtype), (h.shape[:2], mx.float32), ((h.shape[0], h.shape[1], h.shape[1]),
-                                                                          mx.float32)], h, fn, sc, ba)),  # fmt: skip
+    "hc_pre_rows": lambda h, fn, sc, ba, *, iters, eps, norm_eps: pre_mix(h, fn, sc, ba),
 }
 
 

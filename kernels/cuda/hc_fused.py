@@ -24,15 +24,14 @@ MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill)
 U = 4  # columns a thread has in flight
 
 PROLOGUE = r"""
-  __shared__ float m_s[NC * (2 + NC)];
-  __shared__ float part[NC * (2 + NC) + 1][@WARPS@];
+  __shared__ float m_s[NM];  // NM: the pre-mix source's nc (2 + nc), declared above this point
+  __shared__ float part[NM + 1][@WARPS@];
   {
-    constexpr int NMF = NC * (2 + NC);
     const int D = NC * H;
     const T* hr = h + (size_t)b * D;
-    float acc[NMF + 1];
+    float acc[NM + 1];
 #pragma unroll
-    for (int j = 0; j <= NMF; ++j) acc[j] = 0.f;
+    for (int j = 0; j <= NM; ++j) acc[j] = 0.f;
     for (int i0 = tid; i0 < D; i0 += @U@ * blockDim.x) {
       float v[@U@];
 #pragma unroll
@@ -41,28 +40,28 @@ PROLOGUE = r"""
       for (int u = 0; u < @U@; ++u) {
         const int i = i0 + u * blockDim.x;
         if (i >= D) break;
-        acc[NMF] += v[u] * v[u];
+        acc[NM] += v[u] * v[u];
 #pragma unroll
-        for (int j = 0; j < NMF; ++j) acc[j] += fn[(size_t)j * D + i] * v[u];
+        for (int j = 0; j < NM; ++j) acc[j] += fn[(size_t)j * D + i] * v[u];
       }
     }
 #pragma unroll
-    for (int j = 0; j <= NMF; ++j) {
+    for (int j = 0; j <= NM; ++j) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
     }
     if ((tid & 31) == 0) {
 #pragma unroll
-      for (int j = 0; j <= NMF; ++j) part[j][tid >> 5] = acc[j];
+      for (int j = 0; j <= NM; ++j) part[j][tid >> 5] = acc[j];
     }
     __syncthreads();
-    if (tid <= NMF) {  // each sum over the warps in order
+    if (tid <= NM) {  // each sum over the warps in order
       float s = 0.f;
       for (int q = 0; q < @WARPS@; ++q) s += part[tid][q];
       part[tid][0] = s;
     }
     __syncthreads();
-    if (tid < NMF) m_s[tid] = part[tid][0] * rsqrtf(part[NMF][0] / (float)D + fparams[1]);
+    if (tid < NM) m_s[tid] = part[tid][0] * rsqrtf(part[NM][0] / (float)D + fparams[1]);
     __syncthreads();
   }
   const float* mb = m_s;

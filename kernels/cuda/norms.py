@@ -70,10 +70,9 @@ POST_SOURCE = r"""
 
 
 class RmsPlan:
-    __slots__ = ("fast", "fparams", "grid", "kernel", "rows", "tmpl")
+    __slots__ = ("fparams", "grid", "kernel", "rows", "tmpl")
 
     def __init__(self, x: mx.array, weight: mx.array | None, eps: float, out: mx.Dtype) -> None:
-        self.fast = True
         self.rows = x.size // x.shape[-1]
         self.kernel = kernel("rms_norm", ("x", "w", "fparams"), ("out",), RMS_SOURCE)
         wdt = weight.dtype if weight is not None else mx.float32
