@@ -58,13 +58,13 @@ def cuda_available() -> bool:
     return ok and mx.default_device().type == mx.gpu
 
 
-# MLX commits its CUDA graph once it holds more than this many nodes (MLX_MAX_OPS_PER_BUFFER; 100 on sm_90):
-# smaller graphs let the GPU start while the host still builds the rest of the step. H200, 2026-11-30, d2d17d9
-# (bench/host_cost.py, one host): chain43 at 8 rows 2.73 -> 2.20 ms per step; per chained call at 8 rows,
-# 128K: indexer 100 -> 70 us, compressor 21.8 -> 18.9, attention 32.9 -> 33.3. 4 was better still per op
-# but worse for chain43 (3.44 ms). MLX reads it when it builds its first command encoder (the first GPU
-# eval), so `kernels` sets it on import; a value already in the environment wins.
-CUDA_COMMIT_OPS = 8
+# MLX commits its CUDA graph once it holds more than this many nodes (MLX_MAX_OPS_PER_BUFFER; 100 on sm_90).
+# Picked on the full-depth step (43 layers, 4K, bench/step.py, H200, 383f696, 2026-12-02): 1 / 8 rows
+# 25.3 / 38.5 ms at 8 against 24.0 / 36.4 ms at 100. (8 had won on the 43-layer chain of the row-batched ops
+# alone, 2.7 -> 2.2 ms, d2d17d9: the full step has ~40 nodes a layer, enough to keep the GPU fed.) Pinned
+# so an MLX release that changes its default does not change ours. MLX reads it when it builds its first
+# command encoder (the first GPU eval), so `kernels` sets it on import; a value already in the environment wins.
+CUDA_COMMIT_OPS = 100
 
 
 def tune_cuda_commits() -> None:

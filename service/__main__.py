@@ -47,8 +47,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefix-cache-interval", type=int,
-        help="prompt positions between prefix cache snapshots (default 128; 0: only at prompt and request "
-        "ends)  [DSV4_PREFIX_CACHE_INTERVAL]",
+        help="prefix cache snapshots inside a prompt lie on multiples of this, at most one a prefill step "
+        "(default 128; 0: only at prompt and request ends)  [DSV4_PREFIX_CACHE_INTERVAL]",
     )
     p.add_argument(
         "--drain-timeout", type=float, help="SIGTERM drain seconds (default 30)  [DSV4_DRAIN_TIMEOUT]"

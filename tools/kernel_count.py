@@ -1,15 +1,16 @@
 """Kernels a decode layer launches on CUDA, counted on any machine from its compiled graphs (no GPU).
 
-Each op that `kernels/cuda` serves with one launch (the skinny matmuls, the mHC pre-mix, and with
-`--glue` the glue kernels) is stood in for by one `mx.depends` node on all its inputs, so the graph
+Each op that `kernels/cuda` serves with one launch (the skinny matmuls, the mHC pre-mix and, unless
+`--no-glue`, the glue kernels) is stood in for by one `mx.depends` node on all its inputs, so the graph
 keeps its shape; the unweighted RMS (MLX's fused norm on CUDA) likewise. Then each layer kind's two
 compiled segments (`Block.before` / `Block.after`) are exported (`mx.export_to_dot`) and their
 primitives counted, views (reshape, slice, broadcast, transpose, ...) apart: on CUDA each other
 primitive is about one kernel. The kernel part of a layer (window write, compressor, indexer,
-attention: 4-8 launches) is not in the segments and not counted. Against CUPTI on the H200 (commit
-72863cd): 58-66 here + that part, for 67 measured a layer.
+attention: 4-8 launches) is not in the segments and not counted. Against CUPTI on the H200: without
+the glue kernels 58-66 here + that part, for 67 measured a layer (72863cd); with them 24-32 + that
+part, for 40 measured (1,720 a step at 1 row, 383f696).
 
-    python tools/kernel_count.py [--glue] [--rows 1]
+    python tools/kernel_count.py [--no-glue] [--rows 1]
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def layer_counts(glue: bool, rows: int = 1) -> dict[str, tuple[collections.Count
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--glue", action="store_true", help="the glue kernels too (DSV4_GLUE_KERNELS=1)")
+    ap.add_argument("--no-glue", dest="glue", action="store_false",
+                    help="the glue ops' references (DSV4_GLUE_KERNELS=0)")
     ap.add_argument("--rows", type=int, default=1)
     opt = ap.parse_args()
     print(f"{'layer':8} {'before':>6} {'after':>6} {'total':>6}  most common")

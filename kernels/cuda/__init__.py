@@ -16,7 +16,7 @@ kernels do not cover:
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
   ~200 graph nodes per layer instead of ~14);
 - rms_norm_rows / hc_post_rows / router_topk / hc_pre_rows / moe_combine_rows: 1 kernel each instead of 3
-  (~7 for the router), opt-in (`DSV4_GLUE_KERNELS=1`).
+  (~7 for the router), on unless `DSV4_GLUE_KERNELS=0`.
 
 NVRTC compiles each kernel variant (dtype, dims, page size, ratio, topk) the first time it runs,
 about 1.5 s each: call `precompile(...)` (or `precompile_model(args, dtype, page_size)`) at
@@ -96,9 +96,9 @@ if HC_KERNEL:
 # The glue kernels, 1 launch each where the reference launches 3 or more: the norms and the mHC post-mix
 # (kernels/cuda/norms.py; 6 norms and 2 post-mixes a layer), the router's top-k and the MoE's combine
 # (kernels/cuda/router.py) and the mHC pre-mix with its input RMS and logits (kernels/cuda/hc_fused.py).
-# Opt-in (DSV4_GLUE_KERNELS=1) until their gpu tests and the full-depth A/B (bench/step.py arm no_glue) have
-# run on a GPU.
-GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "0").strip() == "1"
+# On unless DSV4_GLUE_KERNELS=0: the full-depth step at 4K, 43 layers, 1 / 8 rows, 27.2 / 35.8 ms with them
+# against 35.9 / 79.9 without (bench/step.py arms fast / no_glue, H200, 383f696, 2026-12-02).
+GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "1").strip() != "0"
 if GLUE_KERNELS:
     backend.register("rms_norm_rows", rms_norm_rows_cuda)
     backend.register("hc_post_rows", hc_post_rows_cuda)

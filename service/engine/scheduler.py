@@ -8,7 +8,8 @@ the engine's parallel prefill, up to a per-step token budget, oldest request fir
 
 With an engine that has a prefix cache (the optional `reuse` / `retire` / `snapshot_interval` of
 Admission), a prefilling request first adopts the longest cached prefix of its prompt (`reuse_prefix`),
-prefill pieces end at the snapshot interval's multiples, and a request that ends normally hands the
+a prefill piece that is not the prompt's last ends at a multiple of the snapshot interval (the
+snapshot after it then lies on the interval's grid), and a request that ends normally hands the
 state of the tokens it fed to the cache (`retire`) instead of just freeing it.
 """
 
@@ -278,18 +279,21 @@ class Scheduler:
 
     def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
         """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
-        tokens in all; a prompt's last token is left for the step (its logits are sampled). Pieces end
-        at multiples of the engine's snapshot interval (a prefix cache snapshot after each)."""
+        tokens in all, one piece a request; a prompt's last token is left for the step (its logits are
+        sampled). With a snapshot interval, a piece short of the prompt's end ends at the interval's last
+        multiple in it (a prefix cache snapshot follows each piece). Not cut at every multiple: each piece
+        would be a forward of its own, and a forward has a large fixed cost (16K-token first turn on the
+        H200 with cuts at every 128: 113 s, against 32 s with the cache off, 383f696)."""
         work = []
         every = getattr(self.admission, "snapshot_interval", 0)
         for r in plan:
-            start = r.fed
-            end = start + max(0, min(budget, len(r.prompt_ids) - 1 - start))
+            start, last = r.fed, len(r.prompt_ids) - 1
+            end = start + max(0, min(budget, last - start))
+            if every and end < last and end // every * every > start:
+                end = end // every * every
             budget -= end - start
-            while start < end:
-                stop = min(end, (start // every + 1) * every) if every else end
-                work.append((r, self.handles[r.request_id], r.prompt_ids[start:stop], start))
-                start = stop
+            if end > start:
+                work.append((r, self.handles[r.request_id], r.prompt_ids[start:end], start))
         return work
 
     def prefilled(self, request: Request, n: int) -> None:

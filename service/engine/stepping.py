@@ -25,10 +25,10 @@ def has_penalty(p: SamplingParams) -> bool:
 def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             budget: int) -> tuple[list[TokenEvent], int, float]:  # fmt: skip
     """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
-    tokens prefilled, seconds). The prefix cache goes first (a hit moves `fed` on). The chunks go through
-    shared forwards (`engine.prefill_batch`), one piece of each request a forward (the cache cuts a prompt
-    at its snapshot interval and snapshots the state after each piece), except those of requests asking
-    for prompt logprobs (the head over every token: `engine.prefill`, one each). A failed forward fails
+    tokens prefilled, seconds). The prefix cache goes first (a hit moves `fed` on). The pieces (one a
+    request; with a cache, a piece short of its prompt's end ends on the snapshot interval, and the state
+    is snapshotted after it) go through one shared forward (`engine.prefill_batch`), except those of
+    requests asking for prompt logprobs (the head over every token: `engine.prefill`, one each). A failed forward fails
     the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
     done, t0 = 0, time.perf_counter()
@@ -40,17 +40,8 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
     snapshot = getattr(engine, "prefilled", None)
     work = sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING], budget)
-    rounds: list[list[tuple[Request, Any, list[int], int]]] = []  # round i: the i-th piece of each request
-    scored: list[tuple[Request, Any, list[int], int]] = []
-    pieces: dict[str, int] = {}
-    for w in work:
-        if w[0].params.prompt_logprobs is not None:
-            scored.append(w)
-            continue
-        i = pieces[w[0].request_id] = pieces.get(w[0].request_id, -1) + 1
-        if i == len(rounds):
-            rounds.append([])
-        rounds[i].append(w)
+    shared = [w for w in work if w[0].params.prompt_logprobs is None]  # one piece a request: one forward
+    scored = [w for w in work if w[0].params.prompt_logprobs is not None]
 
     def finished(r: Request, handle: Any, tokens: list[int]) -> None:
         nonlocal done
@@ -62,18 +53,15 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request],
             except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
                 log.exception("prefix snapshot failed")
 
-    for rnd in rounds:
-        live = [w for w in rnd if w[0].status is RequestStatus.RUNNING]  # an earlier piece may have failed
-        if not live:
-            continue
+    if shared:
         try:
-            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in live])
+            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in shared])
         except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
-            log.exception("prefill failed (%d requests, %d tokens)", len(live), sum(len(w[2]) for w in live))
-            events += sched.fail([w[0].request_id for w in live], f"prefill failed: {type(e).__name__}: {e}")
-            continue
-        for r, handle, tokens, _ in live:
-            finished(r, handle, tokens)
+            log.exception("prefill failed (%d requests, %d tokens)", len(shared), sum(len(w[2]) for w in shared))
+            events += sched.fail([w[0].request_id for w in shared], f"prefill failed: {type(e).__name__}: {e}")
+        else:
+            for r, handle, tokens, _ in shared:
+                finished(r, handle, tokens)
     for r, handle, tokens, start in scored:
         if r.status is not RequestStatus.RUNNING:
             continue

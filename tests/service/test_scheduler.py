@@ -296,7 +296,8 @@ def test_prefill_pieces_end_at_the_snapshot_interval_and_finish_retires_the_fed_
     plan = s.plan()
     assert a.cached == 0 and b.cached == 0
     work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=19)]
-    assert work == [("a", 0, 8), ("a", 8, 8), ("a", 16, 3)]  # 19 tokens, cut at 8 and 16; none left for b
+    # 19 tokens: a's piece ends at 16 (its last multiple of 8 short of its prompt's end), b takes the other 3
+    assert work == [("a", 0, 16), ("b", 0, 3)]
     for r, _, toks, _ in s.prefill_work(plan, budget=100):
         s.prefilled(r, len(toks))
     s.feeds(plan)
