@@ -17,7 +17,7 @@
 #                and 64K, fast vs mlx_mm, against the release-precision byte floor, with the CUPTI profile
 #   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
-#   PART=prefill bench/prefill.py: parallel prefill vs token by token
+#   PART=prefill bench/prefill.py: a forward's CUPTI profile at 256 and 2,048 tokens, then 2K and 16K prompts
 #   PART=timeline bench/timeline.py: the step's and chain43's CUDA API calls, kernels and idle gaps
 #   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
 #
@@ -67,8 +67,14 @@ for part in ${PART:-tests}; do
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
-    prefill) timeout 380 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 \
-               --out "$OUT/prefill.json" 2>&1 | tail -10 ;;  # 64K: --prompts 65536 --no-profile, its own call
+    prefill) # the CUPTI profile of a forward, short first (a 2,048-token prompt in 256-token forwards, profiled,
+             # did not finish in 200 s on 2026-12-02), then the 2K and 16K cells; 64K: --prompts 65536, its own call
+             for chunk in 256 2048; do
+               timeout 170 python3 bench/prefill.py --experts 32 --prompts $((2 * chunk)) --chunk $chunk --agree 0 \
+                 --profile --out "$OUT/prefill_profile_$chunk.json" 2>&1 | grep -v Warn | tail -4
+             done
+             timeout 240 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 --no-profile \
+               --out "$OUT/prefill.json" 2>&1 | tail -6 ;;
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;

@@ -179,14 +179,16 @@ def main() -> None:
                     "forwards": forwards, "seconds": secs, "tokens_per_s": c * n / secs,
                     "ttft_ms": ttft, "ttft_ms_max": max(ttft), "tflop": flops / 1e12,
                     "floor_s": flops / rate, "x_floor": secs / (flops / rate)}  # fmt: skip
+            print(json.dumps(cell), flush=True)  # before the profile: a run cut short still reports the cell
             if profile:
                 prof = gpu_profile(lambda k, ps=prompts: [run_cell(model, pools, ps, opt.chunk) for _ in range(k)],
                                    1, None, f"prefill_{n}_{c}")  # fmt: skip
                 cell |= {"kernels": prof["kernels_per_step"], "gpu_busy_s": prof["gpu_busy_ms_per_step"] / 1e3,
                          "top": prof["top"]}  # fmt: skip
                 cell["busy_x_floor"] = cell["gpu_busy_s"] / cell["floor_s"]
+                print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "top")}),
+                      flush=True)  # fmt: skip
             results.append(cell)
-            print(json.dumps(cell), flush=True)
     agree = agreement(model, pools, prompt[: min(opt.agree, cap)], opt.chunk) if opt.agree > 0 else {}
     print(json.dumps(agree), flush=True)
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "bf16_gemm_tflops": rate / 1e12,
