@@ -134,14 +134,15 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
 
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows")
-ARMS = ("fast", "mlx_mm", "no_glue")
+ARMS = ("fast", "mlx_mm", "no_glue", "hc_split")
 
 
 def set_arm(arm: str, model: DeepseekV4) -> None:
     """An A/B arm's fast paths in or out of the backend: `fast` every one (the skinny matmul kernels and the
     glue kernels included, whatever DSV4_SKINNY / DSV4_GLUE_KERNELS say), `mlx_mm` MLX's own matmuls for the
     weight products, `no_glue` the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE
-    combine). Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny
+    combine), `hc_split` `fast` with the fused mHC pre-mix spread over several blocks a row (DSV4_HC_SPLIT).
+    Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny
     kernels, f32 copies for MLX's matmuls: both kept); the compiled segments retrace."""
     from kernels import backend
     from model.checkpoint import is_f32_compute
@@ -163,6 +164,10 @@ def set_arm(arm: str, model: DeepseekV4) -> None:
         import kernels.cuda.router as kr
 
         glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh, "moe_combine_rows": kr}
+        if arm == "hc_split":
+            kh.enable_split()
+        else:
+            kh.WORKSPACE = None
         fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS}
         fast |= {op: getattr(glue[op], f"{op}_cuda") for op in GLUE_OPS}
     for op in SKINNY_OPS + GLUE_OPS:
@@ -240,7 +245,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--arms", default="fast,mlx_mm,no_glue",
-                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_glue (the glue ops' references)")
+                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_glue (the glue ops' references), "
+                    "hc_split (fast, the fused mHC pre-mix split over blocks)")
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))

@@ -131,6 +131,10 @@ def units() -> dict[str, str]:
         "hc_pre_rows", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
                         ("fparams", F32, False)], [("x", BF), ("post", F32), ("comb", F32)],
         [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source())  # fmt: skip
+    out["hc_pre_split_4_20"] = standalone(
+        "hc_pre_split", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
+                         ("fparams", F32, False), ("workspace", U32, False)], [("x", BF), ("post", F32), ("comb", F32)],
+        [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source(split=True))  # fmt: skip
     out["router_topk_6"] = standalone(
         "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
         [("idx", U32), ("w", F32)], [("K", 6), ("MAXE", router.MAX_EXPERTS), ("MAXK", router.MAX_K)],

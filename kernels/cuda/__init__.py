@@ -41,6 +41,7 @@ from kernels import backend, upload
 from kernels import matmul as kmatmul
 from kernels.compressor import CompressorArgs
 from kernels.compressor import new_workspace as new_comp_workspace
+from kernels.cuda import hc_fused
 from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
@@ -99,6 +100,11 @@ if HC_KERNEL:
 # On unless DSV4_GLUE_KERNELS=0: the full-depth step at 4K, 43 layers, 1 / 8 rows, 27.2 / 35.8 ms with them
 # against 35.9 / 79.9 without (bench/step.py arms fast / no_glue, H200, 383f696, 2026-12-02).
 GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "1").strip() != "0"
+# The fused pre-mix spread over hc_fused.SPLITS blocks a row (1 block a row reads all 1.5 MB of fn: 76 us a
+# launch); opt-in (DSV4_HC_SPLIT=1) until tests/kernels/test_cuda_hc.py has run it on a GPU.
+HC_SPLIT = os.environ.get("DSV4_HC_SPLIT", "0").strip() == "1"
+if HC_SPLIT:
+    hc_fused.enable_split()
 if GLUE_KERNELS:
     backend.register("rms_norm_rows", rms_norm_rows_cuda)
     backend.register("hc_post_rows", hc_post_rows_cuda)

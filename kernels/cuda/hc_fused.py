@@ -7,6 +7,14 @@ thread in flight: a row's fn is 1.5 MB, read from L2 after the first row), then 
 h^2 + eps): the reference's rms(h) @ fn.T up to the association of that scale. The mixing that follows
 is the pre-mix kernel's source unchanged. Fast path: nc <= MAX_NC, 1..MAX_ROWS rows, fn / scale / base f32, h any float;
 else kernels' composition (the RMS op, the GEMV, the pre-mix op).
+
+One block a row reads its 1.5 MB of fn alone: 76 us a launch on the H200 (86 launches, 6.5 ms of a 22.6 ms
+step's GPU time at 8 rows; 383f696, 2026-12-02). `DSV4_HC_SPLIT=1` (opt-in until its gpu tests have run)
+spreads each row over SPLITS blocks instead, each summing its slice of the columns; the last block of a row
+to finish (a fence, then a ticket in WORKSPACE: CUDA's threadFenceReduction) adds the SPLITS partials in
+split order and runs the mixing. One WORKSPACE serves every call: its tickets are back at zero after each
+launch, and the model's calls are ordered on one stream by their data (each call's h comes from the one
+before it), so no two launches use it at once.
 """
 
 from __future__ import annotations
@@ -18,10 +26,13 @@ import mlx.core as mx
 from kernels.cuda import hc
 from kernels.cuda.common import f32_params, kernel, plan_cached
 from kernels.hc import check_hc_pre_rows, hc_pre_composed
+from kernels.rows import zeroed_workspace
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
 U = 4  # columns a thread has in flight
+SPLITS = 16  # blocks a row with DSV4_HC_SPLIT=1 (16 x 8 rows = 128 blocks: about one an SM)
+WORKSPACE: mx.array | None = None  # uint32: MAX_ROWS tickets, then [MAX_ROWS][SPLITS][NM + 1] f32 partials
 
 PROLOGUE = r"""
   __shared__ float m_s[NM];  // NM: the pre-mix source's nc (2 + nc), declared above this point
@@ -68,18 +79,98 @@ PROLOGUE = r"""
 """
 
 
-def fused_source() -> str:
+# The split form's prologue: block (s, b) sums columns [s * per, (s + 1) * per) of row b, the last one adds up.
+SPLIT_PROLOGUE = r"""
+  __shared__ float m_s[NM];
+  __shared__ float part[NM + 1][@WARPS@];
+  __shared__ bool last_s;
+  {
+    const int D = NC * H, S = gridDim.x, s = blockIdx.x;
+    const int per = (D + S - 1) / S, lo = s * per, hi = min(D, lo + per);
+    const T* hr = h + (size_t)b * D;
+    unsigned int* ticket = const_cast<unsigned int*>(workspace) + b;
+    float* parts = reinterpret_cast<float*>(const_cast<unsigned int*>(workspace)) + @MAX_ROWS@;
+    float acc[NM + 1];
+#pragma unroll
+    for (int j = 0; j <= NM; ++j) acc[j] = 0.f;
+    for (int i0 = lo + tid; i0 < hi; i0 += @U@ * blockDim.x) {
+      float v[@U@];
+#pragma unroll
+      for (int u = 0; u < @U@; ++u) v[u] = i0 + u * (int)blockDim.x < hi ? dsv4_f(hr[i0 + u * blockDim.x]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < @U@; ++u) {
+        const int i = i0 + u * blockDim.x;
+        if (i >= hi) break;
+        acc[NM] += v[u] * v[u];
+#pragma unroll
+        for (int j = 0; j < NM; ++j) acc[j] += fn[(size_t)j * D + i] * v[u];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j <= NM; ++j) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    }
+    if ((tid & 31) == 0) {
+#pragma unroll
+      for (int j = 0; j <= NM; ++j) part[j][tid >> 5] = acc[j];
+    }
+    __syncthreads();
+    if (tid <= NM) {  // this split's sums, over the warps in order
+      float t = 0.f;
+      for (int q = 0; q < @WARPS@; ++q) t += part[tid][q];
+      parts[((size_t)b * S + s) * (NM + 1) + tid] = t;
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(ticket, 1u) == (unsigned int)(S - 1);
+    __syncthreads();
+    if (!last_s) return;  // the whole block: the last one of the row goes on
+    __threadfence();
+    if (tid <= NM) {  // every split's sums, in split order (L2: another block wrote them)
+      float t = 0.f;
+      for (int q = 0; q < S; ++q) t += __ldcg(parts + ((size_t)b * S + q) * (NM + 1) + tid);
+      part[tid][0] = t;
+    }
+    if (tid == 0) *ticket = 0u;  // back to zero for the next launch
+    __syncthreads();
+    if (tid < NM) m_s[tid] = part[tid][0] * rsqrtf(part[NM][0] / (float)D + fparams[1]);
+    __syncthreads();
+  }
+  const float* mb = m_s;
+"""
+
+
+def fused_source(split: bool = False) -> str:
     line = "const float* mb = m + (size_t)b * NM;"
     assert line in hc.SOURCE, "kernels/cuda/hc.py: the pre-mix source no longer reads m where expected"
-    pro = PROLOGUE.replace("@U@", str(U)).replace("@WARPS@", str(hc.THREADS // 32))
-    return hc.SOURCE.replace(line, pro.strip())
+    pro = (SPLIT_PROLOGUE if split else PROLOGUE).replace("@U@", str(U)).replace("@WARPS@", str(hc.THREADS // 32))
+    src = hc.SOURCE.replace(line, pro.replace("@MAX_ROWS@", str(MAX_ROWS)).strip())
+    if split:  # the row is blockIdx.y; blockIdx.x its split
+        row = "const int b = blockIdx.x, tid = threadIdx.x;"
+        assert row in src, "kernels/cuda/hc.py: the pre-mix source no longer takes its row from blockIdx.x"
+        src = src.replace(row, "const int b = blockIdx.y, tid = threadIdx.x;")
+    return src
+
+
+def workspace_words(nc: int = MAX_NC) -> int:
+    return MAX_ROWS + MAX_ROWS * SPLITS * (nc * (2 + nc) + 1)
+
+
+def enable_split() -> None:
+    """Make the split form's WORKSPACE (zeroed, evaluated: outside any compiled trace); kernels.cuda calls it
+    on import when DSV4_HC_SPLIT=1."""
+    global WORKSPACE
+    if WORKSPACE is None:
+        WORKSPACE = zeroed_workspace(workspace_words())
 
 
 INPUTS = ("h", "fn", "scale", "base", "fparams")
+SPLIT_INPUTS = (*INPUTS, "workspace")
 
 
 class Plan:
-    __slots__ = ("fast", "fparams", "grid", "kernel", "shapes", "tmpl")
+    __slots__ = ("fast", "fparams", "grid", "kernel", "shapes", "split", "tmpl")
 
     def __init__(self, h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
                  norm_eps: float) -> None:  # fmt: skip
@@ -87,9 +178,14 @@ class Plan:
         self.fast = nc <= MAX_NC and 0 < b <= MAX_ROWS and all(a.dtype == mx.float32 for a in (fn, scale, base))
         if not self.fast:
             return
-        self.kernel = kernel("hc_pre_rows", INPUTS, hc.OUTPUTS, fused_source())
+        self.split = WORKSPACE is not None
+        if self.split:
+            self.kernel = kernel("hc_pre_split", SPLIT_INPUTS, hc.OUTPUTS, fused_source(split=True))
+            self.grid = (SPLITS * hc.THREADS, b, 1)
+        else:
+            self.kernel = kernel("hc_pre_rows", INPUTS, hc.OUTPUTS, fused_source())
+            self.grid = (b * hc.THREADS, 1, 1)
         self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters)]
-        self.grid = (b * hc.THREADS, 1, 1)
         self.shapes = [(b, hid), (b, nc), (b, nc, nc)]
         self.fparams = f32_params(eps, norm_eps)
 
@@ -98,7 +194,8 @@ def hc_pre_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
                      norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
     try:
         key: tuple[Any, ...] = ("hc_pre_rows", h.shape, h.dtype, fn.shape, fn.dtype, scale.shape, scale.dtype,
-                                base.shape, base.dtype, type(iters), iters, eps, norm_eps)  # fmt: skip
+                                base.shape, base.dtype, type(iters), iters, eps, norm_eps,
+                                WORKSPACE is not None)  # fmt: skip
     except AttributeError:  # not arrays: the check names the argument
         check_hc_pre_rows(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
         raise
@@ -111,7 +208,7 @@ def hc_pre_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     if not plan.fast:
         return hc_pre_composed(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
     x, post, comb = plan.kernel(
-        inputs=[h, fn, scale, base, plan.fparams],
+        inputs=[h, fn, scale, base, plan.fparams, *([WORKSPACE] if plan.split else [])],
         template=plan.tmpl,
         grid=plan.grid,
         threadgroup=(hc.THREADS, 1, 1),

@@ -76,10 +76,24 @@ def pure_pre(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: 
     return hc_pre_mix_reference(f @ fn.T, scale, base, h, iters=iters, eps=1e-6)
 
 
+@pytest.fixture(params=[False, True], ids=["one_block", "split"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The fused kernel's two forms: one block a row, or DSV4_HC_SPLIT's SPLITS blocks a row."""
+    from kernels.cuda import hc_fused
+
+    if request.param:
+        monkeypatch.setattr(hc_fused, "WORKSPACE", None)
+        hc_fused.enable_split()
+    else:
+        monkeypatch.setattr(hc_fused, "WORKSPACE", None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("nc,hidden", [(4, 4096), (2, 100), (4, 64), (8, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 64])  # 64: past MAX_ROWS, the composition
-def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden: int, dtype: mx.Dtype) -> None:
+def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden: int, dtype: mx.Dtype,
+                                                     split: bool) -> None:  # fmt: skip
     """The fused kernel (nc <= 4; nc 8 falls back to the composition) against the parts' references."""
     from kernels.cuda.hc_fused import hc_pre_rows_cuda
 
@@ -94,6 +108,28 @@ def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden:
     tol = 1e-4 if dtype == mx.float32 else 1e-2
     np.testing.assert_allclose(np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32)),
                                rtol=tol, atol=tol)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_split_form_is_deterministic_and_leaves_its_tickets_at_zero(rows: int, split: bool) -> None:
+    """Launch after launch (each evaluated before the next, as the model's data chain orders them) the split
+    form gives the same bits: the tickets the last block of each row resets are at zero again."""
+    from kernels.cuda import hc_fused
+    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+
+    h = mx.random.normal((rows, 4, 4096)).astype(mx.bfloat16)
+    fn = mx.random.normal((24, 4 * 4096)) * (4 * 4096) ** -0.5
+    scale, base = mx.random.uniform(0.2, 2.0, (3,)), mx.random.normal((24,))
+    runs = []
+    for _ in range(3):
+        out = hc_pre_rows_cuda(h, fn, scale, base, iters=20, eps=1e-6, norm_eps=1e-6)
+        mx.eval(out)
+        runs.append([np.array(o.astype(mx.float32)) for o in out])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later, strict=True):
+            np.testing.assert_array_equal(a, b)
+    if split:
+        assert np.array(hc_fused.WORKSPACE[: hc_fused.MAX_ROWS]).tolist() == [0] * hc_fused.MAX_ROWS
 
 
 def test_hc_pre_rows_bad_arguments_are_named() -> None:
