@@ -148,7 +148,7 @@ class DeepseekV4(nn.Module):
         """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab]
         (None with `logits=False`: the state only, no head; `every=True`: every token's [T, vocab], row t
         predicting token t + 1). Parallel over the tokens, `chunk` at a time (its attention holds
-        [chunk, topk, D] gathered keys)."""
+        [ATTN_BLOCK, topk, D] gathered keys)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if chunk < 1:

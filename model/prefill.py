@@ -26,6 +26,10 @@ from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
 SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
+# Queries attended together. A query sees W window keys, but a block's window logits span its queries' keys
+# and the W before them ([block, nh, block + W]): one block of T queries costs T + W keys a query (2,176
+# at a 2,048-token chunk), blocks of 512 cost 640, for ~20 more graph nodes a block.
+ATTN_BLOCK = 512
 
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
@@ -117,8 +121,6 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     tail = pos_py[-min(t, wl) :]
     pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
     qf = q.astype(mx.float32)
-    # (logits [T, nh, L_i], values): masked logits are -inf, so their (finite) values weigh exactly 0
-    parts = [(mx.where(ok_w[:, None, :], (qf @ keys_w.T) * scale, -math.inf), keys_w)]
     if r:
         pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = _compress(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], slot,
@@ -131,19 +133,30 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
             slot, tables[4], start, page, a.rms_norm_eps,
         )  # fmt: skip
     n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
+    comp, ids = None, None
     if n:
         comp = _entries(pools.ckv[layer], tables[r], n, page)  # [n, D]
         vis = (pos + 1) // r  # entries each token can see
         if r == 4:
             ikeys = _entries(pools.ikeys[layer], tables[4], n, page)
             ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
-            ok = ids >= 0  # topk_ids leaves -1 past each token's visible entries
-            keys_c = comp[mx.where(ok, ids, 0)]  # [T, topk, D]
-            parts.append((mx.where(ok[:, None, :], (qf @ keys_c.transpose(0, 2, 1)) * scale, -math.inf), keys_c))
-        else:  # HCA: every entry emitted at or before the token
-            ok = mx.arange(n)[None, :] < vis[:, None]
-            parts.append((mx.where(ok[:, None, :], (qf @ comp.T) * scale, -math.inf), comp))
-    return sink_softmax(parts, attn.attn_sink).astype(q.dtype)
+    outs = []
+    for b0 in range(0, t, ATTN_BLOCK):
+        # Query rows b0..b1-1 see keys lo..b1-1+W of [ring; chunk]: chunk keys from b0 - W + 1 on, and ring
+        # rows (in ring order, not position order: all of them) only while b0 < W.
+        b1, lo = min(t, b0 + ATTN_BLOCK), 0 if b0 < wl else b0
+        kw, qb = keys_w[lo : b1 + wl], qf[b0:b1]
+        # (logits [Tb, nh, L_i], values): masked logits are -inf, so their (finite) values weigh exactly 0
+        parts = [(mx.where(ok_w[b0:b1, None, lo : b1 + wl], (qb @ kw.T) * scale, -math.inf), kw)]
+        if comp is not None and ids is not None:  # CSA: the entries each token's indexer picked
+            ok = ids[b0:b1] >= 0  # topk_ids leaves -1 past each token's visible entries
+            keys_c = comp[mx.where(ok, ids[b0:b1], 0)]  # [Tb, topk, D]
+            parts.append((mx.where(ok[:, None, :], (qb @ keys_c.transpose(0, 2, 1)) * scale, -math.inf), keys_c))
+        elif comp is not None:  # HCA: every entry emitted at or before the token
+            ok = mx.arange(n)[None, :] < vis[b0:b1, None]
+            parts.append((mx.where(ok[:, None, :], (qb @ comp.T) * scale, -math.inf), comp))
+        outs.append(sink_softmax(parts, attn.attn_sink))
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs)).astype(q.dtype)
 
 
 def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
@@ -175,9 +188,9 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     row-wise, each row at its own position and token id) run once over the T rows; the attention with
     its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
     block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
-    the chunk (window logits [len, nh, W + len], CSA's [len, topk, D] keys, indexer scores in SCORE_BYTES
-    blocks), never the whole prompt; the entries' f32 view [n, D] and HCA's [len, nh, n] logits grow
-    with the context (n = context / ratio).
+    the chunk (window logits [block, nh, W + block] and CSA's [block, topk, D] keys, ATTN_BLOCK queries at
+    a time; indexer scores in SCORE_BYTES blocks), never the whole prompt; the entries' f32 view [n, D]
+    and HCA's [block, nh, n] logits grow with the context (n = context / ratio).
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     check_work(work)
     a = model.args

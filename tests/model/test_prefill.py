@@ -96,6 +96,23 @@ def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
     assert np.max(np.abs(np.array(last) - ref_last)) <= 1e-5
 
 
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 128])
+def test_prefill_attends_in_query_blocks(tiny, serial, monkeypatch, block) -> None:
+    """Queries attended ATTN_BLOCK at a time (each block over its own window keys): the logits and state of
+    token-by-token decoding, blocks that split the window's ring reach and CSA / HCA entries included."""
+    import model.prefill as prefill
+
+    model, args = tiny
+    prompt, ref_pools, ref_h, ref_last = serial
+    monkeypatch.setattr(prefill, "ATTN_BLOCK", block)
+    pools = StatePools(args, max_slots=1, max_positions=LEN + 8, page_size=PAGE)
+    h = pools.alloc(LEN + 8)
+    model.prefill(pools, h, prompt[:37], 0, chunk=37)  # the second chunk's first block reaches into the ring
+    last = model.prefill(pools, h, prompt[37:], 37, chunk=LEN)
+    assert np.max(np.abs(np.array(last) - ref_last)) <= 1e-5
+    assert_same_state(slot_state(pools, h, args), slot_state(ref_pools, ref_h, args))
+
+
 def test_prefill_after_decode_steps_then_decode(tiny) -> None:
     """Decode a few tokens, prefill a chunk from there (start not window-aligned), decode on: the ids
     and logits are those of token-by-token decoding all along."""
