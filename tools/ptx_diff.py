@@ -34,7 +34,10 @@ def units_at(tree: Path) -> dict[str, str]:
 
 
 def checkout(rev: str, into: Path) -> Path:
-    blob = subprocess.run(["git", "archive", rev, "kernels", "bench"], cwd=ROOT, capture_output=True, check=True)
+    paths = ["kernels", "bench", "tools"]  # tools/ holds nvcc_check.py since the move; older revisions lack it
+    if subprocess.run(["git", "cat-file", "-e", f"{rev}:tools"], cwd=ROOT, capture_output=True).returncode:
+        paths.remove("tools")
+    blob = subprocess.run(["git", "archive", rev, *paths], cwd=ROOT, capture_output=True, check=True)
     with tarfile.open(fileobj=BytesIO(blob.stdout)) as t:
         t.extractall(into, filter="data")
     return into

@@ -34,62 +34,9 @@ U = 4  # columns a thread has in flight
 SPLITS = 16  # blocks a row with DSV4_HC_SPLIT=1 (16 x 8 rows = 128 blocks: about one an SM)
 WORKSPACE: mx.array | None = None  # uint32: MAX_ROWS tickets, then [MAX_ROWS][SPLITS][NM + 1] f32 partials
 
-PROLOGUE = r"""
-  __shared__ float m_s[NM];  // NM: the pre-mix source's nc (2 + nc), declared above this point
-  __shared__ float part[NM + 1][@WARPS@];
-  {
-    const int D = NC * H;
+# Columns lo..hi-1 of row b: each warp's sums of h^2 (acc[NM]) and of h . fn_j, into part[j][warp].
+SUMS = r"""
     const T* hr = h + (size_t)b * D;
-    float acc[NM + 1];
-#pragma unroll
-    for (int j = 0; j <= NM; ++j) acc[j] = 0.f;
-    for (int i0 = tid; i0 < D; i0 += @U@ * blockDim.x) {
-      float v[@U@];
-#pragma unroll
-      for (int u = 0; u < @U@; ++u) v[u] = i0 + u * (int)blockDim.x < D ? dsv4_f(hr[i0 + u * blockDim.x]) : 0.f;
-#pragma unroll
-      for (int u = 0; u < @U@; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i >= D) break;
-        acc[NM] += v[u] * v[u];
-#pragma unroll
-        for (int j = 0; j < NM; ++j) acc[j] += fn[(size_t)j * D + i] * v[u];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j <= NM; ++j) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-    }
-    if ((tid & 31) == 0) {
-#pragma unroll
-      for (int j = 0; j <= NM; ++j) part[j][tid >> 5] = acc[j];
-    }
-    __syncthreads();
-    if (tid <= NM) {  // each sum over the warps in order
-      float s = 0.f;
-      for (int q = 0; q < @WARPS@; ++q) s += part[tid][q];
-      part[tid][0] = s;
-    }
-    __syncthreads();
-    if (tid < NM) m_s[tid] = part[tid][0] * rsqrtf(part[NM][0] / (float)D + fparams[1]);
-    __syncthreads();
-  }
-  const float* mb = m_s;
-"""
-
-
-# The split form's prologue: block (s, b) sums columns [s * per, (s + 1) * per) of row b, the last one adds up.
-SPLIT_PROLOGUE = r"""
-  __shared__ float m_s[NM];
-  __shared__ float part[NM + 1][@WARPS@];
-  __shared__ bool last_s;
-  {
-    const int D = NC * H, S = gridDim.x, s = blockIdx.x;
-    const int per = (D + S - 1) / S, lo = s * per, hi = min(D, lo + per);
-    const T* hr = h + (size_t)b * D;
-    unsigned int* ticket = const_cast<unsigned int*>(workspace) + b;
-    float* parts = reinterpret_cast<float*>(const_cast<unsigned int*>(workspace)) + @MAX_ROWS@;
     float acc[NM + 1];
 #pragma unroll
     for (int j = 0; j <= NM; ++j) acc[j] = 0.f;
@@ -116,6 +63,37 @@ SPLIT_PROLOGUE = r"""
       for (int j = 0; j <= NM; ++j) part[j][tid >> 5] = acc[j];
     }
     __syncthreads();
+"""
+
+PROLOGUE = r"""
+  __shared__ float m_s[NM];  // NM: the pre-mix source's nc (2 + nc), declared above this point
+  __shared__ float part[NM + 1][@WARPS@];
+  {
+    const int D = NC * H, lo = 0, hi = D;
+@SUMS@
+    if (tid <= NM) {  // each sum over the warps in order
+      float s = 0.f;
+      for (int q = 0; q < @WARPS@; ++q) s += part[tid][q];
+      part[tid][0] = s;
+    }
+    __syncthreads();
+    if (tid < NM) m_s[tid] = part[tid][0] * rsqrtf(part[NM][0] / (float)D + fparams[1]);
+    __syncthreads();
+  }
+  const float* mb = m_s;
+"""
+
+# The split form's prologue: block (s, b) sums columns [s * per, (s + 1) * per) of row b, the last one adds up.
+SPLIT_PROLOGUE = r"""
+  __shared__ float m_s[NM];
+  __shared__ float part[NM + 1][@WARPS@];
+  __shared__ bool last_s;
+  {
+    const int D = NC * H, S = gridDim.x, s = blockIdx.x;
+    const int per = (D + S - 1) / S, lo = s * per, hi = min(D, lo + per);
+    unsigned int* ticket = const_cast<unsigned int*>(workspace) + b;
+    float* parts = reinterpret_cast<float*>(const_cast<unsigned int*>(workspace)) + @MAX_ROWS@;
+@SUMS@
     if (tid <= NM) {  // this split's sums, over the warps in order
       float t = 0.f;
       for (int q = 0; q < @WARPS@; ++q) t += part[tid][q];
@@ -144,7 +122,8 @@ SPLIT_PROLOGUE = r"""
 def fused_source(split: bool = False) -> str:
     line = "const float* mb = m + (size_t)b * NM;"
     assert line in hc.SOURCE, "kernels/cuda/hc.py: the pre-mix source no longer reads m where expected"
-    pro = (SPLIT_PROLOGUE if split else PROLOGUE).replace("@U@", str(U)).replace("@WARPS@", str(hc.THREADS // 32))
+    pro = (SPLIT_PROLOGUE if split else PROLOGUE).replace("@SUMS@", SUMS.strip("\n"))
+    pro = pro.replace("@U@", str(U)).replace("@WARPS@", str(hc.THREADS // 32))
     src = hc.SOURCE.replace(line, pro.replace("@MAX_ROWS@", str(MAX_ROWS)).strip())
     if split:  # the row is blockIdx.y; blockIdx.x its split
         row = "const int b = blockIdx.x, tid = threadIdx.x;"
