@@ -5,7 +5,10 @@ usage; concurrency sweep (default 1, 2, 4, 8, 16) with warm-up requests at each 
 least 10 x concurrency prompts per cell. TTFT = first chunk with non-empty choices - send time;
 ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
 A greedy correctness check rides along: a fixed subset of prompts must give identical outputs at
-concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given.
+concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given. Per cell
+it also reads the server's engine-thread host time a step from /metrics (`dsv4_engine_host_seconds`:
+build, encode, sample, wait; the parallel prefill; the rest of each iteration), to set the service against
+bench/step.py's build / encode split.
 
     python bench/serve.py --out bench-serve.json [--concurrency 1,2,4,8,16] [--input-len 32 --output-len 64]
         [--plot serve.png] [--url http://host:8000]
@@ -136,6 +139,30 @@ def summarize(results: list[dict], duration: float, concurrency: int) -> dict:
     return out
 
 
+def engine_host(url: str) -> tuple[float, dict[str, float]]:
+    """(engine steps so far, host seconds by phase) from the server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    steps, host = 0.0, {}
+    for line in text.splitlines():
+        if line.startswith("dsv4_engine_step_seconds_count "):
+            steps = float(line.split()[1])
+        elif line.startswith("dsv4_prefill_seconds_total "):
+            host["prefill"] = float(line.split()[1])
+        elif line.startswith('dsv4_engine_host_seconds_total{phase="'):
+            phase, value = line[len('dsv4_engine_host_seconds_total{phase="'):].split('"} ')
+            host[phase] = float(value)
+    return steps, host
+
+
+def host_ms_per_step(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> dict:
+    steps = after[0] - before[0]
+    ms = {k: 1e3 * (v - before[1].get(k, 0.0)) / steps for k, v in after[1].items()} if steps else {}
+    if ms:
+        parts = ("build", "encode", "sample", "wait", "prefill")
+        ms["other"] = ms.get("loop", 0.0) - sum(ms.get(k, 0.0) for k in parts)
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default=None, help="a running server; default: start one (embedded tiny model)")
@@ -167,14 +194,17 @@ def main() -> None:
             n = min(opt.max_prompts, max(opt.prompts_per_concurrency * c, c))
             prompts = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(n)]
             fixed = [[(7 * i + 3 * j) % vocab_hi + 2 for j in range(opt.input_len)] for i in range(8)]
+            before = engine_host(url)
             summary, results = asyncio.run(
                 cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit)
             )
+            summary["engine_host_ms_per_step"] = host_ms_per_step(before, engine_host(url))
             check[c] = [r.get("text") for r in results[:8]]
             cells.append(summary)
+            host = " ".join(f"{k} {v:.2f}" for k, v in summary["engine_host_ms_per_step"].items())
             print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
-                  f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms",
-                  flush=True)
+                  f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms; "
+                  f"engine host ms a step: {host}", flush=True)
         same = None
         if 1 in check and 8 in check:  # the same 8 fixed prompts open every cell
             same = check[1] == check[8]

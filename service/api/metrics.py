@@ -8,6 +8,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   bytes_in_use, bytes_budget: int   decode state bytes (slots + pages) reserved / total
   prefill_tokens_total, prefill_seconds_total   the parallel prefill's prompt tokens / engine time
   steps_ahead_total: int            decode steps queued before the previous one was read back (pipelined)
+  host_seconds_total, engine_loop_seconds_total   the engine thread's host time by phase (Engine.host_seconds)
   prefix_*                          the prefix cache's lookups, hits, cached tokens, evictions, bytes, entries
   stream_events_queued: int         token events waiting for their readers (each stream capped)
 Step durations come through the worker's on_step_metrics hook (observe_step).
@@ -76,6 +77,16 @@ class _EngineCollector(Collector):
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))
+            yield c
+        host = dict(s.get("host_seconds_total") or {})
+        if "engine_loop_seconds_total" in s:
+            host["loop"] = s["engine_loop_seconds_total"]
+        if host:
+            c = CounterMetricFamily(f"{PREFIX}_engine_host_seconds", "Engine thread host seconds by phase: build "
+                                    "(the step's graph in Python), encode (MLX's async_eval), sample, wait (for the "
+                                    "sampled tokens), loop (whole iterations)", labels=["phase"])  # fmt: skip
+            for phase, v in host.items():
+                c.add_metric([phase], float(v))
             yield c
         by_rows = dict(enumerate(int(n) for n in s.get("rows_per_step") or ()))
         buckets, acc = [], 0

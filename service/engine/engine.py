@@ -16,6 +16,9 @@ from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt_logprobs import score_lazy
 from service.engine.request import PromptLogprob
 
+# The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
+# (async_eval), the sampler's graph, the wait for the sampled tokens.
+HOST_PHASES = ("build", "encode", "sample", "wait")
 log = logging.getLogger("dsv4.engine")
 
 Handle = StateHandle
@@ -109,6 +112,10 @@ class Engine:
         # followers replay decode steps only). Default budget: a share of the state pools' bytes.
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(PREFIX_MIN_BYTES, int(PREFIX_SHARE * self.pools.bytes_total()))
+        # The engine thread's host seconds by phase (HOST_PHASES), cumulative: `step` adds build (the
+        # graph in Python) and encode (MLX's async_eval), stepping.decode_step the sampler's and the wait
+        # for the tokens; worker.stats() copies them for /metrics (plain floats: no lock needed to read).
+        self.host_seconds = dict.fromkeys(HOST_PHASES, 0.0)
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
@@ -206,6 +213,7 @@ class Engine:
         """One batched step: row i feeds token feeds[i][1] (or tokens[i], an int32 device array) at position
         feeds[i][2]. Returns logits [B, V] f32; the state update is already scheduled with them, so the
         sampler's one sync covers both."""
+        t0 = time.perf_counter()
         if not 1 <= len(feeds) <= self.max_rows:
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
         handles = [f[0] for f in feeds]
@@ -215,7 +223,11 @@ class Engine:
         elif tokens.shape != (len(feeds),):
             raise ValueError(f"step: tokens must have shape ({len(feeds)},), got {tokens.shape}")
         logits = self.model.step(batch, tokens, self.pools)
+        t1 = time.perf_counter()
         mx.async_eval(logits, self.pools.arrays())
+        host = self.host_seconds
+        host["build"] += t1 - t0
+        host["encode"] += time.perf_counter() - t1
         return logits
 
     # Prompts go through `prefill` (all tokens of a chunk at once); an engine may turn this off, and the

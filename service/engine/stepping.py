@@ -117,6 +117,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
     from service.engine.prompt_logprobs import score_lazy
 
     t0 = ahead[1] if ahead is not None else time.perf_counter()
+    host = getattr(engine, "host_seconds", None)  # Engine.host_seconds: this adds "sample" and "wait"
     nxt: Ahead | None = None
     spec_failed: tuple[list[Request], Exception] | None = None
     try:
@@ -132,6 +133,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
             reqs = [plan[i] for i in idx]
             guides = getattr(engine, "guides", None)  # grammar.Guides: set by the worker when it has a tokenizer
             masks = guides.masks(reqs) if guides is not None else None
+            ts = time.perf_counter()
             pending = sample(
                 rows,
                 [r.params for r in reqs],
@@ -140,6 +142,8 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
                 eos_token_id=engine.eos_token_id,
                 **({"masks": masks} if masks is not None else {}),
             )
+            if host is not None:
+                host["sample"] += time.perf_counter() - ts
             if pipeline and can_pipeline(engine, sched, plan):
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
                 if keep:
@@ -151,7 +155,10 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
                     except Exception as e:  # noqa: BLE001 - those rows fail after this step's tokens
                         log.exception("engine step (queued ahead) failed (%d rows)", len(nrows))
                         spec_failed = nrows, e
+            tw = time.perf_counter()
             res = pending.result()
+            if host is not None:
+                host["wait"] += time.perf_counter() - tw
             sampled = {r.request_id: x for r, x in zip(reqs, res, strict=True)}
         else:
             mx.eval(logits)  # a prefill-only step still has to run
@@ -248,6 +255,7 @@ class Counters:
     step_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens fed by the parallel prefill
     prefill_seconds: float = 0.0
+    loop_seconds: float = 0.0  # the engine thread's iterations (step, prefill, events), idle waits apart
     prompt_computed: int = 0  # prompt tokens run through the model (prefill + decode step): not from a cache
     rows_hist: list[int] = field(default_factory=lambda: [0] * 9)  # index = rows in a step
 
@@ -275,6 +283,7 @@ class Counters:
             "step_seconds_total": self.step_seconds,
             "prefill_tokens_total": self.prefill_tokens,
             "prefill_seconds_total": self.prefill_seconds,
+            "engine_loop_seconds_total": self.loop_seconds,
             "prompt_tokens_computed_total": self.prompt_computed,
             "rows_per_step": list(self.rows_hist),  # rows_per_step[r] = steps with r rows
         }

@@ -209,6 +209,9 @@ class EngineWorker:
             s = self._c.snapshot(self.ready)
             streams = list(self._streams.values())
         s["stream_events_queued"] = sum(st.queue.qsize() for st in streams)
+        host = getattr(getattr(self, "_engine", None), "host_seconds", None)  # Engine.host_seconds
+        if host:
+            s["host_seconds_total"] = dict(host)
         return s
 
     # -- the engine thread ----------------------------------------------------------------------
@@ -301,6 +304,7 @@ class EngineWorker:
             deadline = self._stop_deadline
             if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
                 break
+            t0 = time.perf_counter()
             try:
                 events += self._step(engine, sched, sample)
             except Exception as e:  # noqa: BLE001 - never let one step kill the thread
@@ -308,6 +312,8 @@ class EngineWorker:
                 events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
             self._sync_counts(sched)
             self._publish(events)
+            with self._lock:
+                self._c.loop_seconds += time.perf_counter() - t0
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
         for rid in sched.ids():

@@ -126,9 +126,15 @@ def test_eight_concurrent_greedy_streams(server: Server) -> None:
         server, "dsv4_decode_rows_per_step_bucket", '{le="7.0"}'
     )
     ahead = metric(server, "dsv4_decode_steps_ahead_total")
+    phases = ("build", "encode", "sample", "wait", "loop")
+    host = {ph: metric(server, "dsv4_engine_host_seconds_total", f'{{phase="{ph}"}}') for ph in phases}
     with cf.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda p: _greedy(server, p), prompts))
     assert together == alone
+    # the engine thread's host time by phase: each phase grew, and whole iterations hold the four parts
+    spent = {ph: metric(server, "dsv4_engine_host_seconds_total", f'{{phase="{ph}"}}') - host[ph] for ph in phases}
+    assert all(v > 0 for v in spent.values()), spent
+    assert spent["loop"] >= spent["build"] + spent["encode"] + spent["sample"] + spent["wait"], spent
     after = metric(server, "dsv4_decode_rows_per_step_bucket", '{le="8.0"}') - metric(
         server, "dsv4_decode_rows_per_step_bucket", '{le="7.0"}'
     )
