@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kernels.cuda import hc
 from kernels.cuda.common import f32_params, kernel, plan_cached
 from kernels.hc import check_hc_pre_rows, hc_pre_composed
-from kernels.rows import zeroed_workspace
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
@@ -137,11 +137,12 @@ def workspace_words(nc: int = MAX_NC) -> int:
 
 
 def enable_split() -> None:
-    """Make the split form's WORKSPACE (zeroed, evaluated: outside any compiled trace); kernels.cuda calls it
-    on import when DSV4_HC_SPLIT=1."""
+    """Make the split form's WORKSPACE; kernels.cuda calls it on import when DSV4_HC_SPLIT=1. From host zeros
+    (its own buffer, nothing to evaluate): that import may happen inside a compiled trace (the first fast op
+    of a step), where an eval is not allowed."""
     global WORKSPACE
     if WORKSPACE is None:
-        WORKSPACE = zeroed_workspace(workspace_words())
+        WORKSPACE = mx.array(np.zeros(workspace_words(), dtype=np.uint32))
 
 
 INPUTS = ("h", "fn", "scale", "base", "fparams")
