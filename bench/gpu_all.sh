@@ -4,7 +4,7 @@
 #
 #   PART=new     the gpu tests of the kernel not yet run on a GPU (the split mHC pre-mix, DSV4_HC_SPLIT), then
 #                the full-depth step at rows 1 and 8, 4K, arms fast / hc_split alternated, CUPTI profile each
-#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / sorted / off
+#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / sorted / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
 #                the sweep run twice in turn: MLX reads it once a process)
@@ -42,7 +42,7 @@ for part in ${PART:-tests}; do
            tests/kernels/test_cuda_hc.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
          timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
            --arms fast,hc_split --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
-    grouped) for how in tiles sorted off; do
+    grouped) for how in tiles qtiles sorted off; do
                DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
              done ;;

@@ -11,6 +11,8 @@ bf16) and runs each projection as one `mx.gather_mm` over the grouped pairs, two
   gates it on `env::enable_tf32()` for every dtype); the server sets it off, so bf16 runs its SIMT one.
 - `tiles` (default): each expert's pairs padded to whole `TILE_ROWS`-row tiles (a bound on the tile
   count known without reading the counts back), one expert id per tile, gather_mm with M = TILE_ROWS.
+- `qtiles`: the same tiles through `mx.gather_qmm` on the packed mxfp4 weights: no dequantized copy (at
+  V4-Flash's 32 local experts the copies are ~1.6 GB written and read back a layer, every forward).
 The products are unsorted and router-weighted exactly as `QuantizedExperts` does for 1..8 rows.
 
 Memory: the dequantized weights are a transient E x 3 x I x H x 2 bytes per layer at most in bf16 (V4-Flash,
@@ -80,10 +82,10 @@ def _dequant(wq: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def mode() -> str:
-    """`DSV4_GROUPED_EXPERTS`: `tiles` (default), `sorted`, or `off` (every row count per pair)."""
+    """`DSV4_GROUPED_EXPERTS`: `tiles` (default), `qtiles`, `sorted`, or `off` (every row count per pair)."""
     m = os.environ.get(ENV, "tiles").strip().lower() or "tiles"
-    if m not in ("tiles", "sorted", "off"):
-        raise ValueError(f"experts_grouped: {ENV}: must be tiles, sorted or off, got {m!r}")
+    if m not in ("tiles", "qtiles", "sorted", "off"):
+        raise ValueError(f"experts_grouped: {ENV}: must be tiles, qtiles, sorted or off, got {m!r}")
     return m
 
 
@@ -111,12 +113,13 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
                     s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None,
                     how: str | None = None) -> mx.array:  # fmt: skip
     """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection.
-    `how`: `sorted` (gather_mm M = 1, sorted_indices: MLX's CUTLASS grouped GEMM) or `tiles` (the pairs
-    padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS); None: `mode()`."""
+    `how`: `sorted` (gather_mm M = 1, sorted_indices: MLX's CUTLASS grouped GEMM), `tiles` (the pairs
+    padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS) or `qtiles` (those tiles
+    through gather_qmm on the mxfp4 weights); None: `mode()`."""
     check_grouped("grouped_experts", x, idx, weights, w1, s1, w2, s2, w3, s3)
     how = mode() if how is None else how
-    if how not in ("tiles", "sorted"):
-        raise ValueError(f"grouped_experts: how: must be tiles or sorted, got {how!r}")
+    if how not in ("tiles", "qtiles", "sorted"):
+        raise ValueError(f"grouped_experts: how: must be tiles, qtiles or sorted, got {how!r}")
     b, k = idx.shape
     ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
     flat = idx.reshape(-1).astype(mx.uint32)
@@ -129,12 +132,17 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
         src, tile_expert, slot = _tiles(ids, w1.shape[0])
         xs = mx.where((src >= 0)[:, None], xs[mx.maximum(src, 0)], 0).reshape(-1, TILE_ROWS, xs.shape[-1])
         rhs = dict(rhs_indices=tile_expert)
-    g = mx.gather_mm(xs, _dequant(w1, s1, ct), **rhs)
-    u = mx.gather_mm(xs, _dequant(w3, s3, ct), **rhs)
+    if how == "qtiles":  # the packed weights as they are: [E, N, K / 8] -> x @ W.T per tile's expert
+        def prod(a: mx.array, wq: mx.array, sc: mx.array) -> mx.array:
+            return mx.gather_qmm(a, wq, sc, None, transpose=True, group_size=GROUP, bits=4, mode="mxfp4", **rhs)
+    else:
+        def prod(a: mx.array, wq: mx.array, sc: mx.array) -> mx.array:
+            return mx.gather_mm(a, _dequant(wq, sc, ct), **rhs)
+    g, u = prod(xs, w1, s1), prod(xs, w3, s3)
     hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype).astype(ct)
-    out = mx.gather_mm(hdn, _dequant(w2, s2, ct), **rhs)  # [P, 1, H] or [tiles, TILE_ROWS, H]
+    out = prod(hdn, w2, s2)  # [P, 1, H] or [tiles, TILE_ROWS, H]
     out = out.reshape(-1, out.shape[-1])
-    if how == "tiles":
+    if how != "sorted":
         out = out[slot]  # back to the sorted pairs
     out = out.astype(x.dtype)[mx.argsort(order)].reshape(b, k, -1)  # back to [B, k, H]
     return mx.sum(out.astype(mx.float32) * weights[:, :, None], axis=1)
