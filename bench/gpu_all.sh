@@ -2,8 +2,9 @@
 # The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
 # `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
 #
-#   PART=new     the gpu tests of the kernel not yet run on a GPU (the split mHC pre-mix, DSV4_HC_SPLIT), then
-#                the full-depth step at rows 1 and 8, 4K, arms fast / hc_split alternated, CUPTI profile each
+#   PART=new     the gpu tests not yet run whole on a GPU (the fused and split mHC pre-mix, qtiles, the dispatch)
+#                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
+#   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_split alternated, CUPTI profile each
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / sorted / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
@@ -38,10 +39,12 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    new) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-           tests/kernels/test_cuda_hc.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
-         timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
-           --arms fast,hc_split --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
+    new) timeout 260 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_hc.py \
+           tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
+         timeout 220 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
+           tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
+    split) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
+             --arms fast,hc_split --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
     grouped) for how in tiles qtiles sorted off; do
                DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
@@ -75,6 +78,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
