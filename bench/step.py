@@ -164,10 +164,7 @@ def set_arm(arm: str, model: DeepseekV4) -> None:
         import kernels.cuda.router as kr
 
         glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh, "moe_combine_rows": kr}
-        if arm == "hc_split":
-            kh.enable_split()
-        else:
-            kh.WORKSPACE = None
+        kh.set_split(arm == "hc_split")
         fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS}
         fast |= {op: getattr(glue[op], f"{op}_cuda") for op in GLUE_OPS}
     for op in SKINNY_OPS + GLUE_OPS:

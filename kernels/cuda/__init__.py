@@ -104,7 +104,7 @@ GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "1").strip() != "0"
 # launch); opt-in (DSV4_HC_SPLIT=1) until tests/kernels/test_cuda_hc.py has run it on a GPU.
 HC_SPLIT = os.environ.get("DSV4_HC_SPLIT", "0").strip() == "1"
 if HC_SPLIT:
-    hc_fused.enable_split()
+    hc_fused.set_split(True)
 if GLUE_KERNELS:
     backend.register("rms_norm_rows", rms_norm_rows_cuda)
     backend.register("hc_post_rows", hc_post_rows_cuda)

@@ -132,17 +132,13 @@ def fused_source(split: bool = False) -> str:
     return src
 
 
-def workspace_words(nc: int = MAX_NC) -> int:
-    return MAX_ROWS + MAX_ROWS * SPLITS * (nc * (2 + nc) + 1)
-
-
-def enable_split() -> None:
-    """Make the split form's WORKSPACE; kernels.cuda calls it on import when DSV4_HC_SPLIT=1. From host zeros
-    (its own buffer, nothing to evaluate): that import may happen inside a compiled trace (the first fast op
-    of a step), where an eval is not allowed."""
+def set_split(on: bool) -> None:
+    """The split form on (a zeroed WORKSPACE) or off (None); kernels.cuda turns it on on import when
+    DSV4_HC_SPLIT=1. From host zeros (its own buffer, nothing to evaluate): that import may happen inside a
+    compiled trace (the first fast op of a step), where an eval is not allowed."""
     global WORKSPACE
-    if WORKSPACE is None:
-        WORKSPACE = mx.array(np.zeros(workspace_words(), dtype=np.uint32))
+    words = MAX_ROWS + MAX_ROWS * SPLITS * (MAX_NC * (2 + MAX_NC) + 1)
+    WORKSPACE = mx.array(np.zeros(words, dtype=np.uint32)) if on else None
 
 
 INPUTS = ("h", "fn", "scale", "base", "fparams")

@@ -81,11 +81,8 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bo
     """The fused kernel's two forms: one block a row, or DSV4_HC_SPLIT's SPLITS blocks a row."""
     from kernels.cuda import hc_fused
 
-    if request.param:
-        monkeypatch.setattr(hc_fused, "WORKSPACE", None)
-        hc_fused.enable_split()
-    else:
-        monkeypatch.setattr(hc_fused, "WORKSPACE", None)
+    monkeypatch.setattr(hc_fused, "WORKSPACE", hc_fused.WORKSPACE)  # restored after the test
+    hc_fused.set_split(request.param)
     return request.param
 
 
