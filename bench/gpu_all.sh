@@ -4,6 +4,8 @@
 #
 #   PART=new     the gpu tests not yet run whole on a GPU (the fused and split mHC pre-mix, qtiles, the dispatch)
 #                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
+#   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_split, under MLX's CUDA graphs every 100 nodes, no
+#                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_split alternated, CUPTI profile each
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / sorted / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
@@ -43,6 +45,14 @@ for part in ${PART:-tests}; do
            tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
          timeout 220 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
            tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
+    graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
+            # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
+            for mode in on off step; do
+              case $mode in on) env=(MLX_MAX_OPS_PER_BUFFER=100) ;; off) env=(MLX_USE_CUDA_GRAPHS=0) ;;
+                step) env=(MLX_MAX_OPS_PER_BUFFER=100000 MLX_MAX_MB_PER_BUFFER=1000000) ;; esac
+              env "${env[@]}" timeout 180 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
+                --profile --arms fast,hc_split --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
+            done ;;
     split) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
              --arms fast,hc_split --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
     grouped) for how in tiles qtiles sorted off; do
@@ -78,6 +88,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

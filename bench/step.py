@@ -216,8 +216,13 @@ def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
         mx.synchronize()
     path = (out or Path("/tmp")) / f"trace_{tag}.json"
     prof.export_chrome_trace(str(path))
-    ev = [e for e in json.loads(path.read_text()).get("traceEvents", [])
-          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]  # fmt: skip
+    trace = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+    ev = [e for e in trace if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    # the host's CUDA API time (graph node adds, exec updates, launches): how much of `encode` is the driver's
+    api: dict[str, float] = {}
+    for e in trace:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            api[e["name"]] = api.get(e["name"], 0.0) + e.get("dur", 0)
     if out is None:
         path.unlink()
     by: dict[str, list[float]] = {}
@@ -230,7 +235,8 @@ def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
         end = max(end, b)
     top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]
     return {"kernels_per_step": len(ev) / steps, "gpu_busy_ms_per_step": busy / steps / 1e3,
-            "kernel_kinds": len(by),
+            "kernel_kinds": len(by), "api_ms_per_step": round(sum(api.values()) / steps / 1e3, 3),
+            "api_top": [[n, round(d / steps / 1e3, 3)] for n, d in sorted(api.items(), key=lambda kv: -kv[1])[:8]],
             "top": [[n, round(len(d) / steps, 1), round(sum(d) / steps / 1e3, 3)] for n, d in top]}  # fmt: skip
 
 
