@@ -40,7 +40,8 @@ from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.dummy import dummy_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
 
-SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows")
+SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows",
+              "experts_down_rows")
 
 
 def flash_args(layers: int, experts: int) -> ModelArgs:

@@ -6,6 +6,8 @@ as in prefill, and shapes it does not take run the reference). The references ar
 before the fast path existed, so the CPU path is unchanged:
 - `qlinear_rows`: x @ W.T for an mxfp8 weight (nn.QuantizedLinear's product), out x.dtype;
 - `f32_linear_rows`: x @ W.T in f32 for a weight stored in its own dtype (REF upcasts the weight);
+- `f32_linear_pair_rows`: two such products of one input by two weights of one shape (a compressor's kv and
+  gate: one launch on CUDA);
 - `swiglu_rows`: SwiGLU(x @ W1.T, x @ W3.T) of two mxfp8 weights (the shared expert's first half);
 - `experts_gate_up_rows` / `experts_down_rows`: the routed experts' two halves for mxfp4 weights
   stacked [E, N, K / 8], each (row, k) pair through its own expert.
@@ -116,6 +118,19 @@ def f32_linear_rows_reference(x: mx.array, w: mx.array) -> mx.array:
     return x.astype(mx.float32) @ w.astype(mx.float32).T
 
 
+def check_pair(op: str, x: mx.array, w1: mx.array, w2: mx.array) -> None:
+    check_linear(op, x, w1, None, None)
+    check_linear(op, x, w2, None, None)
+    if w2.shape != w1.shape:
+        raise ValueError(f"{op}: w2: expected the shape of w1 {tuple(w1.shape)}, got {tuple(w2.shape)}")
+
+
+def f32_linear_pair_rows_reference(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
+    check_pair("f32_linear_pair_rows", x, w1, w2)
+    xf = x.astype(mx.float32)
+    return xf @ w1.astype(mx.float32).T, xf @ w2.astype(mx.float32).T
+
+
 def swiglu_rows_reference(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,
                           limit: float | None) -> mx.array:  # fmt: skip
     check_linear("swiglu_rows", x, w1, s1, 8)
@@ -182,6 +197,11 @@ def qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
 def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
     """x [..., K] @ W [N, K].T in f32 -> f32 (the fast path: bf16 x and W, exact products, f32 sums)."""
     return backend.pick("f32_linear_rows", f32_linear_rows_reference)(x, w)
+
+
+def f32_linear_pair_rows(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
+    """(x @ W1.T, x @ W2.T) in f32 for two weights of one shape [N, K] (a compressor's kv and gate)."""
+    return backend.pick("f32_linear_pair_rows", f32_linear_pair_rows_reference)(x, w1, w2)
 
 
 def swiglu_rows(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.array, *,

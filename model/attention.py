@@ -38,8 +38,7 @@ class Compressor(nn.Module):
     def project(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, ...]:
         """Pure part: kv / score projections in f32 (REF: the weights are upcast, not the other way round),
         passed on with the RoPE angles of the entry a row would emit this step (its window's first token)."""
-        kv = kmatmul.f32_linear_rows(x, self.wkv.weight)
-        score = kmatmul.f32_linear_rows(x, self.wgate.weight)
+        kv, score = kmatmul.f32_linear_pair_rows(x, self.wkv.weight, self.wgate.weight)  # one launch on CUDA
         return kv, score, cos, sin
 
     def inputs(self, proj, kv_state, score_state, pool) -> kernels.CompressorArgs:

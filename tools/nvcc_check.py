@@ -156,6 +156,7 @@ def units() -> dict[str, str]:
     for name, o, wf, k, n, pair, exp, topk in (("mm_fp8", BF, 1, 4096, 1024, False, 0, 1),
                                                ("mm_fp8_pair", BF, 1, 4096, 2048, True, 0, 1),
                                                ("mm_bf16_f32", F32, 0, 4096, 129280, False, 0, 1),
+                                               ("mm_bf16_f32_two", F32, 0, 4096, 1024, 2, 0, 1),
                                                ("mm_fp4_gate_up", BF, 2, 4096, 2048, True, 1, 6),
                                                ("mm_fp4_down", BF, 2, 2048, 4096, False, 2, 6)):  # fmt: skip
         mt, wk, wr, u = mm.geometry(n, k, wf, pair)

@@ -52,6 +52,7 @@ from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.cuda.matmul import (
     experts_down_rows_cuda,
     experts_gate_up_rows_cuda,
+    f32_linear_pair_rows_cuda,
     f32_linear_rows_cuda,
     qlinear_rows_cuda,
     swiglu_rows_cuda,
@@ -86,6 +87,7 @@ backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)
     backend.register("f32_linear_rows", f32_linear_rows_cuda)
+    backend.register("f32_linear_pair_rows", f32_linear_pair_rows_cuda)
     backend.register("swiglu_rows", swiglu_rows_cuda)
     backend.register("experts_gate_up_rows", experts_gate_up_rows_cuda)
     backend.register("experts_down_rows", experts_down_rows_cuda)
@@ -101,8 +103,10 @@ if HC_KERNEL:
 # against 35.9 / 79.9 without (bench/step.py arms fast / no_glue, H200, 383f696, 2026-12-02).
 GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "1").strip() != "0"
 # The fused pre-mix spread over hc_fused.SPLITS blocks a row (1 block a row reads all 1.5 MB of fn: 76 us a
-# launch); opt-in (DSV4_HC_SPLIT=1) until tests/kernels/test_cuda_hc.py has run it on a GPU.
-HC_SPLIT = os.environ.get("DSV4_HC_SPLIT", "0").strip() == "1"
+# launch). On unless DSV4_HC_SPLIT=0: the full-depth step's GPU busy time at 4K, 1 / 8 rows, 16.1 / 21.2 ms
+# with one block a row against 10.8 / 16.1 ms split (bench/step.py arms fast / hc_split, H200, 74386e5,
+# 2026-12-02); tests/kernels/test_cuda_hc.py passed whole there.
+HC_SPLIT = os.environ.get("DSV4_HC_SPLIT", "1").strip() != "0"
 if HC_SPLIT:
     hc_fused.set_split(True)
 if GLUE_KERNELS:

@@ -14,7 +14,8 @@ A lane reads 16 contiguous bytes of a row a chunk (64 bytes a row across its 4 l
 Warps split K when there are few row tiles (the block sums them in shared memory), `U` chunks' loads
 are issued before any is used. `PAIR`: a second weight with the same rows (gate and up), epilogue
 SwiGLU (the limit clamp as `model.layers.swiglu`), each product rounded to T first as the reference's
-matmul output is. `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
+matmul output is; `PAIR` 2: both products out, [2, B, N] (a compressor's kv and gate: one launch, each
+product summed exactly as alone). `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
 first pair computes it for every batch row that chose it (the others exit): each distinct expert's
 weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
 """
@@ -179,7 +180,12 @@ SOURCE = r"""
         orow = b * TOPK + j;
       }
       float v = acc[t][i];
-      if (PAIR) {  // SwiGLU of the two products, each rounded to T first (the reference's matmul outputs)
+      if (PAIR == 2) {  // both products: out [2][NB][N]
+        out[(size_t)orow * N + row] = dsv4_t<O>(v);
+        out[((size_t)NB + orow) * N + row] = dsv4_t<O>(acc[t + MT][i]);
+        continue;
+      }
+      if (PAIR == 1) {  // SwiGLU of the two products, each rounded to T first (the reference's matmul outputs)
         float g = dsv4_f(dsv4_t<T>(v)), up = dsv4_f(dsv4_t<T>(acc[t + MT][i]));
         if (lim > 0.f) {
           g = fminf(g, lim);
@@ -213,7 +219,7 @@ def _const(name: str) -> mx.array:
     return _dummy[name]
 
 
-def geometry(n: int, k: int, wf: int, pair: bool) -> tuple[int, int, int, int] | None:
+def geometry(n: int, k: int, wf: int, pair: int) -> tuple[int, int, int, int] | None:
     """(MT, WK, WR, U): row tiles a warp, warps splitting K, warps over rows, chunks an iteration; None
     when the shape does not tile (n % 16, k % chunk)."""
     ck = CK[wf]
@@ -239,7 +245,7 @@ class Plan:
 
     __slots__ = ("dtype", "fast", "fparams", "grid", "kernel", "nt", "shape", "tmpl")
 
-    def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: bool, exp: int,
+    def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: int, exp: int,
                  topk: int, limit: float | None) -> None:  # fmt: skip
         geo = geometry(n, k, wf, pair)
         self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
@@ -251,7 +257,7 @@ class Plan:
                      ("PAIR", pair), ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1))]
         self.nt = 32 * wk * wr
         self.grid = (n // (16 * mt * wr) * self.nt, nb * topk if exp else 1, 1)
-        self.shape = (nb * topk, n) if exp else (nb, n)
+        self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else (nb, n))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))
 
@@ -278,7 +284,7 @@ def qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     p = None
     if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w, mx.array) and w.ndim == 2:
         p = _plan("qlinear", (x, w, scales), lambda: ref.check_linear("qlinear_rows", x, w, scales, 8),
-                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w.shape[0], wf=1, out=x.dtype, pair=False, exp=0,
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w.shape[0], wf=1, out=x.dtype, pair=0, exp=0,
                   topk=0, limit=None)  # fmt: skip
     if p is None or not p.fast:
         return ref.qlinear_rows_reference(x, w, scales)
@@ -290,7 +296,7 @@ def f32_linear_rows_cuda(x: mx.array, w: mx.array) -> mx.array:
     if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w, mx.array) and w.dtype == mx.bfloat16:
         p = _plan("f32_linear", (x, w), lambda: ref.check_linear("f32_linear_rows", x, w, None, None),
                   dtype=x.dtype, nb=x.shape[0],
-                  k=x.shape[1], n=w.shape[0], wf=0, out=mx.float32, pair=False, exp=0, topk=0, limit=None)  # fmt: skip
+                  k=x.shape[1], n=w.shape[0], wf=0, out=mx.float32, pair=0, exp=0, topk=0, limit=None)  # fmt: skip
     if p is None or not p.fast:
         return ref.f32_linear_rows_reference(x, w)
     u8 = _const("u8")
@@ -303,11 +309,25 @@ def swiglu_rows_cuda(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: 
     if isinstance(x, mx.array) and x.ndim == 2 and isinstance(w1, mx.array) and w1.ndim == 2:
         p = _plan("swiglu", (x, w1, s1, w3, s3),
                   lambda: [ref.check_linear("swiglu_rows", x, a, s, 8) for a, s in ((w1, s1), (w3, s3))],
-                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=1, out=x.dtype, pair=True, exp=0,
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=1, out=x.dtype, pair=1, exp=0,
                   topk=0, limit=limit)  # fmt: skip
     if p is None or not p.fast or w3.shape != w1.shape:
         return ref.swiglu_rows_reference(x, w1, s1, w3, s3, limit=limit)
     return p(x, w1, s1, w3, s3, _const("u32"))
+
+
+def f32_linear_pair_rows_cuda(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
+    p = None
+    if (isinstance(x, mx.array) and x.ndim == 2 and isinstance(w1, mx.array) and w1.dtype == mx.bfloat16
+            and isinstance(w2, mx.array) and w2.dtype == w1.dtype and w2.shape == w1.shape):  # fmt: skip
+        p = _plan("f32_linear_pair", (x, w1, w2), lambda: ref.check_pair("f32_linear_pair_rows", x, w1, w2),
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=0, out=mx.float32, pair=2, exp=0,
+                  topk=0, limit=None)  # fmt: skip
+    if p is None or not p.fast:
+        return ref.f32_linear_pair_rows_reference(x, w1, w2)
+    u8 = _const("u8")
+    out = p(x, w1, u8, w2, u8, _const("u32"))
+    return out[0], out[1]
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:
@@ -322,7 +342,7 @@ def experts_gate_up_rows_cuda(x: mx.array, idx: mx.array, w1: mx.array, s1: mx.a
         p = _plan("experts_gate_up", (x, idx, w1, s1, w3, s3),
                   lambda: (ref.check_experts("experts_gate_up_rows", x, idx, w1, s1, per_pair=False),
                            ref.check_experts("experts_gate_up_rows", x, idx, w3, s3, per_pair=False)),
-                  dtype=x.dtype, nb=idx.shape[0], k=x.shape[1], n=w1.shape[1], wf=2, out=x.dtype, pair=True, exp=1,
+                  dtype=x.dtype, nb=idx.shape[0], k=x.shape[1], n=w1.shape[1], wf=2, out=x.dtype, pair=1, exp=1,
                   topk=idx.shape[1], limit=limit)  # fmt: skip
     if p is None or not p.fast or w3.shape != w1.shape:
         return ref.experts_gate_up_rows_reference(x, idx, w1, s1, w3, s3, limit=limit)
@@ -335,7 +355,7 @@ def experts_down_rows_cuda(h: mx.array, idx: mx.array, w2: mx.array, s2: mx.arra
     if _experts_ok(h, idx, w2, 3):
         p = _plan("experts_down", (h, idx, w2, s2),
                   lambda: ref.check_experts("experts_down_rows", h, idx, w2, s2, per_pair=True),
-                  dtype=h.dtype, nb=idx.shape[0], k=h.shape[2], n=w2.shape[1], wf=2, out=h.dtype, pair=False, exp=2,
+                  dtype=h.dtype, nb=idx.shape[0], k=h.shape[2], n=w2.shape[1], wf=2, out=h.dtype, pair=0, exp=2,
                   topk=idx.shape[1], limit=None)  # fmt: skip
     if p is None or not p.fast:
         return ref.experts_down_rows_reference(h, idx, w2, s2)

@@ -45,6 +45,20 @@ def test_f32_linear_rows_is_the_exact_f32_product(rows: int, n: int, k: int) -> 
     close(got, ref.f32_linear_rows_reference(x, w), 1e-5)  # exact products: f32 summation order only
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (512, 4096), (256, 4096), (64, 32)])
+def test_f32_linear_pair_rows_is_each_product_alone(rows: int, n: int, k: int) -> None:
+    """One launch for a compressor's kv and gate: each product bit-identical to its own launch (the same
+    chunks summed in the same order) and within f32 summation order of the reference."""
+    w1, w2 = ((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16) for _ in range(2))
+    x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+    a, b = cuda().f32_linear_pair_rows_cuda(x, w1, w2)
+    for got, w in ((a, w1), (b, w2)):
+        assert got.dtype == mx.float32 and got.shape == (rows, n)
+        assert mx.array_equal(got, cuda().f32_linear_rows_cuda(x, w)).item()
+        close(got, ref.f32_linear_rows_reference(x, w), 1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("limit", [None, 10.0, 0.5])
 def test_swiglu_rows(rows: int, limit: float | None) -> None:

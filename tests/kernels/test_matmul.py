@@ -30,6 +30,15 @@ def test_f32_linear_rows_upcasts_the_weight() -> None:
     assert mx.array_equal(got, x.astype(mx.float32) @ w.astype(mx.float32).T).item()
 
 
+def test_f32_linear_pair_rows_is_two_upcast_products() -> None:
+    w1, w2 = (mx.random.normal((16, 32)).astype(mx.bfloat16) for _ in range(2))
+    x = mx.random.normal((3, 32)).astype(mx.bfloat16)
+    a, b = km.f32_linear_pair_rows(x, w1, w2)
+    for got, w in ((a, w1), (b, w2)):
+        assert got.dtype == mx.float32
+        assert mx.array_equal(got, x.astype(mx.float32) @ w.astype(mx.float32).T).item()
+
+
 def test_swiglu_rows_clamps_as_the_model() -> None:
     q1, s1, w1 = mxfp((32, 64), 8)
     q3, s3, w3 = mxfp((32, 64), 8)
@@ -65,6 +74,10 @@ def test_experts_rows_route_each_pair_through_its_expert() -> None:
     (lambda: km.qlinear_rows(mx.zeros((2, 64)), mx.zeros((8, 8)), mx.zeros((8, 2), mx.uint8)), "^qlinear_rows: w: "),
     (lambda: km.f32_linear_rows(mx.zeros((2, 64)), mx.zeros((8, 32))), "^f32_linear_rows: w: "),
     (lambda: km.f32_linear_rows([1.0], mx.zeros((8, 32))), "^f32_linear_rows: x: "),
+    (lambda: km.f32_linear_pair_rows(mx.zeros((2, 32)), mx.zeros((8, 32)), mx.zeros((4, 32))),
+     "^f32_linear_pair_rows: w2: "),
+    (lambda: km.f32_linear_pair_rows(mx.zeros((2, 32)), mx.zeros((8, 16)), mx.zeros((8, 16))),
+     "^f32_linear_pair_rows: w: "),
     (lambda: km.experts_down_rows(mx.zeros((2, 64)), mx.zeros((2, 3), mx.uint32), mx.zeros((4, 8, 8), mx.uint32),
                                   mx.zeros((4, 8, 2), mx.uint8)), "^experts_down_rows: x: "),
     (lambda: km.experts_gate_up_rows(mx.zeros((2, 64)), mx.zeros((2,), mx.uint32), mx.zeros((4, 8, 8), mx.uint32),

@@ -8,9 +8,10 @@ import pytest
 
 from tools.kernel_count import layer_counts
 
-# Counted 2026-12-01 (tools/kernel_count.py). These + the row-batched ops' 4-8 launches (not in the segments)
-# against CUPTI on the H200: 67 a layer measured without the glue kernels, 40 with them (the default).
-BUDGET = {False: {"sliding": 58, "CSA": 66, "HCA": 60}, True: {"sliding": 24, "CSA": 32, "HCA": 26}}
+# Counted 2026-12-02 (tools/kernel_count.py; since then a compressor's kv and gate are one launch). These + the
+# row-batched ops' 4-8 launches (not in the segments) against CUPTI on the H200: 67 a layer measured without the
+# glue kernels, 40 with them (the default).
+BUDGET = {False: {"sliding": 58, "CSA": 66, "HCA": 60}, True: {"sliding": 24, "CSA": 30, "HCA": 25}}
 
 
 @pytest.mark.parametrize("glue", [False, True])
