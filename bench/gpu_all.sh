@@ -4,9 +4,11 @@
 #
 #   PART=new     the gpu tests not yet run whole on a GPU (the fused and split mHC pre-mix, qtiles, the dispatch)
 #                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
-#   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_split, under MLX's CUDA graphs every 100 nodes, no
+#   PART=fused   the fused glue kernels' gpu tests, the step's A/B fast / unfused (rows 1 and 8, 4K, CUPTI), the
+#                layer numerics with every fast path, the grouped experts' gpu tests form by form
+#   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
-#   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_split alternated, CUPTI profile each
+#   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_one alternated, CUPTI profile each
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / sorted / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
@@ -45,16 +47,30 @@ for part in ${PART:-tests}; do
            tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
          timeout 220 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
            tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
+    fused) # the fused glue kernels' gpu tests, the step's A/B (fused against the launches they fuse), the layer
+           # numerics with every fast path, the grouped experts' forms (prefill) one by one
+           timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_fused.py \
+             tests/kernels/test_cuda_matmul.py::test_f32_linear_pair_rows_is_each_product_alone \
+             tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm \
+             tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_bad_arguments_are_named \
+             tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \
+             tests/kernels/test_cuda_norms.py::test_tiny_model_decode_with_the_glue_kernels 2>&1 | tail -12
+           timeout 190 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
+             --arms fast,unfused --out "$OUT/step_fused.json" 2>&1 | tail -5
+           timeout 190 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+             tests/model/test_cuda_layer_numerics.py 2>&1 | grep -E "PASS|FAIL|Error|assert" | tail -8
+           timeout 50 python3 -m pytest -m gpu -v --tb=line -p no:cacheprovider \
+             tests/kernels/test_experts_grouped.py 2>&1 | grep -E "PASS|FAIL|Error" | tail -8 ;;
     graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
             # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
             for mode in on off step; do
               case $mode in on) env=(MLX_MAX_OPS_PER_BUFFER=100) ;; off) env=(MLX_USE_CUDA_GRAPHS=0) ;;
                 step) env=(MLX_MAX_OPS_PER_BUFFER=100000 MLX_MAX_MB_PER_BUFFER=1000000) ;; esac
               env "${env[@]}" timeout 180 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
-                --profile --arms fast,hc_split --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
+                --profile --arms fast,hc_one --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
             done ;;
     split) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
-             --arms fast,hc_split --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
+             --arms fast,hc_one --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
     grouped) for how in tiles qtiles sorted off; do
                DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
@@ -88,6 +104,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new fused graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -3,11 +3,11 @@
 mxfp8 dense projections + mxfp4 routed experts (as the release stores them; `--experts N` cuts the routed
 experts to fit one GPU, default the most that fit), bf16 elsewhere; rows 1, 2, 4, 8 at 4K and 64K
 context, each cell a pipelined greedy loop (the engine's: step i + 1 queued before step i's tokens are
-read). The context is laid down as random state, not prefilled. Arms alternate in one process: `fast`
-(every fast path), `mlx_mm` (the same with MLX's own matmuls for the weight products: the skinny kernels
-of kernels/cuda/matmul.py off) and `no_glue` (the glue ops' references: norms, mHC post-mix, router
-top-k). Per cell: ms a step, tokens/s, the byte floor (the bytes a step must read at the release's
-precision over a plain copy's bandwidth measured in this run), the host's split of a step (`build`:
+read). The context is laid down as random state, not prefilled. Arms alternate in one process
+(bench/arms.py): `fast` (every fast path), `unfused` (the fused glue ops as the launches they fuse),
+`mlx_mm` (MLX's own matmuls for the weight products), `no_glue` (the glue ops' references), `hc_one` (the
+mHC pre-mix one block a row). Per cell: ms a step, tokens/s, the byte floor (the bytes a step must read at
+the release's precision over a plain copy's bandwidth measured in this run), the host's split of a step (`build`:
 Python making the lazy graph; `encode`: MLX's async_eval, each node's host work and the CUDA graphs'
 launch) and, with `--profile` (CUPTI through torch.profiler, the device's python3), kernels a step, GPU
 busy time a step and the kernels that take it. Prints a table, writes JSON.
@@ -31,17 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # as the server runs (service/__main__.py)
 
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
+from bench.arms import ARMS, set_arm  # noqa: E402
 from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
 from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.dummy import dummy_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
-
-SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows",
-              "experts_down_rows")
 
 
 def flash_args(layers: int, experts: int) -> ModelArgs:
@@ -133,50 +131,6 @@ def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
     return dense + expert * distinct / e, state
 
 
-_as_held: dict[bool, list[tuple[str, mx.array]]] = {}
-GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows")
-ARMS = ("fast", "mlx_mm", "no_glue", "hc_split")
-
-
-def set_arm(arm: str, model: DeepseekV4) -> None:
-    """An A/B arm's fast paths in or out of the backend: `fast` every one (the skinny matmul kernels and the
-    glue kernels included, whatever DSV4_SKINNY / DSV4_GLUE_KERNELS say), `mlx_mm` MLX's own matmuls for the
-    weight products, `no_glue` the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE
-    combine), `hc_split` `fast` with the fused mHC pre-mix spread over several blocks a row (DSV4_HC_SPLIT).
-    Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny
-    kernels, f32 copies for MLX's matmuls: both kept); the compiled segments retrace."""
-    from kernels import backend
-    from model.checkpoint import is_f32_compute
-
-    if arm not in ARMS:
-        raise SystemExit(f"step.py: --arms: unknown arm {arm!r}, expected some of {', '.join(ARMS)}")
-    skinny = arm != "mlx_mm"
-    if not _as_held:
-        stored = [(n, p) for n, p in tree_flatten(model.parameters()) if is_f32_compute(n)]
-        _as_held[True] = stored
-        _as_held[False] = [(n, p.astype(mx.float32)) for n, p in stored]
-        mx.eval([p for _, p in _as_held[False]])
-    model.update(tree_unflatten(_as_held[skinny]))
-    fast: dict[str, object] = {}
-    if backend.cuda_available():
-        import kernels.cuda.hc_fused as kh
-        import kernels.cuda.matmul as km
-        import kernels.cuda.norms as kn
-        import kernels.cuda.router as kr
-
-        glue = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh, "moe_combine_rows": kr}
-        kh.set_split(arm == "hc_split")
-        fast = {op: getattr(km, f"{op}_cuda") for op in SKINNY_OPS}
-        fast |= {op: getattr(glue[op], f"{op}_cuda") for op in GLUE_OPS}
-    for op in SKINNY_OPS + GLUE_OPS:
-        on = op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue")
-        if on:
-            backend.register(op, fast[op])
-        else:
-            backend.unregister(op)
-    model.reset_compiled()
-
-
 HOST: dict[str, list[float]] = {"build": [], "encode": []}
 
 
@@ -248,9 +202,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--arms", default="fast,mlx_mm,no_glue",
-                    help="of fast, mlx_mm (MLX's matmuls for the weights), no_glue (the glue ops' references), "
-                    "hc_split (fast, the fused mHC pre-mix split over blocks)")
+    ap.add_argument("--arms", default="fast,unfused,no_glue", help=f"of {', '.join(ARMS)} (bench/arms.py)")
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))

@@ -19,11 +19,11 @@ from kernels.compressor import (
     compressor_rows_inplace_reference,
     compressor_rows_reference,
 )
-from kernels.hc import hc_pre_composed, hc_pre_mix_reference
+from kernels.hc import hc_pre_composed, hc_pre_mix_reference, hc_pre_norm_composed
 from kernels.indexer import indexer_rows_reference
 from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
-from kernels.rope import rope, rope_apply, rope_tables
-from kernels.router import moe_combine_rows_reference, router_topk_reference
+from kernels.rope import rms_rope_rows_reference, rope, rope_apply, rope_tables
+from kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference, router_topk_reference
 from kernels.rows import Row, RowBatch
 from kernels.sparse_attention import sparse_attention_rows_reference
 
@@ -43,10 +43,13 @@ __all__ = [
     "hc_post_rows",
     "hc_pre_composed",
     "hc_pre_rows",
+    "hc_pre_norm_rows",
     "rms_norm_rows",
     "router_topk",
     "moe_combine_rows",
+    "moe_combine_post_rows",
     "indexer_rows",
+    "rms_rope_rows",
     "rope",
     "rope_apply",
     "rope_tables",
@@ -194,6 +197,26 @@ def hc_pre_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, i
     return fn_(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
 
 
+def hc_pre_norm_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, weight: mx.array, *, iters: int,
+                     eps: float, norm_eps: float, x_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """hc_pre_rows with the unit's RMSNorm (weight, x_eps) on its x (kernels/hc.py): one kernel on CUDA."""
+    fn_ = backend.pick("hc_pre_norm_rows", hc_pre_norm_composed)
+    return fn_(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps, x_eps=x_eps)
+
+
 def moe_combine_rows(pairs: mx.array, w: mx.array, shared: mx.array, *, out_dtype: mx.Dtype) -> mx.array:
     """The routed pairs' weighted sum plus the shared expert's output -> [B, H] out_dtype (kernels/router.py)."""
     return backend.pick("moe_combine_rows", moe_combine_rows_reference)(pairs, w, shared, out_dtype=out_dtype)
+
+
+def moe_combine_post_rows(pairs: mx.array, w: mx.array, shared: mx.array, h: mx.array, post: mx.array,
+                          comb: mx.array) -> mx.array:  # fmt: skip
+    """moe_combine_rows (rounded to h.dtype) then hc_post_rows: the MoE half's end in one op (kernels/router.py)."""
+    fn = backend.pick("moe_combine_post_rows", moe_combine_post_rows_reference)
+    return fn(pairs, w, shared, h, post, comb)
+
+
+def rms_rope_rows(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | None = None,
+                  eps: float | None = None) -> mx.array:  # fmt: skip
+    """rope_apply(x, c, s) after an optional RMS norm of each vector (kernels/rope.py): one kernel on CUDA."""
+    return backend.pick("rms_rope_rows", rms_rope_rows_reference)(x, c, s, weight=weight, eps=eps)

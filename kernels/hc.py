@@ -8,6 +8,10 @@ mixing logits `m = rms(h) @ fn.T` [B, nc*(2+nc)] (f32) and its nc streams `h` [B
 - comb = Sinkhorn(softmax_rows(m[:, 2nc:] * scale[2] + base[2nc:]) + eps) [B, nc, nc] f32.
 At the release's 20 Sinkhorn iterations this is ~100 small MLX ops (each a graph node, launched one
 by one: a decode step is host-bound at <= 8 rows); the CUDA fast path is one kernel.
+
+`hc_pre_norm_rows(h, fn, scale, base, weight, *, iters, eps, norm_eps, x_eps)` is `hc_pre_rows` with the
+unit's RMSNorm (`kernels.rms_norm_rows(x, weight, eps=x_eps)`) applied to its x: what a block unit feeds its
+attention or MoE (one launch on CUDA where the two take two).
 """
 
 from __future__ import annotations
@@ -100,3 +104,27 @@ def hc_pre_composed(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, 
                                                                 out_dtype=mx.float32)  # fmt: skip
     mix = backend.pick("hc_pre_mix", hc_pre_mix_reference)
     return mix(f @ fn.astype(mx.float32).T, scale, base, h, iters=iters, eps=eps)
+
+
+def check_hc_pre_norm_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, weight: mx.array, *,
+                           iters: int, eps: float, norm_eps: float, x_eps: float) -> None:  # fmt: skip
+    op = "hc_pre_norm_rows"
+    try:
+        check_hc_pre_rows(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+    except ValueError as e:
+        raise ValueError(str(e).replace("hc_pre_rows:", f"{op}:").replace("hc_pre_mix:", f"{op}:")) from None
+    if not isinstance(weight, mx.array) or weight.dtype not in _FLOATS or tuple(weight.shape) != (h.shape[2],):
+        got = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, mx.array) else type(weight).__name__
+        raise ValueError(f"{op}: weight: must be a float [{h.shape[2]}], got {got}")
+    if isinstance(x_eps, bool) or not isinstance(x_eps, (int, float)) or not x_eps >= 0:
+        raise ValueError(f"{op}: x_eps: must be a float >= 0, got {x_eps!r}")
+
+
+def hc_pre_norm_composed(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, weight: mx.array, *,
+                         iters: int, eps: float, norm_eps: float,
+                         x_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """hc_pre_norm_rows as its two parts, each through its own dispatch: hc_pre_rows, then the RMSNorm."""
+    check_hc_pre_norm_rows(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps, x_eps=x_eps)
+    pre = backend.pick("hc_pre_rows", None) or hc_pre_composed
+    x, post, comb = pre(h, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps)
+    return backend.pick("rms_norm_rows", rms_norm_rows_reference)(x, weight, eps=x_eps), post, comb

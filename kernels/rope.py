@@ -7,12 +7,19 @@ Not NeoX half-split, not the first dims.
 the model builds full-width tables once per step (`rope_tables`) and applies them with `rope_apply`:
 the same products and sums on the rope dims, x * 1 + y * 0 on the others (x itself for finite x), and
 ~5 graph nodes per application instead of 13 (no per-call angle layout, no slice + concatenate).
+
+`rms_rope_rows(x, c, s, *, weight=None, eps=None)` is `rope_apply` after an optional RMS norm of each vector
+(q's heads unweighted, the window kv with kv_norm's weight), the norm rounded to x.dtype first as the two ops
+in turn: in plain MLX the pair swap's reshape of a strided view is a copy kernel, the product a second
+and the norm a third; on CUDA the whole is one kernel (kernels/cuda/rope.py), 3.5 applications a layer.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from kernels.norms import check_rms_norm_rows, rms_norm_rows_reference
 
 _signs: dict[int, mx.array] = {}
 
@@ -81,3 +88,31 @@ def rope_apply(x: mx.array, c: mx.array, s: mx.array) -> mx.array:
     bshape = (x.shape[0],) + (1,) * (x.ndim - 2) + (d,)
     swapped = x.reshape(*x.shape[:-1], d // 2, 2)[..., ::-1].reshape(x.shape)
     return (x.astype(mx.float32) * c.reshape(bshape) + swapped.astype(mx.float32) * s.reshape(bshape)).astype(x.dtype)
+
+
+def check_rms_rope_rows(x: mx.array, c: mx.array, s: mx.array, weight: mx.array | None, eps: float | None) -> None:
+    if not isinstance(x, mx.array) or x.ndim < 2 or x.shape[-1] % 2:
+        got = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
+        raise ValueError(f"rms_rope_rows: x: must be [rows, ..., d] with d even, got {got}")
+    for name, t in (("c", c), ("s", s)):
+        if not isinstance(t, mx.array) or tuple(t.shape) != (x.shape[0], x.shape[-1]):
+            got = tuple(t.shape) if isinstance(t, mx.array) else type(t).__name__
+            raise ValueError(f"rms_rope_rows: {name}: must be [{x.shape[0]}, {x.shape[-1]}] (rope_tables), got {got}")
+    if eps is None:
+        if weight is not None:
+            raise ValueError("rms_rope_rows: weight: given without eps (no norm to weight)")
+        return
+    try:
+        check_rms_norm_rows(x, weight, eps, None)
+    except ValueError as e:
+        raise ValueError(str(e).replace("rms_norm_rows:", "rms_rope_rows:")) from None
+
+
+def rms_rope_rows_reference(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | None = None,
+                            eps: float | None = None) -> mx.array:  # fmt: skip
+    """The model's ops in turn: the norm (MLX's fused one without a weight, rms_norm_rows with one), then
+    rope_apply."""
+    check_rms_rope_rows(x, c, s, weight, eps)
+    if eps is not None:
+        x = mx.fast.rms_norm(x, None, eps) if weight is None else rms_norm_rows_reference(x, weight, eps=eps)
+    return rope_apply(x, c, s)

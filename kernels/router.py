@@ -10,12 +10,18 @@ The k experts come in no set order (argpartition's); the set and each one's weig
 `moe_combine_rows(pairs, w, shared, *, out_dtype) -> [B, H]`: sum_j w[b, j] pairs[b, j] + shared[b] in f32,
 rounded once to out_dtype (the routed pairs' weighted sum, then the shared expert's output). The reference
 is 3 kernels (the weighted products, the sum over k, the add and cast); the CUDA fast path is one.
+
+`moe_combine_post_rows(pairs, w, shared, h, post, comb) -> [B, nc, H]`: that combine rounded to h.dtype, then
+the unit's mHC post-mix (`kernels.norms.hc_post_rows`): the MoE half's end, one launch on CUDA where the two
+ops take two.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from kernels.norms import check_hc_post_rows, hc_post_rows_reference
 
 
 def check_router_topk(logits: mx.array, bias: mx.array, k: int, route_scale: float) -> None:
@@ -62,3 +68,20 @@ def moe_combine_rows_reference(pairs: mx.array, w: mx.array, shared: mx.array, *
     check_moe_combine_rows(pairs, w, shared, out_dtype)
     routed = mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1)
     return (routed + shared.astype(mx.float32)).astype(out_dtype)
+
+
+def check_moe_combine_post_rows(pairs: mx.array, w: mx.array, shared: mx.array, h: mx.array, post: mx.array,
+                                comb: mx.array) -> None:  # fmt: skip
+    op = "moe_combine_post_rows"
+    try:
+        check_moe_combine_rows(pairs, w, shared, h.dtype if isinstance(h, mx.array) else mx.float32)
+        check_hc_post_rows(shared, h, post, comb)
+    except ValueError as e:  # the parts' checks, in this op's names
+        msg = str(e).replace("hc_post_rows: y:", f"{op}: shared:").replace("hc_post_rows:", f"{op}:")
+        raise ValueError(msg.replace("moe_combine_rows:", f"{op}:")) from None
+
+
+def moe_combine_post_rows_reference(pairs: mx.array, w: mx.array, shared: mx.array, h: mx.array, post: mx.array,
+                                    comb: mx.array) -> mx.array:  # fmt: skip
+    check_moe_combine_post_rows(pairs, w, shared, h, post, comb)
+    return hc_post_rows_reference(moe_combine_rows_reference(pairs, w, shared, out_dtype=h.dtype), h, post, comb)

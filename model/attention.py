@@ -14,9 +14,8 @@ import mlx.nn as nn
 
 import kernels
 from kernels import matmul as kmatmul
-from kernels.rope import rope_apply
 from model.config import ModelArgs
-from model.layers import RMSNorm, rms, rope_angles
+from model.layers import RMSNorm, rope_angles
 from model.state import StatePools
 
 # The in-place compressor (kernels.compressor_rows_inplace: state and pool written through their buffers on
@@ -98,14 +97,15 @@ class Attention(nn.Module):
         a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(qr).reshape(b, nh, d), eps)
-        kv = self.kv_norm(self.wkv(x))
-        out = (rope_apply(q, c, s), rope_apply(kv, c, s), c, s)
+        # each q head's unweighted RMS and the window kv's kv_norm, then RoPE: one op (one launch on CUDA) each
+        q = kernels.rms_rope_rows(self.wq_b(qr).reshape(b, nh, d), c, s, eps=eps)
+        kv = kernels.rms_rope_rows(self.wkv(x), c, s, weight=self.kv_norm.weight, eps=self.kv_norm.eps)
+        out = (q, kv, c, s)
         if r:
             out += self.compressor.project(x, ccos, csin)
         if r == 4:
             ix = self.indexer
-            q_i = rope_apply(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), ci, si)
+            q_i = kernels.rms_rope_rows(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), ci, si)
             w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
             out += (q_i, w, *ix.compressor.project(x, ccos, csin))
         return out
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         """After the kernels: de-rotate (V = K carries RoPE: rotate by -p with `project`'s C and s_back = -S),
         grouped output projection."""
         a, b, d = self.args, o.shape[0], self.args.head_dim
-        o = rope_apply(o.astype(dtype), c, s_back)
+        o = kernels.rms_rope_rows(o.astype(dtype), c, s_back)
         # Group k (contiguous heads) goes through its own rows of wo_a.
         g = self.n_groups
         u = o.reshape(b, g, self.n_heads * d // g)

@@ -18,7 +18,7 @@ from kernels.matmul import f32_linear_rows
 from kernels.upload import upload
 from model.attention import Attention
 from model.config import ModelArgs
-from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre, inv_freq, rope_angles
+from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, rope_angles
 from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_batch, prefill_chunk
 from model.state import StateHandle, StatePools
@@ -42,16 +42,17 @@ class Block(nn.Module):
 
     def before(self, h: mx.array, *angles: mx.array) -> tuple[mx.array, ...]:
         """Pure: attention mHC-pre + norm + every projection the kernels need (angles: rope_angles)."""
-        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
-        return (post, comb, *self.attn.project(self.attn_norm(x), *angles))
+        x, post, comb = hc_pre_norm(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
+                                    self.args)  # fmt: skip
+        return (post, comb, *self.attn.project(x, *angles))
 
     def after(self, o, h, post, comb, c, s_back, token_ids) -> mx.array:
         """Pure: attention output + mHC-post, then the whole MoE half of the block."""
         a = self.args
         h = hc_post(self.attn.output(o, c, s_back, h.dtype), h, post, comb)
         # The ffn unit's weights come from the post-attention streams.
-        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
-        return hc_post(self.ffn(self.ffn_norm(x), token_ids), h, post, comb)
+        x, post, comb = hc_pre_norm(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm, a)
+        return self.ffn.post_mixed(x, token_ids, h, post, comb)
 
     def __call__(self, h, token_ids, batch, pools, freqs):
         before, after = self._segments()

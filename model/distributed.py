@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 
 from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
-from model.layers import MoE
+from model.layers import MoE, hc_post
 from model.loader import Slice, load_model, take
 
 # (axis, lo, hi) of a parameter's full shape that one rank keeps; None: replicated.
@@ -51,6 +51,9 @@ class ShardedMoE(MoE):
         local = mx.where(mine, idx - self.lo, 0)
         part = self.experts(x, local, mx.where(mine, w, 0.0)) + self.shared_experts(x)
         return mx.distributed.all_sum(part, group=self.group).astype(x.dtype)
+
+    def post_mixed(self, x: mx.array, token_ids: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+        return hc_post(self(x, token_ids), h, post, comb)  # the all_sum sits between the combine and the post-mix
 
 
 def check_shardable(args: ModelArgs, n: int) -> None:

@@ -89,7 +89,7 @@ def rope_angles(freqs: mx.array, positions: mx.array, ratio: int, args: ModelArg
     return out
 
 
-_compiled_pre: dict[int, object] = {}
+_compiled_pre: dict[object, object] = {}
 
 
 def reset_compiled() -> None:
@@ -116,6 +116,24 @@ def _hc_pre(
 ) -> tuple[mx.array, mx.array, mx.array]:
     return kernels.hc_pre_rows(h, fn, scale, base, iters=args.hc_sinkhorn_iters, eps=args.hc_eps,
                                norm_eps=args.rms_norm_eps)
+
+
+def hc_pre_norm(
+    h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, norm: RMSNorm, args: ModelArgs
+) -> tuple[mx.array, mx.array, mx.array]:
+    """hc_pre with the unit's RMSNorm applied to its block input: (norm(x), post, comb), one kernel on CUDA
+    (`kernels.hc_pre_norm_rows`) where the two take two; compiled as hc_pre is."""
+    key = (id(args), norm.eps)
+    f = _compiled_pre.get(key)
+    if f is None:
+        f = _compiled_pre[key] = mx.compile(functools.partial(_hc_pre_norm, args=args, x_eps=norm.eps))
+    return f(h, fn, base, scale, norm.weight)
+
+
+def _hc_pre_norm(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, weight: mx.array, args: ModelArgs,
+                 x_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    return kernels.hc_pre_norm_rows(h, fn, scale, base, weight, iters=args.hc_sinkhorn_iters, eps=args.hc_eps,
+                                    norm_eps=args.rms_norm_eps, x_eps=x_eps)  # fmt: skip
 
 
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
@@ -235,6 +253,15 @@ class MoE(nn.Module):
         self.gate = Gate(args, hashed=args.is_hash_layer(layer))
         self.experts = Experts(args)
         self.shared_experts = SharedExpert(args)
+
+    def post_mixed(self, x: mx.array, token_ids: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+        """The MoE's output through its unit's mHC post-mix (`hc_post`): at decode's rows the combine and the
+        post-mix are one op (`kernels.moe_combine_post_rows`, one launch on CUDA)."""
+        if x.ndim == 2 and x.shape[0] <= GROUPED_ROWS:
+            idx, w = self.gate(x, token_ids)
+            shared = self.shared_experts.project(x)
+            return kernels.moe_combine_post_rows(self.experts.pairs(x, idx), w, shared, h, post, comb)
+        return hc_post(self(x, token_ids), h, post, comb)
 
     def __call__(self, x: mx.array, token_ids: mx.array) -> mx.array:
         idx, w = self.gate(x, token_ids)

@@ -2,7 +2,7 @@
 
 Each op that `kernels/cuda` serves with one launch (the skinny matmuls, the mHC pre-mix and, unless
 `--no-glue`, the glue kernels) is stood in for by one `mx.depends` node on all its inputs, so the graph
-keeps its shape; the unweighted RMS (MLX's fused norm on CUDA) likewise. Then each layer kind's two
+keeps its shape. Then each layer kind's two
 compiled segments (`Block.before` / `Block.after`) are exported (`mx.export_to_dot`) and their
 primitives counted, views (reshape, slice, broadcast, transpose, ...) apart: on CUDA each other
 primitive is about one kernel. The kernel part of a layer (window write, compressor, indexer,
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-import model.attention as attention  # noqa: E402
-from kernels import backend  # noqa: E402
+from kernels import backend, rope_apply  # noqa: E402
+from kernels.norms import rms_norm_rows_reference  # noqa: E402
 from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -71,7 +71,10 @@ GLUE = {
     "router_topk": lambda lg, b, *, k, route_scale: tuple(one([((lg.shape[0], k), mx.uint32),
                                                                 ((lg.shape[0], k), mx.float32)], lg, b)),  # fmt: skip
     "moe_combine_rows": lambda p, w, s, *, out_dtype: one([((p.shape[0], p.shape[2]), out_dtype)], p, w, s)[0],
+    "rms_rope_rows": lambda x, c, s, *, weight=None, eps=None: one([(x.shape, x.dtype)], x, c, s, weight)[0],
+    "moe_combine_post_rows": lambda p, w, s, h, post, comb: one([(h.shape, h.dtype)], p, w, s, h, post, comb)[0],
     "hc_pre_rows": lambda h, fn, sc, ba, *, iters, eps, norm_eps: pre_mix(h, fn, sc, ba),
+    "hc_pre_norm_rows": lambda h, fn, sc, ba, w, *, iters, eps, norm_eps, x_eps: pre_mix(h, fn, sc, ba, w),
 }
 
 
@@ -82,20 +85,28 @@ def counted(outs: list[mx.array]) -> collections.Counter:
     return collections.Counter(n for n in names if n not in VIEWS)
 
 
+def _rms_rope_unfused(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | None = None,
+                      eps: float | None = None) -> mx.array:  # fmt: skip
+    if eps is not None:
+        x = one([(x.shape, x.dtype)], x)[0] if weight is None else rms_norm_rows_reference(x, weight, eps=eps)
+    return rope_apply(x, c, s)
+
+
 @contextlib.contextmanager
 def standins(glue: bool) -> Iterator[None]:
-    """The fast ops' dispatch with one-node stand-ins (and the unweighted RMS as one node), undone after."""
-    use_fast, fast, rms = backend._use_fast, dict(backend._fast), attention.rms
+    """The fast ops' dispatch with one-node stand-ins, undone after."""
+    use_fast, fast = backend._use_fast, dict(backend._fast)
     backend._use_fast = lambda: True
     for op, fn in (STANDINS | (GLUE if glue else {})).items():
         backend.register(op, fn)
     for op in () if glue else GLUE:
         backend.unregister(op)
-    attention.rms = lambda x, eps: one([(x.shape, x.dtype)], x)[0]  # MLX's fused norm: one CUDA kernel
+    if not glue:  # the norm before RoPE as CUDA runs it: MLX's fused norm (one kernel) or the weighted reference
+        backend.register("rms_rope_rows", _rms_rope_unfused)
     try:
         yield
     finally:
-        backend._use_fast, attention.rms = use_fast, rms
+        backend._use_fast = use_fast
         backend._fast.clear()
         backend._fast.update(fast)
         forget_hc_pre()  # its compiled functions traced the stand-ins

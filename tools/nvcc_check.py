@@ -28,6 +28,7 @@ from kernels.cuda import (
     hc,
     hc_fused,  # noqa: E402
     norms,  # noqa: E402
+    rope,  # noqa: E402
     router,  # noqa: E402
 )
 from kernels.cuda import indexer as ix  # noqa: E402
@@ -135,6 +136,13 @@ def units() -> dict[str, str]:
         "hc_pre_split", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
                          ("fparams", F32, False), ("workspace", U32, False)], [("x", BF), ("post", F32), ("comb", F32)],
         [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source(split=True))  # fmt: skip
+    for split in (False, True):  # the pre-mix with the unit's RMSNorm on x
+        ins = [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
+               ("fparams", F32, False), *([("workspace", U32, False)] if split else []), ("xw", F32, False)]
+        out[f"hc_pre_norm_{'split' if split else 'rows'}_4_20"] = standalone(
+            "hc_pre_norm", ins, [("x", BF), ("post", F32), ("comb", F32)],
+            [("T", BF), ("NC", 4), ("ITERS", 20), ("XW", F32)],
+            hc_fused.fused_source(split=split, norm=True))  # fmt: skip
     out["router_topk_6"] = standalone(
         "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
         [("idx", U32), ("w", F32)], [("K", 6), ("MAXE", router.MAX_EXPERTS), ("MAXK", router.MAX_K)],
@@ -142,6 +150,15 @@ def units() -> dict[str, str]:
     out["moe_combine_6"] = standalone(
         "moe_combine", [("pairs", BF, True), ("w", F32, False), ("shared", BF, False)], [("out", BF)],
         [("O", BF), ("K", 6)], router.COMBINE_SOURCE)  # fmt: skip
+    out["moe_combine_post_6_4"] = standalone(
+        "moe_combine_post", [("pairs", BF, True), ("w", F32, False), ("shared", BF, False), ("h", BF, False),
+                             ("post", F32, False), ("comb", F32, False)], [("out", BF)],
+        [("T", BF), ("K", 6), ("NC", 4)], router.COMBINE_POST_SOURCE)  # fmt: skip
+    for norm, has_w in ((True, False), (True, True), (False, False)):
+        out[f"rms_rope_{int(norm)}{int(has_w)}"] = standalone(
+            "rms_rope", [("x", BF, True), ("c", F32, False), ("s", F32, False), ("w", BF, False),
+                         ("fparams", F32, False)], [("out", BF)],
+            [("T", BF), ("W", BF), ("NORM", norm), ("HAS_W", has_w), ("PER", 64)], rope.SOURCE)  # fmt: skip
     out["hc_post_4"] = standalone(
         "hc_post", [("y", BF, False), ("h", BF, True), ("post", F32, False), ("comb", F32, False)], [("out", BF)],
         [("T", BF), ("NC", 4)], norms.POST_SOURCE)  # fmt: skip

@@ -47,7 +47,7 @@ from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
-from kernels.cuda.hc_fused import hc_pre_rows_cuda
+from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
 from kernels.cuda.matmul import (
     experts_down_rows_cuda,
@@ -58,7 +58,8 @@ from kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
-from kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
+from kernels.cuda.rope import rms_rope_rows_cuda
+from kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -114,7 +115,10 @@ if GLUE_KERNELS:
     backend.register("hc_post_rows", hc_post_rows_cuda)
     backend.register("router_topk", router_topk_cuda)
     backend.register("hc_pre_rows", hc_pre_rows_cuda)
+    backend.register("hc_pre_norm_rows", hc_pre_norm_rows_cuda)
     backend.register("moe_combine_rows", moe_combine_rows_cuda)
+    backend.register("moe_combine_post_rows", moe_combine_post_rows_cuda)
+    backend.register("rms_rope_rows", rms_rope_rows_cuda)
 
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:

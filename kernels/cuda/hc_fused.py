@@ -26,7 +26,7 @@ import numpy as np
 
 from kernels.cuda import hc
 from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.hc import check_hc_pre_rows, hc_pre_composed
+from kernels.hc import check_hc_pre_norm_rows, check_hc_pre_rows, hc_pre_composed, hc_pre_norm_composed
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
@@ -119,7 +119,28 @@ SPLIT_PROLOGUE = r"""
 """
 
 
-def fused_source(split: bool = False) -> str:
+# `norm`: the x warps (all but the Sinkhorn group) also sum the squares of the x values they wrote (rounded to
+# T, as x is), add the warps' sums in order behind their own named barrier, and overwrite each of their values
+# with w * (x * rsqrt(mean + eps)) rounded once: the unit's RMSNorm (kernels.rms_norm_rows) on the block input.
+NORM_TAIL = r"""
+    {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) xss += __shfl_xor_sync(0xffffffffu, xss, o);
+      __shared__ float xred[(@THREADS@ - SK) / 32];
+      if ((tid & 31) == 0) xred[(tid - SK) >> 5] = xss;
+      asm volatile("bar.sync 2, %0;" ::"r"(nt) : "memory");
+      float t = 0.f;
+      for (int q = 0; q < nt / 32; ++q) t += xred[q];
+      const float inv = rsqrtf(t / (float)H + fparams[2]);
+      for (int d = tid - SK; d < H; d += nt) {  // the columns this thread wrote above, read back
+        const size_t o = (size_t)b * H + d;
+        x[o] = dsv4_t<T>(dsv4_f(xw[d]) * (dsv4_f(x[o]) * inv));
+      }
+    }
+"""
+
+
+def fused_source(split: bool = False, norm: bool = False) -> str:
     line = "const float* mb = m + (size_t)b * NM;"
     assert line in hc.SOURCE, "kernels/cuda/hc.py: the pre-mix source no longer reads m where expected"
     pro = (SPLIT_PROLOGUE if split else PROLOGUE).replace("@SUMS@", SUMS.strip("\n"))
@@ -129,6 +150,14 @@ def fused_source(split: bool = False) -> str:
         row = "const int b = blockIdx.x, tid = threadIdx.x;"
         assert row in src, "kernels/cuda/hc.py: the pre-mix source no longer takes its row from blockIdx.x"
         src = src.replace(row, "const int b = blockIdx.y, tid = threadIdx.x;")
+    if norm:
+        hb, store = "const T* hb = h + (size_t)b * NC * H;", "x[(size_t)b * H + d0 + u * nt] = dsv4_t<T>(acc);"
+        end = "      }\n    }\n  }\n"
+        assert hb in src and store in src and src.endswith(end), "kernels/cuda/hc.py: the x loop moved"
+        src = src.replace(hb, hb + " float xss = 0.f;")
+        src = src.replace(store, "{ const T xv = dsv4_t<T>(acc); x[(size_t)b * H + d0 + u * nt] = xv; "
+                                 "const float f = dsv4_f(xv); xss += f * f; }")  # fmt: skip
+        src = src[: -len("  }\n")] + NORM_TAIL.replace("@THREADS@", str(hc.THREADS)) + "  }\n"
     return src
 
 
@@ -149,21 +178,20 @@ class Plan:
     __slots__ = ("fast", "fparams", "grid", "kernel", "shapes", "split", "tmpl")
 
     def __init__(self, h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
-                 norm_eps: float) -> None:  # fmt: skip
+                 norm_eps: float, xw: mx.array | None = None, x_eps: float = 0.0) -> None:  # fmt: skip
         b, nc, hid = h.shape
         self.fast = nc <= MAX_NC and 0 < b <= MAX_ROWS and all(a.dtype == mx.float32 for a in (fn, scale, base))
         if not self.fast:
             return
         self.split = WORKSPACE is not None
-        if self.split:
-            self.kernel = kernel("hc_pre_split", SPLIT_INPUTS, hc.OUTPUTS, fused_source(split=True))
-            self.grid = (SPLITS * hc.THREADS, b, 1)
-        else:
-            self.kernel = kernel("hc_pre_rows", INPUTS, hc.OUTPUTS, fused_source())
-            self.grid = (b * hc.THREADS, 1, 1)
+        norm = xw is not None
+        name = ("hc_pre_split" if self.split else "hc_pre_rows") + ("_norm" if norm else "")
+        inputs = (*(SPLIT_INPUTS if self.split else INPUTS), *(("xw",) if norm else ()))
+        self.kernel = kernel(name, inputs, hc.OUTPUTS, fused_source(split=self.split, norm=norm))
+        self.grid = (SPLITS * hc.THREADS, b, 1) if self.split else (b * hc.THREADS, 1, 1)
         self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters)]
         self.shapes = [(b, hid), (b, nc), (b, nc, nc)]
-        self.fparams = f32_params(eps, norm_eps)
+        self.fparams = f32_params(eps, norm_eps, x_eps)
 
 
 def hc_pre_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, iters: int, eps: float,
@@ -186,6 +214,34 @@ def hc_pre_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     x, post, comb = plan.kernel(
         inputs=[h, fn, scale, base, plan.fparams, *([WORKSPACE] if plan.split else [])],
         template=plan.tmpl,
+        grid=plan.grid,
+        threadgroup=(hc.THREADS, 1, 1),
+        output_shapes=plan.shapes,
+        output_dtypes=[h.dtype, mx.float32, mx.float32],
+    )
+    return x, post, comb
+
+
+def hc_pre_norm_rows_cuda(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, weight: mx.array, *,
+                          iters: int, eps: float, norm_eps: float,
+                          x_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    try:
+        key: tuple[Any, ...] = ("hc_pre_norm_rows", *((a.shape, a.dtype) for a in (h, fn, scale, base, weight)),
+                                type(iters), iters, eps, norm_eps, x_eps, WORKSPACE is not None)  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check_hc_pre_norm_rows(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps, x_eps=x_eps)
+        raise
+
+    def make() -> Plan:
+        check_hc_pre_norm_rows(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps, x_eps=x_eps)
+        return Plan(h, fn, scale, base, iters, eps, norm_eps, weight, x_eps)
+
+    plan: Plan = plan_cached(key, make)
+    if not plan.fast or weight.dtype not in (mx.float32, mx.bfloat16, mx.float16):
+        return hc_pre_norm_composed(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps, x_eps=x_eps)
+    x, post, comb = plan.kernel(
+        inputs=[h, fn, scale, base, plan.fparams, *([WORKSPACE] if plan.split else []), weight],
+        template=[*plan.tmpl, ("XW", weight.dtype)],
         grid=plan.grid,
         threadgroup=(hc.THREADS, 1, 1),
         output_shapes=plan.shapes,

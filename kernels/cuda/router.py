@@ -17,8 +17,10 @@ import mlx.core as mx
 
 from kernels.cuda.common import f32_params, kernel, plan_cached
 from kernels.router import (
+    check_moe_combine_post_rows,
     check_moe_combine_rows,
     check_router_topk,
+    moe_combine_post_rows_reference,
     moe_combine_rows_reference,
     router_topk_reference,
 )
@@ -170,5 +172,66 @@ def moe_combine_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, *, out
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(pairs.shape[0], pairs.shape[2])],
         output_dtypes=[out_dtype],
+    )
+    return out
+
+
+# The combine above rounded to h's dtype, then norms.POST_SOURCE's post-mix on it: the two kernels' arithmetic
+# in one thread a (row, column), so the result is theirs bit for bit.
+COMBINE_POST_SOURCE = r"""
+  const int b = blockIdx.y;
+  const int H = pairs_shape[2];
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= H) return;
+  const size_t row = (size_t)b * K;
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) acc += dsv4_f(pairs[(row + j) * H + d]) * dsv4_f(w[row + j]);
+  const float yv = dsv4_f(dsv4_t<T>(acc + dsv4_f(shared[(size_t)b * H + d])));
+  float hv[NC];
+#pragma unroll
+  for (int j = 0; j < NC; ++j) hv[j] = dsv4_f(h[((size_t)b * NC + j) * H + d]);
+  const float* cb = comb + (size_t)b * NC * NC;
+#pragma unroll
+  for (int k = 0; k < NC; ++k) {
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) m += cb[j * NC + k] * hv[j];
+    out[((size_t)b * NC + k) * H + d] = dsv4_t<T>(post[(size_t)b * NC + k] * yv + m);
+  }
+"""
+MAX_NC = 8
+
+
+def moe_combine_post_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, h: mx.array, post: mx.array,
+                               comb: mx.array) -> mx.array:  # fmt: skip
+    try:
+        key: tuple[Any, ...] = ("moe_combine_post", *((a.shape, a.dtype) for a in (pairs, w, shared, h, post, comb)))
+    except AttributeError:
+        check_moe_combine_post_rows(pairs, w, shared, h, post, comb)
+        raise
+
+    def make() -> CombinePlan | None:
+        check_moe_combine_post_rows(pairs, w, shared, h, post, comb)
+        floats = (mx.float32, mx.bfloat16, mx.float16)
+        if (pairs.size == 0 or h.shape[1] > MAX_NC or post.dtype != mx.float32 or comb.dtype != mx.float32
+                or any(a.dtype not in floats for a in (pairs, w, shared, h))):  # fmt: skip
+            return None
+        plan = CombinePlan(pairs, h.dtype)
+        plan.kernel = kernel("moe_combine_post", ("pairs", "w", "shared", "h", "post", "comb"), ("out",),
+                             COMBINE_POST_SOURCE)  # fmt: skip
+        plan.tmpl = [("T", h.dtype), ("K", pairs.shape[1]), ("NC", h.shape[1])]
+        return plan
+
+    plan: CombinePlan | None = plan_cached(key, make)
+    if plan is None:
+        return moe_combine_post_rows_reference(pairs, w, shared, h, post, comb)
+    (out,) = plan.kernel(
+        inputs=[pairs, w, shared, h, post, comb],
+        template=plan.tmpl,
+        grid=plan.grid,
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[h.shape],
+        output_dtypes=[h.dtype],
     )
     return out

@@ -9,6 +9,7 @@ import pytest
 
 from kernels import backend
 from kernels.hc import hc_pre_mix_reference
+from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -135,3 +136,38 @@ def test_hc_pre_rows_bad_arguments_are_named() -> None:
     h = mx.zeros((2, 4, 8))
     with pytest.raises(ValueError, match="^hc_pre_rows: fn: "):
         hc_pre_rows_cuda(h, mx.zeros((24, 31)), mx.ones((3,)), mx.zeros((24,)), iters=2, eps=1e-6, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("wdtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("nc,hidden", [(4, 4096), (2, 100), (8, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64])  # 64: past MAX_ROWS, the composition
+def test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm(rows: int, nc: int, hidden: int, wdtype: mx.Dtype,
+                                                          split: bool) -> None:  # fmt: skip
+    """The fused pre-mix with the unit's RMSNorm on x (nc <= 4; nc 8 falls back) against the parts' references:
+    the pre-mix's x, then rms_norm_rows with the weight."""
+    from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
+    from kernels.norms import rms_norm_rows_reference
+
+    nm = nc * (2 + nc)
+    h = mx.random.normal((rows, nc, hidden)).astype(mx.bfloat16)
+    fn = mx.random.normal((nm, nc * hidden)) * (nc * hidden) ** -0.5
+    scale, base = mx.random.uniform(0.2, 2.0, (3,)), mx.random.normal((nm,))
+    w = (1 + 0.3 * mx.random.normal((hidden,))).astype(wdtype)
+    got = hc_pre_norm_rows_cuda(h, fn, scale, base, w, iters=20, eps=1e-6, norm_eps=1e-6, x_eps=1e-6)
+    x, post, comb = pure_pre(h, fn, scale, base, 20)
+    want = (rms_norm_rows_reference(x, w, eps=1e-6), post, comb)
+    for g, ww in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(ww), rtol=1e-4, atol=1e-5)
+    assert got[0].dtype == mx.bfloat16 and got[0].shape == (rows, hidden)
+    close(got[0], want[0], 2e-2)  # x rounds to bf16 before the norm: an x an ulp apart moves its normed value
+
+
+def test_hc_pre_norm_rows_bad_arguments_are_named() -> None:
+    from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
+
+    h, fn, scale, base = mx.zeros((2, 4, 8)), mx.zeros((24, 32)), mx.ones((3,)), mx.zeros((24,))
+    with pytest.raises(ValueError, match="^hc_pre_norm_rows: weight: "):
+        hc_pre_norm_rows_cuda(h, fn, scale, base, mx.ones((7,)), iters=2, eps=1e-6, norm_eps=1e-6, x_eps=1e-6)
+    with pytest.raises(ValueError, match="^hc_pre_norm_rows: fn: "):
+        hc_pre_norm_rows_cuda(h, mx.zeros((24, 31)), scale, base, mx.ones((8,)), iters=2, eps=1e-6, norm_eps=1e-6,
+                              x_eps=1e-6)  # fmt: skip

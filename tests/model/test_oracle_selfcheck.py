@@ -236,7 +236,9 @@ def test_cached_decode_matches_recompute_and_round_trips(tiny):
         ids2, logits2 = hf_greedy(m2, prompt, N_STEPS)
         assert ids2 == ids
         d2 = np.abs(np.stack(logits2) - cached).max()
-        assert d2 == 0.0, f"{d.name}: reloaded model logits differ by {d2}"
+        # the same weights; a fresh load's buffers can send torch's CPU GEMMs down another path (2.2e-6 seen
+        # on a 2-core host, 2026-12-02), so not bit-equality
+        assert d2 <= 1e-5, f"{d.name}: reloaded model logits differ by {d2}"
         lm = m2.lm_head.weight
         assert not torch.equal(lm, m2.model.embed_tokens.weight)  # not tied
     print(f"greedy {PROMPT_LEN}+{N_STEPS}: {t_greedy:.2f}s, cached-vs-full max diff {diff:.2e}")
