@@ -9,7 +9,7 @@
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_one alternated, CUPTI profile each
-#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / sorted / off
+#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
 #                the sweep run twice in turn: MLX reads it once a process)
@@ -71,7 +71,7 @@ for part in ${PART:-tests}; do
             done ;;
     split) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
              --arms fast,hc_one --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
-    grouped) for how in tiles qtiles sorted off; do
+    grouped) for how in tiles qtiles off; do
                DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
              done ;;

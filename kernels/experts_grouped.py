@@ -4,16 +4,15 @@
 product (`mx.gather_qmm`, M = 1): on CUDA a batch of B * k one-row GEMMs, each reading its expert's whole
 weight again. Past `GROUPED_ROWS` rows `grouped_experts` instead sorts the pairs by expert, gathers their
 x rows, dequantizes the layer's mxfp4 experts to x's dtype (exact: an e2m1 value times a power of two fits
-bf16) and runs each projection as one `mx.gather_mm` over the grouped pairs, two ways (`DSV4_GROUPED_EXPERTS`):
-- `sorted`: M = 1 rows with `rhs_indices` = the sorted ids and `sorted_indices=True`, which MLX's CUDA
-  GatherMM serves with one CUTLASS grouped GEMM (a problem of `count` rows per expert). Its tensor-core
-  configuration is only taken with MLX_ENABLE_TF32 on (mlx/backend/cuda/gemms/grouped_gemm_unaligned.cu
-  gates it on `env::enable_tf32()` for every dtype); the server sets it off, so bf16 runs its SIMT one.
+bf16) and runs each projection as one grouped product over tiles of one expert's pairs, two ways
+(`DSV4_GROUPED_EXPERTS`):
 - `tiles` (default): each expert's pairs padded to whole `TILE_ROWS`-row tiles (a bound on the tile
   count known without reading the counts back), one expert id per tile, gather_mm with M = TILE_ROWS.
 - `qtiles`: the same tiles through `mx.gather_qmm` on the packed mxfp4 weights: no dequantized copy (at
   V4-Flash's 32 local experts the copies are ~1.6 GB written and read back a layer, every forward).
-The products are unsorted and router-weighted exactly as `QuantizedExperts` does for 1..8 rows.
+The products are unsorted and router-weighted exactly as `QuantizedExperts` does for 1..8 rows. (A third
+form, M = 1 rows through gather_mm's `sorted_indices` grouped GEMM, gave wrong products on the H200 with MLX
+0.32.4 at V4-Flash's dims, 2026-12-02, and was slower than `tiles` there: 891 against 1,232 tokens/s.)
 
 Memory: the dequantized weights are a transient E x 3 x I x H x 2 bytes per layer at most in bf16 (V4-Flash,
 32 local experts: 1.6 GB), freed once the layer's products are made.
@@ -82,10 +81,10 @@ def _dequant(wq: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def mode() -> str:
-    """`DSV4_GROUPED_EXPERTS`: `tiles` (default), `qtiles`, `sorted`, or `off` (every row count per pair)."""
+    """`DSV4_GROUPED_EXPERTS`: `tiles` (default), `qtiles`, or `off` (every row count per pair)."""
     m = os.environ.get(ENV, "tiles").strip().lower() or "tiles"
-    if m not in ("tiles", "qtiles", "sorted", "off"):
-        raise ValueError(f"experts_grouped: {ENV}: must be tiles, qtiles, sorted or off, got {m!r}")
+    if m not in ("tiles", "qtiles", "off"):
+        raise ValueError(f"experts_grouped: {ENV}: must be tiles, qtiles or off, got {m!r}")
     return m
 
 
@@ -113,25 +112,21 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
                     s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None,
                     how: str | None = None) -> mx.array:  # fmt: skip
     """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection.
-    `how`: `sorted` (gather_mm M = 1, sorted_indices: MLX's CUTLASS grouped GEMM), `tiles` (the pairs
-    padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS) or `qtiles` (those tiles
-    through gather_qmm on the mxfp4 weights); None: `mode()`."""
+    `how`: `tiles` (the pairs padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS) or
+    `qtiles` (those tiles through gather_qmm on the mxfp4 weights); None: `mode()`."""
     check_grouped("grouped_experts", x, idx, weights, w1, s1, w2, s2, w3, s3)
     how = mode() if how is None else how
-    if how not in ("tiles", "qtiles", "sorted"):
-        raise ValueError(f"grouped_experts: how: must be tiles, qtiles or sorted, got {how!r}")
+    if how not in ("tiles", "qtiles"):
+        raise ValueError(f"grouped_experts: how: must be tiles or qtiles, got {how!r}")
     b, k = idx.shape
     ct = mx.float32 if mx.default_device() == mx.cpu else x.dtype
     flat = idx.reshape(-1).astype(mx.uint32)
     order = mx.argsort(flat)  # the B * k pairs grouped by expert (any order within an expert)
     ids = flat[order]
     xs = x[order // k].astype(ct)  # [P, H]
-    if how == "sorted":  # [P, 1, H]: M = 1 and no lhs_indices -> MLX's grouped GEMM (right-sorted)
-        xs, rhs = xs[:, None, :], dict(rhs_indices=ids, sorted_indices=True)
-    else:
-        src, tile_expert, slot = _tiles(ids, w1.shape[0])
-        xs = mx.where((src >= 0)[:, None], xs[mx.maximum(src, 0)], 0).reshape(-1, TILE_ROWS, xs.shape[-1])
-        rhs = dict(rhs_indices=tile_expert)
+    src, tile_expert, slot = _tiles(ids, w1.shape[0])
+    xs = mx.where((src >= 0)[:, None], xs[mx.maximum(src, 0)], 0).reshape(-1, TILE_ROWS, xs.shape[-1])
+    rhs = dict(rhs_indices=tile_expert)
     if how == "qtiles":  # the packed weights as they are: [E, N, K / 8] -> x @ W.T per tile's expert
         def prod(a: mx.array, wq: mx.array, sc: mx.array) -> mx.array:
             return mx.gather_qmm(a, wq, sc, None, transpose=True, group_size=GROUP, bits=4, mode="mxfp4", **rhs)
@@ -140,10 +135,8 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
             return mx.gather_mm(a, _dequant(wq, sc, ct), **rhs)
     g, u = prod(xs, w1, s1), prod(xs, w3, s3)
     hdn = swiglu(g.astype(mx.float32), u.astype(mx.float32), limit).astype(x.dtype).astype(ct)
-    out = prod(hdn, w2, s2)  # [P, 1, H] or [tiles, TILE_ROWS, H]
-    out = out.reshape(-1, out.shape[-1])
-    if how != "sorted":
-        out = out[slot]  # back to the sorted pairs
+    out = prod(hdn, w2, s2)  # [tiles, TILE_ROWS, H]
+    out = out.reshape(-1, out.shape[-1])[slot]  # back to the sorted pairs
     out = out.astype(x.dtype)[mx.argsort(order)].reshape(b, k, -1)  # back to [B, k, H]
     return mx.sum(out.astype(mx.float32) * weights[:, :, None], axis=1)
 

@@ -327,7 +327,8 @@ def f32_linear_pair_rows_cuda(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[
         return ref.f32_linear_pair_rows_reference(x, w1, w2)
     u8 = _const("u8")
     out = p(x, w1, u8, w2, u8, _const("u32"))
-    return out[0], out[1]
+    n = out.shape[1:]  # slices are views; an integer index (out[0]) would be a gather kernel each
+    return out[:1].reshape(n), out[1:].reshape(n)
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:

@@ -47,7 +47,7 @@ def routing(kind: str, b: int, e: int, rng: np.random.Generator) -> tuple[mx.arr
 @pytest.mark.parametrize("e", [8, 16])
 @pytest.mark.parametrize("kind", ["ragged", "unused", "same"])
 @pytest.mark.parametrize("limit", [None, 0.5])
-@pytest.mark.parametrize("how", ["tiles", "qtiles", "sorted"])
+@pytest.mark.parametrize("how", ["tiles", "qtiles"])
 def test_grouped_matches_the_per_pair_reference(b: int, e: int, kind: str, limit: float | None, how: str) -> None:
     rng = np.random.default_rng(b * 100 + e)
     p = experts(e, 128, 64)
@@ -59,7 +59,7 @@ def test_grouped_matches_the_per_pair_reference(b: int, e: int, kind: str, limit
 
 
 @pytest.mark.parametrize("limit", [None, 7.0])
-@pytest.mark.parametrize("how", ["tiles", "qtiles", "sorted"])
+@pytest.mark.parametrize("how", ["tiles", "qtiles"])
 def test_grouped_bf16_x_rounds_as_the_reference(limit: float | None, how: str) -> None:
     rng = np.random.default_rng(3)
     p = experts(16, 128, 64)
@@ -69,7 +69,7 @@ def test_grouped_bf16_x_rounds_as_the_reference(limit: float | None, how: str) -
           eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["tiles", "qtiles", "sorted"])
+@pytest.mark.parametrize("how", ["tiles", "qtiles"])
 def test_a_row_does_not_depend_on_the_other_rows(how: str) -> None:
     rng = np.random.default_rng(7)
     p = experts(16, 128, 64)
@@ -82,7 +82,7 @@ def test_a_row_does_not_depend_on_the_other_rows(how: str) -> None:
     np.testing.assert_allclose(np.array(yb[11]), np.array(ya[5]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("env", ["", "tiles", "qtiles", "sorted", "off"])
+@pytest.mark.parametrize("env", ["", "tiles", "qtiles", "off"])
 def test_quantized_experts_run_grouped_past_the_decode_rows_only(env: str, monkeypatch) -> None:
     monkeypatch.setenv(eg.ENV, env)
     rng = np.random.default_rng(11)
@@ -138,7 +138,7 @@ def test_bad_arguments_are_named(change: dict, match: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
-@pytest.mark.parametrize("how", ["tiles", "qtiles", "sorted"])
+@pytest.mark.parametrize("how", ["tiles", "qtiles"])
 @pytest.mark.parametrize("limit", [None, 10.0])
 def test_grouped_at_v4_flash_dims_on_the_gpu(how: str, limit: float | None) -> None:
     """H 4096, I 2048, 32 experts, a 2048-token chunk in bf16: each grouped form vs gather_qmm a pair."""
