@@ -3,9 +3,9 @@ retrace after each switch).
 
 - `fast`: every fast path (the skinny matmul kernels, the glue kernels, the fused glue, the split mHC
   pre-mix), whatever DSV4_SKINNY / DSV4_GLUE_KERNELS / DSV4_HC_SPLIT say;
-- `unfused`: `fast` with each fused glue op run as the fast ops it fuses, launched one by one (the kv and
-  gate products, the norm before RoPE and RoPE itself, the MoE combine and the mHC post-mix, the mHC
-  pre-mix and the unit's RMSNorm);
+- `unfused`: `fast` with each fused op run as the fast ops it fuses, launched one by one (the two
+  projections of one input, a compressor's kv and gate products, the norm before RoPE and RoPE itself,
+  the MoE combine and the mHC post-mix, the mHC pre-mix and the unit's RMSNorm);
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
 - `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0).
@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-SKINNY_OPS = ("qlinear_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows",
-              "experts_down_rows")  # fmt: skip
+SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows",
+              "experts_gate_up_rows", "experts_down_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
 ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one")
@@ -42,7 +42,7 @@ def _fast_ops() -> dict[str, Any]:
 
 
 def _unfused() -> dict[str, Any]:
-    """The fused glue ops as the fast ops they fuse, one launch each (the step before they were fused)."""
+    """The fused ops as the fast ops they fuse, one launch each (the step before they were fused)."""
     import kernels.cuda.matmul as km
     import kernels.cuda.norms as kn
     import kernels.cuda.router as kr
@@ -51,6 +51,9 @@ def _unfused() -> dict[str, Any]:
 
     def pair(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
         return km.f32_linear_rows_cuda(x, w1), km.f32_linear_rows_cuda(x, w2)
+
+    def cat(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array, s2: mx.array) -> tuple[mx.array, mx.array]:
+        return km.qlinear_rows_cuda(x, w1, s1), km.qlinear_rows_cuda(x, w2, s2)
 
     def rms_rope(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | None = None,
                  eps: float | None = None) -> mx.array:  # fmt: skip
@@ -62,8 +65,8 @@ def _unfused() -> dict[str, Any]:
                      comb: mx.array) -> mx.array:  # fmt: skip
         return kn.hc_post_rows_cuda(kr.moe_combine_rows_cuda(pairs, w, shared, out_dtype=h.dtype), h, post, comb)
 
-    return {"f32_linear_pair_rows": pair, "rms_rope_rows": rms_rope, "moe_combine_post_rows": combine_post,
-            "hc_pre_norm_rows": hc_pre_norm_composed}  # fmt: skip
+    return {"f32_linear_pair_rows": pair, "qlinear_cat_rows": cat, "rms_rope_rows": rms_rope,
+            "moe_combine_post_rows": combine_post, "hc_pre_norm_rows": hc_pre_norm_composed}  # fmt: skip
 
 
 def set_arm(arm: str, model: Any) -> None:

@@ -6,6 +6,8 @@ as in prefill, and shapes it does not take run the reference). The references ar
 before the fast path existed, so the CPU path is unchanged:
 - `qlinear_rows`: x @ W.T for an mxfp8 weight (nn.QuantizedLinear's product), out x.dtype;
 - `f32_linear_rows`: x @ W.T in f32 for a weight stored in its own dtype (REF upcasts the weight);
+- `qlinear_cat_rows`: two mxfp8 products of one input, weights of any row counts (wq_a and wkv of x, the
+  attention's and the indexer's wq_b of qr: one launch on CUDA);
 - `f32_linear_pair_rows`: two such products of one input by two weights of one shape (a compressor's kv and
   gate: one launch on CUDA);
 - `swiglu_rows`: SwiGLU(x @ W1.T, x @ W3.T) of two mxfp8 weights (the shared expert's first half);
@@ -113,6 +115,13 @@ def qlinear_rows_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.arr
     return _qmm(x, w, scales)
 
 
+def qlinear_cat_rows_reference(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
+                               s2: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+    check_linear("qlinear_cat_rows", x, w1, s1, 8)
+    check_linear("qlinear_cat_rows", x, w2, s2, 8)
+    return _qmm(x, w1, s1), _qmm(x, w2, s2)
+
+
 def f32_linear_rows_reference(x: mx.array, w: mx.array) -> mx.array:
     check_linear("f32_linear_rows", x, w, None, None)
     return x.astype(mx.float32) @ w.astype(mx.float32).T
@@ -197,6 +206,14 @@ def qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
 def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
     """x [..., K] @ W [N, K].T in f32 -> f32 (the fast path: bf16 x and W, exact products, f32 sums)."""
     return backend.pick("f32_linear_rows", f32_linear_rows_reference)(x, w)
+
+
+def qlinear_cat_rows(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
+                     s2: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """(x @ W1.T, x @ W2.T) for two mxfp8 weights of x's width -> ([..., N1], [..., N2]) in x.dtype."""
+    if _many(x):
+        return qlinear_many_rows(x, w1, s1), qlinear_many_rows(x, w2, s2)
+    return backend.pick("qlinear_cat_rows", qlinear_cat_rows_reference)(x, w1, s1, w2, s2)
 
 
 def f32_linear_pair_rows(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:

@@ -16,6 +16,7 @@ import kernels
 from kernels import matmul as kmatmul
 from model.config import ModelArgs
 from model.layers import RMSNorm, rope_angles
+from model.quant import linear_cat
 from model.state import StatePools
 
 # The in-place compressor (kernels.compressor_rows_inplace: state and pool written through their buffers on
@@ -96,16 +97,18 @@ class Attention(nn.Module):
         projections and, in CSA layers, the indexer's q and head weights."""
         a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
-        qr = self.q_norm(self.wq_a(x))
+        qa, kva = linear_cat(x, self.wq_a, self.wkv)  # the two projections of x: one launch on CUDA
+        qr = self.q_norm(qa)
+        qb, qib = linear_cat(qr, self.wq_b, self.indexer.wq_b) if r == 4 else (self.wq_b(qr), None)
         # each q head's unweighted RMS and the window kv's kv_norm, then RoPE: one op (one launch on CUDA) each
-        q = kernels.rms_rope_rows(self.wq_b(qr).reshape(b, nh, d), c, s, eps=eps)
-        kv = kernels.rms_rope_rows(self.wkv(x), c, s, weight=self.kv_norm.weight, eps=self.kv_norm.eps)
+        q = kernels.rms_rope_rows(qb.reshape(b, nh, d), c, s, eps=eps)
+        kv = kernels.rms_rope_rows(kva, c, s, weight=self.kv_norm.weight, eps=self.kv_norm.eps)
         out = (q, kv, c, s)
         if r:
             out += self.compressor.project(x, ccos, csin)
         if r == 4:
             ix = self.indexer
-            q_i = kernels.rms_rope_rows(ix.wq_b(qr).reshape(b, ix.n_heads, ix.head_dim), ci, si)
+            q_i = kernels.rms_rope_rows(qib.reshape(b, ix.n_heads, ix.head_dim), ci, si)
             w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
             out += (q_i, w, *ix.compressor.project(x, ccos, csin))
         return out

@@ -100,6 +100,14 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         return super().__call__(x)
 
 
+def linear_cat(x: mx.array, a: nn.Module, b: nn.Module) -> tuple[mx.array, mx.array]:
+    """(a(x), b(x)) for two projections of one input: two mxfp8 RowsQuantizedLinear of a 2-D x go through
+    `kernels.qlinear_cat_rows` (one launch on CUDA), anything else as two calls."""
+    if x.ndim == 2 and isinstance(a, RowsQuantizedLinear) and isinstance(b, RowsQuantizedLinear):
+        return kmatmul.qlinear_cat_rows(x, a.weight, a.scales, b.weight, b.scales)
+    return a(x), b(x)
+
+
 def mxfp8_linear(weight: mx.array, scales: mx.array) -> nn.QuantizedLinear:
     n, k4 = weight.shape
     lin = RowsQuantizedLinear(k4 * 4, n, bias=False, group_size=32, bits=8, mode="mxfp8")

@@ -56,6 +56,9 @@ def pre_mix(h: mx.array, *deps: Any) -> tuple[mx.array, ...]:
 
 STANDINS = {
     "qlinear_rows": lambda x, w, s: one([((*x.shape[:-1], w.shape[0]), x.dtype)], x, w, s)[0],
+    "qlinear_cat_rows": lambda x, w1, s1, w2, s2: tuple(one([((*x.shape[:-1], w1.shape[0]), x.dtype),
+                                                              ((*x.shape[:-1], w2.shape[0]), x.dtype)],
+                                                             x, w1, s1, w2, s2)),  # fmt: skip
     "f32_linear_rows": lambda x, w: one([((*x.shape[:-1], w.shape[0]), mx.float32)], x, w)[0],
     "f32_linear_pair_rows": lambda x, w1, w2: tuple(one([((*x.shape[:-1], w1.shape[0]), mx.float32)] * 2, x, w1, w2)),
     "swiglu_rows": lambda x, w1, s1, w3, s3, *, limit: one([((*x.shape[:-1], w1.shape[0]), x.dtype)],

@@ -174,12 +174,15 @@ def units() -> dict[str, str]:
                                                ("mm_fp8_pair", BF, 1, 4096, 2048, True, 0, 1),
                                                ("mm_bf16_f32", F32, 0, 4096, 129280, False, 0, 1),
                                                ("mm_bf16_f32_two", F32, 0, 4096, 1024, 2, 0, 1),
+                                               ("mm_fp8_cat", BF, 1, 4096, 1024, 3, 0, 1),
                                                ("mm_fp4_gate_up", BF, 2, 4096, 2048, True, 1, 6),
                                                ("mm_fp4_down", BF, 2, 2048, 4096, False, 2, 6)):  # fmt: skip
-        mt, wk, wr, u = mm.geometry(n, k, wf, pair)
+        n2 = 512 if pair == 3 else 0  # CAT: wkv's rows after wq_a's
+        mt, wk, wr, u = mm.geometry(n + n2, k, wf, int(pair))
         out[name] = standalone("skinny_mm", mm_in, [("out", o)],
-                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
-                                ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk)], mm.SOURCE)  # fmt: skip
+                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)),
+                                ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2)],
+                               mm.SOURCE)  # fmt: skip
     return out
 
 

@@ -54,6 +54,7 @@ from kernels.cuda.matmul import (
     experts_gate_up_rows_cuda,
     f32_linear_pair_rows_cuda,
     f32_linear_rows_cuda,
+    qlinear_cat_rows_cuda,
     qlinear_rows_cuda,
     swiglu_rows_cuda,
 )
@@ -87,6 +88,7 @@ backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 # Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY; DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
 if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)
+    backend.register("qlinear_cat_rows", qlinear_cat_rows_cuda)
     backend.register("f32_linear_rows", f32_linear_rows_cuda)
     backend.register("f32_linear_pair_rows", f32_linear_pair_rows_cuda)
     backend.register("swiglu_rows", swiglu_rows_cuda)

@@ -15,7 +15,9 @@ Warps split K when there are few row tiles (the block sums them in shared memory
 are issued before any is used. `PAIR`: a second weight with the same rows (gate and up), epilogue
 SwiGLU (the limit clamp as `model.layers.swiglu`), each product rounded to T first as the reference's
 matmul output is; `PAIR` 2: both products out, [2, B, N] (a compressor's kv and gate: one launch, each
-product summed exactly as alone). `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
+product summed exactly as alone); `PAIR` 3 (CAT): a second weight of N2 other rows after the first's N, its
+warps reading it instead, out [B, N] then [B, N2] (wq_a and wkv of one x; the two wq_b of one qr).
+`EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
 first pair computes it for every batch row that chose it (the others exit): each distinct expert's
 weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
 """
@@ -26,18 +28,22 @@ SOURCE = r"""
   constexpr int CK = WF == 0 ? 32 : (WF == 1 ? 64 : 128);   // k values a chunk (64 bytes a row)
   constexpr int RB = WF == 0 ? K * 2 : (WF == 1 ? K : K / 2);  // bytes a weight row
   constexpr int XV = CK / 32;                                // uint4 of x a lane a chunk
-  constexpr int NT = PAIR ? 2 * MT : MT;                     // row tiles a warp
+  constexpr int NT = (PAIR == 1 || PAIR == 2) ? 2 * MT : MT;  // row tiles a warp
   constexpr int CPW = K / CK / WK;                           // chunks a warp
   constexpr int G32 = K / 32;                                // scale groups a row
   const int NB = (int)fparams[1];                             // batch rows (1..8), a runtime value
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wr = warp / WK;
   const int gq = lane >> 2, cq = lane & 3;
-  const int row0 = (blockIdx.x * WR + wr) * MT * 16;
-  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w);
+  const int rowg = (blockIdx.x * WR + wr) * MT * 16;
+  const bool sec = PAIR == 3 && rowg >= N;  // CAT: this warp's rows are the second weight's (a block's all are)
+  const int row0 = sec ? rowg - N : rowg;
+  const uint8_t* wb = reinterpret_cast<const uint8_t*>(sec ? w2 : w);
   const uint8_t* wb2 = reinterpret_cast<const uint8_t*>(w2);
-  const uint8_t* sb = s;
+  const uint8_t* sb = sec ? s2 : s;
   const uint8_t* sb2 = s2;
+  O* const ob = out + (sec ? (size_t)NB * N : 0);  // CAT: [NB][N] then [NB][N2]
+  const int NO = sec ? N2 : N;
   int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
   if (EXP) {
     const int p = blockIdx.y;
@@ -79,8 +85,8 @@ SOURCE = r"""
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + (t % MT) * 16 + gq + 8 * h;
-        const uint8_t* wt = (PAIR && t >= MT) ? wb2 : wb;
-        const uint8_t* st = (PAIR && t >= MT) ? sb2 : sb;
+        const uint8_t* wt = (NT > MT && t >= MT) ? wb2 : wb;
+        const uint8_t* st = (NT > MT && t >= MT) ? sb2 : sb;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           wv[t][h][u] = __ldg(reinterpret_cast<const uint4*>(wt + (size_t)row * RB + (c + u) * 64 + cq * 16));
@@ -193,7 +199,7 @@ SOURCE = r"""
         }
         v = g / (1.f + expf(-g)) * up;
       }
-      out[(size_t)orow * N + row] = dsv4_t<O>(v);
+      ob[(size_t)orow * NO + row] = dsv4_t<O>(v);
     }
 """
 
@@ -246,18 +252,20 @@ class Plan:
     __slots__ = ("dtype", "fast", "fparams", "grid", "kernel", "nt", "shape", "tmpl")
 
     def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: int, exp: int,
-                 topk: int, limit: float | None) -> None:  # fmt: skip
-        geo = geometry(n, k, wf, pair)
+                 topk: int, limit: float | None, n2: int = 0) -> None:  # fmt: skip
+        geo = geometry(n + n2, k, wf, pair)
         self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
+        if self.fast and n2:  # CAT: no warp's row tiles may straddle the two weights
+            self.fast = n % (16 * geo[0]) == 0
         if not self.fast:
             return
         mt, wk, wr, u = geo
         self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE)
-        self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt),
-                     ("PAIR", pair), ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1))]
+        self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
+                     ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
         self.nt = 32 * wk * wr
-        self.grid = (n // (16 * mt * wr) * self.nt, nb * topk if exp else 1, 1)
-        self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else (nb, n))
+        self.grid = ((n + n2) // (16 * mt * wr) * self.nt, nb * topk if exp else 1, 1)
+        self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else ((nb * (n + n2),) if n2 else (nb, n)))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))
 
@@ -329,6 +337,22 @@ def f32_linear_pair_rows_cuda(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[
     out = p(x, w1, u8, w2, u8, _const("u32"))
     n = out.shape[1:]  # slices are views; an integer index (out[0]) would be a gather kernel each
     return out[:1].reshape(n), out[1:].reshape(n)
+
+
+def qlinear_cat_rows_cuda(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
+                          s2: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+    p = None
+    if (isinstance(x, mx.array) and x.ndim == 2 and isinstance(w1, mx.array) and w1.ndim == 2
+            and isinstance(w2, mx.array) and w2.ndim == 2):  # fmt: skip
+        p = _plan("qlinear_cat", (x, w1, s1, w2, s2),
+                  lambda: [ref.check_linear("qlinear_cat_rows", x, a, s, 8) for a, s in ((w1, s1), (w2, s2))],
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=1, out=x.dtype, pair=3, exp=0,
+                  topk=0, limit=None, n2=w2.shape[0])  # fmt: skip
+    if p is None or not p.fast:  # each product its own launch (the checks name a bad argument)
+        return qlinear_rows_cuda(x, w1, s1), qlinear_rows_cuda(x, w2, s2)
+    out = p(x, w1, s1, w2, s2, _const("u32"))
+    cut = x.shape[0] * w1.shape[0]  # slices are views
+    return out[:cut].reshape(x.shape[0], w1.shape[0]), out[cut:].reshape(x.shape[0], w2.shape[0])
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:

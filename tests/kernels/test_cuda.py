@@ -149,8 +149,8 @@ def test_dispatch_uses_fast_path() -> None:
     assert backend.name() == "cuda"
     opt_out = set() if kc.HC_KERNEL else {"hc_pre_mix"}  # DSV4_HC_KERNEL=0 keeps the plain mHC pre-mix
     if not kmatmul.SKINNY:  # DSV4_SKINNY=0 keeps MLX's own matmuls for the weight products
-        opt_out |= {"qlinear_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows",
-                    "experts_down_rows"}
+        opt_out |= {"qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows",
+                    "experts_gate_up_rows", "experts_down_rows"}
     if not kc.GLUE_KERNELS:  # DSV4_GLUE_KERNELS=0 keeps the glue ops' references
         opt_out |= {"rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows",
                     "hc_pre_norm_rows", "moe_combine_post_rows", "rms_rope_rows"}

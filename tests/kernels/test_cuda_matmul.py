@@ -46,6 +46,20 @@ def test_f32_linear_rows_is_the_exact_f32_product(rows: int, n: int, k: int) -> 
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n1,n2,k", [(1024, 512, 4096), (32768, 8192, 1024), (4096, 8192, 1024), (48, 32, 64),
+                                     (40, 24, 64)])  # fmt: skip
+def test_qlinear_cat_rows_is_each_product(rows: int, n1: int, n2: int, k: int) -> None:
+    """Two mxfp8 weights of one input in one launch (wq_a + wkv; the two wq_b): each product as the reference's
+    (40 rows do not tile: each its own call)."""
+    (w1, s1), (w2, s2) = mxfp((n1, k), 8), mxfp((n2, k), 8)
+    x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+    a, b = cuda().qlinear_cat_rows_cuda(x, w1, s1, w2, s2)
+    for got, w, s, n in ((a, w1, s1, n1), (b, w2, s2, n2)):
+        assert got.dtype == mx.bfloat16 and got.shape == (rows, n)
+        close(got, ref.qlinear_rows_reference(x, w, s), 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (512, 4096), (256, 4096), (64, 32)])
 def test_f32_linear_pair_rows_is_each_product_alone(rows: int, n: int, k: int) -> None:
     """One launch for a compressor's kv and gate: each product bit-identical to its own launch (the same

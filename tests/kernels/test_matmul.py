@@ -22,6 +22,17 @@ def test_qlinear_rows_is_the_dequantized_product() -> None:
     np.testing.assert_allclose(np.array(km.qlinear_rows(x, q, s)), np.array(x @ w.T), rtol=1e-4, atol=1e-4)
 
 
+def test_qlinear_cat_rows_is_each_dequantized_product() -> None:
+    q1, s1, w1 = mxfp8 = mxfp((64, 128), 8)
+    q2, s2, w2 = mxfp((48, 128), 8)
+    x = mx.random.normal((3, 128))
+    a, b = km.qlinear_cat_rows(x, q1, s1, q2, s2)
+    assert a.shape == (3, 64) and b.shape == (3, 48)
+    for got, w in ((a, w1), (b, w2)):
+        np.testing.assert_allclose(np.array(got), np.array(x @ w.T), rtol=1e-4, atol=1e-4)
+    del mxfp8
+
+
 def test_f32_linear_rows_upcasts_the_weight() -> None:
     w = mx.random.normal((16, 32)).astype(mx.bfloat16)
     x = mx.random.normal((2, 32)).astype(mx.bfloat16)
@@ -73,6 +84,8 @@ def test_experts_rows_route_each_pair_through_its_expert() -> None:
      "^qlinear_rows: scales: "),
     (lambda: km.qlinear_rows(mx.zeros((2, 64)), mx.zeros((8, 8)), mx.zeros((8, 2), mx.uint8)), "^qlinear_rows: w: "),
     (lambda: km.f32_linear_rows(mx.zeros((2, 64)), mx.zeros((8, 32))), "^f32_linear_rows: w: "),
+    (lambda: km.qlinear_cat_rows(mx.zeros((2, 64)), mx.zeros((8, 16), mx.uint32), mx.zeros((8, 2), mx.uint8),
+                                 mx.zeros((8, 8), mx.uint32), mx.zeros((8, 2), mx.uint8)), "^qlinear_cat_rows: w: "),
     (lambda: km.f32_linear_rows([1.0], mx.zeros((8, 32))), "^f32_linear_rows: x: "),
     (lambda: km.f32_linear_pair_rows(mx.zeros((2, 32)), mx.zeros((8, 32)), mx.zeros((4, 32))),
      "^f32_linear_pair_rows: w2: "),
