@@ -51,6 +51,7 @@ for part in ${PART:-tests}; do
            # numerics with every fast path, the grouped experts' forms (prefill) one by one
            timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_fused.py \
              tests/kernels/test_cuda_matmul.py::test_f32_linear_pair_rows_is_each_product_alone \
+             tests/kernels/test_cuda_matmul.py::test_qlinear_cat_rows_is_each_product \
              tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm \
              tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_bad_arguments_are_named \
              tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \

@@ -211,9 +211,12 @@ def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
 def qlinear_cat_rows(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
                      s2: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
     """(x @ W1.T, x @ W2.T) for two mxfp8 weights of x's width -> ([..., N1], [..., N2]) in x.dtype."""
-    if _many(x):
-        return qlinear_many_rows(x, w1, s1), qlinear_many_rows(x, w2, s2)
-    return backend.pick("qlinear_cat_rows", qlinear_cat_rows_reference)(x, w1, s1, w2, s2)
+    fast = None if _many(x) else backend.pick("qlinear_cat_rows", None)
+    if fast is None:  # each product through its own dispatch (prefill's GEMM, the skinny kernel, MLX's)
+        check_linear("qlinear_cat_rows", x, w1, s1, 8)
+        check_linear("qlinear_cat_rows", x, w2, s2, 8)
+        return qlinear_rows(x, w1, s1), qlinear_rows(x, w2, s2)
+    return fast(x, w1, s1, w2, s2)
 
 
 def f32_linear_pair_rows(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:

@@ -23,14 +23,13 @@ def test_qlinear_rows_is_the_dequantized_product() -> None:
 
 
 def test_qlinear_cat_rows_is_each_dequantized_product() -> None:
-    q1, s1, w1 = mxfp8 = mxfp((64, 128), 8)
+    q1, s1, w1 = mxfp((64, 128), 8)
     q2, s2, w2 = mxfp((48, 128), 8)
     x = mx.random.normal((3, 128))
     a, b = km.qlinear_cat_rows(x, q1, s1, q2, s2)
     assert a.shape == (3, 64) and b.shape == (3, 48)
     for got, w in ((a, w1), (b, w2)):
         np.testing.assert_allclose(np.array(got), np.array(x @ w.T), rtol=1e-4, atol=1e-4)
-    del mxfp8
 
 
 def test_f32_linear_rows_upcasts_the_weight() -> None:
