@@ -119,7 +119,8 @@ class DeepseekV4(nn.Module):
         """The step up to the final norm [B, H] (follower ranks of a distributed model skip the head)."""
         a = self.args
         x = self.embed(token_ids)
-        hs = mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1]))
+        # laid out once: the first layer's pre- and post-mix kernels would each copy the strided broadcast
+        hs = mx.contiguous(mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1])))
         for i, block in enumerate(self.layers):
             hs = block(hs, token_ids, batch, pools, self._freqs[a.layer_ratio(i) != 0])
         return self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a))

@@ -9,7 +9,7 @@ evaluates each array argument and reads its strides (the buffer protocol), and r
 argument that arrives strided, by layer kind and row count. The strides come from MLX's shared
 primitive code, the same on the CPU as on CUDA.
 
-    python tools/contiguity.py [--rows 1,8]
+    python tools/contiguity.py [--rows 1,8] [--tiny]
 """
 
 from __future__ import annotations
@@ -71,23 +71,40 @@ def probe(found: collections.Counter, where: list[str]) -> None:
             backend.register(op, wrap(op, ref))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,8")
-    opt = ap.parse_args()
-    a = ModelArgs()
-    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers, a.n_routed_experts = 3, [0, 4, 128], 0, 8
+def scan(a: ModelArgs, rows_list: list[int]) -> collections.Counter:
+    """(rows, op, argument, shape) -> calls a step, for the fast ops' strided array arguments."""
     model = dummy_model(a, seed=0, dtype=mx.bfloat16, quantize=True)
     found: collections.Counter = collections.Counter()
     where = [""]
+    fast = backend._use_fast, dict(backend._fast)
     probe(found, where)
-    for rows in (int(r) for r in opt.rows.split(",")):
-        pools = StatePools(a, max_slots=rows, max_positions=1024, page_size=256, dtype=mx.bfloat16)
-        handles = [pools.alloc(1024) for _ in range(rows)]
-        where[0] = f"{rows} rows"
-        logits = model.step(model.make_batch(pools, handles, [300 + i for i in range(rows)]),
-                            mx.arange(rows).astype(mx.int32), pools)  # fmt: skip
-        mx.eval(logits, pools.arrays())
+    try:
+        for rows in rows_list:
+            pools = StatePools(a, max_slots=rows, max_positions=1024, page_size=256, dtype=mx.bfloat16)
+            handles = [pools.alloc(1024) for _ in range(rows)]
+            where[0] = f"{rows} rows"
+            logits = model.step(model.make_batch(pools, handles, [300 + i for i in range(rows)]),
+                                mx.arange(rows).astype(mx.int32), pools)  # fmt: skip
+            mx.eval(logits, pools.arrays())
+    finally:
+        backend._use_fast = fast[0]
+        backend._fast.clear()
+        backend._fast.update(fast[1])
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model's dims (fast; the layouts can differ)")
+    opt = ap.parse_args()
+    if opt.tiny:
+        a = ModelArgs.tiny()
+        a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = 3, [0, 4, 128], 0
+    else:
+        a = ModelArgs()
+        a.num_hidden_layers, a.compress_ratios, a.num_hash_layers, a.n_routed_experts = 3, [0, 4, 128], 0, 8
+    found = scan(a, [int(r) for r in opt.rows.split(",")])
     if not found:
         print("every fast op's array arguments were row-contiguous")
     for (rows, op, name, shape), n in sorted(found.items()):
