@@ -23,8 +23,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-mx.disable_compile()  # every segment runs op by op, so the probe sees (and may evaluate) each call's arrays
-
 from kernels import backend  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.dummy import dummy_model  # noqa: E402
@@ -78,6 +76,7 @@ def scan(a: ModelArgs, rows_list: list[int]) -> collections.Counter:
     where = [""]
     fast = backend._use_fast, dict(backend._fast)
     probe(found, where)
+    mx.disable_compile()  # every segment op by op, so the probe sees (and may evaluate) each call's arrays
     try:
         for rows in rows_list:
             pools = StatePools(a, max_slots=rows, max_positions=1024, page_size=256, dtype=mx.bfloat16)
@@ -87,6 +86,7 @@ def scan(a: ModelArgs, rows_list: list[int]) -> collections.Counter:
                                 mx.arange(rows).astype(mx.int32), pools)  # fmt: skip
             mx.eval(logits, pools.arrays())
     finally:
+        mx.enable_compile()
         backend._use_fast = fast[0]
         backend._fast.clear()
         backend._fast.update(fast[1])
