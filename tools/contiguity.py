@@ -61,12 +61,13 @@ def probe(found: collections.Counter, where: list[str]) -> None:
     import kernels
     import kernels.matmul as km
 
+    composed = {"hc_pre_rows": kernels.hc_pre_composed, "hc_pre_norm_rows": kernels.hc_pre_norm_composed}
     for op in backend.OPS:
-        ref = getattr(kernels, f"{op}_reference", None) or getattr(km, f"{op}_reference", None)
-        if ref is None:
-            ref = {"hc_pre_rows": lambda h, fn, sc, ba, **kw: kernels.hc_pre_composed(h, fn, sc, ba, **kw)}.get(op)
+        ref = getattr(kernels, f"{op}_reference", None) or getattr(km, f"{op}_reference", None) or composed.get(op)
         if ref is not None:
             backend.register(op, wrap(op, ref))
+        else:  # nothing to probe it by: its default (whatever fast op a CUDA import registered never runs)
+            backend.unregister(op)
 
 
 def scan(a: ModelArgs, rows_list: list[int]) -> collections.Counter:
