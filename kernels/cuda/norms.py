@@ -20,11 +20,9 @@ from kernels.norms import check_hc_post_rows, check_rms_norm_rows, hc_post_rows_
 THREADS = 256
 MAX_NC = 8
 
-RMS_SOURCE = r"""
-  __shared__ float red[32];
-  const int r = blockIdx.x, tid = threadIdx.x;
-  const int D = x_shape[1];
-  const T* xr = x + (size_t)r * D;
+# The inverse RMS of the block's row xr [D] into `inv` (f32 squares strided over the threads, warp shuffles,
+# the warps' sums in order; eps fparams[0]; a __shared__ red[32] declared before): rms_norm's and rms_rope's.
+INV_RMS = r"""
   float ss = 0.f;
   for (int i = tid; i < D; i += blockDim.x) {
     const float v = dsv4_f(xr[i]);
@@ -40,14 +38,23 @@ RMS_SOURCE = r"""
     red[0] = t;
   }
   __syncthreads();
-  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
+  inv = rsqrtf(red[0] / (float)D + fparams[0]);
+"""
+
+RMS_SOURCE = r"""
+  __shared__ float red[32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const int D = x_shape[1];
+  const T* xr = x + (size_t)r * D;
+  float inv;
+@INV_RMS@
   O* orow = out + (size_t)r * D;
   for (int i = tid; i < D; i += blockDim.x) {
     float v = dsv4_f(xr[i]) * inv;
     if (HAS_W) v = dsv4_f(w[i]) * v;
     orow[i] = dsv4_t<O>(v);
   }
-"""
+""".replace("@INV_RMS@", INV_RMS.strip("\n"))
 
 POST_SOURCE = r"""
   const int b = blockIdx.y;

@@ -1,7 +1,7 @@
 """rms_rope_rows on CUDA: an optional RMS norm of each vector and its RoPE in one launch.
 
-One block a vector (a head of q, the window kv, a head of the output): the squares summed in f32 as
-kernels/cuda/norms.py's rms_norm (strided over the threads, warp shuffles, the warps' sums in order), the
+One block a vector (a head of q, the window kv, a head of the output): the squares summed in f32 by
+kernels/cuda/norms.py's rms_norm code (INV_RMS: strided over the threads, the warps' sums in order), the
 normed value rounded to x's dtype (the norm's output), then x * C + swap_pairs(x) * S in f32 on each pair,
 rounded once: the reference's two ops without the pair swap's copy. Fast path: c / s f32, x and the weight
 any float dtype, d even; else the reference.
@@ -14,37 +14,23 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.cuda.norms import INV_RMS
 from kernels.rope import check_rms_rope_rows, rms_rope_rows_reference
 
 THREADS = 128
 
 SOURCE = r"""
   __shared__ float red[32];
-  const int v = blockIdx.x, tid = threadIdx.x;
+  const int vec = blockIdx.x, tid = threadIdx.x;
   const int D = x_shape[1];
-  const T* xr = x + (size_t)v * D;
-  const float* cr = c + (size_t)(v / PER) * D;
-  const float* sr = s + (size_t)(v / PER) * D;
+  const T* xr = x + (size_t)vec * D;
+  const float* cr = c + (size_t)(vec / PER) * D;
+  const float* sr = s + (size_t)(vec / PER) * D;
   float inv = 1.f;
   if (NORM) {
-    float ss = 0.f;
-    for (int i = tid; i < D; i += blockDim.x) {
-      const float t = dsv4_f(xr[i]);
-      ss += t * t;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((tid & 31) == 0) red[tid >> 5] = ss;
-    __syncthreads();
-    if (tid == 0) {
-      float t = 0.f;
-      for (int k = 0; k < (int)(blockDim.x >> 5); ++k) t += red[k];  // the warps' sums in order
-      red[0] = t;
-    }
-    __syncthreads();
-    inv = rsqrtf(red[0] / (float)D + fparams[0]);
+@INV_RMS@
   }
-  T* orow = out + (size_t)v * D;
+  T* orow = out + (size_t)vec * D;
   for (int p = tid; p < D / 2; p += blockDim.x) {
     const int i = 2 * p;
     float y0 = dsv4_f(xr[i]), y1 = dsv4_f(xr[i + 1]);
@@ -61,7 +47,7 @@ SOURCE = r"""
     orow[i] = dsv4_t<T>(y0 * cr[i] + y1 * sr[i]);
     orow[i + 1] = dsv4_t<T>(y1 * cr[i + 1] + y0 * sr[i + 1]);
   }
-"""
+""".replace("@INV_RMS@", INV_RMS.strip("\n"))
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 

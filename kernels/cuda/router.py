@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.cuda.norms import POST_SOURCE
 from kernels.router import (
     check_moe_combine_post_rows,
     check_moe_combine_rows,
@@ -176,30 +177,13 @@ def moe_combine_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, *, out
     return out
 
 
-# The combine above rounded to h's dtype, then norms.POST_SOURCE's post-mix on it: the two kernels' arithmetic
-# in one thread a (row, column), so the result is theirs bit for bit.
-COMBINE_POST_SOURCE = r"""
-  const int b = blockIdx.y;
-  const int H = pairs_shape[2];
-  const int d = blockIdx.x * blockDim.x + threadIdx.x;
-  if (d >= H) return;
-  const size_t row = (size_t)b * K;
-  float acc = 0.f;
-#pragma unroll
-  for (int j = 0; j < K; ++j) acc += dsv4_f(pairs[(row + j) * H + d]) * dsv4_f(w[row + j]);
-  const float yv = dsv4_f(dsv4_t<T>(acc + dsv4_f(shared[(size_t)b * H + d])));
-  float hv[NC];
-#pragma unroll
-  for (int j = 0; j < NC; ++j) hv[j] = dsv4_f(h[((size_t)b * NC + j) * H + d]);
-  const float* cb = comb + (size_t)b * NC * NC;
-#pragma unroll
-  for (int k = 0; k < NC; ++k) {
-    float m = 0.f;
-#pragma unroll
-    for (int j = 0; j < NC; ++j) m += cb[j * NC + k] * hv[j];
-    out[((size_t)b * NC + k) * H + d] = dsv4_t<T>(post[(size_t)b * NC + k] * yv + m);
-  }
-"""
+# The combine above rounded to h's dtype (its store turned into the post-mix's y), then norms.POST_SOURCE's
+# post-mix on it: the two kernels' arithmetic in one thread a (row, column).
+_STORE = "out[(size_t)b * H + d] = dsv4_t<O>(acc + dsv4_f(shared[(size_t)b * H + d]));"
+_Y = "const float yv = dsv4_f(y[(size_t)b * H + d]);"
+assert _STORE in COMBINE_SOURCE and _Y in POST_SOURCE, "the combine's store or the post-mix's y moved"
+_YV = "const float yv = dsv4_f(dsv4_t<T>(acc + dsv4_f(shared[(size_t)b * H + d])));"
+COMBINE_POST_SOURCE = COMBINE_SOURCE.replace(_STORE, _YV) + POST_SOURCE[POST_SOURCE.index(_Y) + len(_Y) :]
 MAX_NC = 8
 
 
