@@ -93,27 +93,15 @@ _compiled_pre: dict[object, object] = {}
 
 
 def reset_compiled() -> None:
-    """Forget the compiled hc_pre functions (they traced the kernel choice of their first call; a call
+    """Forget the compiled pre-mix functions (they traced the kernel choice of their first call; a call
     inside a compiled segment retraces anyway, a direct call, as in prefill, does not)."""
     _compiled_pre.clear()
-
-
-def hc_pre(
-    h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
-) -> tuple[mx.array, mx.array, mx.array]:
-    """h [B, nc, H] -> (block input x [B, H], post [B, nc], comb C [B, nc, nc]); all mixing in f32.
-
-    The mixing (sigmoids, softmax, Sinkhorn, the weighted stream sum) is `kernels.hc_pre_mix`: one
-    kernel on CUDA, ~100 small ops in the reference; the rest compiled here."""
-    f = _compiled_pre.get(id(args))
-    if f is None:
-        f = _compiled_pre[id(args)] = mx.compile(functools.partial(_hc_pre, args=args))
-    return f(h, fn, base, scale)
 
 
 def _hc_pre(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
+    """The mHC pre-mix alone, as the model ran it before its norm joined it (tools/step_nodes.py counts it)."""
     return kernels.hc_pre_rows(h, fn, scale, base, iters=args.hc_sinkhorn_iters, eps=args.hc_eps,
                                norm_eps=args.rms_norm_eps)
 
@@ -121,8 +109,9 @@ def _hc_pre(
 def hc_pre_norm(
     h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, norm: RMSNorm, args: ModelArgs
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """hc_pre with the unit's RMSNorm applied to its block input: (norm(x), post, comb), one kernel on CUDA
-    (`kernels.hc_pre_norm_rows`) where the two take two; compiled as hc_pre is."""
+    """h [B, nc, H] -> (the unit's RMSNorm of its block input x [B, H], post [B, nc], comb C [B, nc, nc]); all
+    mixing in f32. `kernels.hc_pre_norm_rows`: one kernel on CUDA; its composition (the input RMS, the logits,
+    the ~100-op mixing, the norm) is compiled here, so a direct call (prefill's) replays it."""
     key = (id(args), norm.eps)
     f = _compiled_pre.get(key)
     if f is None:
