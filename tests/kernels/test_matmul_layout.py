@@ -105,3 +105,46 @@ def test_lane_layout_gives_the_dequantized_product(wf: int, rows: int) -> None:
         got += np.einsum("smk,skn->nm", am, bm)
     assert not got[rows:].any()
     np.testing.assert_allclose(got[:rows], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _fake_kernel(*_: object, **__: object):
+    """kernels.cuda.common.kernel's stand-in on the CPU: the launch returns its output buffer filled 0, 1, 2, ..."""
+
+    def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        n = int(np.prod(output_shapes[0]))
+        return [mx.arange(n).astype(output_dtypes[0]).reshape(output_shapes[0])]
+
+    return launch
+
+
+def _nodes(*arrays: mx.array) -> set[str]:
+    import re
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return set(re.findall(r'label ="?([A-Za-z]+)', Path(f.name).read_text()))
+
+
+def test_the_two_product_forms_hand_out_views_of_their_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAIR 2 writes [2, B, N], CAT [B, N1] then [B, N2] into one buffer: the products handed out are its
+    pieces in that order, as slices (an integer index would be one more kernel each: a Gather in MLX)."""
+    from kernels.cuda import common
+    from kernels.cuda import matmul as cm
+
+    monkeypatch.setattr(cm, "kernel", _fake_kernel)
+    monkeypatch.setattr(common, "_plans", {})
+    b, k = 3, 64
+    x = mx.zeros((b, k), mx.bfloat16)
+    kv, score = cm.f32_linear_pair_rows_cuda(x, mx.zeros((32, k), mx.bfloat16), mx.zeros((32, k), mx.bfloat16))
+    w1, s1 = mx.zeros((48, k // 4), mx.uint32), mx.zeros((48, k // 32), mx.uint8)
+    w2, s2 = mx.zeros((32, k // 4), mx.uint32), mx.zeros((32, k // 32), mx.uint8)
+    qa, kva = cm.qlinear_cat_rows_cuda(x, w1, s1, w2, s2)
+    assert not _nodes(kv, score, qa, kva) & {"Gather", "Copy"}  # before anything is evaluated (and detached)
+    buf = np.arange(2 * b * 32, dtype=np.float32)
+    assert np.array_equal(np.array(kv), buf[: b * 32].reshape(b, 32))
+    assert np.array_equal(np.array(score), buf[b * 32 :].reshape(b, 32))
+    buf = np.arange(b * 80, dtype=np.float32)
+    assert np.array_equal(np.array(qa.astype(mx.float32)), buf[: b * 48].reshape(b, 48))
+    assert np.array_equal(np.array(kva.astype(mx.float32)), buf[b * 48 :].reshape(b, 32))
