@@ -5,7 +5,7 @@
 #   PART=new     the gpu tests not yet run whole on a GPU (the fused and split mHC pre-mix, qtiles, the dispatch)
 #                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
 #   PART=fused   the fused glue kernels' gpu tests, the step's A/B fast / unfused (rows 1 and 8, 4K, CUPTI), the
-#                layer numerics with every fast path, the grouped experts' gpu tests form by form
+#                layer numerics with every fast path (DSV4_SKINNY_CAT=1 too), the grouped experts' gpu tests form by form
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_one alternated, CUPTI profile each
@@ -58,7 +58,7 @@ for part in ${PART:-tests}; do
              tests/kernels/test_cuda_norms.py::test_tiny_model_decode_with_the_glue_kernels 2>&1 | tail -12
            timeout 190 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
              --arms fast,unfused --out "$OUT/step_fused.json" 2>&1 | tail -5
-           timeout 190 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+           DSV4_SKINNY_CAT=1 timeout 190 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
              tests/model/test_cuda_layer_numerics.py 2>&1 | grep -E "PASS|FAIL|Error|assert" | tail -8
            timeout 50 python3 -m pytest -m gpu -v --tb=line -p no:cacheprovider \
              tests/kernels/test_experts_grouped.py 2>&1 | grep -E "PASS|FAIL|Error" | tail -8 ;;
