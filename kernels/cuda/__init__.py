@@ -86,9 +86,9 @@ backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cu
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 # Two projections of one input in one skinny launch (kernels/cuda/matmul.py PAIR 3: wq_a + wkv, the two wq_b of
-# a CSA layer); opt-in (DSV4_SKINNY_CAT=1) until its gpu test has run on the H200 (PART=fused): each product
-# its own launch otherwise.
-SKINNY_CAT = os.environ.get("DSV4_SKINNY_CAT", "0").strip() == "1"
+# a CSA layer: 64 launches a step fewer). On unless DSV4_SKINNY_CAT=0 (each product its own launch): its gpu test
+# and the layer numerics passed on the H200 (PART=fused, 5d133be, 2026-12-02).
+SKINNY_CAT = os.environ.get("DSV4_SKINNY_CAT", "1").strip() != "0"
 # Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY; DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
 if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)

@@ -151,7 +151,7 @@ def test_dispatch_uses_fast_path() -> None:
     if not kmatmul.SKINNY:  # DSV4_SKINNY=0 keeps MLX's own matmuls for the weight products
         opt_out |= {"qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows",
                     "experts_gate_up_rows", "experts_down_rows"}
-    if not (kmatmul.SKINNY and kc.SKINNY_CAT):  # DSV4_SKINNY_CAT=1 opts in to one launch for two projections
+    if not (kmatmul.SKINNY and kc.SKINNY_CAT):  # DSV4_SKINNY_CAT=0 keeps a launch a projection
         opt_out |= {"qlinear_cat_rows"}
     if not kc.GLUE_KERNELS:  # DSV4_GLUE_KERNELS=0 keeps the glue ops' references
         opt_out |= {"rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows",
