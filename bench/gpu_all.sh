@@ -6,6 +6,8 @@
 #                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
 #   PART=fused   the fused glue kernels' gpu tests, the step's A/B fast / unfused (rows 1 and 8, 4K, CUPTI), the
 #                layer numerics with every fast path (DSV4_SKINNY_CAT=1 too), the grouped experts' gpu tests form by form
+#   PART=pattn   prefill's attention on the decode kernel: its gpu test, prefill 2K (arms fast / plain_attn) and
+#                16K, the 64K step
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_one alternated, CUPTI profile each
@@ -62,6 +64,17 @@ for part in ${PART:-tests}; do
              tests/model/test_cuda_layer_numerics.py 2>&1 | grep -E "PASS|FAIL|Error|assert" | tail -8
            timeout 50 python3 -m pytest -m gpu -v --tb=line -p no:cacheprovider \
              tests/kernels/test_experts_grouped.py 2>&1 | grep -E "PASS|FAIL|Error" | tail -8 ;;
+    pattn) # prefill's attention as the decode kernel's rows: its gpu test, then prefill at 2K (1 and 4 prompts,
+           # arms fast / plain_attn alternated, CUPTI on fast, agreement with decode) and 16K, then the 64K step
+           timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_cuda_prefill_attention.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \
+             2>&1 | tail -8
+           timeout 240 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,plain_attn \
+             --agree 256 --profile --out "$OUT/prefill_attn.json" 2>&1 | grep -v Warn | tail -7
+           timeout 130 python3 bench/prefill.py --experts 32 --prompts 16384 --concurrent 1 --agree 0 --no-profile \
+             --out "$OUT/prefill_16k.json" 2>&1 | tail -2
+           timeout $((575 - SECONDS)) python3 bench/step.py --experts 32 --rows 8,1 --contexts 65536 --reps 8 \
+             --arms fast --out "$OUT/step_64k.json" 2>&1 | tail -4 ;;
     graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
             # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
             for mode in on off step; do
@@ -105,6 +118,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new fused graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new fused pattn graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

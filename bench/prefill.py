@@ -11,7 +11,7 @@ agreement with token-by-token decode of the first `--agree` tokens (the decode s
 Prints a table, writes JSON.
 
     python3 bench/prefill.py --out $OUT/prefill.json [--experts 32] [--prompts 2048,16384,65536]
-        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile]
+        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile] [--arms fast,plain_attn]
     python3 bench/prefill.py --layers 2 --experts 8 --prompts 64 --chunk 32 --agree 48   # CPU, V4-Flash dims
     python3 bench/prefill.py --tiny --prompts 64 --concurrent 1,2 --chunk 32 --agree 48   # CPU, tests/test_bench.py
 """
@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
+from kernels import backend  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.loader import tiny_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
@@ -140,6 +141,12 @@ def main() -> None:
     ap.add_argument("--agree", type=int, default=1024, help="tokens of the decode agreement check (0: none)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="CUPTI GPU busy time per cell (default: on CUDA)")  # fmt: skip
+    ap.add_argument(
+        "--arms",
+        default="fast",
+        help="fast (every fast path) and / or plain_attn (prefill's attention "
+        "as plain MLX ops, DSV4_PREFILL_ATTN=0), alternated per cell; the first is profiled",
+    )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill.json"))
     opt = ap.parse_args()
@@ -169,26 +176,35 @@ def main() -> None:
     pools.free(h)
     wf = weight_flops(model)
     head = 2 * args.vocab_size * args.hidden_size
+    arms = opt.arms.split(",")
+    fast_attn = backend.registered().get("prefill_attention")
+    if any(arm not in ("fast", "plain_attn") for arm in arms):
+        ap.error(f"--arms: expected fast and / or plain_attn, got {opt.arms}")
     results = []
-    for n in lengths:
-        for c in concurrent:
-            prompts = [(prompt[7 * i :] + prompt[: 7 * i])[:n] for i in range(c)]  # distinct prompts
-            secs, ttft, forwards, _ = run_cell(model, pools, prompts, opt.chunk)
-            flops = c * (n * wf + attention_flops(model, n) + head)
-            cell = {"layers": opt.layers, "experts": experts, "prompt": n, "concurrent": c, "chunk": opt.chunk,
-                    "forwards": forwards, "seconds": secs, "tokens_per_s": c * n / secs,
-                    "ttft_ms": ttft, "ttft_ms_max": max(ttft), "tflop": flops / 1e12,
-                    "floor_s": flops / rate, "x_floor": secs / (flops / rate)}  # fmt: skip
-            print(json.dumps(cell), flush=True)  # before the profile: a run cut short still reports the cell
-            if profile:
-                prof = gpu_profile(lambda k, ps=prompts: [run_cell(model, pools, ps, opt.chunk) for _ in range(k)],
-                                   1, None, f"prefill_{n}_{c}")  # fmt: skip
-                cell |= {"kernels": prof["kernels_per_step"], "gpu_busy_s": prof["gpu_busy_ms_per_step"] / 1e3,
-                         "top": prof["top"]}  # fmt: skip
-                cell["busy_x_floor"] = cell["gpu_busy_s"] / cell["floor_s"]
-                print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "top")}),
-                      flush=True)  # fmt: skip
-            results.append(cell)
+    for n, c, arm in [(n, c, arm) for n in lengths for c in concurrent for arm in arms]:
+        if fast_attn is not None and arm == "fast":  # the arm's prefill attention (the CUDA path registers it)
+            backend.register("prefill_attention", fast_attn)
+        elif fast_attn is not None:
+            backend.unregister("prefill_attention")
+        prompts = [(prompt[7 * i :] + prompt[: 7 * i])[:n] for i in range(c)]  # distinct prompts
+        secs, ttft, forwards, _ = run_cell(model, pools, prompts, opt.chunk)
+        flops = c * (n * wf + attention_flops(model, n) + head)
+        cell = {"layers": opt.layers, "experts": experts, "prompt": n, "concurrent": c, "chunk": opt.chunk,
+                "arm": arm, "forwards": forwards, "seconds": secs, "tokens_per_s": c * n / secs,
+                "ttft_ms": ttft, "ttft_ms_max": max(ttft), "tflop": flops / 1e12,
+                "floor_s": flops / rate, "x_floor": secs / (flops / rate)}  # fmt: skip
+        print(json.dumps(cell), flush=True)  # before the profile: a run cut short still reports the cell
+        if profile and arm == arms[0]:
+            prof = gpu_profile(lambda k, ps=prompts: [run_cell(model, pools, ps, opt.chunk) for _ in range(k)],
+                               1, None, f"prefill_{n}_{c}")  # fmt: skip
+            cell |= {"kernels": prof["kernels_per_step"], "gpu_busy_s": prof["gpu_busy_ms_per_step"] / 1e3,
+                     "top": prof["top"]}  # fmt: skip
+            cell["busy_x_floor"] = cell["gpu_busy_s"] / cell["floor_s"]
+            print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "top")}),
+                  flush=True)  # fmt: skip
+        results.append(cell)
+    if fast_attn is not None:
+        backend.register("prefill_attention", fast_attn)
     agree = agreement(model, pools, prompt[: min(opt.agree, cap)], opt.chunk) if opt.agree > 0 else {}
     print(json.dumps(agree), flush=True)
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "bf16_gemm_tflops": rate / 1e12,
@@ -197,11 +213,13 @@ def main() -> None:
     Path(opt.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results, "agreement": agree}, indent=1))
     print(json.dumps(meta))
-    cols = ("prompt", "conc", "fwd", "tok/s", "ttft ms", "floor s", "x floor", "busy s")
-    print("{:>7} {:>4} {:>5} {:>9} {:>9} {:>8} {:>7} {:>7}".format(*cols))
+    cols = ("prompt", "conc", "arm", "fwd", "tok/s", "ttft ms", "floor s", "x floor", "busy s")
+    print("{:>7} {:>4} {:>10} {:>5} {:>9} {:>9} {:>8} {:>7} {:>7}".format(*cols))
     for r in results:
-        print(f"{r['prompt']:>7} {r['concurrent']:>4} {r['forwards']:>5} {r['tokens_per_s']:>9.1f} "
-              f"{r['ttft_ms_max']:>9.1f} {r['floor_s']:>8.3f} {r['x_floor']:>7.2f} {r.get('gpu_busy_s', 0):>7.3f}")
+        print(
+            f"{r['prompt']:>7} {r['concurrent']:>4} {r['arm']:>10} {r['forwards']:>5} {r['tokens_per_s']:>9.1f} "
+            f"{r['ttft_ms_max']:>9.1f} {r['floor_s']:>8.3f} {r['x_floor']:>7.2f} {r.get('gpu_busy_s', 0):>7.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from kernels.compressor import (
 from kernels.hc import hc_pre_composed, hc_pre_mix_reference, hc_pre_norm_composed
 from kernels.indexer import indexer_rows_reference
 from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
+from kernels.prefill_attention import prefill_attention_reference
 from kernels.rope import rms_rope_rows_reference, rope, rope_apply, rope_tables
 from kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference, router_topk_reference
 from kernels.rows import Row, RowBatch
@@ -48,6 +49,7 @@ __all__ = [
     "router_topk",
     "moe_combine_rows",
     "moe_combine_post_rows",
+    "prefill_attention",
     "indexer_rows",
     "rms_rope_rows",
     "rope",
@@ -220,3 +222,13 @@ def rms_rope_rows(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | N
                   eps: float | None = None) -> mx.array:  # fmt: skip
     """rope_apply(x, c, s) after an optional RMS norm of each vector (kernels/rope.py): one kernel on CUDA."""
     return backend.pick("rms_rope_rows", rms_rope_rows_reference)(x, c, s, weight=weight, eps=eps)
+
+
+def prefill_attention(q: mx.array, ring: mx.array, kv: mx.array, start: int, pool: mx.array | None,
+                      table: mx.array | None, indices: mx.array | None, sinks: mx.array, *, scale: float,
+                      ratio: int | None = None) -> mx.array:  # fmt: skip
+    """Attention of T prompt tokens at positions start.. of one request over their window ([ring; kv]) and
+    compressed entries (kernels/prefill_attention.py) -> [T, nh, D] in q.dtype; the decode kernel's T rows on
+    CUDA (kernels/cuda/prefill_attention.py)."""
+    fn = backend.pick("prefill_attention", prefill_attention_reference)
+    return fn(q, ring, kv, start, pool, table, indices, sinks, scale=scale, ratio=ratio)

@@ -149,8 +149,8 @@ class DeepseekV4(nn.Module):
                 chunk: int = PREFILL_CHUNK, logits: bool = True, every: bool = False) -> mx.array | None:  # fmt: skip
         """Feed one request's prompt tokens at positions start..; returns the logits of the last one [vocab]
         (None with `logits=False`: the state only, no head; `every=True`: every token's [T, vocab], row t
-        predicting token t + 1). Parallel over the tokens, `chunk` at a time (its attention holds
-        [ATTN_BLOCK, topk, D] gathered keys)."""
+        predicting token t + 1). Parallel over the tokens, `chunk` at a time (work buffers scale
+        with the chunk: kernels/prefill_attention.py)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if chunk < 1:

@@ -3,8 +3,9 @@
 The same math as T decode steps (`DeepseekV4.step` one token at a time): it leaves the same state
 (window ring, compressor windows, compressed KV, indexer keys) and the same last-token logits, up
 to f32 summation order. Each layer runs its projections and MoE for the T tokens together and
-attends with causal masks in plain MLX ops: the window (W keys before the chunk + the chunk), the
-entries each token's indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
+attends through `kernels.prefill_attention` (causal masks in plain MLX; T rows of the decode
+kernel on CUDA): the window (W keys before the chunk + the chunk), the entries each token's
+indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
 Entries a window emits inside the chunk are pooled together (`_compress`) before anything reads
 them, and each token only sees those emitted at or before its position. Several requests' chunks
 share one forward (`prefill_batch`): the row-wise parts over all their tokens, attention per request.
@@ -12,24 +13,20 @@ share one forward (`prefill_batch`): the row-wise parts over all their tokens, a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import mlx.core as mx
 
 from kernels import matmul as kmatmul
+from kernels import prefill_attention
 from kernels.compressor import pooled_entry
 from kernels.indexer import topk_ids
-from kernels.sparse_attention import sink_softmax
+from kernels.prefill_attention import entries
 from model.attention import Attention, Compressor
 from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
 SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
-# Queries attended together. A query sees W window keys, but a block's window logits span its queries' keys
-# and the W before them ([block, nh, block + W]): one block of T queries costs T + W keys a query (2,176
-# at a 2,048-token chunk), blocks of 512 cost 640, for ~20 more graph nodes a block.
-ATTN_BLOCK = 512
 
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
@@ -83,13 +80,6 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
     return kv_state, score_state, pool
 
 
-def _entries(pool: mx.array, table: Sequence[int], n: int, page: int) -> mx.array:
-    """The first n compressed entries of a request, [n, d] f32."""
-    ids = mx.arange(n, dtype=mx.int32)
-    pages = mx.array(list(table), dtype=mx.int32)[ids // page]
-    return pool[pages, ids % page].astype(mx.float32)
-
-
 def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
     """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
     [T, topk] ids, -1 padded."""
@@ -106,57 +96,34 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
             start: int) -> mx.array:  # fmt: skip
-    """The kernel part of `Attention.attend` for T tokens of one request; o [T, nh, D] in the pool dtype."""
+    """`Attention.attend`'s kernel part for T tokens of one request: the window ring's update, the compressors'
+    entries, the indexer's picks (CSA), then `prefill_attention`; o [T, nh, D] in the pool dtype."""
     a, layer, r = attn.args, attn.layer, attn.ratio
     q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
-    t, wl, page, slot, tables = q.shape[0], a.sliding_window, pools.page_size, handle.slot, handle.tables
-    scale = a.head_dim**-0.5
-    pos_py = list(range(start, start + t))
-    pos = mx.array(pos_py, dtype=mx.int32)
-    # Window keys: the ring before the chunk (ring row j holds the latest position = j mod W), then the chunk.
-    ring_pos = mx.array([start - 1 - ((start - 1 - j) % wl) for j in range(wl)], dtype=mx.int32)
-    keys_w = mx.concatenate([pools.window[layer][slot], kv]).astype(mx.float32)  # [W+T, D]
-    kpos = mx.concatenate([ring_pos, pos])
-    ok_w = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - wl)
-    tail = pos_py[-min(t, wl) :]
+    t, wl, slot, tables = q.shape[0], a.sliding_window, handle.slot, handle.tables
+    ring = pools.window[layer][slot]  # as it was before the chunk (the write below makes a new array)
+    tail = list(range(start, start + t))[-min(t, wl) :]
     pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
-    qf = q.astype(mx.float32)
     if r:
         pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer] = _compress(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], slot,
-            tables[r], start, page, a.rms_norm_eps,
+            tables[r], start, pools.page_size, a.rms_norm_eps,
         )  # fmt: skip
     if r == 4:
         ix = attn.indexer
         pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer] = _compress(
             ix.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            slot, tables[4], start, page, a.rms_norm_eps,
+            slot, tables[4], start, pools.page_size, a.rms_norm_eps,
         )  # fmt: skip
     n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
-    comp, ids = None, None
-    if n:
-        comp = _entries(pools.ckv[layer], tables[r], n, page)  # [n, D]
-        vis = (pos + 1) // r  # entries each token can see
-        if r == 4:
-            ikeys = _entries(pools.ikeys[layer], tables[4], n, page)
-            ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
-    outs = []
-    for b0 in range(0, t, ATTN_BLOCK):
-        # Query rows b0..b1-1 see keys lo..b1-1+W of [ring; chunk]: chunk keys from b0 - W + 1 on, and ring
-        # rows (in ring order, not position order: all of them) only while b0 < W.
-        b1, lo = min(t, b0 + ATTN_BLOCK), 0 if b0 < wl else b0
-        kw, qb = keys_w[lo : b1 + wl], qf[b0:b1]
-        # (logits [Tb, nh, L_i], values): masked logits are -inf, so their (finite) values weigh exactly 0
-        parts = [(mx.where(ok_w[b0:b1, None, lo : b1 + wl], (qb @ kw.T) * scale, -math.inf), kw)]
-        if comp is not None and ids is not None:  # CSA: the entries each token's indexer picked
-            ok = ids[b0:b1] >= 0  # topk_ids leaves -1 past each token's visible entries
-            keys_c = comp[mx.where(ok, ids[b0:b1], 0)]  # [Tb, topk, D]
-            parts.append((mx.where(ok[:, None, :], (qb @ keys_c.transpose(0, 2, 1)) * scale, -math.inf), keys_c))
-        elif comp is not None:  # HCA: every entry emitted at or before the token
-            ok = mx.arange(n)[None, :] < vis[b0:b1, None]
-            parts.append((mx.where(ok[:, None, :], (qb @ comp.T) * scale, -math.inf), comp))
-        outs.append(sink_softmax(parts, attn.attn_sink))
-    return (outs[0] if len(outs) == 1 else mx.concatenate(outs)).astype(q.dtype)
+    table = mx.array(list(tables[r]), dtype=mx.int32) if r else None
+    ids = None
+    if r == 4 and n:
+        vis = mx.arange(start + 1, start + t + 1, dtype=mx.int32) // r  # entries each token can see
+        ikeys = entries(pools.ikeys[layer], mx.array(list(tables[4]), dtype=mx.int32), n)
+        ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
+    return prefill_attention(q, ring, kv, start, pools.ckv[layer] if r else None, table, ids, attn.attn_sink,
+                             scale=a.head_dim**-0.5, ratio=r or None)  # fmt: skip
 
 
 def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
@@ -188,9 +155,8 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     row-wise, each row at its own position and token id) run once over the T rows; the attention with
     its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
     block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
-    the chunk (window logits [block, nh, W + block] and CSA's [block, topk, D] keys, ATTN_BLOCK queries at
-    a time; indexer scores in SCORE_BYTES blocks), never the whole prompt; the entries' f32 view [n, D]
-    and HCA's [block, nh, n] logits grow with the context (n = context / ratio).
+    the chunk (kernels/prefill_attention.py; indexer scores in SCORE_BYTES blocks), never the whole
+    prompt; the entries' views grow with the context (n = context / ratio).
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     check_work(work)
     a = model.args

@@ -59,6 +59,7 @@ from kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
+from kernels.cuda.prefill_attention import prefill_attention_cuda
 from kernels.cuda.rope import rms_rope_rows_cuda
 from kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
 from kernels.indexer import new_workspace
@@ -74,6 +75,7 @@ __all__ = [
     "indexer_rows_cuda",
     "moe_combine_rows_cuda",
     "precompile",
+    "prefill_attention_cuda",
     "precompile_model",
     "rms_norm_rows_cuda",
     "router_topk_cuda",
@@ -85,6 +87,11 @@ backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
+# Prefill's attention as T rows of the decode kernel (kernels/cuda/prefill_attention.py). On unless
+# DSV4_PREFILL_ATTN=0 (the plain masked f32 ops, ATTN_BLOCK queries at a time).
+PREFILL_ATTN = os.environ.get("DSV4_PREFILL_ATTN", "1").strip() != "0"
+if PREFILL_ATTN:
+    backend.register("prefill_attention", prefill_attention_cuda)
 # Two projections of one input in one skinny launch (kernels/cuda/matmul.py PAIR 3: wq_a + wkv, the two wq_b of
 # a CSA layer: 64 launches a step fewer). On unless DSV4_SKINNY_CAT=0 (each product its own launch): its gpu test
 # and the layer numerics passed on the H200 (PART=fused, 5d133be, 2026-12-02).

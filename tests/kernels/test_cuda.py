@@ -156,6 +156,8 @@ def test_dispatch_uses_fast_path() -> None:
     if not kc.GLUE_KERNELS:  # DSV4_GLUE_KERNELS=0 keeps the glue ops' references
         opt_out |= {"rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows",
                     "hc_pre_norm_rows", "moe_combine_post_rows", "rms_rope_rows"}
+    if not kc.PREFILL_ATTN:  # DSV4_PREFILL_ATTN=0 keeps prefill's plain attention
+        opt_out |= {"prefill_attention"}
     assert set(backend.registered()) == set(backend.OPS) - opt_out
 
 

@@ -100,11 +100,13 @@ def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
 def test_prefill_attends_in_query_blocks(tiny, serial, monkeypatch, block) -> None:
     """Queries attended ATTN_BLOCK at a time (each block over its own window keys): the logits and state of
     token-by-token decoding, blocks that split the window's ring reach and CSA / HCA entries included."""
-    import model.prefill as prefill
+    import importlib
+
+    pa = importlib.import_module("kernels.prefill_attention")  # the module (the package's attribute is the op)
 
     model, args = tiny
     prompt, ref_pools, ref_h, ref_last = serial
-    monkeypatch.setattr(prefill, "ATTN_BLOCK", block)
+    monkeypatch.setattr(pa, "ATTN_BLOCK", block)
     pools = StatePools(args, max_slots=1, max_positions=LEN + 8, page_size=PAGE)
     h = pools.alloc(LEN + 8)
     model.prefill(pools, h, prompt[:37], 0, chunk=37)  # the second chunk's first block reaches into the ring

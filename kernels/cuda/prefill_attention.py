@@ -1,0 +1,77 @@
+"""prefill_attention on CUDA: T queries as T rows of the decode step's attention kernel (kernels/cuda/attention.py).
+
+The decode kernels read a row's window as ring rows 0..W-1 of its slot, valid while j < min(p, W - 1) + 1, and
+its entries through a block table. A prefill query's window is the W positions before and at its own: with
+the keys laid out in reverse position order (`rseq[i]` = position start + T - 1 - i: the chunk's kv reversed,
+then the ring's rows by falling position), query t's window row j = position p - j is `rseq[T - 1 - t + j]`,
+so the rows' windows are one strided view `[rows, W, D]` of rseq (MLX lays it out contiguous for the kernel:
+rows x W x D elements). Row b of a block of queries t0..t1-1 is query t1 - 1 - b, in slot b; valid window rows
+are then exactly j <= p, as in decode. CSA rows read their picked ids, HCA rows every emitted entry; both
+through the request's table repeated per row. Same tensor-core math as decode (bf16/f16 q, keys and P, f32
+logits and accumulation), one launch (two for split-K) per ROWS_MAX queries instead of ~25 plain ops a block.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from kernels.cuda import common
+from kernels.cuda.attention import Plan
+from kernels.cuda.common import arange_rows, i32_dummy, plan_cached
+from kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
+
+# Queries a launch: the grid's z dimension is the rows (< 65,536), and the window view is materialized at
+# rows x W x D (4,096 x 128 x 512 bf16: 512 MiB), as is split-K's partial O (f32, about as much).
+ROWS_MAX = 4096
+
+
+def _rows(n: int, start: int, last: int) -> tuple[mx.array, mx.array, mx.array]:
+    """slots 0..n-1, positions last, last-1, .., q rows n-1..0 (row b is the block's query n - 1 - b)."""
+    b = mx.arange(n, dtype=mx.int32)
+    return b, (start + last) - b, (n - 1) - b
+
+
+def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int, pool: mx.array | None,
+                           table: mx.array | None, indices: mx.array | None, sinks: mx.array, *, scale: float,
+                           ratio: int | None = None) -> mx.array:  # fmt: skip
+    check_prefill_attention(q, ring, kv, start, pool, table, indices, sinks, scale=scale, ratio=ratio)
+    t, nh, d = q.shape
+    wl = ring.shape[0]
+    n = (start + t) // ratio if ratio else 0
+    if n == 0:  # no entry visible to any query yet: the window alone, as a sliding layer
+        pool, table, indices, ratio = None, None, None, None
+    ring_rows = (start - 1 - mx.arange(wl, dtype=mx.int32) + wl) % wl  # positions start-1, start-2, ..
+    rseq = mx.concatenate([kv[mx.arange(t - 1, -1, -1, dtype=mx.int32)], ring[ring_rows]]).astype(q.dtype)
+    outs = []
+    for t0 in range(0, t, ROWS_MAX):
+        t1 = min(t, t0 + ROWS_MAX)
+        r = t1 - t0
+        window = mx.as_strided(rseq, (r, wl, d), (d, d, 1), (t - t1) * d)
+        slots, positions, q_rows = _rows(r, start, t1 - 1)
+        if pool is None:
+            tables: dict[int, mx.array] = {}
+        else:
+            assert table is not None and ratio is not None
+            tables = {ratio: mx.broadcast_to(table[None, :], (r, table.shape[0]))}
+        batch = SimpleNamespace(size=r, page_size=pool.shape[1] if pool is not None else 1, tables=tables)
+        ind = None if indices is None else indices[t0:t1]
+        qb = q[t0:t1]
+        key = ("prefill_attention", float(scale), ratio, qb.shape, qb.dtype, window.shape, window.dtype,
+               None if pool is None else (pool.shape, pool.dtype), None if ind is None else ind.shape,
+               None if table is None else table.shape)  # fmt: skip
+        plan: Plan = plan_cached(key, lambda: Plan(batch, qb, window, pool, ind, scale, ratio))  # noqa: B023
+        if not plan.fast:  # dtypes or dims the kernels do not take
+            return prefill_attention_reference(q, ring, kv, start, pool, table, indices, sinks, scale=scale,
+                                               ratio=ratio)  # fmt: skip
+        if pool is None:
+            tab, pool_in, ind = i32_dummy((r, 1)), window, i32_dummy((1, 1))
+        else:
+            tab, pool_in = tables[plan.ratio], pool
+            if ind is None:
+                ind = arange_rows(r, table.shape[0] * pool.shape[1])
+        run = plan.compiled if common.COMPILE else plan.launch
+        outs.append(run(slots, positions, q_rows, tab, qb, window, pool_in, ind, plan.fparams, sinks,
+                        i32_dummy((1,))))  # fmt: skip
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs)
