@@ -51,6 +51,7 @@ TARGET_DSPLIT = 120  # dsplit blocks wanted (one wave: a dsplit block takes most
 PART_IN = ("slots", "positions", "q_rows", "table", "q", "window", "pool", "indices", "fparams", "sinks", "after")
 COMB_IN = ("q_rows", "part", "sinks")
 
+
 def smem_bytes(d: int, one: bool = False) -> int:
     """Split-K: Q, K chunk, P, S, softmax state, key offsets; + the O accumulator unless ONE."""
     t = 2 * (HG * (d + 8) + CK * (d + 8) + HG * (CK + 8))
@@ -111,7 +112,10 @@ class Plan:
                  "part_shapes", "part_tmpl", "ratio")  # fmt: skip
 
     def __init__(self, batch: RowBatch, q: mx.array, window: mx.array, pool: mx.array | None,
-                 indices: mx.array | None, scale: float, ratio: int | None) -> None:  # fmt: skip
+                 indices: mx.array | None, scale: float, ratio: int | None,
+                 dsplit_chunks: int = DSPLIT_CHUNKS) -> None:  # fmt: skip
+        """`dsplit_chunks`: the longest rows (in 64-key chunks) that `dsplit` takes; prefill's thousands of rows
+        give it every row (no split-K, no combine)."""
         self.fast = supported(q, window, pool)
         if not self.fast:
             return
@@ -126,7 +130,7 @@ class Plan:
         groups = nh // HG
         nchunk = -(-(window.shape[1] + ki) // CK)
         ds = dsplit_slices(bq, groups, d)
-        self.final = nchunk <= DSPLIT_CHUNKS and dsplit_smem(d) <= SMEM_MAX
+        self.final = nchunk <= dsplit_chunks and dsplit_smem(d) <= SMEM_MAX
         hg = wide_heads(nh, d)
         self.fparams = f32_params(scale)
         self.nt = THREADS

@@ -8,7 +8,7 @@ so the rows' windows are one strided view `[rows, W, D]` of rseq (MLX lays it ou
 rows x W x D elements). Row b of a block of queries t0..t1-1 is query t1 - 1 - b, in slot b; valid window rows
 are then exactly j <= p, as in decode. CSA rows read their picked ids, HCA rows every emitted entry; both
 through the request's table repeated per row. Same tensor-core math as decode (bf16/f16 q, keys and P, f32
-logits and accumulation), one launch (two for split-K) per ROWS_MAX queries instead of ~25 plain ops a block.
+logits and accumulation), one `dsplit` launch per ROWS_MAX queries instead of ~25 plain ops a block.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from kernels.prefill_attention import check_prefill_attention, prefill_attention
 # Queries a launch: the grid's z dimension is the rows (< 65,536), and the window view is materialized at
 # rows x W x D (4,096 x 128 x 512 bf16: 512 MiB), as is split-K's partial O (f32, about as much).
 ROWS_MAX = 4096
+# Every row through `dsplit` (one launch, O in registers, no partial buffer): the decode step's split-K forms
+# exist to spread 1-8 long rows over the GPU, and their combine looks each q row up among all B rows (O(B^2)
+# at B = 2,048: 5 ms a launch, 202 of a 2K forward's 841 ms on the H200, 5d133be + db48309).
+DSPLIT_ALL = 1 << 30
 
 
 def _rows(n: int, start: int, last: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -61,7 +65,7 @@ def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int
         key = ("prefill_attention", float(scale), ratio, qb.shape, qb.dtype, window.shape, window.dtype,
                None if pool is None else (pool.shape, pool.dtype), None if ind is None else ind.shape,
                None if table is None else table.shape)  # fmt: skip
-        plan: Plan = plan_cached(key, lambda: Plan(batch, qb, window, pool, ind, scale, ratio))  # noqa: B023
+        plan: Plan = plan_cached(key, lambda: Plan(batch, qb, window, pool, ind, scale, ratio, DSPLIT_ALL))  # noqa: B023
         if not plan.fast:  # dtypes or dims the kernels do not take
             return prefill_attention_reference(q, ring, kv, start, pool, table, indices, sinks, scale=scale,
                                                ratio=ratio)  # fmt: skip
