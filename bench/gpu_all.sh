@@ -6,6 +6,8 @@
 #                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
 #   PART=fused   the fused glue kernels' gpu tests, the step's A/B fast / unfused (rows 1 and 8, 4K, CUPTI), the
 #                layer numerics with every fast path (DSV4_SKINNY_CAT=1 too), the grouped experts' gpu tests form by form
+#   PART=accept  the step (rows 1 and 8, 4K and 64K, CUPTI), then prefill (32 and 2,048 tokens, 1 and 4 prompts,
+#                arms fast / plain_attn)
 #   PART=pattn   prefill's attention on the decode kernel: its gpu test, prefill 2K (arms fast / plain_attn) and
 #                16K, the 64K step
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
@@ -75,6 +77,12 @@ for part in ${PART:-tests}; do
              --out "$OUT/prefill_16k.json" 2>&1 | tail -2
            timeout $((575 - SECONDS)) python3 bench/step.py --experts 32 --rows 8,1 --contexts 65536 --reps 8 \
              --arms fast --out "$OUT/step_64k.json" 2>&1 | tail -4 ;;
+    accept) # the figures of record in one call: the step (rows 1 and 8, 4K and 64K, CUPTI), then prefill (a 32-token
+            # prompt: 8-row slices; 2K; 1 and 4 prompts; arms fast / plain_attn, CUPTI on fast)
+            timeout 260 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096,65536 --reps 8 --profile \
+              --arms fast --out "$OUT/step.json" 2>&1 | tail -6
+            timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32,2048 --concurrent 1,4 \
+              --arms fast,plain_attn --agree 0 --profile --out "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -10 ;;
     graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
             # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
             for mode in on off step; do
@@ -118,6 +126,6 @@ for part in ${PART:-tests}; do
     timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new fused pattn graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new fused accept pattn graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -14,16 +14,18 @@ before the fast path existed, so the CPU path is unchanged:
 - `experts_gate_up_rows` / `experts_down_rows`: the routed experts' two halves for mxfp4 weights
   stacked [E, N, K / 8], each (row, k) pair through its own expert.
 
-Past MANY_ROWS rows (prefill), `qlinear_rows` and `swiglu_rows` dequantize the mxfp8 weight once to x's
-dtype (exact: an e4m3 code times a power of two) and run a plain GEMM, cuBLAS's tensor-core kernels on
-CUDA: MLX's quantized GEMM there (qmm_sm80) ran an 8-row call in ~100 us against ~7 us of weight bytes on
-the H200, and its tiles stay that slow per FLOP at prefill's row counts, while the dequantized copy costs 3
-bytes a weight (well under the GEMM's time from 64 rows on).
+From 9 to MANY_ROWS rows (a short prompt's forward), where a fast path is registered, each op runs as 8-row
+slices through it (`fast_sliced`). Past MANY_ROWS rows (prefill), `qlinear_rows` and `swiglu_rows`
+dequantize the mxfp8 weight once to x's dtype (exact: an e4m3 code times a power of two) and run a plain
+GEMM, cuBLAS's tensor-core kernels on CUDA: MLX's quantized GEMM there (qmm_sm80) ran an 8-row call in
+~100 us against ~7 us of weight bytes on the H200, and its tiles stay that slow per FLOP at prefill's row
+counts, while the dequantized copy costs 3 bytes a weight (well under the GEMM's time from 64 rows on).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -100,6 +102,30 @@ MANY_ROWS = 64  # more rows than this: dequantize + GEMM (prefill chunks; decode
 
 def _many(x: object) -> bool:
     return isinstance(x, mx.array) and x.ndim >= 2 and x.size // max(x.shape[-1], 1) > MANY_ROWS
+
+
+SLICE_ROWS = 8  # the fast paths' most rows (kernels/cuda/matmul.py MAX_ROWS)
+
+
+def fast_sliced(op: str, x: object) -> Any:
+    """The registered fast `op` when x [B, K] has SLICE_ROWS < B <= MANY_ROWS rows (a short prompt's forward),
+    else None: such x runs as 8-row slices (`slices`), each reading the weight once, and each row as it would
+    alone (batch invariance). In its place MLX's quantized GEMM (~100 us a call on the H200) or, for the
+    routed experts, the grouped GEMM's dequantized copy of every expert (~3 ms a layer) would run."""
+    if not (isinstance(x, mx.array) and x.ndim == 2 and SLICE_ROWS < x.shape[0] <= MANY_ROWS):
+        return None
+    return backend.pick(op, None)
+
+
+def slices(rows: int) -> list[tuple[int, int]]:
+    return [(a, min(rows, a + SLICE_ROWS)) for a in range(0, rows, SLICE_ROWS)]
+
+
+def _by_slices(fn: Any, x: mx.array, *rest: Any, **kw: Any) -> Any:
+    outs = [fn(x[a:b], *rest, **kw) for a, b in slices(x.shape[0])]
+    if isinstance(outs[0], tuple):  # a pair's products, each concatenated
+        return tuple(mx.concatenate(parts) for parts in zip(*outs, strict=True))
+    return mx.concatenate(outs)
 
 
 def _dq8(w: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -200,17 +226,23 @@ def qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """x [..., K] @ mxfp8 W [N, K].T -> [..., N] in x.dtype."""
     if _many(x):
         return qlinear_many_rows(x, w, scales)
+    if (fast := fast_sliced("qlinear_rows", x)) is not None:
+        return _by_slices(fast, x, w, scales)
     return backend.pick("qlinear_rows", qlinear_rows_reference)(x, w, scales)
 
 
 def f32_linear_rows(x: mx.array, w: mx.array) -> mx.array:
     """x [..., K] @ W [N, K].T in f32 -> f32 (the fast path: bf16 x and W, exact products, f32 sums)."""
+    if (fast := fast_sliced("f32_linear_rows", x)) is not None:
+        return _by_slices(fast, x, w)
     return backend.pick("f32_linear_rows", f32_linear_rows_reference)(x, w)
 
 
 def qlinear_cat_rows(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
                      s2: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
     """(x @ W1.T, x @ W2.T) for two mxfp8 weights of x's width -> ([..., N1], [..., N2]) in x.dtype."""
+    if (sliced := fast_sliced("qlinear_cat_rows", x)) is not None:
+        return _by_slices(sliced, x, w1, s1, w2, s2)
     fast = None if _many(x) else backend.pick("qlinear_cat_rows", None)
     if fast is None:  # each product through its own dispatch (prefill's GEMM, the skinny kernel, MLX's)
         check_linear("qlinear_cat_rows", x, w1, s1, 8)
@@ -221,6 +253,8 @@ def qlinear_cat_rows(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
 
 def f32_linear_pair_rows(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
     """(x @ W1.T, x @ W2.T) in f32 for two weights of one shape [N, K] (a compressor's kv and gate)."""
+    if (fast := fast_sliced("f32_linear_pair_rows", x)) is not None:
+        return _by_slices(fast, x, w1, w2)
     return backend.pick("f32_linear_pair_rows", f32_linear_pair_rows_reference)(x, w1, w2)
 
 
@@ -229,6 +263,8 @@ def swiglu_rows(x: mx.array, w1: mx.array, s1: mx.array, w3: mx.array, s3: mx.ar
     """SwiGLU(x @ W1.T, x @ W3.T) for two mxfp8 weights -> [..., I] in x.dtype."""
     if _many(x):
         return swiglu_many_rows(x, w1, s1, w3, s3, limit=limit)
+    if (fast := fast_sliced("swiglu_rows", x)) is not None:
+        return _by_slices(fast, x, w1, s1, w3, s3, limit=limit)
     return backend.pick("swiglu_rows", swiglu_rows_reference)(x, w1, s1, w3, s3, limit=limit)
 
 

@@ -20,8 +20,16 @@ FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row
 # nn.Linear modules only ever called (never read through .weight), which the release stores as FP8: safe to
 # swap for mxfp8 QuantizedLinear (the loader and quantize_model both read this one list).
-FP8_LINEAR = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
-              "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+FP8_LINEAR = (
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "attn.indexer.wq_b",
+    "ffn.shared_experts.w1",
+    "ffn.shared_experts.w2",
+    "ffn.shared_experts.w3",
+)
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 
@@ -128,6 +136,11 @@ class QuantizedExperts(nn.Module):
         self.limit = limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        if kmatmul.fast_sliced("experts_gate_up_rows", x) is not None:
+            # a short prompt (9..64 rows): 8-row slices through decode's kernels, each reading its slice's
+            # distinct experts once, where the grouped GEMM would dequantize every expert of the layer
+            pairs = mx.concatenate([self.pairs(x[a:b], idx[a:b]) for a, b in kmatmul.slices(x.shape[0])])
+            return mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1)
         if x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS and experts_grouped.mode() != "off":
             # prefill: one grouped GEMM a projection over the pairs sorted by expert (kernels.experts_grouped)
             return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
