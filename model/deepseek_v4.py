@@ -23,7 +23,11 @@ from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_batch, prefill_chunk
 from model.state import StateHandle, StatePools
 
-PREFILL_CHUNK = 256  # prompt tokens per parallel prefill pass
+# Prompt tokens per parallel prefill pass (the service's --prefill-chunk default). On the H200 a forward has a
+# fixed cost (the routed experts' dequantized copy: ~130 ms at V4-Flash, 32 experts): 256-token forwards
+# prefilled 689 tokens/s, 2,048-token ones 1,926 (bench/prefill.py, 5d133be, 2026-12-02); a running stream
+# then waits ~1 s a forward instead of ~0.4 s. vLLM and SGLang budget 2K-8K tokens a step on such GPUs.
+PREFILL_CHUNK = 2048
 
 
 class Block(nn.Module):

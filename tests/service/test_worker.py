@@ -418,3 +418,13 @@ def test_prompts_share_one_prefill_forward_within_the_budget(tiny) -> None:
     forwards = [lens for kind, lens in calls if kind == "prefill"]
     assert all(sum(lens) <= 13 for lens in forwards) and any(len(lens) > 1 for lens in forwards)
     assert all(b[0] == "step" for a, b in zip(calls, [*calls[1:], ("end", [])], strict=True) if a[0] == "prefill")
+
+
+def test_default_prefill_chunk_is_the_models() -> None:
+    """The worker's default prefill budget a step is the model's (a distributed leader sizes its followers' plan
+    messages by model.deepseek_v4.PREFILL_CHUNK): the two constants, kept apart so that the worker imports no
+    mlx, must agree."""
+    from model.deepseek_v4 import PREFILL_CHUNK
+    from service.engine.worker import DEFAULT_PREFILL_CHUNK
+
+    assert DEFAULT_PREFILL_CHUNK == PREFILL_CHUNK
