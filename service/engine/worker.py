@@ -16,12 +16,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
 from service.engine.scheduler import QueueFull, Scheduler
 from service.engine.stepping import Counters, iterate
+from service.engine.streams import Stream, deliver, settle
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,6 @@ DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per step through the parallel pref
 
 class EngineNotReady(RuntimeError):
     """Not started yet, failed to start, draining or stopped; the API answers 503."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
-    # A consumer `cap` events behind (a client that stopped reading) is aborted: its request's row is
-    # freed, later events are dropped, and its iterator ends with finish_reason "abort".
-    cap: int = 1 << 30
-    overflowed: bool = False
 
 
 class EngineWorker:
@@ -77,7 +67,7 @@ class EngineWorker:
         self.on_step_metrics = on_step_metrics
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._started = threading.Event()  # set once start-up ended, well or not
@@ -154,7 +144,7 @@ class EngineWorker:
         if len(params) > 1 and self._fits_rows is not None and not self._fits_rows(n_pos, len(params)):
             raise ValueError(f"n = {len(params)} rows of {n_pos} positions each never fit the decode state together")
         loop = asyncio.get_running_loop()
-        streams = [_Stream(loop, asyncio.Queue(), cap=self.stream_queue) for _ in request_ids]
+        streams = [Stream(loop, asyncio.Queue(), cap=self.stream_queue) for _ in request_ids]
         reqs = [Request(rid, list(prompt_ids), p) for rid, p in zip(request_ids, params, strict=True)]
         reqs[0].followers = reqs[1:]
         with self._lock:
@@ -171,7 +161,7 @@ class EngineWorker:
             self._inbox.put(("add", reqs[0]))
         return [self._iterate(rid, st) for rid, st in zip(request_ids, streams, strict=True)]
 
-    async def _iterate(self, rid: str, stream: _Stream) -> AsyncIterator[TokenEvent]:
+    async def _iterate(self, rid: str, stream: Stream) -> AsyncIterator[TokenEvent]:
         done = False
         try:
             while True:
@@ -216,7 +206,7 @@ class EngineWorker:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _publish(self, events: list[TokenEvent]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, TokenEvent]]] = {}
         with self._lock:
             for ev in events:
                 s = self._streams.get(ev.request_id)
@@ -224,7 +214,7 @@ class EngineWorker:
                     by_loop.setdefault(s.loop, []).append((s, ev))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(self._deliver, items)
+                loop.call_soon_threadsafe(deliver, items, self.abort)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
 
@@ -346,7 +336,7 @@ class EngineWorker:
             elif kind == "abort":
                 events += sched.abort_group(arg)
             elif kind == "call":
-                _settle(*arg, self._engine)
+                settle(*arg, self._engine)
             elif kind == "stop":
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
@@ -361,31 +351,3 @@ class EngineWorker:
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("on_step_metrics failed")
         return out.events
-
-    def _deliver(self, items: list[tuple[_Stream, TokenEvent]]) -> None:
-        """On the stream's event loop. A full queue means its reader stopped: abort, drop the rest."""
-        for s, ev in items:
-            if s.overflowed:
-                continue
-            if s.queue.qsize() >= s.cap:
-                s.overflowed = True
-                log.warning("request %s: %d token events unread, aborted (--stream-queue)", ev.request_id, s.cap)
-                self.abort(ev.request_id)
-                continue
-            s.queue.put_nowait(ev)
-
-
-def _settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], engine: Any) -> None:
-    try:
-        result, err = fn(engine), None
-    except Exception as e:  # noqa: BLE001 - handed to the caller
-        result, err = None, e
-
-    def done() -> None:
-        if not fut.cancelled():
-            fut.set_result(result) if err is None else fut.set_exception(err)
-
-    try:
-        loop.call_soon_threadsafe(done)
-    except RuntimeError:  # that loop is closed: nobody is waiting
-        pass
