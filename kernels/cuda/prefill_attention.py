@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from kernels.cuda import common
 from kernels.cuda.attention import Plan
-from kernels.cuda.common import arange_rows, i32_dummy, plan_cached
+from kernels.cuda.common import i32_dummy, plan_cached
 from kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
 
 # Queries a launch: the grid's z dimension is the rows (< 65,536), and the window view is materialized at
@@ -70,11 +70,13 @@ def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int
             return prefill_attention_reference(q, ring, kv, start, pool, table, indices, sinks, scale=scale,
                                                ratio=ratio)  # fmt: skip
         if pool is None:
-            tab, pool_in, ind = i32_dummy((r, 1)), window, i32_dummy((1, 1))
+            tab, pool_in, ind = mx.zeros((r, 1), mx.int32), window, i32_dummy((1, 1))  # not cached per row count
         else:
             tab, pool_in = tables[plan.ratio], pool
-            if ind is None:
-                ind = arange_rows(r, table.shape[0] * pool.shape[1])
+            if ind is None:  # HCA: every entry of the table (masked by each row's count); not cached per row
+                # count as decode's arange_rows is (a prompt's last block has any of ROWS_MAX sizes)
+                cap = table.shape[0] * pool.shape[1]
+                ind = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (r, cap))
         run = plan.compiled if common.COMPILE else plan.launch
         outs.append(run(slots, positions, q_rows, tab, qb, window, pool_in, ind, plan.fparams, sinks,
                         i32_dummy((1,))))  # fmt: skip
