@@ -1,10 +1,11 @@
 """The decode step's host build on any machine: Python making one step's lazy graph through the CUDA path, the
 kernels stood in for (each launch returns zero buffers of its output shapes that depend on its inputs), per
 layer, and a cProfile of where it goes. On the H200 the build is a third of a 1-row step (`bench/step.py`'s
-`build`: 6.2 of 18.9 ms at 5d133be, ~144 us a layer); this says which part of it is ours. The stand-in costs
-about what MLX's own `cuda_kernel` call does (one primitive), so the figure is Python's, not MLX's encode.
+`build`: 6.2 of 18.9 ms at 5d133be, ~144 us a layer); this says which part of it is ours. The stand-in is two
+or three graph nodes a launch where MLX's `cuda_kernel` makes one, so the compiled segments' replay (C++, the
+own time of `Block.__call__` in the profile) reads somewhat high; the Python around the kernels reads true.
 
-    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25]
+    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25] [--tiny]
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ def _stand_in(*_: object, **__: object):
 def stand_in_cuda_path() -> None:
     """Import kernels.cuda with MLX's `cuda_kernel` stood in for, and have the backend pick the fast ops."""
     mx.fast.cuda_kernel = _stand_in
-    from kernels import backend
-
     import kernels.cuda  # noqa: F401  (registers the fast ops)
+    from kernels import backend
 
     backend._use_fast = lambda: True
 
@@ -48,13 +48,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--tiny", action="store_true", help="the tiny model instead (the tool's own check)")
     opt = ap.parse_args()
     stand_in_cuda_path()
     from bench.step import flash_args, random_model
     from model.state import StatePools
 
-    args = flash_args(opt.layers, opt.experts)
-    model = random_model(args)
+    if opt.tiny:
+        from model.loader import tiny_model
+
+        model, args, _ = tiny_model(seed=0)
+        opt.layers = args.num_hidden_layers
+    else:
+        args = flash_args(opt.layers, opt.experts)
+        model = random_model(args)
     ctx = 4096
     pools = StatePools(args, max_slots=opt.rows, max_positions=ctx + 2 * opt.steps + 8, page_size=256,
                        dtype=mx.bfloat16)  # fmt: skip
