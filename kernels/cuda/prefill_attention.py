@@ -31,29 +31,37 @@ ROWS_MAX = 4096
 DSPLIT_ALL = 1 << 30
 
 
-def _rows(n: int, start: int, last: int) -> tuple[mx.array, mx.array, mx.array]:
-    """slots 0..n-1, positions last, last-1, .., q rows n-1..0 (row b is the block's query n - 1 - b)."""
-    b = mx.arange(n, dtype=mx.int32)
-    return b, (start + last) - b, (n - 1) - b
+def reversed_keys(ring: mx.array, kv: mx.array, start: int, dtype: mx.Dtype) -> mx.array:
+    """rseq [T + W, D]: row i holds position start + T - 1 - i (the chunk's kv reversed, then the ring's rows
+    for positions start - 1, start - 2, ..; those before position 0 are never valid rows)."""
+    t, wl = kv.shape[0], ring.shape[0]
+    ring_rows = (start - 1 - mx.arange(wl, dtype=mx.int32) + wl) % wl
+    return mx.concatenate([kv[mx.arange(t - 1, -1, -1, dtype=mx.int32)], ring[ring_rows]]).astype(dtype)
+
+
+def block_rows(rseq: mx.array, t: int, start: int, t0: int, t1: int) -> tuple[mx.array, ...]:
+    """The decode kernel's rows for queries t0..t1-1: (window [r, W, D], slots, positions, q_rows). Row b is
+    query t1 - 1 - b (q row r - 1 - b of q[t0:t1]) in slot b, whose window row j is position p - j."""
+    wl, d, r = rseq.shape[0] - t, rseq.shape[1], t1 - t0
+    window = mx.as_strided(rseq, (r, wl, d), (d, d, 1), (t - t1) * d)
+    b = mx.arange(r, dtype=mx.int32)
+    return window, b, (start + t1 - 1) - b, (r - 1) - b
 
 
 def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int, pool: mx.array | None,
                            table: mx.array | None, indices: mx.array | None, sinks: mx.array, *, scale: float,
                            ratio: int | None = None) -> mx.array:  # fmt: skip
     check_prefill_attention(q, ring, kv, start, pool, table, indices, sinks, scale=scale, ratio=ratio)
-    t, nh, d = q.shape
-    wl = ring.shape[0]
+    t = q.shape[0]
     n = (start + t) // ratio if ratio else 0
     if n == 0:  # no entry visible to any query yet: the window alone, as a sliding layer
         pool, table, indices, ratio = None, None, None, None
-    ring_rows = (start - 1 - mx.arange(wl, dtype=mx.int32) + wl) % wl  # positions start-1, start-2, ..
-    rseq = mx.concatenate([kv[mx.arange(t - 1, -1, -1, dtype=mx.int32)], ring[ring_rows]]).astype(q.dtype)
+    rseq = reversed_keys(ring, kv, start, q.dtype)
     outs = []
     for t0 in range(0, t, ROWS_MAX):
         t1 = min(t, t0 + ROWS_MAX)
         r = t1 - t0
-        window = mx.as_strided(rseq, (r, wl, d), (d, d, 1), (t - t1) * d)
-        slots, positions, q_rows = _rows(r, start, t1 - 1)
+        window, slots, positions, q_rows = block_rows(rseq, t, start, t0, t1)
         if pool is None:
             tables: dict[int, mx.array] = {}
         else:

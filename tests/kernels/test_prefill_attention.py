@@ -105,3 +105,49 @@ def test_bad_arguments_are_named(over, arg: str) -> None:
     with pytest.raises(ValueError, match=f"^prefill_attention: {arg}: "):
         prefill_attention(a.pop("q"), a.pop("ring"), a.pop("kv"), a.pop("start"), a.pop("pool"), a.pop("table"),
                           a.pop("indices"), a.pop("sinks"), **a)  # fmt: skip
+
+
+@pytest.mark.parametrize("ratio", [None, 4, 128])
+@pytest.mark.parametrize("start,t", [(0, 7), (3, 8), (5, 6), (20, 7), (300, 5)])
+def test_prefill_rows_are_decode_rows(ratio, start: int, t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's mapping (kernels/cuda/prefill_attention.py: the keys reversed, each row's window a strided
+    view, blocks of ROWS_MAX queries) fed to decode's plain attention (`sparse_attention_rows_reference`, up to 8
+    rows) gives the plain prefill attention: the same keys, masks and entries for every query. (The rows are one
+    request's queries, so they share its table, which decode's contract refuses for rows that write a page:
+    that check is off here, as the CUDA path never makes it.)"""
+    import importlib
+
+    from kernels import Row, RowBatch
+
+    monkeypatch.setattr(importlib.import_module("kernels.sparse_attention"), "check_tables", lambda *a, **k: None)
+    from kernels.cuda.prefill_attention import block_rows, reversed_keys
+    from kernels.sparse_attention import sparse_attention_rows_reference
+
+    rng = np.random.default_rng(start * 13 + t)
+    f = lambda *s: mx.array(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    q, ring, kv, sinks = f(t, NH, D), f(W, D), f(t, D), f(NH)
+    pool = table = ind = None
+    if ratio:
+        n = (start + t) // ratio
+        pages = max(1, -(-n // PAGE)) + 1
+        pool = f(pages + 1, PAGE, D)
+        table = [int(x) for x in rng.permutation(np.arange(1, pages + 1))]
+        if ratio == 4 and n:
+            ind = np.full((t, 3), -1, np.int32)
+            for i in range(t):
+                pick = rng.permutation((start + i + 1) // 4)[:3]
+                ind[i, : len(pick)] = pick
+            ind = mx.array(ind)
+    want = prefill_attention_reference(q, ring, kv, start, pool, None if table is None else mx.array(table),
+                                       ind, sinks, scale=0.25, ratio=ratio)  # fmt: skip
+    rseq, outs = reversed_keys(ring, kv, start, q.dtype), []
+    for t0 in range(0, t, 3):  # ROWS_MAX 3: several blocks
+        t1 = min(t, t0 + 3)
+        window, slots, positions, q_rows = block_rows(rseq, t, start, t0, t1)
+        rows = [Row(int(s), int(p), int(r), {ratio: tuple(table)} if ratio else {})
+                for s, p, r in zip(slots.tolist(), positions.tolist(), q_rows.tolist(), strict=True)]  # fmt: skip
+        batch = RowBatch.build(rows, PAGE)
+        outs.append(sparse_attention_rows_reference(batch, q[t0:t1], mx.contiguous(window), pool,
+                                                    None if ind is None else ind[t0:t1], sinks, scale=0.25,
+                                                    ratio=ratio if ratio else None))  # fmt: skip
+    np.testing.assert_allclose(np.array(mx.concatenate(outs)), np.array(want), rtol=1e-5, atol=1e-5)
