@@ -25,9 +25,10 @@ from model.state import StateHandle, StatePools
 
 # Prompt tokens per parallel prefill pass (the service's --prefill-chunk default). On the H200 a forward has a
 # fixed cost (the routed experts' dequantized copy: ~130 ms at V4-Flash, 32 experts): 256-token forwards
-# prefilled 689 tokens/s, 2,048-token ones 1,926 (bench/prefill.py, 5d133be, 2026-12-02); a running stream
-# then waits ~1 s a forward instead of ~0.4 s. vLLM and SGLang budget 2K-8K tokens a step on such GPUs.
-PREFILL_CHUNK = 2048
+# prefilled 689 tokens/s, 2,048-token ones 1,926 (bench/prefill.py, 5d133be, 2026-12-02), but a running stream
+# then waits ~1 s a forward instead of ~0.4 s, and prompts that arrive together with a shared prefix prefill
+# it side by side in one forward instead of the later ones finding it cached (tests/e2e/test_prefix_cache.py).
+PREFILL_CHUNK = 256
 
 
 class Block(nn.Module):

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
 
 
-DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
 
 
 class EngineNotReady(RuntimeError):
