@@ -12,7 +12,6 @@
 #                16K, the 64K step
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
-#   PART=split   the full-depth step at rows 1 and 8, 4K, arms fast / hc_one alternated, CUPTI profile each
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / off
 #   PART=step64  the same step at 64K context, 1 and 8 rows
 #   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
@@ -27,7 +26,6 @@
 #   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
 #   PART=prefill bench/prefill.py: a forward's CUPTI profile at 256 and 2,048 tokens, then 2K and 16K prompts
-#   PART=timeline bench/timeline.py: the step's and chain43's CUDA API calls, kernels and idle gaps
 #   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
 #
 #   PART="step kernels" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
@@ -91,8 +89,6 @@ for part in ${PART:-tests}; do
               env "${env[@]}" timeout 180 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
                 --profile --arms fast,hc_one --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
             done ;;
-    split) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
-             --arms fast,hc_one --out "$OUT/step_4k.json" 2>&1 | tail -6 ;;
     grouped) for how in tiles qtiles off; do
                DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
                  --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
@@ -123,9 +119,8 @@ for part in ${PART:-tests}; do
              done
              timeout 240 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 --no-profile \
                --out "$OUT/prefill.json" 2>&1 | tail -6 ;;
-    timeline) timeout 400 python3 bench/timeline.py --cases chain43 --step 1,8 --out "$OUT" 2>&1 | tail -30 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new fused accept pattn graphs split grouped commit step64 http prefix tests tests2 step kernels serve prefill timeline dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
