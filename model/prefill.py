@@ -120,7 +120,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     ids = None
     if r == 4 and n:
         vis = mx.arange(start + 1, start + t + 1, dtype=mx.int32) // r  # entries each token can see
-        ikeys = entries(pools.ikeys[layer], mx.array(list(tables[4]), dtype=mx.int32), n)
+        ikeys = entries(pools.ikeys[layer], table, n)  # the indexer's keys share the ratio-4 table
         ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
     return prefill_attention(q, ring, kv, start, pools.ckv[layer] if r else None, table, ids, attn.attn_sink,
                              scale=a.head_dim**-0.5, ratio=r or None)  # fmt: skip

@@ -111,22 +111,22 @@ class Plan:
     __slots__ = ("comb", "comb_grid", "comb_tmpl", "compiled", "fast", "final", "fparams", "nt", "part", "part_grid",
                  "part_shapes", "part_tmpl", "ratio")  # fmt: skip
 
-    def __init__(self, batch: RowBatch, q: mx.array, window: mx.array, pool: mx.array | None,
+    def __init__(self, b: int, page: int, table_width: int, q: mx.array, window: mx.array, pool: mx.array | None,
                  indices: mx.array | None, scale: float, ratio: int | None,
                  dsplit_chunks: int = DSPLIT_CHUNKS) -> None:  # fmt: skip
-        """`dsplit_chunks`: the longest rows (in 64-key chunks) that `dsplit` takes; prefill's thousands of rows
+        """b rows, `page` entries a page, `table_width` pages a row's table (HCA without indices reads them all).
+        `dsplit_chunks`: the longest rows (in 64-key chunks) that `dsplit` takes; prefill's thousands of rows
         give it every row (no split-K, no combine)."""
         self.fast = supported(q, window, pool)
         if not self.fast:
             return
-        b, page = batch.size, batch.page_size
         bq, nh, d = q.shape
         if pool is None:
             self.ratio, ki = 0, 0
         else:
             assert ratio is not None
             self.ratio = ratio
-            ki = indices.shape[1] if indices is not None else batch.tables[ratio].shape[1] * page
+            ki = indices.shape[1] if indices is not None else table_width * page
         groups = nh // HG
         nchunk = -(-(window.shape[1] + ki) // CK)
         ds = dsplit_slices(bq, groups, d)
@@ -216,7 +216,8 @@ def sparse_attention_rows_cuda(
     def make() -> Plan:
         tw = None if ratio is None or ratio not in batch.tables else batch.tables[ratio].shape
         pk = key + (batch.size, batch.page_size, tw, WIDE_HG, DSPLIT_CHUNKS, WIDE_THREADS)
-        return plan_cached(pk, lambda: Plan(batch, q, window, pool, indices, scale, ratio))
+        return plan_cached(pk, lambda: Plan(batch.size, batch.page_size, tw[1] if tw else 0, q, window, pool, indices,
+                                            scale, ratio))  # fmt: skip
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:

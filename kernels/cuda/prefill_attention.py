@@ -13,8 +13,6 @@ logits and accumulation), one `dsplit` launch per ROWS_MAX queries instead of ~2
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 
 from kernels.cuda import common
@@ -62,25 +60,21 @@ def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int
         t1 = min(t, t0 + ROWS_MAX)
         r = t1 - t0
         window, slots, positions, q_rows = block_rows(rseq, t, start, t0, t1)
-        if pool is None:
-            tables: dict[int, mx.array] = {}
-        else:
-            assert table is not None and ratio is not None
-            tables = {ratio: mx.broadcast_to(table[None, :], (r, table.shape[0]))}
-        batch = SimpleNamespace(size=r, page_size=pool.shape[1] if pool is not None else 1, tables=tables)
         ind = None if indices is None else indices[t0:t1]
         qb = q[t0:t1]
         key = ("prefill_attention", float(scale), ratio, qb.shape, qb.dtype, window.shape, window.dtype,
                None if pool is None else (pool.shape, pool.dtype), None if ind is None else ind.shape,
                None if table is None else table.shape)  # fmt: skip
-        plan: Plan = plan_cached(key, lambda: Plan(batch, qb, window, pool, ind, scale, ratio, DSPLIT_ALL))  # noqa: B023
+        page, width = (1, 0) if pool is None or table is None else (pool.shape[1], table.shape[0])
+        plan: Plan = plan_cached(key, lambda: Plan(r, page, width, qb, window, pool, ind, scale, ratio,  # noqa: B023
+                                                   DSPLIT_ALL))  # fmt: skip
         if not plan.fast:  # dtypes or dims the kernels do not take
             return prefill_attention_reference(q, ring, kv, start, pool, table, indices, sinks, scale=scale,
                                                ratio=ratio)  # fmt: skip
         if pool is None:
             tab, pool_in, ind = mx.zeros((r, 1), mx.int32), window, i32_dummy((1, 1))  # not cached per row count
         else:
-            tab, pool_in = tables[plan.ratio], pool
+            tab, pool_in = mx.broadcast_to(table[None, :], (r, table.shape[0])), pool
             if ind is None:  # HCA: every entry of the table (masked by each row's count); not cached per row
                 # count as decode's arange_rows is (a prompt's last block has any of ROWS_MAX sizes)
                 cap = table.shape[0] * pool.shape[1]
