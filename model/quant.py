@@ -136,12 +136,10 @@ class QuantizedExperts(nn.Module):
         self.limit = limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
-        if kmatmul.fast_sliced("experts_gate_up_rows", x) is not None:
-            # a short prompt (9..64 rows): 8-row slices through decode's kernels, each reading its slice's
-            # distinct experts once, where the grouped GEMM would dequantize every expert of the layer
-            pairs = mx.concatenate([self.pairs(x[a:b], idx[a:b]) for a, b in kmatmul.slices(x.shape[0])])
-            return mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1)
-        if x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS and experts_grouped.mode() != "off":
+        # a short prompt (9..64 rows) runs per pair too, in 8-row slices (`pairs`), where the grouped GEMM would
+        # dequantize every expert of the layer
+        short = kmatmul.fast_sliced("experts_gate_up_rows", x) is not None
+        if not short and x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS and experts_grouped.mode() != "off":
             # prefill: one grouped GEMM a projection over the pairs sorted by expert (kernels.experts_grouped)
             return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
                                                    self.w3, self.w3_scales, limit=self.limit)  # fmt: skip
@@ -150,6 +148,9 @@ class QuantizedExperts(nn.Module):
     def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
         """Each (row, k) pair through its expert -> [B, k, H] in x.dtype. kernels.matmul: on CUDA, 1..8 rows
         in two launches that read each distinct expert once; else MLX's gather_qmm per pair."""
+        if kmatmul.fast_sliced("experts_gate_up_rows", x) is not None:  # 9..64 rows: 8-row slices, each reading
+            # its slice's distinct experts once
+            return mx.concatenate([self.pairs(x[a:b], idx[a:b]) for a, b in kmatmul.slices(x.shape[0])])
         ri = idx.astype(mx.uint32)
         hdn = kmatmul.experts_gate_up_rows(x, ri, self.w1, self.w1_scales, self.w3, self.w3_scales, limit=self.limit)
         return kmatmul.experts_down_rows(hdn, ri, self.w2, self.w2_scales)
