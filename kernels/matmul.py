@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels import backend
+from kernels.rows import MAX_ROWS
 
 GROUP = 32  # mxfp8 / mxfp4 scale group
 # The CUDA skinny kernels are on by default (their gpu tests and the full-depth A/B ran on an H200,
@@ -104,7 +105,7 @@ def _many(x: object) -> bool:
     return isinstance(x, mx.array) and x.ndim >= 2 and x.size // max(x.shape[-1], 1) > MANY_ROWS
 
 
-SLICE_ROWS = 8  # the fast paths' most rows (kernels/cuda/matmul.py MAX_ROWS)
+SLICE_ROWS = MAX_ROWS  # the row contract's most rows, the skinny kernels' (kernels/cuda/matmul.py) too
 
 
 def fast_sliced(op: str, x: object) -> Any:
