@@ -11,7 +11,7 @@ agreement with token-by-token decode of the first `--agree` tokens (the decode s
 Prints a table, writes JSON.
 
     python3 bench/prefill.py --out $OUT/prefill.json [--experts 32] [--prompts 2048,16384,65536]
-        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile] [--arms fast,plain_attn]
+        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile] [--arms fast,tiles,plain_attn,qtiles]
     python3 bench/prefill.py --layers 2 --experts 8 --prompts 64 --chunk 32 --agree 48   # CPU, V4-Flash dims
     python3 bench/prefill.py --tiny --prompts 64 --concurrent 1,2 --chunk 32 --agree 48   # CPU, tests/test_bench.py
 """
@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
-from kernels import backend  # noqa: E402
+from kernels import backend, experts_grouped  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.loader import tiny_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
@@ -131,6 +131,22 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
             "argmax_equal": bool(la.argmax() == lb.argmax())}  # fmt: skip
 
 
+# arm -> (the fast ops it runs as their plain twins, DSV4_GROUPED_EXPERTS)
+ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
+        "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles")}  # fmt: skip
+
+
+def set_arm(arm: str, held: dict, grouped: str) -> None:
+    """Register `held`'s fast ops but the arm's plain ones; the arm's experts form (read at each call)."""
+    plain, how = ARMS[arm]
+    for op, fn in held.items():
+        if op in plain:
+            backend.unregister(op)
+        else:
+            backend.register(op, fn)
+    os.environ[experts_grouped.ENV] = how or grouped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=43)
@@ -144,8 +160,10 @@ def main() -> None:
     ap.add_argument(
         "--arms",
         default="fast",
-        help="fast (every fast path) and / or plain_attn (prefill's attention "
-        "as plain MLX ops, DSV4_PREFILL_ATTN=0), alternated per cell; the first is profiled",
+        help="fast (every fast path), plain_attn (prefill's attention as plain MLX ops, DSV4_PREFILL_ATTN=0), "
+        "tiles (the routed experts as the plain tiles form: dequantized copy + gather_mm, DSV4_GROUPED_MMA=0) "
+        "and / or qtiles (the tiles through gather_qmm on the mxfp4 weights, DSV4_GROUPED_EXPERTS=qtiles), "
+        "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill.json"))
@@ -177,15 +195,13 @@ def main() -> None:
     wf = weight_flops(model)
     head = 2 * args.vocab_size * args.hidden_size
     arms = opt.arms.split(",")
-    fast_attn = backend.registered().get("prefill_attention")
-    if any(arm not in ("fast", "plain_attn") for arm in arms):
-        ap.error(f"--arms: expected fast and / or plain_attn, got {opt.arms}")
+    held = backend.registered()  # the fast ops an arm may turn off (the CUDA path registers them)
+    if any(arm not in ARMS for arm in arms):
+        ap.error(f"--arms: expected some of {', '.join(ARMS)}, got {opt.arms}")
+    grouped = os.environ.get(experts_grouped.ENV, "")
     results = []
     for n, c, arm in [(n, c, arm) for n in lengths for c in concurrent for arm in arms]:
-        if fast_attn is not None and arm == "fast":  # the arm's prefill attention (the CUDA path registers it)
-            backend.register("prefill_attention", fast_attn)
-        elif fast_attn is not None:
-            backend.unregister("prefill_attention")
+        set_arm(arm, held, grouped)
         prompts = [(prompt[7 * i :] + prompt[: 7 * i])[:n] for i in range(c)]  # distinct prompts
         secs, ttft, forwards, _ = run_cell(model, pools, prompts, opt.chunk)
         flops = c * (n * wf + attention_flops(model, n) + head)
@@ -203,8 +219,7 @@ def main() -> None:
             print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "top")}),
                   flush=True)  # fmt: skip
         results.append(cell)
-    if fast_attn is not None:
-        backend.register("prefill_attention", fast_attn)
+    set_arm("fast", held, grouped)
     agree = agreement(model, pools, prompt[: min(opt.agree, cap)], opt.chunk) if opt.agree > 0 else {}
     print(json.dumps(agree), flush=True)
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "bf16_gemm_tflops": rate / 1e12,

@@ -8,8 +8,12 @@ bf16) and runs each projection as one grouped product over tiles of one expert's
 (`DSV4_GROUPED_EXPERTS`):
 - `tiles` (default): each expert's pairs padded to whole `TILE_ROWS`-row tiles (a bound on the tile
   count known without reading the counts back), one expert id per tile, gather_mm with M = TILE_ROWS.
+  On CUDA the registered fast form (`OP`, kernels/cuda/experts_grouped.py) runs the same tiles on the
+  mxfp4 weights as stored, in two kernels, and this is its plain twin (`DSV4_GROUPED_MMA=0` runs this).
 - `qtiles`: the same tiles through `mx.gather_qmm` on the packed mxfp4 weights: no dequantized copy (at
   V4-Flash's 32 local experts the copies are ~1.6 GB written and read back a layer, every forward).
+  Slower than `tiles` on the H200 (2,070 against 2,229 tokens/s at a 2,048-token forward, PART=accept,
+  6f0bde6, 2026-12-02).
 The products are unsorted and router-weighted exactly as `QuantizedExperts` does for 1..8 rows. (A third
 form, M = 1 rows through gather_mm's `sorted_indices` grouped GEMM, gave wrong products on the H200 with MLX
 0.32.4 at V4-Flash's dims, 2026-12-02, and was slower than `tiles` there: 891 against 1,232 tokens/s.)
@@ -26,6 +30,7 @@ import os
 
 import mlx.core as mx
 
+from kernels import backend
 from kernels.matmul import GROUP, _is, experts_down_rows_reference, experts_gate_up_rows_reference, swiglu
 
 # Rows above which the experts run grouped. 1..8 rows are the decode step's (the CUDA skinny kernels,
@@ -35,6 +40,7 @@ from kernels.matmul import GROUP, _is, experts_down_rows_reference, experts_gate
 # one boundary for the decode path. To tune with bench/prefill.py on the GPU.
 GROUPED_ROWS = 8
 ENV = "DSV4_GROUPED_EXPERTS"
+OP = "grouped_experts"  # kernels.backend's name of the fast form (kernels/cuda/experts_grouped.py)
 # `tiles`: the rows of a tile (one expert's; its last tile zero-padded). MLX's CUDA gather_mm for M > 1 is a
 # tensor-core (mma.sync) GEMM whatever MLX_ENABLE_TF32 says; each expert's weight is read once a tile, and
 # the padding is at most E x (TILE_ROWS - 1) rows (2048 x 6 pairs, 32 experts: <= 16%).
@@ -88,7 +94,7 @@ def mode() -> str:
     return m
 
 
-def _tiles(ids: mx.array, e: int) -> tuple[mx.array, mx.array, mx.array]:
+def tiles(ids: mx.array, e: int) -> tuple[mx.array, mx.array, mx.array]:
     """Sorted expert ids [P] -> (src [R]: the sorted pair a padded row holds, -1 for padding; tile_expert
     [R / TILE_ROWS] uint32; slot [P]: each sorted pair's padded row). Each expert's pairs start a tile, so
     a tile holds one expert's; R bounds the padded total for any routing (no host read of the counts)."""
@@ -113,8 +119,13 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
                     how: str | None = None) -> mx.array:  # fmt: skip
     """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection.
     `how`: `tiles` (the pairs padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS) or
-    `qtiles` (those tiles through gather_qmm on the mxfp4 weights); None: `mode()`."""
+    `qtiles` (those tiles through gather_qmm on the mxfp4 weights); None: `mode()`, where `tiles` is the
+    registered fast form when there is one (CUDA: the same tiles on the mxfp4 weights in two kernels)."""
     check_grouped("grouped_experts", x, idx, weights, w1, s1, w2, s2, w3, s3)
+    if how is None and mode() == "tiles":  # the fast form of `tiles` where one is registered (CUDA)
+        fast = backend.pick(OP, None)
+        if fast is not None:
+            return fast(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit)
     how = mode() if how is None else how
     if how not in ("tiles", "qtiles"):
         raise ValueError(f"grouped_experts: how: must be tiles or qtiles, got {how!r}")
@@ -124,7 +135,7 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
     order = mx.argsort(flat)  # the B * k pairs grouped by expert (any order within an expert)
     ids = flat[order]
     xs = x[order // k].astype(ct)  # [P, H]
-    src, tile_expert, slot = _tiles(ids, w1.shape[0])
+    src, tile_expert, slot = tiles(ids, w1.shape[0])
     xs = mx.where((src >= 0)[:, None], xs[mx.maximum(src, 0)], 0).reshape(-1, TILE_ROWS, xs.shape[-1])
     rhs = dict(rhs_indices=tile_expert)
     if how == "qtiles":  # the packed weights as they are: [E, N, K / 8] -> x @ W.T per tile's expert

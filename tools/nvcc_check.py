@@ -31,6 +31,7 @@ from kernels.cuda import (
     rope,  # noqa: E402
     router,  # noqa: E402
 )
+from kernels.cuda import experts_grouped as eg  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda import matmul as mm  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
@@ -183,6 +184,13 @@ def units() -> dict[str, str]:
                                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)),
                                 ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2)],
                                mm.SOURCE)  # fmt: skip
+    gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
+             ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False)]  # fmt: skip
+    for name, k, n, pair, xdiv in (("grouped_gate_up", 4096, 2048, 1, 6), ("grouped_down", 2048, 4096, 0, 1)):
+        out[name] = standalone("grouped_mm", gm_in, [("out", BF)],
+                               [("T", BF), ("K", k), ("N", n), ("PAIR", pair), ("XDIV", xdiv), ("MT", 2 - pair),
+                                ("WR", eg.WR), ("TR", eg.TR), ("XS", eg.XS)], eg.SOURCE,
+                               header=eg.HEADER + launch_bounds(32 * eg.WR, 2))  # fmt: skip
     return out
 
 

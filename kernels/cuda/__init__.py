@@ -15,6 +15,8 @@ kernels do not cover:
   tiny test model) runs the reference for these two;
 - hc_pre_mix: f32 mixing logits, nc <= 8, 1 kernel (`DSV4_HC_KERNEL=0` keeps the plain-MLX Sinkhorn:
   ~200 graph nodes per layer instead of ~14);
+- grouped_experts (prefill's routed experts past 8 rows): bf16 x, H and I multiples of 128, 2 kernels
+  (gate + up with SwiGLU, down) over 64-pair tiles of one expert, else the plain `tiles` form;
 - rms_norm_rows / hc_post_rows / router_topk / hc_pre_rows / moe_combine_rows: 1 kernel each instead of 3
   (~7 for the router), on unless `DSV4_GLUE_KERNELS=0`.
 
@@ -46,6 +48,7 @@ from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
+from kernels.cuda.experts_grouped import grouped_experts_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
 from kernels.cuda.indexer import indexer_rows_cuda
@@ -68,6 +71,7 @@ from kernels.rows import Row, RowBatch
 __all__ = [
     "compressor_pair_rows_inplace_cuda",
     "compressor_rows_cuda",
+    "grouped_experts_cuda",
     "compressor_rows_inplace_cuda",
     "hc_post_rows_cuda",
     "hc_pre_mix_cuda",
@@ -92,6 +96,11 @@ backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 PREFILL_ATTN = os.environ.get("DSV4_PREFILL_ATTN", "1").strip() != "0"
 if PREFILL_ATTN:
     backend.register("prefill_attention", prefill_attention_cuda)
+# Prefill's routed experts as grouped GEMMs on the mxfp4 weights (kernels/cuda/experts_grouped.py), in place of
+# the plain `tiles` form's dequantized copy + gather_mm. On unless DSV4_GROUPED_MMA=0.
+GROUPED_MMA = os.environ.get("DSV4_GROUPED_MMA", "1").strip() != "0"
+if GROUPED_MMA:
+    backend.register("grouped_experts", grouped_experts_cuda)
 # Two projections of one input in one skinny launch (kernels/cuda/matmul.py PAIR 3: wq_a + wkv, the two wq_b of
 # a CSA layer: 64 launches a step fewer). On unless DSV4_SKINNY_CAT=0 (each product its own launch): its gpu test
 # and the layer numerics passed on the H200 (PART=fused, 5d133be, 2026-12-02).
