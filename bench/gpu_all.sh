@@ -10,8 +10,9 @@
 #                arms fast / qtiles / plain_attn)
 #   PART=pattn   prefill's attention on the decode kernel: its gpu test, prefill 2K (arms fast / plain_attn) and
 #                16K, the 64K step
-#   PART=gmm     prefill's grouped experts kernels: their gpu tests, then prefill at 2K (1 and 4 prompts, arms
-#                fast / tiles, CUPTI on fast, agreement with decode) and a 2K prompt in the service's 256-token forwards
+#   PART=gmm     prefill's tile GEMMs (the grouped experts, the f32 products): their gpu tests, then prefill at 2K
+#                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
+#                prompt in the service's 256-token forwards (arms fast / tiles)
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / off
@@ -83,10 +84,10 @@ for part in ${PART:-tests}; do
               --arms fast --out "$OUT/step.json" 2>&1 | tail -6
             timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32,2048 --concurrent 1,4 \
               --arms fast,qtiles,plain_attn --agree 0 --profile --out "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -10 ;;
-    gmm) # prefill's routed experts as grouped GEMMs on the mxfp4 weights (kernels/cuda/experts_grouped.py)
+    gmm) # prefill's tile GEMMs on the weights as stored (kernels/cuda/tiles_mm.py): the experts, the f32 products
          timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-           tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_experts_grouped.py 2>&1 | tail -8
-         timeout 250 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,tiles \
+           tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py 2>&1 | tail -8
+         timeout 270 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,f32_simt,tiles \
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;

@@ -11,7 +11,7 @@ agreement with token-by-token decode of the first `--agree` tokens (the decode s
 Prints a table, writes JSON.
 
     python3 bench/prefill.py --out $OUT/prefill.json [--experts 32] [--prompts 2048,16384,65536]
-        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile] [--arms fast,tiles,plain_attn,qtiles]
+        [--concurrent 1,4] [--chunk 2048] [--agree 1024] [--profile] [--arms fast,tiles,f32_simt]
     python3 bench/prefill.py --layers 2 --experts 8 --prompts 64 --chunk 32 --agree 48   # CPU, V4-Flash dims
     python3 bench/prefill.py --tiny --prompts 64 --concurrent 1,2 --chunk 32 --agree 48   # CPU, tests/test_bench.py
 """
@@ -133,7 +133,8 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 
 # arm -> (the fast ops it runs as their plain twins, DSV4_GROUPED_EXPERTS)
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
-        "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles")}  # fmt: skip
+        "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
+        "f32_simt": ((), None)}  # fmt: skip
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -145,6 +146,10 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         else:
             backend.register(op, fn)
     os.environ[experts_grouped.ENV] = how or grouped
+    if backend.name() == "cuda":  # f32_simt: the f32 products of many rows as MLX's f32 matmul (TF32 off: SIMT)
+        import kernels.cuda.tiles_mm as tm
+
+        tm.F32_MANY = arm != "f32_simt"
 
 
 def main() -> None:
@@ -162,7 +167,8 @@ def main() -> None:
         default="fast",
         help="fast (every fast path), plain_attn (prefill's attention as plain MLX ops, DSV4_PREFILL_ATTN=0), "
         "tiles (the routed experts as the plain tiles form: dequantized copy + gather_mm, DSV4_GROUPED_MMA=0) "
-        "and / or qtiles (the tiles through gather_qmm on the mxfp4 weights, DSV4_GROUPED_EXPERTS=qtiles), "
+        "qtiles (the tiles through gather_qmm on the mxfp4 weights, DSV4_GROUPED_EXPERTS=qtiles) and / or "
+        "f32_simt (the compressors' f32 products as MLX's f32 matmul, DSV4_TILES_F32=0), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

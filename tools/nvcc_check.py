@@ -31,9 +31,9 @@ from kernels.cuda import (
     rope,  # noqa: E402
     router,  # noqa: E402
 )
-from kernels.cuda import experts_grouped as eg  # noqa: E402
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda import matmul as mm  # noqa: E402
+from kernels.cuda import tiles_mm as tm  # noqa: E402
 from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
@@ -186,11 +186,14 @@ def units() -> dict[str, str]:
                                mm.SOURCE)  # fmt: skip
     gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False)]  # fmt: skip
-    for name, k, n, pair, xdiv in (("grouped_gate_up", 4096, 2048, 1, 6), ("grouped_down", 2048, 4096, 0, 1)):
-        out[name] = standalone("grouped_mm", gm_in, [("out", BF)],
-                               [("T", BF), ("K", k), ("N", n), ("PAIR", pair), ("XDIV", xdiv), ("MT", 2 - pair),
-                                ("WR", eg.WR), ("TR", eg.TR), ("XS", eg.XS)], eg.SOURCE,
-                               header=eg.HEADER + launch_bounds(32 * eg.WR, 2))  # fmt: skip
+    for name, o, wf, k, n, pair, xdiv in (("tiles_gate_up", BF, 2, 4096, 2048, 1, 6),
+                                          ("tiles_down", BF, 2, 2048, 4096, 0, 1),
+                                          ("tiles_f32", F32, 0, 4096, 1024, 0, 1),
+                                          ("tiles_f32_pair", F32, 0, 4096, 1024, 2, 1)):  # fmt: skip
+        out[name] = standalone("tiles_mm", gm_in, [("out", o)],
+                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("PAIR", pair), ("XDIV", xdiv),
+                                ("MT", 1 if pair else 2), ("WR", tm.WR), ("TR", tm.TR), ("XS", tm.XS)], tm.SOURCE,
+                               header=tm.HEADER + launch_bounds(32 * tm.WR, 2))  # fmt: skip
     return out
 
 

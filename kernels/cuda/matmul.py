@@ -209,6 +209,7 @@ from typing import Any  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
+from kernels.cuda import tiles_mm  # noqa: E402
 from kernels.cuda.common import f32_params, kernel, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
@@ -306,7 +307,8 @@ def f32_linear_rows_cuda(x: mx.array, w: mx.array) -> mx.array:
                   dtype=x.dtype, nb=x.shape[0],
                   k=x.shape[1], n=w.shape[0], wf=0, out=mx.float32, pair=0, exp=0, topk=0, limit=None)  # fmt: skip
     if p is None or not p.fast:
-        return ref.f32_linear_rows_reference(x, w)
+        many = tiles_mm.f32_linear_many(x, w) if tiles_mm.F32_MANY else None  # prefill's rows: tensor cores
+        return ref.f32_linear_rows_reference(x, w) if many is None else many
     u8 = _const("u8")
     return p(x, w, u8, w, u8, _const("u32"))
 
@@ -332,7 +334,8 @@ def f32_linear_pair_rows_cuda(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[
                   dtype=x.dtype, nb=x.shape[0], k=x.shape[1], n=w1.shape[0], wf=0, out=mx.float32, pair=2, exp=0,
                   topk=0, limit=None)  # fmt: skip
     if p is None or not p.fast:
-        return ref.f32_linear_pair_rows_reference(x, w1, w2)
+        many = tiles_mm.f32_linear_pair_many(x, w1, w2) if tiles_mm.F32_MANY else None
+        return ref.f32_linear_pair_rows_reference(x, w1, w2) if many is None else many
     u8 = _const("u8")
     out = p(x, w1, u8, w2, u8, _const("u32"))
     n = out.shape[1:]  # slices are views; an integer index (out[0]) would be a gather kernel each

@@ -1,0 +1,57 @@
+"""kernels/cuda/tiles_mm.py's f32 products of many rows (bf16 weights on the tensor cores, f32 out) against the
+reference's f32 matmul, through the fast ops the model calls (f32_linear_rows / f32_linear_pair_rows)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kernels import backend
+from kernels import matmul as kmatmul
+from tests.kernels.agreement import close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
+
+
+def _xw(t: int, k: int, n: int) -> tuple[mx.array, mx.array, mx.array]:
+    x = mx.random.normal((t, k)).astype(mx.bfloat16)
+    w1 = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+    w2 = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+    return x, w1, w2
+
+
+@pytest.mark.parametrize(("t", "k", "n"), [(65, 128, 128), (300, 256, 256), (2048, 4096, 1024), (777, 4096, 512)])
+def test_f32_linear_rows_many_is_the_f32_matmul(t: int, k: int, n: int) -> None:
+    from kernels.cuda.matmul import f32_linear_rows_cuda
+    from kernels.cuda.tiles_mm import f32_linear_many
+
+    x, w, _ = _xw(t, k, n)
+    assert f32_linear_many(x, w) is not None  # the shape tiles: the kernel runs
+    got = f32_linear_rows_cuda(x, w)
+    assert got.dtype == mx.float32 and got.shape == (t, n)
+    close(got, kmatmul.f32_linear_rows_reference(x, w), 1e-5)  # exact products, another order of the sum
+
+
+@pytest.mark.parametrize(("t", "k", "n"), [(65, 128, 64), (300, 256, 192), (2048, 4096, 1024), (1000, 4096, 256)])
+def test_f32_linear_pair_rows_many_is_each_f32_matmul(t: int, k: int, n: int) -> None:
+    from kernels.cuda.matmul import f32_linear_pair_rows_cuda
+    from kernels.cuda.tiles_mm import f32_linear_pair_many
+
+    x, w1, w2 = _xw(t, k, n)
+    assert f32_linear_pair_many(x, w1, w2) is not None
+    a, b = f32_linear_pair_rows_cuda(x, w1, w2)
+    ra, rb = kmatmul.f32_linear_pair_rows_reference(x, w1, w2)
+    close(a, ra, 1e-5)
+    close(b, rb, 1e-5)
+
+
+@pytest.mark.parametrize(("t", "k", "n"), [(64, 256, 256), (100, 200, 256), (100, 256, 40)])
+def test_shapes_that_do_not_tile_run_the_reference(t: int, k: int, n: int) -> None:
+    """<= 64 rows (the skinny slices' range), K not a multiple of 128, N not of the block's rows."""
+    from kernels.cuda.matmul import f32_linear_pair_rows_cuda, f32_linear_rows_cuda
+    from kernels.cuda.tiles_mm import f32_linear_many
+
+    x, w1, w2 = _xw(t, k, n)
+    assert f32_linear_many(x, w1) is None
+    close(f32_linear_rows_cuda(x, w1), kmatmul.f32_linear_rows_reference(x, w1), 1e-5)
+    close(f32_linear_pair_rows_cuda(x, w1, w2)[1], kmatmul.f32_linear_pair_rows_reference(x, w1, w2)[1], 1e-5)
