@@ -158,6 +158,8 @@ def test_dispatch_uses_fast_path() -> None:
                     "hc_pre_norm_rows", "moe_combine_post_rows", "rms_rope_rows"}
     if not kc.PREFILL_ATTN:  # DSV4_PREFILL_ATTN=0 keeps prefill's plain attention
         opt_out |= {"prefill_attention"}
+    if not kc.GROUPED_MMA:  # DSV4_GROUPED_MMA=0 keeps prefill's dequantized-copy experts
+        opt_out |= {"grouped_experts"}
     assert set(backend.registered()) == set(backend.OPS) - opt_out
 
 
