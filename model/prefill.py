@@ -13,7 +13,8 @@ share one forward (`prefill_batch`): the row-wise parts over all their tokens, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -29,54 +30,83 @@ from model.state import StateHandle, StatePools
 SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
 
 
+_compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
+
+
+def _compiled(key: tuple[object, ...], fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """`fn` compiled once per key (its elementwise ops and reductions fuse into a few kernels: prefill's
+    per-request attention part is host-bound at a few hundred tokens); plain with DSV4_COMPILE=0."""
+    got = _compiled_fns.get(key)
+    if got is None:
+        got = _compiled_fns[key] = mx.compile(fn) if os.environ.get("DSV4_COMPILE", "1") != "0" else fn
+    return got
+
+
+def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
+    """`pooled_entry` (vals, gates, norm, cos, sin), compiled per eps and pool dtype."""
+
+    def fn(vals: mx.array, gates: mx.array, norm: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        return pooled_entry(vals, gates, norm, eps, cos, sin, dtype)
+
+    return _compiled(("pooled_entry", eps, dtype), fn)
+
+
+def _score_block(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
+    """The indexer's scores of a block of queries: sum over heads of w * relu(q . k) -> [block, n] f32."""
+    return (w[:, :, None] * mx.maximum(q.astype(mx.float32) @ keys.T, 0.0)).sum(axis=1)
+
+
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
               pool: mx.array, slot: int, table: Sequence[int], start: int, page: int,
               eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
     """`compressor_rows` for positions start..start+T-1 of one slot: every window that ends in the
-    chunk emits its entry; the slot's state ends as T single steps would leave it (stale rows too)."""
+    chunk emits its entry; the slot's state ends as T single steps would leave it (stale rows too).
+
+    Every row it reads is a row of ext = [the slot's S state rows; the chunk's T rows] (a CSA row's two
+    halves are rows 2 i and 2 i + 1 of its [2 (S + T), d] view), so the windows' rows, the new state rows
+    and the entries' destinations are index lists made on the host and uploaded once: ~20 kernels a call
+    where per-window gathers and concatenations took 52 (`tools/prefill_count.py`)."""
     kv, score, cos, sin = proj
-    m, d, t = comp.ratio, comp.dim, kv.shape[0]
+    m, d, t, n_state = comp.ratio, comp.dim, kv.shape[0], kv_state.shape[1]
     coff = 2 if m == 4 else 1
-    pos = list(range(start, start + t))
-    pm0 = start % m
-    # The rows of positions base..start-1 still in the state, then the chunk's rows: row i <-> base + i.
+    # seq index i <-> position base + i: the state rows still in use (`old`), then the chunk's rows
     base = (start // m) * m - (coff - 1) * m
-    old = list(range(m)) + [m + j for j in range(pm0)] if coff == 2 else list(range(pm0))
-    idx = mx.array(old, dtype=mx.int32)
-    seq_kv = mx.concatenate([kv_state[slot][idx], kv], axis=0)
-    ape = comp.ape.astype(mx.float32)[mx.array([p % m for p in pos])]  # APE by absolute position
-    seq_s = mx.concatenate([score_state[slot][idx], score + ape])
-    ends = [i for i, p in enumerate(pos) if p % m == m - 1]
-    if ends:
-        cur = mx.array([[pos[i] - (m - 1) - base + j for j in range(m)] for i in ends], dtype=mx.int32)  # [E, m]
-        if coff == 1:
-            vals, gates = seq_kv[cur], seq_s[cur]
-        else:  # CSA: previous window's first half + this window's second half
-            vals = mx.concatenate([seq_kv[cur - m][..., :d], seq_kv[cur][..., d:]], axis=1)
-            gates = mx.concatenate([seq_s[cur - m][..., :d], seq_s[cur][..., d:]], axis=1)
-        sel = mx.array(ends, dtype=mx.int32)
-        x = pooled_entry(vals, gates, comp.norm.weight, eps, cos[sel], sin[sel], pool.dtype)
-        ws = [pos[i] // m for i in ends]
-        dest = mx.array([table[w // page] * page + w % page for w in ws], dtype=mx.int32)
-        flat = pool.reshape(pool.shape[0] * page, d)
-        pool = mx.put_along_axis(flat, dest[:, None], x, axis=0).reshape(pool.shape)
-    # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each
-    # later position p overwrites row (coff-1)*m + p%m (the last write wins).
-    if coff == 2 and ends:
-        win = seq_kv[cur[-1]], seq_s[cur[-1]]
-        new_kv, new_s = mx.concatenate([win[0], win[0]]), mx.concatenate([win[1], win[1]])
-        later = pos[ends[-1] + 1 :]
+    old = list(range(m)) + [m + j for j in range(start % m)] if coff == 2 else list(range(start % m))
+
+    def ext(i: int) -> int:
+        return old[i] if i < len(old) else n_state + i - len(old)
+
+    ends = [i for i in range(t) if (start + i) % m == m - 1]
+    firsts = [start + i - (m - 1) - base for i in ends]  # seq index of each emitted window's first row
+    if coff == 2:  # previous window's first half + this window's second half
+        gidx = [[2 * ext(f - m + j) for j in range(m)] + [2 * ext(f + j) + 1 for j in range(m)] for f in firsts]
     else:
-        new_kv, new_s = kv_state[slot], score_state[slot]
-        later = pos
-    rows = {(coff - 1) * m + p % m: p - base for p in later}
-    if rows:
-        r = mx.array(list(rows), dtype=mx.int32)
-        src = mx.array(list(rows.values()), dtype=mx.int32)
-        new_kv[r] = seq_kv[src]
-        new_s[r] = seq_s[src]
-    kv_state[slot] = new_kv
-    score_state[slot] = new_s
+        gidx = [[ext(f + j) for j in range(m)] for f in firsts]
+    # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each later
+    # position p overwrites row (coff - 1) m + p % m (the last write wins).
+    if coff == 2 and ends:
+        state = [ext(firsts[-1] + j % m) for j in range(n_state)]
+        later = range(start + ends[-1] + 1, start + t)
+    else:
+        state, later = list(range(n_state)), range(start, start + t)
+    for p in later:
+        state[(coff - 1) * m + p % m] = ext(p - base)
+    dest = [table[w // page] * page + w % page for w in ((start + i) // m for i in ends)]
+    ix = mx.array([(start + i) % m for i in range(t)] + state + ends + dest + [g for row in gidx for g in row],
+                  dtype=mx.int32)  # fmt: skip
+    cut = [t, t + n_state, t + n_state + len(ends), t + n_state + 2 * len(ends)]
+    ape_rows, state_rows, sel, dest_rows = ix[: cut[0]], ix[cut[0] : cut[1]], ix[cut[1] : cut[2]], ix[cut[2] : cut[3]]
+    own = slice(slot, slot + 1)  # the slot's rows as a view (an integer index is a gather kernel)
+    ext_kv = mx.concatenate([kv_state[own].reshape(n_state, -1), kv])
+    ext_s = mx.concatenate([score_state[own].reshape(n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
+    if ends:
+        g = ix[cut[3] :].reshape(len(ends), coff * m)
+        vals, gates = ext_kv.reshape(-1, d)[g], ext_s.reshape(-1, d)[g]  # [E, coff m, d]
+        x = _pooled(eps, pool.dtype)(vals, gates, comp.norm.weight, cos[sel], sin[sel])
+        flat = pool.reshape(pool.shape[0] * page, d)
+        pool = mx.put_along_axis(flat, dest_rows[:, None], x, axis=0).reshape(pool.shape)
+    kv_state[slot] = ext_kv[state_rows]
+    score_state[slot] = ext_s[state_rows]
     return kv_state, score_state, pool
 
 
@@ -84,14 +114,11 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) 
     """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
     [T, topk] ids, -1 padded."""
     t, n = q.shape[0], keys.shape[0]
-    qf = q.astype(mx.float32)
     step = max(1, SCORE_BYTES // (q.shape[1] * n * 4))  # queries per block: [block, nI, n] f32 stays bounded
-    parts = []
-    for i in range(0, t, step):
-        dots = qf[i : i + step] @ keys.T  # [block, nI, n]
-        parts.append((w[i : i + step, :, None] * mx.maximum(dots, 0.0)).sum(axis=1))
+    score_block = _compiled(("score_block",), _score_block)
+    parts = [score_block(q[i : i + step], w[i : i + step], keys) for i in range(0, t, step)]
     score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    return topk_ids(score, vis[:, None], topk)
+    return _compiled(("topk_ids", topk), lambda s, v: topk_ids(s, v, topk))(score, vis[:, None])
 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
@@ -169,7 +196,10 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
-        post, comb, *proj = block.before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
+        # the layer's compiled segments, as decode runs them (traced once per row count T: a new T costs about
+        # what building the uncompiled graph does, and its elementwise chains run fused)
+        before, after = block._segments()
+        post, comb, *proj = before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
         if len(work) == 1:
             o = _attend(block.attn, proj, pools, work[0][0], work[0][2])
         else:
@@ -177,7 +207,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
                 _attend(block.attn, [p[b0:b1] for p in proj], pools, handle, start)
                 for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
             ])  # fmt: skip
-        hs = block.after(o, hs, post, comb, proj[2], -proj[3], ids)
+        hs = after(o, hs, post, comb, proj[2], -proj[3], ids)
     if not logits:
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]

@@ -1,0 +1,150 @@
+"""Kernels a prefill forward launches on CUDA, by layer kind, counted on any machine from its graph (no GPU).
+
+A prefill forward of a few hundred tokens is host-bound on the H200 (a 32-token prompt: 0.31 s for 57 ms of
+GPU work, 10,514 kernels; docs/performance.md), so its kernel count is its first-order cost. As
+tools/kernel_count.py does for the decode step, every op that `kernels/cuda` serves with its own launches
+is stood in for by one `mx.depends` node a launch (the skinny matmuls, the glue kernels, the mHC pre-mix;
+the tile GEMMs of the grouped experts and the f32 products; prefill attention's `dsplit` launch; MLX's
+dequantize, one kernel on CUDA), while the
+Python around those launches (the experts' tile tables, the attention's reversed keys, the compressors'
+pooling, the indexer's scores) runs as it does on CUDA. The forward's graph (`mx.export_to_dot`) is then
+counted, views apart: on CUDA each other primitive is about one kernel. A 3-layer model (sliding, CSA,
+HCA) at small dims with the release's structure; the count of a layer is the forward's with that layer's
+kind minus the forward's with none (the embedding, the head).
+
+    python tools/prefill_count.py [--tokens 32,256] [--start 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+
+from kernels import backend  # noqa: E402
+from model.checkpoint import is_f32_param  # noqa: E402
+from model.config import ModelArgs  # noqa: E402
+from model.deepseek_v4 import DeepseekV4  # noqa: E402
+from model.prefill import prefill_chunk  # noqa: E402
+from model.quant import quantize_block  # noqa: E402
+from model.state import StatePools  # noqa: E402
+from tools.kernel_count import GLUE, STANDINS, counted, one, standins  # noqa: E402
+
+
+class _OneLaunch:
+    """A launch plan whose call is one graph node of its output shape (kernels/cuda/tiles_mm.Plan's and
+    kernels/cuda/attention.Plan's stand-in)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+        self.shape, self.dtype, self.fast, self.fparams = shape, dtype, True, mx.zeros((1,))
+
+    def __call__(self, *inputs: Any) -> mx.array:
+        return one([(self.shape, self.dtype)], *inputs)[0]
+
+    launch = compiled = __call__
+
+
+@contextlib.contextmanager
+def cuda_prefill() -> Iterator[None]:
+    """The CUDA path's prefill ops (their Python as is, each kernel launch one node), undone after."""
+    import kernels.cuda.experts_grouped as ceg
+    import kernels.cuda.prefill_attention as cpa
+    import kernels.cuda.tiles_mm as tm
+
+    saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached)
+
+    def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
+                  limit: float | None = None) -> _OneLaunch:  # fmt: skip
+        return _OneLaunch((2, p, n) if pair == 2 else (p, n), out)
+
+    def attn_plan(r: int, page: int, width: int, q: mx.array, *_: Any) -> _OneLaunch:
+        return _OneLaunch(q.shape, q.dtype)
+
+    def dequantize(w: mx.array, scales: mx.array, *_: Any, bits: int = 8, dtype: mx.Dtype = mx.bfloat16,
+                   **__: Any) -> mx.array:  # fmt: skip
+        """One kernel on CUDA (MLX's CPU backend runs it as several ops)."""
+        return one([((*w.shape[:-1], w.shape[-1] * 32 // bits), dtype)], w, scales)[0]
+
+    ceg.Plan, cpa.Plan = tile_plan, attn_plan
+    ceg.plan_cached = cpa.plan_cached = lambda key, make: make()
+    deq, mx.dequantize = mx.dequantize, dequantize
+    with standins(glue=True):
+        backend.register("grouped_experts", ceg.grouped_experts_cuda)
+        backend.register("prefill_attention", cpa.prefill_attention_cuda)
+        f32_many = tm.f32_linear_many, tm.f32_linear_pair_many
+
+        def lin(x: mx.array, w: mx.array) -> mx.array:  # past 64 rows: the tile GEMM, one launch
+            if x.shape[0] > tm.MANY_ROWS:
+                return one([((x.shape[0], w.shape[0]), mx.float32)], x, w)[0]
+            return STANDINS["f32_linear_rows"](x, w)
+
+        def pair(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
+            out = one([((2, x.shape[0], w1.shape[0]), mx.float32)], x, w1, w2)[0]
+            return out[0], out[1]
+
+        backend.register("f32_linear_rows", lin)
+        backend.register("f32_linear_pair_rows", pair)
+        try:
+            yield
+        finally:
+            ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached = saved
+            mx.dequantize = deq
+            tm.f32_linear_many, tm.f32_linear_pair_many = f32_many
+
+
+def model_of(ratios: list[int]) -> tuple[DeepseekV4, ModelArgs]:
+    a = ModelArgs.tiny()  # the release's structure where it sets the graph, small dims (H, I multiples of 128)
+    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = len(ratios), ratios, 0
+    a.hc_mult, a.hc_sinkhorn_iters = 4, 20
+    a.num_attention_heads, a.o_groups, a.n_routed_experts, a.num_experts_per_tok = 8, 8, 16, 6
+    a.hidden_size, a.moe_intermediate_size = 256, 128
+    model = DeepseekV4(a)
+    for blk in model.layers:
+        quantize_block(blk)
+    model.update(tree_unflatten([(n, p.astype(mx.bfloat16) if p.dtype == mx.float32 and not is_f32_param(n) else p)
+                                 for n, p in tree_flatten(model.parameters())]))  # fmt: skip
+    mx.eval(model.parameters())
+    return model, a
+
+
+def forward_count(ratios: list[int], tokens: int, start: int) -> collections.Counter:
+    model, a = model_of(ratios)
+    pools = StatePools(a, max_slots=1, max_positions=start + tokens + 8, page_size=16, dtype=mx.bfloat16)
+    h = pools.alloc(start + tokens)
+    mx.eval(*pools.arrays())
+    ids = [i % a.vocab_size for i in range(start + tokens)]
+    with cuda_prefill():
+        if start:  # the state of the tokens before, evaluated: not part of the counted forward
+            mx.eval(prefill_chunk(model, pools, h, ids[:start], 0), *pools.arrays())
+        out = prefill_chunk(model, pools, h, ids[start:], start)
+        return counted([out, *pools.arrays()])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="32,256")
+    ap.add_argument("--start", type=int, default=0, help="tokens already prefilled (the chunk's first position)")
+    ap.add_argument("--top", type=int, default=8)
+    opt = ap.parse_args()
+    print(f"{'tokens':>6} {'layer':8} {'kernels':>7}  most common")
+    for t in (int(x) for x in opt.tokens.split(",")):
+        base = forward_count([0], t, opt.start)
+        for kind, r in (("sliding", 0), ("CSA", 4), ("HCA", 128)):
+            c = forward_count([0, r], t, opt.start)
+            c.subtract(base)
+            c = +c
+            print(f"{t:6d} {kind:8} {sum(c.values()):7d}  " + ", ".join(f"{n} {k}" for n, k in c.most_common(opt.top)))
+        print(f"{t:6d} {'rest':8} {sum(base.values()) - 0:7d}  (embedding, head and one sliding layer)")
+
+
+if __name__ == "__main__":
+    main()
