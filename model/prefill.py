@@ -33,12 +33,23 @@ SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are 
 _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 
+def compiled() -> bool:
+    """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 6,100 kernels a
+    256-token V4-Flash forward instead of 8,100 by tools/prefill_count.py's count. Off by default: on the
+    H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
+    known (the new fused kernels' NVRTC compiles, or a trace per call)."""
+    return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
+
+
 def _compiled(key: tuple[object, ...], fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """`fn` compiled once per key (its elementwise ops and reductions fuse into a few kernels: prefill's
-    per-request attention part is host-bound at a few hundred tokens); plain with DSV4_COMPILE=0."""
+    """`fn` compiled once per key where `compiled()` (its elementwise ops and reductions fuse into a few
+    kernels: prefill's per-request attention part is host-bound at a few hundred tokens), else as is."""
+    if not compiled():
+        return fn
     got = _compiled_fns.get(key)
     if got is None:
-        got = _compiled_fns[key] = mx.compile(fn) if os.environ.get("DSV4_COMPILE", "1") != "0" else fn
+        got = _compiled_fns[key] = mx.compile(fn)
     return got
 
 
@@ -64,8 +75,8 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
 
     Every row it reads is a row of ext = [the slot's S state rows; the chunk's T rows] (a CSA row's two
     halves are rows 2 i and 2 i + 1 of its [2 (S + T), d] view), so the windows' rows, the new state rows
-    and the entries' destinations are index lists made on the host and uploaded once: ~20 kernels a call
-    where per-window gathers and concatenations took 52 (`tools/prefill_count.py`)."""
+    and the entries' destinations are index lists made on the host and uploaded once: 40 kernels a call
+    where per-window gathers and concatenations took 52, 22 with `compiled()` (`tools/prefill_count.py`)."""
     kv, score, cos, sin = proj
     m, d, t, n_state = comp.ratio, comp.dim, kv.shape[0], kv_state.shape[1]
     coff = 2 if m == 4 else 1
@@ -196,9 +207,9 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
-        # the layer's compiled segments, as decode runs them (traced once per row count T: a new T costs about
-        # what building the uncompiled graph does, and its elementwise chains run fused)
-        before, after = block._segments()
+        # with compiled(), the layer's compiled segments as decode runs them (traced once per row count T: a new
+        # T costs about what building the uncompiled graph does, and its elementwise chains run fused)
+        before, after = block._segments() if compiled() else (block.before, block.after)
         post, comb, *proj = before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
         if len(work) == 1:
             o = _attend(block.attn, proj, pools, work[0][0], work[0][2])

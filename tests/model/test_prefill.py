@@ -83,6 +83,23 @@ def test_prefill_chunks_equal_token_by_token(tiny, serial, chunks) -> None:
         assert np.array_equal(before[k], after[k]), k
 
 
+@pytest.mark.parametrize("chunks", [[LEN], [7] * 42 + [6], [3, 130, 167]])
+def test_compiled_prefill_equals_token_by_token(tiny, serial, monkeypatch, chunks) -> None:
+    """DSV4_PREFILL_COMPILE=1 (the layers' compiled segments, the compiled pooled entries and indexer scores):
+    the logits and state of token-by-token decoding, as the plain forward leaves them."""
+    monkeypatch.setenv("DSV4_PREFILL_COMPILE", "1")
+    model, args = tiny
+    prompt, ref_pools, ref_h, ref_last = serial
+    pools = StatePools(args, max_slots=1, max_positions=LEN + 8, page_size=PAGE)
+    h = pools.alloc(LEN + 8)
+    start, last = 0, None
+    for c in chunks:
+        last = model.prefill(pools, h, prompt[start : start + c], start, chunk=c)
+        start += c
+    assert np.max(np.abs(np.array(last) - ref_last)) <= 1e-5
+    assert_same_state(slot_state(pools, h, args), slot_state(ref_pools, ref_h, args))
+
+
 def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
     """Long contexts score the indexer's queries in blocks (bounded memory): same ids, same logits."""
     import model.prefill as prefill
