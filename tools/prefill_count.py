@@ -37,7 +37,7 @@ from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.prefill import prefill_chunk  # noqa: E402
 from model.quant import quantize_block  # noqa: E402
 from model.state import StatePools  # noqa: E402
-from tools.kernel_count import GLUE, STANDINS, counted, one, standins  # noqa: E402
+from tools.kernel_count import STANDINS, counted, one, standins  # noqa: E402
 
 
 class _OneLaunch:
