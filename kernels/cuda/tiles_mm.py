@@ -4,10 +4,12 @@ One mma.sync m16n8k16 kernel template (bf16 rows, f32 accumulation) for two user
 - the routed experts (`kernels/cuda/experts_grouped.py`): tiles of TR pairs of one expert (`ptab`: the
   pair a tile row holds, -1 padding; `texp`: the tile's expert), mxfp4 weights (`WF` 2);
 - the products the model runs in f32 for T rows (`f32_linear_many`, `f32_linear_pair_many`: the
-  compressors' kv and gate, the head): bf16 weights (`WF` 0), f32 out, one "expert", the rows in order.
-  bf16 x bf16 is exact in the f32 accumulator, so this is the reference's f32 matmul (cast inputs) up to
-  the order of the sum; MLX ran those as SIMT f32 GEMMs (TF32 off): ~76 ms of a 2,048-token forward of
-  V4-Flash on the H200 (PART=gmm, 2026-12-02).
+  compressors' kv and gate; the head of prompt logprobs): bf16 weights (`WF` 0), f32 out, one "expert", the
+  rows in order. bf16 x bf16 is exact in the f32 accumulator, so this is the reference's f32 matmul (cast
+  inputs) up to the order of the sum; MLX ran those as SIMT f32 GEMMs (TF32 off): ~76 ms of a 2,048-token
+  forward of V4-Flash on the H200, ~21 ms with this kernel for the shapes it takes (PART=gmm, 76d6509).
+The experts' two GEMMs took 137 ms of that forward (~200 TFLOP/s with the tiles' padding) where the
+dequantized copy + gather_mm took ~300 ms with their gathers and clamps.
 A block is one tile (TR rows) x 16 * MT * WR weight rows; each warp owns MT 16-row weight tiles (PAIR 1 / 2:
 and the second weight's same rows) for all TR rows. The weights are the A operand, loaded straight to
 registers (mxfp4 decoded from e2m1 + e8m0 exactly as the decode step's skinny kernels do,
