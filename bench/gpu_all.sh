@@ -13,7 +13,8 @@
 #   PART=gmm     prefill's tile GEMMs (the grouped experts, the f32 products): their gpu tests, then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
-#   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode
+#   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode,
+#                with DSV4_PREFILL_COMPILE=0 (the default) then 1 (one process each: the warm-up's time is printed)
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
 #   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / off
@@ -92,8 +93,10 @@ for part in ${PART:-tests}; do
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
-    pcount) timeout 170 python3 bench/prefill.py --experts 32 --prompts 256 --chunk 256 --concurrent 1 --agree 64 \
-              --profile --out "$OUT/prefill_256.json" 2>&1 | grep -v Warn | tail -5 ;;
+    pcount) for c in 0 1; do  # the compiled form's first GPU run printed nothing in 170 s (6de67c4)
+              DSV4_PREFILL_COMPILE=$c timeout 270 python3 bench/prefill.py --experts 32 --prompts 256 --chunk 256 \
+                --concurrent 1 --agree 64 --profile --out "$OUT/prefill_256_c$c.json" 2>&1 | grep -v Warn | tail -6
+            done ;;
     graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
             # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
             for mode in on off step; do

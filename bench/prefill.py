@@ -194,10 +194,12 @@ def main() -> None:
     pools = StatePools(args, max_slots=slots, max_positions=cap, page_size=page, dtype=dtype)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, args.vocab_size, cap)]
+    t0 = time.perf_counter()
     run_cell(model, pools, [prompt[: min(cap, 2 * opt.chunk)]], opt.chunk)  # warm-up: compile, JIT
     h = pools.alloc(2)
     model.decode(pools, [h], [prompt[0]], [0])
     pools.free(h)
+    print(f"warm-up (the kernels' first compiles): {time.perf_counter() - t0:.1f} s", flush=True)
     wf = weight_flops(model)
     head = 2 * args.vocab_size * args.hidden_size
     arms = opt.arms.split(",")
