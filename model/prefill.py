@@ -17,17 +17,18 @@ import os
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from kernels import matmul as kmatmul
 from kernels import prefill_attention
 from kernels.compressor import pooled_entry
 from kernels.indexer import topk_ids
-from kernels.prefill_attention import entries
 from model.attention import Attention, Compressor
 from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
 SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
+KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
 
 
 _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
@@ -35,8 +36,8 @@ _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 def compiled() -> bool:
     """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 6,100 kernels a
-    256-token V4-Flash forward instead of 8,100 by tools/prefill_count.py's count. Off by default: on the
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 5,500 kernels a
+    256-token V4-Flash forward instead of 7,500 by tools/prefill_count.py's count. Off by default: on the
     H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
     known (the new fused kernels' NVRTC compiles, or a trace per call)."""
     return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
@@ -63,8 +64,15 @@ def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
 
 
 def _score_block(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
-    """The indexer's scores of a block of queries: sum over heads of w * relu(q . k) -> [block, n] f32."""
-    return (w[:, :, None] * mx.maximum(q.astype(mx.float32) @ keys.T, 0.0)).sum(axis=1)
+    """The indexer's scores of a block of queries: sum over heads of w * relu(q . k) -> [block, n] f32. The
+    dots are `f32_linear_rows` of the [block x heads, d] queries (bf16 x bf16 in an f32 sum, as the reference's
+    cast f32 matmul; on CUDA kernels/cuda/tiles_mm.py's tensor-core GEMM where keys come in KEY_ROWS)."""
+    b, nh, d = q.shape
+    if b * nh > kmatmul.MANY_ROWS:  # (fewer rows would go through the skinny kernels' 8-row slices)
+        dots = kmatmul.f32_linear_rows(q.reshape(b * nh, d), keys).reshape(b, nh, keys.shape[0])
+    else:
+        dots = q.astype(mx.float32) @ keys.astype(mx.float32).T
+    return (w[:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)
 
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
@@ -121,6 +129,17 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
     return kv_state, score_state, pool
 
 
+def _entries(pool: mx.array, table: Sequence[int], n: int) -> mx.array:
+    """The request's first n compressed entries in the pool's dtype, through rows made on the host from its
+    table (one gather), then the first entry again up to a multiple of KEY_ROWS: [ceil(n / KEY_ROWS) x
+    KEY_ROWS, d]. The top-k never picks those (each query sees its first vis <= n entries)."""
+    page, d = pool.shape[1], pool.shape[2]
+    rows = (np.asarray(table[: -(-n // page)], dtype=np.int32)[:, None] * page + np.arange(page, dtype=np.int32))
+    rows = rows.reshape(-1)[:n]
+    rows = np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
+    return pool.reshape(-1, d)[mx.array(rows)]
+
+
 def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
     """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
     [T, topk] ids, -1 padded."""
@@ -158,7 +177,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     ids = None
     if r == 4 and n:
         vis = mx.arange(start + 1, start + t + 1, dtype=mx.int32) // r  # entries each token can see
-        ikeys = entries(pools.ikeys[layer], table, n)  # the indexer's keys share the ratio-4 table
+        ikeys = _entries(pools.ikeys[layer], tables[4], n)  # the indexer's keys share the ratio-4 table
         ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
     return prefill_attention(q, ring, kv, start, pools.ckv[layer] if r else None, table, ids, attn.attn_sink,
                              scale=a.head_dim**-0.5, ratio=r or None)  # fmt: skip

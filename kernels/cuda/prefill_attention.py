@@ -14,6 +14,7 @@ logits and accumulation), one `dsplit` launch per ROWS_MAX queries instead of ~2
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from kernels.cuda import common
 from kernels.cuda.attention import Plan
@@ -31,10 +32,11 @@ DSPLIT_ALL = 1 << 30
 
 def reversed_keys(ring: mx.array, kv: mx.array, start: int, dtype: mx.Dtype) -> mx.array:
     """rseq [T + W, D]: row i holds position start + T - 1 - i (the chunk's kv reversed, then the ring's rows
-    for positions start - 1, start - 2, ..; those before position 0 are never valid rows)."""
+    for positions start - 1, start - 2, ..; those before position 0 are never valid rows). One gather of
+    [kv; ring] through host-made rows (the index arithmetic as MLX ops was 5 more kernels a layer)."""
     t, wl = kv.shape[0], ring.shape[0]
-    ring_rows = (start - 1 - mx.arange(wl, dtype=mx.int32) + wl) % wl
-    return mx.concatenate([kv[mx.arange(t - 1, -1, -1, dtype=mx.int32)], ring[ring_rows]]).astype(dtype)
+    rows = np.concatenate([np.arange(t - 1, -1, -1), t + (start - 1 - np.arange(wl) + wl) % wl]).astype(np.int32)
+    return mx.concatenate([kv, ring])[mx.array(rows)].astype(dtype)
 
 
 def block_rows(rseq: mx.array, t: int, start: int, t0: int, t1: int) -> tuple[mx.array, ...]:
@@ -42,8 +44,9 @@ def block_rows(rseq: mx.array, t: int, start: int, t0: int, t1: int) -> tuple[mx
     query t1 - 1 - b (q row r - 1 - b of q[t0:t1]) in slot b, whose window row j is position p - j."""
     wl, d, r = rseq.shape[0] - t, rseq.shape[1], t1 - t0
     window = mx.as_strided(rseq, (r, wl, d), (d, d, 1), (t - t1) * d)
-    b = mx.arange(r, dtype=mx.int32)
-    return window, b, (start + t1 - 1) - b, (r - 1) - b
+    b = np.arange(r, dtype=np.int32)
+    rows = mx.array(np.concatenate([b, (start + t1 - 1) - b, (r - 1) - b]))  # one upload, three views
+    return window, rows[:r], rows[r : 2 * r], rows[2 * r :]
 
 
 def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int, pool: mx.array | None,
