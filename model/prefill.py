@@ -36,8 +36,8 @@ _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 def compiled() -> bool:
     """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 5,500 kernels a
-    256-token V4-Flash forward instead of 7,500 by tools/prefill_count.py's count. Off by default: on the
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 5,100 kernels a
+    256-token V4-Flash forward instead of 7,000 by tools/prefill_count.py's count. Off by default: on the
     H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
     known (the new fused kernels' NVRTC compiles, or a trace per call)."""
     return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"

@@ -35,11 +35,8 @@ def grouped_experts_cuda(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.a
         return ref.grouped_experts(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, how="tiles")
     b, k = idx.shape
     hid, inter, e = x.shape[1], w1.shape[1], w1.shape[0]
-    flat = idx.reshape(-1).astype(mx.uint32)
-    order = mx.argsort(flat)  # the B * k pairs grouped by expert
-    src, texp, _ = ref.tiles(flat[order], e)
-    ptab = mx.where(src >= 0, order.astype(mx.int32)[mx.maximum(src, 0)], -1)  # the pair a tile row holds
-    tiles = src.shape[0] // TR
+    ptab, texp = ref.tile_table(idx.reshape(-1).astype(mx.uint32), e)  # the pair a tile row holds, each tile's expert
+    tiles = ptab.shape[0] // TR
     key = ("grouped_experts", b * k, hid, inter, tiles, limit)
     up = plan_cached(key + ("up",), lambda: Plan(b * k, hid, inter, tiles, wf=2, pair=1, xdiv=k, out=mx.bfloat16,
                                                  limit=limit))  # fmt: skip

@@ -148,3 +148,23 @@ def test_grouped_at_v4_flash_dims_on_the_gpu(how: str, limit: float | None) -> N
     idx, w = routing("ragged", 2048, 32, rng)
     want = eg.experts_rows_reference(x, idx, w, *args(p), limit=limit)
     close(eg.grouped_experts(x, idx, w, *args(p), limit=limit, how=how), want, 2e-2)
+
+
+@pytest.mark.parametrize("b", [9, 64, 300])
+@pytest.mark.parametrize("e", [8, 16, 32])
+@pytest.mark.parametrize("kind", ["ragged", "unused", "same"])
+def test_tile_table_is_the_tiles_of_the_sorted_pairs(b: int, e: int, kind: str) -> None:
+    """`tile_table` (the CUDA form's table in one scatter) holds, row for row, the pair `tiles` puts there for
+    the pairs in argsort order, and each tile's expert: every pair once, in a tile of its own expert."""
+    idx, _ = routing(kind, b, e, np.random.default_rng(b + e))
+    flat = idx.reshape(-1)
+    ptab, texp = eg.tile_table(flat, e)
+    order = mx.argsort(flat)
+    src, want_texp, _ = eg.tiles(flat[order], e)
+    want = np.where(np.array(src) >= 0, np.array(order).astype(np.int64)[np.maximum(np.array(src), 0)], -1)
+    np.testing.assert_array_equal(np.array(ptab), want)
+    np.testing.assert_array_equal(np.array(texp), np.array(want_texp))
+    got, ids = np.array(ptab), np.array(flat)
+    assert sorted(got[got >= 0].tolist()) == list(range(b * K))  # every pair once
+    tile_of = np.repeat(np.array(texp), eg.TILE_ROWS)
+    assert (ids[got[got >= 0]] == tile_of[got >= 0]).all()  # each in a tile of its own expert
