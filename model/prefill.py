@@ -36,8 +36,8 @@ _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 def compiled() -> bool:
     """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 5,100 kernels a
-    256-token V4-Flash forward instead of 7,000 by tools/prefill_count.py's count. Off by default: on the
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,356 kernels a
+    256-token V4-Flash forward instead of 6,188 by tools/prefill_count.py's count. Off by default: on the
     H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
     known (the new fused kernels' NVRTC compiles, or a trace per call)."""
     return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
@@ -224,12 +224,16 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     t = ids.shape[0]
     x = model.embed(ids)
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
+    angles: dict[int, tuple[mx.array, ...]] = {}  # a layer kind's RoPE inputs and its de-rotation (-S), once
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
+        if r not in angles:
+            ang = rope_angles(model._freqs[r != 0], pos, r, a)
+            angles[r] = (*ang, -ang[1])
         # with compiled(), the layer's compiled segments as decode runs them (traced once per row count T: a new
         # T costs about what building the uncompiled graph does, and its elementwise chains run fused)
         before, after = block._segments() if compiled() else (block.before, block.after)
-        post, comb, *proj = before(hs, *rope_angles(model._freqs[r != 0], pos, r, a))
+        post, comb, *proj = before(hs, *angles[r][:-1])
         if len(work) == 1:
             o = _attend(block.attn, proj, pools, work[0][0], work[0][2])
         else:
@@ -237,7 +241,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
                 _attend(block.attn, [p[b0:b1] for p in proj], pools, handle, start)
                 for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
             ])  # fmt: skip
-        hs = after(o, hs, post, comb, proj[2], -proj[3], ids)
+        hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
     if not logits:
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]

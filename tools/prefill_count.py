@@ -8,9 +8,8 @@ the tile GEMMs of the grouped experts and the f32 products; prefill attention's 
 dequantize, one kernel on CUDA), while the
 Python around those launches (the experts' tile tables, the attention's reversed keys, the compressors'
 pooling, the indexer's scores) runs as it does on CUDA. The forward's graph (`mx.export_to_dot`) is then
-counted, views apart: on CUDA each other primitive is about one kernel. A 3-layer model (sliding, CSA,
-HCA) at small dims with the release's structure; the count of a layer is the forward's with that layer's
-kind minus the forward's with none (the embedding, the head).
+counted, views apart: on CUDA each other primitive is about one kernel. Models of 2-3 layers at small dims
+with the release's structure; the count of a layer kind is what one more layer of it adds to a forward.
 
     python tools/prefill_count.py [--tokens 32,256] [--start 0]
 """
@@ -129,6 +128,24 @@ def forward_count(ratios: list[int], tokens: int, start: int) -> collections.Cou
         return counted([out, *pools.arrays()])
 
 
+def layer_counts(tokens: int, start: int = 0) -> dict[str, collections.Counter]:
+    """Per layer kind, the kernels one more layer of that kind adds to a forward (its RoPE tables are made
+    once a kind a forward, as the model's first layer of the kind does)."""
+    out = {}
+    for kind, r in (("sliding", 0), ("CSA", 4), ("HCA", 128)):
+        c = forward_count([0, r, r], tokens, start)
+        c.subtract(forward_count([0, r], tokens, start))
+        out[kind] = +c
+    return out
+
+
+def flash_estimate(tokens: int, start: int = 0) -> int:
+    """Kernels a V4-Flash forward (43 layers: 2 sliding, 21 CSA, 20 HCA) by this count."""
+    per = {k: sum(c.values()) for k, c in layer_counts(tokens, start).items()}
+    first = {r: sum(forward_count([0, r], tokens, start).values()) for r in (0, 4, 128)}
+    return first[4] + (first[128] - first[0]) + per["sliding"] + 20 * per["CSA"] + 19 * per["HCA"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32,256")
@@ -137,13 +154,9 @@ def main() -> None:
     opt = ap.parse_args()
     print(f"{'tokens':>6} {'layer':8} {'kernels':>7}  most common")
     for t in (int(x) for x in opt.tokens.split(",")):
-        base = forward_count([0], t, opt.start)
-        for kind, r in (("sliding", 0), ("CSA", 4), ("HCA", 128)):
-            c = forward_count([0, r], t, opt.start)
-            c.subtract(base)
-            c = +c
+        for kind, c in layer_counts(t, opt.start).items():
             print(f"{t:6d} {kind:8} {sum(c.values()):7d}  " + ", ".join(f"{n} {k}" for n, k in c.most_common(opt.top)))
-        print(f"{t:6d} {'rest':8} {sum(base.values()) - 0:7d}  (embedding, head and one sliding layer)")
+        print(f"{t:6d} {'V4-Flash':8} {flash_estimate(t, opt.start):7d}  (43 layers, the embedding and the head)")
 
 
 if __name__ == "__main__":
