@@ -36,8 +36,8 @@ _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 def compiled() -> bool:
     """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,356 kernels a
-    256-token V4-Flash forward instead of 6,188 by tools/prefill_count.py's count. Off by default: on the
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,314 kernels a
+    256-token V4-Flash forward instead of 6,146 by tools/prefill_count.py's count. Off by default: on the
     H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
     known (the new fused kernels' NVRTC compiles, or a trace per call)."""
     return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
@@ -158,7 +158,8 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     a, layer, r = attn.args, attn.layer, attn.ratio
     q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
     t, wl, slot, tables = q.shape[0], a.sliding_window, handle.slot, handle.tables
-    ring = pools.window[layer][slot]  # as it was before the chunk (the write below makes a new array)
+    win = pools.window[layer]  # the ring as it was before the chunk (the write below makes a new array); a slice
+    ring = win[slot : slot + 1].reshape(win.shape[1:])  # view, where an integer index is a gather kernel
     tail = list(range(start, start + t))[-min(t, wl) :]
     pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
     if r:
