@@ -88,31 +88,29 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
     kv, score, cos, sin = proj
     m, d, t, n_state = comp.ratio, comp.dim, kv.shape[0], kv_state.shape[1]
     coff = 2 if m == 4 else 1
-    # seq index i <-> position base + i: the state rows still in use (`old`), then the chunk's rows
+    # seq index i <-> position base + i: the state rows still in use, then the chunk's rows (as rows of ext)
     base = (start // m) * m - (coff - 1) * m
-    old = list(range(m)) + [m + j for j in range(start % m)] if coff == 2 else list(range(start % m))
-
-    def ext(i: int) -> int:
-        return old[i] if i < len(old) else n_state + i - len(old)
-
-    ends = [i for i in range(t) if (start + i) % m == m - 1]
-    firsts = [start + i - (m - 1) - base for i in ends]  # seq index of each emitted window's first row
-    if coff == 2:  # previous window's first half + this window's second half
-        gidx = [[2 * ext(f - m + j) for j in range(m)] + [2 * ext(f + j) + 1 for j in range(m)] for f in firsts]
-    else:
-        gidx = [[ext(f + j) for j in range(m)] for f in firsts]
+    old = np.r_[np.arange(m), m + np.arange(start % m)] if coff == 2 else np.arange(start % m)
+    ext = np.concatenate([old, n_state + np.arange(t)])
+    pos = start + np.arange(t)
+    ends = np.flatnonzero(pos % m == m - 1)  # chunk rows that end a window
+    firsts = pos[ends] - (m - 1) - base  # seq index of each emitted window's first row
+    win = firsts[:, None] + np.arange(m)
+    # CSA: the previous window's first half + this window's second half
+    gidx = np.concatenate([2 * ext[win - m], 2 * ext[win] + 1], axis=1) if coff == 2 else ext[win]
     # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each later
-    # position p overwrites row (coff - 1) m + p % m (the last write wins).
-    if coff == 2 and ends:
-        state = [ext(firsts[-1] + j % m) for j in range(n_state)]
-        later = range(start + ends[-1] + 1, start + t)
+    # position p overwrites row (coff - 1) m + p % m (the last write wins: only the last m positions matter).
+    if coff == 2 and len(ends):
+        state = ext[firsts[-1] + np.arange(n_state) % m]
+        later = pos[ends[-1] + 1 :]
     else:
-        state, later = list(range(n_state)), range(start, start + t)
-    for p in later:
-        state[(coff - 1) * m + p % m] = ext(p - base)
-    dest = [table[w // page] * page + w % page for w in ((start + i) // m for i in ends)]
-    ix = mx.array([(start + i) % m for i in range(t)] + state + ends + dest + [g for row in gidx for g in row],
-                  dtype=mx.int32)  # fmt: skip
+        state, later = np.arange(n_state), pos
+    later = later[-m:]
+    state[(coff - 1) * m + later % m] = ext[later - base]
+    w = pos[ends] // m
+    dest = np.asarray(table, dtype=np.int64)[w // page] * page + w % page
+    ix = mx.array(np.concatenate([pos % m, state, ends, dest, gidx.reshape(-1)]).astype(np.int32))
+    ends = ends.tolist()
     cut = [t, t + n_state, t + n_state + len(ends), t + n_state + 2 * len(ends)]
     ape_rows, state_rows, sel, dest_rows = ix[: cut[0]], ix[cut[0] : cut[1]], ix[cut[1] : cut[2]], ix[cut[2] : cut[3]]
     own = slice(slot, slot + 1)  # the slot's rows as a view (an integer index is a gather kernel)

@@ -11,7 +11,8 @@ pooling, the indexer's scores) runs as it does on CUDA. The forward's graph (`mx
 counted, views apart: on CUDA each other primitive is about one kernel. Models of 2-3 layers at small dims
 with the release's structure; the count of a layer kind is what one more layer of it adds to a forward.
 
-    python tools/prefill_count.py [--tokens 32,256] [--start 0]
+    python tools/prefill_count.py [--tokens 32,256] [--start 0] [--build]   (--build: also the host ms to build
+        a 43-layer forward's graph, Python and MLX's graph making; on the H200 MLX's encode adds ~10 us a kernel)
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import statistics
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,17 +149,41 @@ def flash_estimate(tokens: int, start: int = 0) -> int:
     return first[4] + (first[128] - first[0]) + per["sliding"] + 20 * per["CSA"] + 19 * per["HCA"]
 
 
+def build_ms(tokens: int, reps: int = 7) -> tuple[float, int]:
+    """Host ms to build one forward's lazy graph (median; the first call apart) of a 43-layer model with
+    V4-Flash's layer kinds at small dims, the CUDA launches stood in for, and its kernels by this count."""
+    model, a = model_of([0, 0] + [4, 128] * 20 + [4])
+    pools = StatePools(a, max_slots=1, max_positions=tokens + 8, page_size=16, dtype=mx.bfloat16)
+    h = pools.alloc(tokens)
+    mx.eval(*pools.arrays())
+    ids = [i % a.vocab_size for i in range(tokens)]
+    times, n = [], 0
+    with cuda_prefill():
+        for rep in range(reps):
+            t0 = time.perf_counter()
+            out = prefill_chunk(model, pools, h, ids, 0)
+            times.append(time.perf_counter() - t0)
+            if rep == 0:
+                n = sum(counted([out, *pools.arrays()]).values())
+            mx.eval(out, *pools.arrays())
+    return 1e3 * statistics.median(times[1:]), n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32,256")
     ap.add_argument("--start", type=int, default=0, help="tokens already prefilled (the chunk's first position)")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--build", action="store_true", help="also time the host build of a 43-layer forward")
     opt = ap.parse_args()
     print(f"{'tokens':>6} {'layer':8} {'kernels':>7}  most common")
     for t in (int(x) for x in opt.tokens.split(",")):
         for kind, c in layer_counts(t, opt.start).items():
             print(f"{t:6d} {kind:8} {sum(c.values()):7d}  " + ", ".join(f"{n} {k}" for n, k in c.most_common(opt.top)))
         print(f"{t:6d} {'V4-Flash':8} {flash_estimate(t, opt.start):7d}  (43 layers, the embedding and the head)")
+        if opt.build:
+            ms, n = build_ms(t)
+            print(f"{t:6d} {'build':8} {n:7d}  {ms:.1f} ms of host to build the forward (43 layers, small dims)")
 
 
 if __name__ == "__main__":
