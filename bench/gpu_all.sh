@@ -10,7 +10,8 @@
 #                arms fast / qtiles / plain_attn)
 #   PART=pattn   prefill's attention on the decode kernel: its gpu test, prefill 2K (arms fast / plain_attn) and
 #                16K, the 64K step
-#   PART=gmm     prefill's tile GEMMs (the grouped experts, the f32 products): their gpu tests, then prefill at 2K
+#   PART=gmm     prefill's tile GEMMs (the grouped experts, the f32 products): their gpu tests and prefill against
+#                decode end to end (4 layers), then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
 #   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode,
@@ -88,7 +89,8 @@ for part in ${PART:-tests}; do
               --arms fast,qtiles,plain_attn --agree 0 --profile --out "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -10 ;;
     gmm) # prefill's tile GEMMs on the weights as stored (kernels/cuda/tiles_mm.py): the experts, the f32 products
          timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-           tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py 2>&1 | tail -8
+           tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py \
+           tests/model/test_cuda_prefill.py 2>&1 | tail -8
          timeout 270 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,f32_simt,tiles \
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
