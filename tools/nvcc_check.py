@@ -34,7 +34,7 @@ from kernels.cuda import (
 from kernels.cuda import indexer as ix  # noqa: E402
 from kernels.cuda import matmul as mm  # noqa: E402
 from kernels.cuda import tiles_mm as tm  # noqa: E402
-from kernels.cuda.common import launch_bounds, standalone  # noqa: E402
+from kernels.cuda.common import E2M1, launch_bounds, standalone  # noqa: E402
 from kernels.cuda.select import HELPERS  # noqa: E402
 
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
@@ -183,7 +183,7 @@ def units() -> dict[str, str]:
         out[name] = standalone("skinny_mm", mm_in, [("out", o)],
                                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)),
                                 ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2)],
-                               mm.SOURCE)  # fmt: skip
+                               mm.SOURCE, header=E2M1)  # fmt: skip
     gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False)]  # fmt: skip
     for name, o, wf, k, n, pair, xdiv in (("tiles_gate_up", BF, 2, 4096, 2048, 1, 6),
@@ -193,7 +193,7 @@ def units() -> dict[str, str]:
         out[name] = standalone("tiles_mm", gm_in, [("out", o)],
                                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("PAIR", pair), ("XDIV", xdiv),
                                 ("MT", 1 if pair else 2), ("WR", tm.WR), ("TR", tm.TR), ("XS", tm.XS)], tm.SOURCE,
-                               header=tm.HEADER + launch_bounds(32 * tm.WR, 2))  # fmt: skip
+                               header=E2M1 + tm.HEADER + launch_bounds(32 * tm.WR, 2))  # fmt: skip
     return out
 
 

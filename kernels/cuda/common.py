@@ -71,6 +71,17 @@ __device__ __forceinline__ unsigned int dsv4_okey(float s) {
 }
 """
 
+# e2m1 nibbles to bf16 bits (the exponent short by 126: the group scale folds it in), for the kernels that read
+# mxfp4 weights (kernels/cuda/matmul.py, kernels/cuda/tiles_mm.py) as their `header`.
+E2M1 = r"""
+// Nibbles 0 and 4 of q as a bf16 pair in lo, nibbles 1 and 5 in hi (the sign bit, then 3 bits into the exponent).
+__device__ __forceinline__ void dsv4_e2m1_bits(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  const uint32_t q4 = q >> 4;
+  lo = ((q << 6) & 0x01C001C0u) | ((q << 12) & 0x80008000u);
+  hi = ((q4 << 6) & 0x01C001C0u) | ((q4 << 12) & 0x80008000u);
+}
+"""
+
 CUDA_TYPES = {
     mx.float32: "float",
     mx.bfloat16: "__nv_bfloat16",

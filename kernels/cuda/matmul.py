@@ -137,11 +137,8 @@ SOURCE = r"""
                 const uint32_t q = Wh[st], q8 = q << 8;
                 lo[h] = (q8 & 0x80008000u) | ((q8 & 0x7F007F00u) >> 4);
                 hi[h] = (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
-              } else {  // nibbles (i, i + 4), i = 2 r and 2 r + 1 of word st / 2
-                const uint32_t q = Wh[st >> 1] >> (8 * (st & 1));
-                const uint32_t q4 = q >> 4;
-                lo[h] = ((q << 6) & 0x01C001C0u) | ((q << 12) & 0x80008000u);
-                hi[h] = ((q4 << 6) & 0x01C001C0u) | ((q4 << 12) & 0x80008000u);
+              } else {
+                dsv4_e2m1_bits(Wh[st >> 1] >> (8 * (st & 1)), lo[h], hi[h]);
               }
               __nv_bfloat162 l2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&lo[h]), f[h]);
               __nv_bfloat162 h2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&hi[h]), f[h]);
@@ -210,7 +207,7 @@ import mlx.core as mx  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
 from kernels.cuda import tiles_mm  # noqa: E402
-from kernels.cuda.common import f32_params, kernel, plan_cached  # noqa: E402
+from kernels.cuda.common import E2M1, f32_params, kernel, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
@@ -261,7 +258,7 @@ class Plan:
         if not self.fast:
             return
         mt, wk, wr, u = geo
-        self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE)
+        self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE, header=E2M1)
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
                      ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
         self.nt = 32 * wk * wr

@@ -26,7 +26,7 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, kernel, launch_bounds, plan_cached
+from kernels.cuda.common import E2M1, f32_params, kernel, launch_bounds, plan_cached
 from kernels.experts_grouped import TILE_ROWS
 
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
@@ -113,10 +113,7 @@ SOURCE = r"""
         uint32_t lo[2], hi[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // nibbles (i, i + 4), i = 2 r and 2 r + 1 of word st / 2
-          const uint32_t q = (h ? W1 : W0)[st >> 1] >> (8 * (st & 1));
-          const uint32_t q4 = q >> 4;
-          lo[h] = ((q << 6) & 0x01C001C0u) | ((q << 12) & 0x80008000u);
-          hi[h] = ((q4 << 6) & 0x01C001C0u) | ((q4 << 12) & 0x80008000u);
+          dsv4_e2m1_bits((h ? W1 : W0)[st >> 1] >> (8 * (st & 1)), lo[h], hi[h]);
           __nv_bfloat162 l2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&lo[h]), f[h]);
           __nv_bfloat162 h2 = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&hi[h]), f[h]);
           lo[h] = *reinterpret_cast<uint32_t*>(&l2);
@@ -211,7 +208,7 @@ class Plan:
     def __init__(self, p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                  limit: float | None = None) -> None:  # fmt: skip
         mt = 1 if pair else 2
-        self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=HEADER + launch_bounds(32 * WR, 2))
+        self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=E2M1 + HEADER + launch_bounds(32 * WR, 2))
         self.tmpl = [("T", mx.bfloat16), ("O", out), ("WF", wf), ("K", k), ("N", n), ("PAIR", pair),
                      ("XDIV", xdiv), ("MT", mt), ("WR", WR), ("TR", TR), ("XS", XS)]  # fmt: skip
         self.grid = (n // (16 * mt * WR) * 32 * WR, tiles, 1)
