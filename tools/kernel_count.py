@@ -115,19 +115,28 @@ def standins(glue: bool) -> Iterator[None]:
         forget_hc_pre()  # its compiled functions traced the stand-ins
 
 
-def layer_counts(glue: bool, rows: int = 1) -> dict[str, tuple[collections.Counter, collections.Counter]]:
-    """Per layer kind (sliding, CSA, HCA): the kernel-like primitives of its `before` and `after` segments."""
-    a = ModelArgs.tiny()  # the release's structure where it sets the graph, small dims
-    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = 3, [0, 4, 128], 0
+def release_structure(ratios: list[int], **dims: int) -> tuple[DeepseekV4, ModelArgs]:
+    """A model with the release's structure where it sets the graph (4 mHC streams, 20 Sinkhorn iterations,
+    8 output groups, 6 of 16 routed experts, the layers' compress `ratios`) at small dims (`dims` overrides
+    ModelArgs fields), quantized as released, bf16 but the release's f32 tensors (checkpoint.is_f32_param)."""
+    a = ModelArgs.tiny()
+    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = len(ratios), list(ratios), 0
     a.hc_mult, a.hc_sinkhorn_iters = 4, 20
     a.num_attention_heads, a.o_groups, a.n_routed_experts, a.num_experts_per_tok = 8, 8, 16, 6
+    for k, v in dims.items():
+        setattr(a, k, v)
     model = DeepseekV4(a)
     for blk in model.layers:
         quantize_block(blk)
-    # bf16 as the model runs, the release's f32 tensors f32 (checkpoint.is_f32_param)
     model.update(tree_unflatten([(n, p.astype(mx.bfloat16) if p.dtype == mx.float32 and not is_f32_param(n) else p)
                                  for n, p in tree_flatten(model.parameters())]))  # fmt: skip
     mx.eval(model.parameters())
+    return model, a
+
+
+def layer_counts(glue: bool, rows: int = 1) -> dict[str, tuple[collections.Counter, collections.Counter]]:
+    """Per layer kind (sliding, CSA, HCA): the kernel-like primitives of its `before` and `after` segments."""
+    model, a = release_structure([0, 4, 128])
     h = mx.random.normal((rows, a.hc_mult, a.hidden_size)).astype(mx.bfloat16)
     pos, tok = mx.arange(rows) + 100, mx.arange(rows).astype(mx.int32)
     o = mx.random.normal((rows, a.num_attention_heads, a.head_dim)).astype(mx.bfloat16)

@@ -30,16 +30,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from kernels import backend  # noqa: E402
-from model.checkpoint import is_f32_param  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.prefill import prefill_chunk  # noqa: E402
-from model.quant import quantize_block  # noqa: E402
 from model.state import StatePools  # noqa: E402
-from tools.kernel_count import STANDINS, counted, one, standins  # noqa: E402
+from tools.kernel_count import STANDINS, counted, one, release_structure, standins  # noqa: E402
 
 
 class _OneLaunch:
@@ -104,18 +101,8 @@ def cuda_prefill() -> Iterator[None]:
 
 
 def model_of(ratios: list[int]) -> tuple[DeepseekV4, ModelArgs]:
-    a = ModelArgs.tiny()  # the release's structure where it sets the graph, small dims (H, I multiples of 128)
-    a.num_hidden_layers, a.compress_ratios, a.num_hash_layers = len(ratios), ratios, 0
-    a.hc_mult, a.hc_sinkhorn_iters = 4, 20
-    a.num_attention_heads, a.o_groups, a.n_routed_experts, a.num_experts_per_tok = 8, 8, 16, 6
-    a.hidden_size, a.moe_intermediate_size = 256, 128
-    model = DeepseekV4(a)
-    for blk in model.layers:
-        quantize_block(blk)
-    model.update(tree_unflatten([(n, p.astype(mx.bfloat16) if p.dtype == mx.float32 and not is_f32_param(n) else p)
-                                 for n, p in tree_flatten(model.parameters())]))  # fmt: skip
-    mx.eval(model.parameters())
-    return model, a
+    """tools/kernel_count.py's release-structured model, H and I multiples of 128 (the tile GEMMs' shapes)."""
+    return release_structure(ratios, hidden_size=256, moe_intermediate_size=128)
 
 
 def forward_count(ratios: list[int], tokens: int, start: int) -> collections.Counter:
