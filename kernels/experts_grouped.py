@@ -94,50 +94,45 @@ def mode() -> str:
     return m
 
 
-def tiles(ids: mx.array, e: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Sorted expert ids [P] -> (src [R]: the sorted pair a padded row holds, -1 for padding; tile_expert
-    [R / TILE_ROWS] uint32; slot [P]: each sorted pair's padded row). Each expert's pairs start a tile, so
-    a tile holds one expert's; R bounds the padded total for any routing (no host read of the counts)."""
-    p = ids.shape[0]
-    count = mx.sum(ids[:, None] == mx.arange(e, dtype=mx.uint32)[None, :], axis=0).astype(mx.int32)  # [E]
-    start = mx.cumsum(count) - count  # each expert's first sorted pair
-    padded = (count + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
-    pend = mx.cumsum(padded)
-    pstart = pend - padded  # each expert's first padded row
-    nt = (p + e * (TILE_ROWS - 1)) // TILE_ROWS  # >= sum ceil(count / TILE_ROWS)
-    tile_first = mx.arange(nt, dtype=mx.int32) * TILE_ROWS
-    tile_expert = mx.minimum(mx.sum(pend[None, :] <= tile_first[:, None], axis=1), e - 1)  # past the end: E-1
-    row_expert = mx.repeat(tile_expert, TILE_ROWS)
-    within = mx.arange(nt * TILE_ROWS, dtype=mx.int32) - pstart[row_expert]
-    src = mx.where(within < count[row_expert], start[row_expert] + within, -1)
-    slot = pstart[ids] + mx.arange(p, dtype=mx.int32) - start[ids]
-    return src, tile_expert.astype(mx.uint32), slot
-
-
 _tile_first: dict[int, mx.array] = {}  # nt -> each tile's first padded row (a constant per tile count)
 
 
-def tile_table(flat: mx.array, e: int) -> tuple[mx.array, mx.array]:
-    """The B * k pairs' expert ids `flat` [P] -> (ptab [R] int32: the pair a padded row holds, -1 padding;
-    tile_expert [R / TILE_ROWS] uint32), the rows of `tiles` for the pairs in `argsort(flat)` order, in ~20
-    kernels where `tiles` + the lookups took 33: a sorted pair s of expert x sits at padded row
-    s + (pstart[x] - start[x]), so one scatter writes the table."""
-    p = flat.shape[0]
-    order = mx.argsort(flat)
-    ids = flat[order]
-    count = mx.zeros((e,), mx.int32).at[flat].add(1)
+def _layout(ids: mx.array, count: mx.array, e: int) -> tuple[mx.array, mx.array]:
+    """Sorted expert ids [P] and each expert's pair count [E] -> (slot [P] int32: each sorted pair's padded
+    row, tile_expert [nt] uint32). Each expert's pairs start a tile (a sorted pair s of expert x sits at
+    s + pstart[x] - start[x]), so a tile holds one expert's; nt bounds the tiles for any routing (no host
+    read of the counts); tiles past the last are E - 1's, all padding."""
+    p = ids.shape[0]
     padded = (count + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
     pstart = mx.cumsum(padded, inclusive=False)  # each expert's first padded row
-    nt = (p + e * (TILE_ROWS - 1)) // TILE_ROWS  # >= sum ceil(count / TILE_ROWS): no host read of the counts
+    nt = (p + e * (TILE_ROWS - 1)) // TILE_ROWS  # >= sum ceil(count / TILE_ROWS)
     slot = mx.arange(p, dtype=mx.int32) + (pstart - mx.cumsum(count, inclusive=False))[ids]
-    ptab = mx.full((nt * TILE_ROWS,), -1, mx.int32)
-    ptab[slot] = order.astype(mx.int32)  # one scatter: every pair's padded row
     if nt not in _tile_first:
         _tile_first[nt] = mx.arange(nt, dtype=mx.int32) * TILE_ROWS
         mx.eval(_tile_first[nt])
     pend = pstart + padded
-    tile_expert = mx.minimum(mx.sum(pend[None, :] <= _tile_first[nt][:, None], axis=1), e - 1)  # past the end: E-1
-    return ptab, tile_expert.astype(mx.uint32)
+    tile_expert = mx.minimum(mx.sum(pend[None, :] <= _tile_first[nt][:, None], axis=1), e - 1)
+    return slot, tile_expert.astype(mx.uint32)
+
+
+def tiles(ids: mx.array, e: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Sorted expert ids [P] -> (src [R]: the sorted pair a padded row holds, -1 for padding; tile_expert
+    [R / TILE_ROWS] uint32; slot [P]: each sorted pair's padded row), R = TILE_ROWS x tile_expert's length."""
+    slot, tile_expert = _layout(ids, mx.zeros((e,), mx.int32).at[ids].add(1), e)
+    src = mx.full((tile_expert.shape[0] * TILE_ROWS,), -1, mx.int32)
+    src[slot] = mx.arange(ids.shape[0], dtype=mx.int32)
+    return src, tile_expert, slot
+
+
+def tile_table(flat: mx.array, e: int) -> tuple[mx.array, mx.array]:
+    """The B * k pairs' expert ids `flat` [P] -> (ptab [R] int32: the pair a padded row holds, -1 padding;
+    tile_expert [R / TILE_ROWS] uint32): `tiles`' rows for the pairs in `argsort(flat)` order, written by one
+    scatter (~20 kernels where `tiles` + the lookups of its sorted pairs took 33)."""
+    order = mx.argsort(flat)
+    slot, tile_expert = _layout(flat[order], mx.zeros((e,), mx.int32).at[flat].add(1), e)
+    ptab = mx.full((tile_expert.shape[0] * TILE_ROWS,), -1, mx.int32)
+    ptab[slot] = order.astype(mx.int32)
+    return ptab, tile_expert
 
 
 def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
