@@ -156,11 +156,18 @@ def f32_params(*values: float) -> mx.array:
     return _consts[key]
 
 
-def i32_dummy(shape: tuple[int, ...]) -> mx.array:
-    key = ("i32",) + shape
+def dummy(shape: tuple[int, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
+    """Zeros for a kernel input the launch does not read (absent scales, an unused table), one per shape and
+    dtype, evaluated once."""
+    key = ("dummy", dtype, *shape)
     if key not in _consts:
-        _consts[key] = mx.zeros(shape, dtype=mx.int32)
+        _consts[key] = mx.zeros(shape, dtype=dtype)
+        mx.eval(_consts[key])
     return _consts[key]
+
+
+def i32_dummy(shape: tuple[int, ...]) -> mx.array:
+    return dummy(shape, mx.int32)
 
 
 def next_pow2(n: int) -> int:

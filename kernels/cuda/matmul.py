@@ -207,20 +207,17 @@ import mlx.core as mx  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
 from kernels.cuda import tiles_mm  # noqa: E402
-from kernels.cuda.common import E2M1, f32_params, kernel, plan_cached  # noqa: E402
+from kernels.cuda.common import E2M1, dummy, f32_params, kernel, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
 CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
 TARGET_WARPS = 1024  # enough loads in flight to keep HBM busy (~8 warps on each of 132 SMs)
-_dummy: dict[str, mx.array] = {}
 
 
 def _const(name: str) -> mx.array:
-    if name not in _dummy:
-        _dummy[name] = mx.zeros((4,), dtype=mx.uint8 if name == "u8" else mx.uint32)
-        mx.eval(_dummy[name])
-    return _dummy[name]
+    """The launches' unread inputs: `u8` absent scales, `u32` absent expert ids."""
+    return dummy((4,), mx.uint8 if name == "u8" else mx.uint32)
 
 
 def geometry(n: int, k: int, wf: int, pair: int) -> tuple[int, int, int, int] | None:

@@ -26,7 +26,7 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda.common import E2M1, f32_params, kernel, launch_bounds, plan_cached
+from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached
 from kernels.experts_grouped import TILE_ROWS
 
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
@@ -197,7 +197,6 @@ MANY_ROWS = 64  # kernels.matmul.MANY_ROWS: fewer rows run as 8-row slices of th
 # arm f32_simt) keeps the reference's f32 matmul
 F32_MANY = os.environ.get("DSV4_TILES_F32", "1").strip() != "0"
 _dense: dict[int, tuple[mx.array, mx.array]] = {}  # T -> its rows as tiles (a few distinct T: the chunk sizes)
-_none: list[mx.array] = []  # the bf16 weights' absent scales
 
 
 class Plan:
@@ -238,13 +237,6 @@ def _rows(t: int) -> tuple[mx.array, mx.array]:
     return _dense[t]
 
 
-def _no_scales() -> mx.array:
-    if not _none:
-        _none.append(mx.zeros((4,), mx.uint8))
-        mx.eval(_none[0])
-    return _none[0]
-
-
 def _dense_ok(x: object, *ws: object) -> bool:
     return (isinstance(x, mx.array) and x.ndim == 2 and x.dtype == mx.bfloat16 and x.shape[0] > MANY_ROWS
             and all(isinstance(w, mx.array) and w.ndim == 2 and w.dtype == mx.bfloat16 and w.shape[1] == x.shape[1]
@@ -259,7 +251,7 @@ def f32_linear_many(x: mx.array, w: mx.array) -> mx.array | None:
     ptab, texp = _rows(t)
     p = plan_cached(("f32_linear_many", t, k, w.shape[0]),
                     lambda: Plan(t, k, w.shape[0], texp.shape[0], wf=0, pair=0, xdiv=1, out=mx.float32))  # fmt: skip
-    return p(x, w, _no_scales(), w, _no_scales(), ptab, texp)
+    return p(x, w, dummy((4,), mx.uint8), w, dummy((4,), mx.uint8), ptab, texp)
 
 
 def f32_linear_pair_many(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array] | None:
@@ -270,5 +262,5 @@ def f32_linear_pair_many(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.ar
     ptab, texp = _rows(t)
     p = plan_cached(("f32_linear_pair_many", t, k, w1.shape[0]),
                     lambda: Plan(t, k, w1.shape[0], texp.shape[0], wf=0, pair=2, xdiv=1, out=mx.float32))  # fmt: skip
-    out = p(x, w1, _no_scales(), w2, _no_scales(), ptab, texp)
+    out = p(x, w1, dummy((4,), mx.uint8), w2, dummy((4,), mx.uint8), ptab, texp)
     return out[:1].reshape(out.shape[1:]), out[1:].reshape(out.shape[1:])
