@@ -68,10 +68,9 @@ def _score_block(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
     dots are `f32_linear_rows` of the [block x heads, d] queries (bf16 x bf16 in an f32 sum, as the reference's
     cast f32 matmul; on CUDA kernels/cuda/tiles_mm.py's tensor-core GEMM where keys come in KEY_ROWS)."""
     b, nh, d = q.shape
-    if b * nh > kmatmul.MANY_ROWS:  # (fewer rows would go through the skinny kernels' 8-row slices)
-        dots = kmatmul.f32_linear_rows(q.reshape(b * nh, d), keys).reshape(b, nh, keys.shape[0])
-    else:
-        dots = q.astype(mx.float32) @ keys.astype(mx.float32).T
+    # (fewer rows would go through the skinny kernels' 8-row slices: the plain product instead)
+    product = kmatmul.f32_linear_rows if b * nh > kmatmul.MANY_ROWS else kmatmul.f32_linear_rows_reference
+    dots = product(q.reshape(b * nh, d), keys).reshape(b, nh, keys.shape[0])
     return (w[:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)
 
 
