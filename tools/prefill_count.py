@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from kernels import backend  # noqa: E402
+from kernels import matmul as kmatmul  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.prefill import prefill_chunk  # noqa: E402
@@ -57,7 +58,6 @@ def cuda_prefill() -> Iterator[None]:
     """The CUDA path's prefill ops (their Python as is, each kernel launch one node), undone after."""
     import kernels.cuda.experts_grouped as ceg
     import kernels.cuda.prefill_attention as cpa
-    import kernels.cuda.tiles_mm as tm
 
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached)
 
@@ -79,10 +79,9 @@ def cuda_prefill() -> Iterator[None]:
     with standins(glue=True):
         backend.register("grouped_experts", ceg.grouped_experts_cuda)
         backend.register("prefill_attention", cpa.prefill_attention_cuda)
-        f32_many = tm.f32_linear_many, tm.f32_linear_pair_many
 
         def lin(x: mx.array, w: mx.array) -> mx.array:  # past 64 rows: the tile GEMM, one launch
-            if x.shape[0] > tm.MANY_ROWS:
+            if x.shape[0] > kmatmul.MANY_ROWS:
                 return one([((x.shape[0], w.shape[0]), mx.float32)], x, w)[0]
             return STANDINS["f32_linear_rows"](x, w)
 
@@ -97,7 +96,6 @@ def cuda_prefill() -> Iterator[None]:
         finally:
             ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached = saved
             mx.dequantize = deq
-            tm.f32_linear_many, tm.f32_linear_pair_many = f32_many
 
 
 def model_of(ratios: list[int]) -> tuple[DeepseekV4, ModelArgs]:

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached
 from kernels.experts_grouped import TILE_ROWS
+from kernels.matmul import MANY_ROWS  # fewer rows run as 8-row slices of the skinny kernels
 
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
 CK = 128  # k values a chunk: 64 (mxfp4) or 256 (bf16) bytes of a weight row, a quarter of it a lane
@@ -192,11 +193,10 @@ SOURCE = r"""
 """
 
 INPUTS = ("x", "w", "s", "w2", "s2", "ptab", "texp", "fparams")
-MANY_ROWS = 64  # kernels.matmul.MANY_ROWS: fewer rows run as 8-row slices of the skinny kernels
 # f32_linear(_pair)_rows past MANY_ROWS rows through the tile GEMM; DSV4_TILES_F32=0 (or bench/prefill.py's
 # arm f32_simt) keeps the reference's f32 matmul
 F32_MANY = os.environ.get("DSV4_TILES_F32", "1").strip() != "0"
-_dense: dict[int, tuple[mx.array, mx.array]] = {}  # T -> its rows as tiles (a few distinct T: the chunk sizes)
+_dense: dict[int, mx.array] = {}  # T -> its rows as tiles (a few distinct T: the chunk sizes)
 
 
 class Plan:
@@ -228,39 +228,40 @@ def tiles_for(k: int, n: int, pair: int) -> bool:
 
 
 def _rows(t: int) -> tuple[mx.array, mx.array]:
-    """T rows in order as whole tiles: (ptab [tiles * TR], -1 past T; texp zeros [tiles])."""
+    """T rows in order as whole tiles of one "expert": (ptab [tiles * TR], -1 past T; texp zeros [tiles])."""
+    tiles = -(-t // TR)
     if t not in _dense:
-        tiles = -(-t // TR)
         r = mx.arange(tiles * TR, dtype=mx.int32)
-        _dense[t] = (mx.where(r < t, r, -1), mx.zeros((tiles,), mx.uint32))
-        mx.eval(*_dense[t])
-    return _dense[t]
+        _dense[t] = mx.where(r < t, r, -1)
+        mx.eval(_dense[t])
+    return _dense[t], dummy((tiles,), mx.uint32)
 
 
 def _dense_ok(x: object, *ws: object) -> bool:
     return (isinstance(x, mx.array) and x.ndim == 2 and x.dtype == mx.bfloat16 and x.shape[0] > MANY_ROWS
-            and all(isinstance(w, mx.array) and w.ndim == 2 and w.dtype == mx.bfloat16 and w.shape[1] == x.shape[1]
-                    for w in ws))  # fmt: skip
+            and all(isinstance(w, mx.array) and w.ndim == 2 and w.dtype == mx.bfloat16 and w.shape == ws[0].shape
+                    and w.shape[1] == x.shape[1] for w in ws))  # fmt: skip
+
+
+def _f32_many(x: mx.array, w1: mx.array, w2: mx.array, pair: int) -> mx.array | None:
+    """x [T, K] bf16 @ w1 (and w2, PAIR 2) [N, K] bf16 -> f32 for T > MANY_ROWS; None where it does not tile."""
+    if not _dense_ok(x, w1, w2) or not tiles_for(x.shape[1], w1.shape[0], pair):
+        return None
+    t, k = x.shape
+    ptab, texp = _rows(t)
+    p = plan_cached(("f32_many", pair, t, k, w1.shape[0]),
+                    lambda: Plan(t, k, w1.shape[0], texp.shape[0], wf=0, pair=pair, xdiv=1, out=mx.float32))
+    return p(x, w1, dummy((4,), mx.uint8), w2, dummy((4,), mx.uint8), ptab, texp)
 
 
 def f32_linear_many(x: mx.array, w: mx.array) -> mx.array | None:
     """x [T, K] bf16 @ w [N, K] bf16 -> [T, N] f32 for T > MANY_ROWS; None where it does not tile."""
-    if not _dense_ok(x, w) or not tiles_for(x.shape[1], w.shape[0], 0):
-        return None
-    t, k = x.shape
-    ptab, texp = _rows(t)
-    p = plan_cached(("f32_linear_many", t, k, w.shape[0]),
-                    lambda: Plan(t, k, w.shape[0], texp.shape[0], wf=0, pair=0, xdiv=1, out=mx.float32))  # fmt: skip
-    return p(x, w, dummy((4,), mx.uint8), w, dummy((4,), mx.uint8), ptab, texp)
+    return _f32_many(x, w, w, 0)
 
 
 def f32_linear_pair_many(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array] | None:
     """(x @ w1.T, x @ w2.T) in f32 in one launch for T > MANY_ROWS; None where it does not tile."""
-    if not _dense_ok(x, w1, w2) or w1.shape != w2.shape or not tiles_for(x.shape[1], w1.shape[0], 2):
+    out = _f32_many(x, w1, w2, 2)
+    if out is None:
         return None
-    t, k = x.shape
-    ptab, texp = _rows(t)
-    p = plan_cached(("f32_linear_pair_many", t, k, w1.shape[0]),
-                    lambda: Plan(t, k, w1.shape[0], texp.shape[0], wf=0, pair=2, xdiv=1, out=mx.float32))  # fmt: skip
-    out = p(x, w1, dummy((4,), mx.uint8), w2, dummy((4,), mx.uint8), ptab, texp)
     return out[:1].reshape(out.shape[1:]), out[1:].reshape(out.shape[1:])
