@@ -14,6 +14,7 @@
 #                decode end to end (4 layers), then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
+#   PART=check   the default prefill path's gpu tests, 2K prefill (1 and 4 prompts), the compiled form at 256
 #   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode,
 #                with DSV4_PREFILL_COMPILE=0 (the default) then 1 (one process each: the warm-up's time is printed)
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
@@ -95,6 +96,17 @@ for part in ${PART:-tests}; do
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
+    check) # the default prefill path's gpu tests (the tile kernels, the experts' table, prefill against decode at
+           # V4-Flash dims), the 2K prefill (1 and 4 prompts, CUPTI), then the compiled form at 256 tokens (a stuck
+           # run dumps every thread's stack: SIGABRT + PYTHONFAULTHANDLER)
+           timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py \
+             tests/model/test_cuda_prefill.py 2>&1 | tail -8
+           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast \
+             --agree 256 --profile --out "$OUT/prefill_check.json" 2>&1 | grep -v Warn | tail -6
+           DSV4_PREFILL_COMPILE=1 PYTHONFAULTHANDLER=1 timeout -s ABRT $((590 - SECONDS)) python3 bench/prefill.py \
+             --experts 32 --prompts 256 --chunk 256 --concurrent 1 --agree 64 --profile \
+             --out "$OUT/prefill_256_c1.json" 2>&1 | grep -v Warn | tail -40 ;;
     pcount) for c in 0 1; do  # the compiled form's first GPU run printed nothing in 170 s (6de67c4)
               DSV4_PREFILL_COMPILE=$c timeout 270 python3 bench/prefill.py --experts 32 --prompts 256 --chunk 256 \
                 --concurrent 1 --agree 64 --profile --out "$OUT/prefill_256_c$c.json" 2>&1 | grep -v Warn | tail -6
