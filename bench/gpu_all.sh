@@ -14,6 +14,7 @@
 #                decode end to end (4 layers), then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
+#   PART=heads   prefill's attention, a block a query with all heads: gpu tests, 2K fast / dsplit_attn, 16K
 #   PART=check   the default prefill path's gpu tests, 2K prefill (1 and 4 prompts), the compiled form at 256
 #   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode,
 #                with DSV4_PREFILL_COMPILE=0 (the default) then 1 (one process each: the warm-up's time is printed)
@@ -96,6 +97,14 @@ for part in ${PART:-tests}; do
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
+    heads) # prefill's attention as one block a query with all 64 heads (`HEADS`): its gpu tests, prefill at 2K
+           # (1 and 4 prompts, arms fast / dsplit_attn alternated, CUPTI on fast, agreement with decode), then 16K
+           timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_cuda_prefill_attention.py 2>&1 | tail -8
+           timeout 250 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,dsplit_attn \
+             --agree 256 --profile --out "$OUT/prefill_heads.json" 2>&1 | grep -v Warn | tail -8
+           timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384 --concurrent 1 --agree 0 \
+             --no-profile --out "$OUT/prefill_16k.json" 2>&1 | tail -3 ;;
     check) # the default prefill path's gpu tests (the tile kernels, the experts' table, prefill against decode at
            # V4-Flash dims), the 2K prefill (1 and 4 prompts, CUPTI), then the compiled form at 256 tokens (a stuck
            # run dumps every thread's stack: SIGABRT + PYTHONFAULTHANDLER)

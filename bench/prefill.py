@@ -134,7 +134,7 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 # arm -> (the fast ops it runs as their plain twins, DSV4_GROUPED_EXPERTS)
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
-        "f32_simt": ((), None)}  # fmt: skip
+        "f32_simt": ((), None), "dsplit_attn": ((), None)}  # fmt: skip
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -150,6 +150,9 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         import kernels.cuda.tiles_mm as tm
 
         tm.F32_MANY = arm != "f32_simt"
+        import kernels.cuda.prefill_attention as kpa  # dsplit_attn: the decode kernel's rows, one a query
+
+        kpa.HEADS_ON = arm != "dsplit_attn"
 
 
 def main() -> None:
@@ -169,6 +172,7 @@ def main() -> None:
         "tiles (the routed experts as the plain tiles form: dequantized copy + gather_mm, DSV4_GROUPED_MMA=0) "
         "qtiles (the tiles through gather_qmm on the mxfp4 weights, DSV4_GROUPED_EXPERTS=qtiles) and / or "
         "f32_simt (the compressors' f32 products as MLX's f32 matmul, DSV4_TILES_F32=0), "
+        "dsplit_attn (prefill's attention as rows of decode's kernel, DSV4_PREFILL_ATTN=dsplit), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

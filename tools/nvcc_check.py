@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from kernels.cuda import attention as at  # noqa: E402
 from kernels.cuda import attention_dsplit_src as dsrc  # noqa: E402
+from kernels.cuda import attention_prefill_src as psrc  # noqa: E402
 from kernels.cuda import attention_src as asrc  # noqa: E402
 from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
@@ -95,6 +96,14 @@ def units() -> dict[str, str]:
     wide32_t = [(k, 32 if k == "HG" else v) for k, v in part_t]
     out["attn_wide32"] = standalone("attn_wide", part_in, [("part", F32)], wide32_t, asrc.WIDE,
                                     header=asrc.ATTN_HELPERS)  # fmt: skip
+    heads_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, False),
+                ("q", BF, True), ("keys", BF, False), ("pool", BF, False), ("indices", I32, True),
+                ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
+    for name, ratio, every in (("attn_heads_csa", 4, False), ("attn_heads_hca", 128, True)):
+        heads_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", ratio), ("WIN", 128), ("ALL", every), ("HG", 64),
+                   ("CK", 64), ("THREADS", 512)]  # fmt: skip
+        out[name] = standalone("attn_heads", heads_in, [("out", BF)], heads_t, psrc.HEADS,
+                               header=asrc.ATTN_HELPERS + launch_bounds(512, 1))  # fmt: skip
     tiny_t = [(k, {"D": 64, "PAGE": 16}.get(k, v)) for k, v in part_t]  # test_precompile_tiny's dims
     out["attn_dsplit_d64"] = standalone("attn_dsplit", part_in, [("out", BF)], tiny_t + [("DS", 2)], dsrc.DSPLIT,
                                         header=asrc.ATTN_HELPERS)  # fmt: skip

@@ -9,16 +9,26 @@ rows x W x D elements). Row b of a block of queries t0..t1-1 is query t1 - 1 - b
 are then exactly j <= p, as in decode. CSA rows read their picked ids, HCA rows every emitted entry; both
 through the request's table repeated per row. Same tensor-core math as decode (bf16/f16 q, keys and P, f32
 logits and accumulation), one `dsplit` launch per ROWS_MAX queries instead of ~25 plain ops a block.
+
+Where the heads are a multiple of 64 and D of 128 (V4: 64 x 512), the default is instead `HEADS`
+(kernels/cuda/attention_prefill_src.py): one block a query with all of its heads, so each key is gathered
+once for 64 heads; its window rows are read straight from the reversed keys (no [rows, W, D] copy) and an
+HCA row stops after the entries it has emitted. `DSV4_PREFILL_ATTN=dsplit` (or `HEADS_ON = False`) keeps
+the decode kernel's rows (bench/prefill.py's `dsplit_attn` arm).
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import numpy as np
 
 from kernels.cuda import common
 from kernels.cuda.attention import Plan
-from kernels.cuda.common import i32_dummy, plan_cached
+from kernels.cuda.attention_prefill_src import HEADS, heads_smem
+from kernels.cuda.attention_src import ATTN_HELPERS
+from kernels.cuda.common import f32_params, i32_dummy, kernel, launch_bounds, plan_cached
 from kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
 
 # Queries a launch: the grid's z dimension is the rows (< 65,536), and the window view is materialized at
@@ -28,6 +38,49 @@ ROWS_MAX = 4096
 # exist to spread 1-8 long rows over the GPU, and their combine looks each q row up among all B rows (O(B^2)
 # at B = 2,048: 5 ms a launch, 202 of a 2K forward's 841 ms on the H200, 5d133be + db48309).
 DSPLIT_ALL = 1 << 30
+HEADS_ON = os.environ.get("DSV4_PREFILL_ATTN", "heads").strip() != "dsplit"
+HEADS_THREADS, HEADS_HG, CK = 512, 64, 64
+HEADS_IN = ("slots", "positions", "q_rows", "table", "q", "keys", "pool", "indices", "fparams", "sinks")
+
+
+def heads_fits(q: mx.array, kv: mx.array, pool: mx.array | None) -> bool:
+    """`HEADS` takes 16-bit q and keys of one dtype, heads a multiple of 64, D a multiple of 128 (V4: 512)."""
+    nh, d = q.shape[1], q.shape[2]
+    same = kv.dtype == q.dtype and (pool is None or pool.dtype == q.dtype)
+    return (HEADS_ON and q.dtype in (mx.bfloat16, mx.float16) and same and nh % HEADS_HG == 0 and d % 128 == 0
+            and heads_smem(d) <= 227 * 1024)  # fmt: skip
+
+
+def heads_attention(q: mx.array, rseq: mx.array, w: int, start: int, pool: mx.array | None,
+                    table: mx.array | None, indices: mx.array | None, sinks: mx.array, scale: float,
+                    ratio: int | None) -> mx.array:  # fmt: skip
+    """`HEADS` over the queries in launches of ROWS_MAX (rseq: reversed_keys; w: the window)."""
+    t, nh, d = q.shape
+    kern = kernel("attn_heads", HEADS_IN, ("out",), HEADS, heads_smem(d),
+                  ATTN_HELPERS + launch_bounds(HEADS_THREADS, 1))  # fmt: skip
+    tmpl = [("T", q.dtype), ("D", d), ("PAGE", 1 if pool is None else pool.shape[1]), ("RATIO", ratio or 0),
+            ("WIN", w), ("ALL", ratio is not None and indices is None), ("HG", HEADS_HG), ("CK", CK),
+            ("THREADS", HEADS_THREADS)]  # fmt: skip
+    if pool is None:
+        pool, table, ind = rseq, i32_dummy((1, 1)), i32_dummy((1, 1))
+    else:
+        ind = i32_dummy((1, table.shape[0] * pool.shape[1])) if indices is None else indices
+    fparams = f32_params(scale)
+    outs = []
+    for t0 in range(0, t, ROWS_MAX):
+        t1 = min(t, t0 + ROWS_MAX)
+        _, slots, positions, q_rows = block_rows(rseq, t, start, t0, t1)
+        (o,) = kern(
+            inputs=[slots, positions, q_rows, table, q[t0:t1], rseq[t - t1 :], pool,
+                    ind if indices is None else ind[t0:t1], fparams, sinks],  # fmt: skip
+            template=tmpl,
+            grid=(HEADS_THREADS, nh // HEADS_HG, t1 - t0),
+            threadgroup=(HEADS_THREADS, 1, 1),
+            output_shapes=[(t1 - t0, nh, d)],
+            output_dtypes=[q.dtype],
+        )
+        outs.append(o)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 
 def reversed_keys(ring: mx.array, kv: mx.array, start: int, dtype: mx.Dtype) -> mx.array:
@@ -58,6 +111,8 @@ def prefill_attention_cuda(q: mx.array, ring: mx.array, kv: mx.array, start: int
     if n == 0:  # no entry visible to any query yet: the window alone, as a sliding layer
         pool, table, indices, ratio = None, None, None, None
     rseq = reversed_keys(ring, kv, start, q.dtype)
+    if heads_fits(q, kv, pool):
+        return heads_attention(q, rseq, ring.shape[0], start, pool, table, indices, sinks, scale, ratio)
     outs = []
     for t0 in range(0, t, ROWS_MAX):
         t1 = min(t, t0 + ROWS_MAX)

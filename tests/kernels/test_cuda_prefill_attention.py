@@ -1,6 +1,7 @@
-"""prefill_attention's CUDA path (T queries as rows of the decode attention kernel) against its plain twin on
-the GPU: V4-Flash dims (64 heads, D 512, W 128), bf16, sliding / CSA / HCA, chunks that start at 0, inside
-the first window and deep in the context, ragged lengths, several launches (ROWS_MAX cut small)."""
+"""prefill_attention's CUDA paths against their plain twin on the GPU: `HEADS` (one block a query, all 64
+heads; the default at V4 dims) and the decode kernel's rows (`dsplit`); V4-Flash dims (64 heads, D 512,
+W 128), bf16, sliding / CSA / HCA, chunks that start at 0, inside the first window and deep in the context,
+ragged lengths, CSA picks that leave whole chunks empty, several launches (ROWS_MAX cut small)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,34 @@ def test_prefill_attention_is_the_plain_attention(kind: str, start: int, t: int)
     # the kernel's P is bf16 (as in decode), the plain form's f32
     assert rel_err(got, want) <= 1e-2
     assert cosine(got, want) >= 0.9999
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_prefill_attention_dsplit_rows_are_the_plain_attention(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4_PREFILL_ATTN=dsplit: the decode kernel's rows, one per query."""
+    kc = importlib.import_module("kernels.cuda.prefill_attention")
+    from kernels.prefill_attention import prefill_attention_reference
+
+    monkeypatch.setattr(kc, "HEADS_ON", False)
+    q, ring, kv, pool, table, ind, sinks, ratio = case(kind, 120, 200, seed=11)
+    kw = dict(scale=D**-0.5, ratio=ratio)
+    want = prefill_attention_reference(q, ring, kv, 120, pool, table, ind, sinks, **kw)
+    got = kc.prefill_attention_cuda(q, ring, kv, 120, pool, table, ind, sinks, **kw)
+    assert rel_err(got, want) <= 1e-2 and cosine(got, want) >= 0.9999
+
+
+def test_prefill_attention_csa_picks_in_front() -> None:
+    """CSA picks packed in front (-1 after them, as the indexer's top-k leaves a short prompt): the chunks
+    after them hold no valid key and are skipped, the rest attended as the plain form does."""
+    from kernels.cuda.prefill_attention import prefill_attention_cuda
+    from kernels.prefill_attention import prefill_attention_reference
+
+    q, ring, kv, pool, table, ind, sinks, ratio = case("csa", 0, 700, seed=13)
+    ind = mx.sort(ind, axis=1)[:, ::-1]  # valid ids first, the -1s last
+    kw = dict(scale=D**-0.5, ratio=ratio)
+    want = prefill_attention_reference(q, ring, kv, 0, pool, table, ind, sinks, **kw)
+    got = prefill_attention_cuda(q, ring, kv, 0, pool, table, ind, sinks, **kw)
+    assert rel_err(got, want) <= 1e-2 and cosine(got, want) >= 0.9999
 
 
 def test_prefill_attention_launches_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
