@@ -25,6 +25,7 @@ from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
 from kernels.cuda import compressor as cp  # noqa: E402
 from kernels.cuda import compressor_inplace as cpi  # noqa: E402
 from kernels.cuda import compressor_pair as cpp  # noqa: E402
+from kernels.cuda import dequant as dq  # noqa: E402
 from kernels.cuda import (
     hc,
     hc_fused,  # noqa: E402
@@ -99,6 +100,9 @@ def units() -> dict[str, str]:
     heads_in = [("slots", I32, False), ("positions", I32, True), ("q_rows", I32, False), ("table", I32, False),
                 ("q", BF, True), ("keys", BF, False), ("pool", BF, False), ("indices", I32, True),
                 ("fparams", F32, False), ("sinks", F32, False)]  # fmt: skip
+    for name, t in (("dq_mxfp8_bf16", BF), ("dq_mxfp8_f16", mx.float16)):
+        out[name] = standalone("dq_mxfp8", [("w", U32, True), ("s", mx.uint8, False)], [("out", t)], [("T", t)],
+                               dq.SOURCE, header=dq.HELPER)  # fmt: skip
     for name, ratio, every in (("attn_heads_csa", 4, False), ("attn_heads_hca", 128, True)):
         heads_t = [("T", BF), ("D", 512), ("PAGE", 64), ("RATIO", ratio), ("WIN", 128), ("ALL", every), ("HG", 64),
                    ("CK", 64), ("THREADS", 512)]  # fmt: skip
@@ -195,12 +199,10 @@ def units() -> dict[str, str]:
                                mm.SOURCE, header=E2M1)  # fmt: skip
     gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False)]  # fmt: skip
-    for name, o, wf, k, n, pair, xdiv in (("tiles_gate_up", BF, 2, 4096, 2048, 1, 6),
-                                          ("tiles_down", BF, 2, 2048, 4096, 0, 1),
-                                          ("tiles_f32", F32, 0, 4096, 1024, 0, 1),
-                                          ("tiles_f32_pair", F32, 0, 4096, 1024, 2, 1)):  # fmt: skip
+    for name, o, wf, k, pair, xdiv in (("tiles_gate_up", BF, 2, 4096, 1, 6), ("tiles_down", BF, 2, 2048, 0, 1),
+                                       ("tiles_f32", F32, 0, 4096, 0, 1), ("tiles_f32_pair", F32, 0, 4096, 2, 1)):
         out[name] = standalone("tiles_mm", gm_in, [("out", o)],
-                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("PAIR", pair), ("XDIV", xdiv),
+                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("PAIR", pair), ("XDIV", xdiv),
                                 ("MT", 1 if pair else 2), ("WR", tm.WR), ("TR", tm.TR), ("XS", tm.XS)], tm.SOURCE,
                                header=E2M1 + tm.HEADER + launch_bounds(32 * tm.WR, 2))  # fmt: skip
     return out

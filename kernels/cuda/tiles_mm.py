@@ -71,6 +71,9 @@ __device__ __forceinline__ void dsv4_tw_load(uint4 (*wv)[2][WV], uint32_t (*sv)[
 SOURCE = r"""
   constexpr int RB = WF ? K / 2 : K * 2, CB = WF ? 64 : 256;  // bytes a weight row; of it a chunk
   constexpr int WV = WF ? 1 : 4, G32 = K / 32, NCH = K / 128, NT = PAIR ? 2 * MT : MT, THREADS = 32 * WR;
+  // N from the grid, not a template constant: the indexer's keys (N) grow with the context, and a
+  // template value per N was an NVRTC compile per 512 tokens of prompt (~2 s each on the H200)
+  const int N = gridDim.x * (16 * MT * WR);
   __shared__ uint4 xs[2][TR * XS];
   __shared__ int ps[TR];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -208,7 +211,7 @@ class Plan:
                  limit: float | None = None) -> None:  # fmt: skip
         mt = 1 if pair else 2
         self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=E2M1 + HEADER + launch_bounds(32 * WR, 2))
-        self.tmpl = [("T", mx.bfloat16), ("O", out), ("WF", wf), ("K", k), ("N", n), ("PAIR", pair),
+        self.tmpl = [("T", mx.bfloat16), ("O", out), ("WF", wf), ("K", k), ("PAIR", pair),
                      ("XDIV", xdiv), ("MT", mt), ("WR", WR), ("TR", TR), ("XS", XS)]  # fmt: skip
         self.grid = (n // (16 * mt * WR) * 32 * WR, tiles, 1)
         self.shape = (2, p, n) if pair == 2 else (p, n)
