@@ -129,8 +129,13 @@ def _by_slices(fn: Any, x: mx.array, *rest: Any, **kw: Any) -> Any:
     return mx.concatenate(outs)
 
 
-def _dq8(w: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
+def dequantize_mxfp8_reference(w: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.dequantize(w, s, group_size=GROUP, bits=8, mode="mxfp8", dtype=dtype)
+
+
+def _dq8(w: mx.array, s: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The dequantized copy of prefill's dense products (on CUDA kernels/cuda/dequant.py: one vectorized pass)."""
+    return backend.pick("dequantize_mxfp8", dequantize_mxfp8_reference)(w, s, dtype)
 
 
 def _qmm(x: mx.array, w: mx.array, s: mx.array) -> mx.array:

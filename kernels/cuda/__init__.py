@@ -48,6 +48,7 @@ from kernels.cuda.attention import sparse_attention_rows_cuda
 from kernels.cuda.compressor import compressor_rows_cuda
 from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
 from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
+from kernels.cuda.dequant import dequantize_mxfp8_cuda
 from kernels.cuda.experts_grouped import grouped_experts_cuda
 from kernels.cuda.hc import hc_pre_mix_cuda
 from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
@@ -71,6 +72,7 @@ from kernels.rows import Row, RowBatch
 __all__ = [
     "compressor_pair_rows_inplace_cuda",
     "compressor_rows_cuda",
+    "dequantize_mxfp8_cuda",
     "grouped_experts_cuda",
     "compressor_rows_inplace_cuda",
     "hc_post_rows_cuda",
@@ -101,6 +103,11 @@ if PREFILL_ATTN:
 GROUPED_MMA = os.environ.get("DSV4_GROUPED_MMA", "1").strip() != "0"
 if GROUPED_MMA:
     backend.register("grouped_experts", grouped_experts_cuda)
+# Prefill's dequantized copy of each mxfp8 weight in one vectorized pass (kernels/cuda/dequant.py) in place of
+# MLX's fp_dequantize (~0.7 TB/s on the H200). On unless DSV4_DEQUANT_KERNEL=0.
+DEQUANT_KERNEL = os.environ.get("DSV4_DEQUANT_KERNEL", "1").strip() != "0"
+if DEQUANT_KERNEL:
+    backend.register("dequantize_mxfp8", dequantize_mxfp8_cuda)
 # Two projections of one input in one skinny launch (kernels/cuda/matmul.py PAIR 3: wq_a + wkv, the two wq_b of
 # a CSA layer: 64 launches a step fewer). On unless DSV4_SKINNY_CAT=0 (each product its own launch): its gpu test
 # and the layer numerics passed on the H200 (PART=fused, 5d133be, 2026-12-02).
