@@ -134,7 +134,8 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 # arm -> (the fast ops it runs as their plain twins, DSV4_GROUPED_EXPERTS)
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
-        "f32_simt": ((), None), "dsplit_attn": ((), None)}  # fmt: skip
+        "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
+        "idx_ops": (("indexer_scores",), None)}  # fmt: skip
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -173,6 +174,8 @@ def main() -> None:
         "qtiles (the tiles through gather_qmm on the mxfp4 weights, DSV4_GROUPED_EXPERTS=qtiles) and / or "
         "f32_simt (the compressors' f32 products as MLX's f32 matmul, DSV4_TILES_F32=0), "
         "dsplit_attn (prefill's attention as rows of decode's kernel, DSV4_PREFILL_ATTN=dsplit), "
+        "mlx_dequant (the dense weights' dequantized copy by mx.dequantize, DSV4_DEQUANT_KERNEL=0), "
+        "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")
@@ -198,19 +201,21 @@ def main() -> None:
     pools = StatePools(args, max_slots=slots, max_positions=cap, page_size=page, dtype=dtype)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, args.vocab_size, cap)]
-    t0 = time.perf_counter()
-    run_cell(model, pools, [prompt[: min(cap, 2 * opt.chunk)]], opt.chunk)  # warm-up: compile, JIT
-    h = pools.alloc(2)
-    model.decode(pools, [h], [prompt[0]], [0])
-    pools.free(h)
-    print(f"warm-up (the kernels' first compiles): {time.perf_counter() - t0:.1f} s", flush=True)
-    wf = weight_flops(model)
-    head = 2 * args.vocab_size * args.hidden_size
     arms = opt.arms.split(",")
     held = backend.registered()  # the fast ops an arm may turn off (the CUDA path registers them)
     if any(arm not in ARMS for arm in arms):
         ap.error(f"--arms: expected some of {', '.join(ARMS)}, got {opt.arms}")
     grouped = os.environ.get(experts_grouped.ENV, "")
+    t0 = time.perf_counter()
+    for arm in arms[::-1]:  # warm-up: every arm's compiles and JIT (the first arm last: it is profiled first)
+        set_arm(arm, held, grouped)
+        run_cell(model, pools, [prompt[: min(cap, 2 * opt.chunk)]], opt.chunk)
+    h = pools.alloc(2)
+    model.decode(pools, [h], [prompt[0]], [0])
+    pools.free(h)
+    print(f"warm-up (the kernels' first compiles, {len(arms)} arms): {time.perf_counter() - t0:.1f} s", flush=True)
+    wf = weight_flops(model)
+    head = 2 * args.vocab_size * args.hidden_size
     results = []
     for n, c, arm in [(n, c, arm) for n in lengths for c in concurrent for arm in arms]:
         set_arm(arm, held, grouped)

@@ -23,11 +23,11 @@ from kernels import matmul as kmatmul
 from kernels import prefill_attention
 from kernels.compressor import pooled_entry
 from kernels.indexer import topk_ids
+from kernels.indexer_scores import indexer_scores
 from model.attention import Attention, Compressor
 from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
-SCORE_BYTES = 1 << 28  # the indexer's [queries, heads, entries] f32 scores are built in blocks of this size
 KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
 
 
@@ -61,17 +61,6 @@ def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
         return pooled_entry(vals, gates, norm, eps, cos, sin, dtype)
 
     return _compiled(("pooled_entry", eps, dtype), fn)
-
-
-def _score_block(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
-    """The indexer's scores of a block of queries: sum over heads of w * relu(q . k) -> [block, n] f32. The
-    dots are `f32_linear_rows` of the [block x heads, d] queries (bf16 x bf16 in an f32 sum, as the reference's
-    cast f32 matmul; on CUDA kernels/cuda/tiles_mm.py's tensor-core GEMM where keys come in KEY_ROWS)."""
-    b, nh, d = q.shape
-    # (fewer rows would go through the skinny kernels' 8-row slices: the plain product instead)
-    product = kmatmul.f32_linear_rows if b * nh > kmatmul.MANY_ROWS else kmatmul.f32_linear_rows_reference
-    dots = product(q.reshape(b * nh, d), keys).reshape(b, nh, keys.shape[0])
-    return (w[:, :, None] * mx.maximum(dots, 0.0)).sum(axis=1)
 
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
@@ -140,11 +129,7 @@ def _entries(pool: mx.array, table: Sequence[int], n: int) -> mx.array:
 def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
     """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
     [T, topk] ids, -1 padded."""
-    t, n = q.shape[0], keys.shape[0]
-    step = max(1, SCORE_BYTES // (q.shape[1] * n * 4))  # queries per block: [block, nI, n] f32 stays bounded
-    score_block = _compiled(("score_block",), _score_block)
-    parts = [score_block(q[i : i + step], w[i : i + step], keys) for i in range(0, t, step)]
-    score = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    score = _compiled(("indexer_scores",), indexer_scores)(q, w, keys)  # [T, n] f32
     return _compiled(("topk_ids", topk), lambda s, v: topk_ids(s, v, topk))(score, vis[:, None])
 
 
@@ -210,7 +195,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     row-wise, each row at its own position and token id) run once over the T rows; the attention with
     its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
     block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
-    the chunk (kernels/prefill_attention.py; indexer scores in SCORE_BYTES blocks), never the whole
+    the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
     prompt; the entries' views grow with the context (n = context / ratio).
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
     check_work(work)

@@ -59,7 +59,7 @@ def cuda_prefill() -> Iterator[None]:
     import kernels.cuda.experts_grouped as ceg
     import kernels.cuda.prefill_attention as cpa
 
-    saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached)
+    saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel)
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                   limit: float | None = None) -> _OneLaunch:  # fmt: skip
@@ -73,7 +73,16 @@ def cuda_prefill() -> Iterator[None]:
         """One kernel on CUDA (MLX's CPU backend runs it as several ops)."""
         return one([((*w.shape[:-1], w.shape[-1] * 32 // bits), dtype)], w, scales)[0]
 
-    ceg.Plan, cpa.Plan = tile_plan, attn_plan
+    def heads_kernel(*_: Any, **__: Any) -> Any:  # `HEADS` (cpa.heads_attention's direct launch)
+        def launch(*, inputs: list, output_shapes: list, output_dtypes: list, **___: Any) -> list[mx.array]:
+            return one(list(zip(output_shapes, output_dtypes, strict=True)), *inputs)
+
+        return launch
+
+    def scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:  # tiles_mm PAIR 3: one launch
+        return one([((q.shape[0], keys.shape[0]), mx.float32)], q, w, keys)[0]
+
+    ceg.Plan, cpa.Plan, cpa.kernel = tile_plan, attn_plan, heads_kernel
     ceg.plan_cached = cpa.plan_cached = lambda key, make: make()
     deq, mx.dequantize = mx.dequantize, dequantize
     with standins(glue=True):
@@ -91,10 +100,12 @@ def cuda_prefill() -> Iterator[None]:
 
         backend.register("f32_linear_rows", lin)
         backend.register("f32_linear_pair_rows", pair)
+        backend.register("indexer_scores", scores)
+        backend.register("dequantize_mxfp8", lambda w, s, dtype: dequantize(w, s, dtype=dtype))
         try:
             yield
         finally:
-            ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached = saved
+            ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel = saved
             mx.dequantize = deq
 
 

@@ -66,6 +66,7 @@ from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
 from kernels.cuda.prefill_attention import prefill_attention_cuda
 from kernels.cuda.rope import rms_rope_rows_cuda
 from kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
+from kernels.cuda.tiles_mm import indexer_scores_cuda
 from kernels.indexer import new_workspace
 from kernels.rows import Row, RowBatch
 
@@ -76,6 +77,7 @@ __all__ = [
     "grouped_experts_cuda",
     "compressor_rows_inplace_cuda",
     "hc_post_rows_cuda",
+    "indexer_scores_cuda",
     "hc_pre_mix_cuda",
     "hc_pre_rows_cuda",
     "indexer_rows_cuda",
@@ -103,6 +105,11 @@ if PREFILL_ATTN:
 GROUPED_MMA = os.environ.get("DSV4_GROUPED_MMA", "1").strip() != "0"
 if GROUPED_MMA:
     backend.register("grouped_experts", grouped_experts_cuda)
+# Prefill's indexer scores as one tile GEMM that sums the heads in its epilogue (kernels/cuda/tiles_mm.py PAIR
+# 3) instead of the [queries, heads, entries] f32 products and three MLX ops. On unless DSV4_INDEXER_SCORES=0.
+INDEXER_SCORES = os.environ.get("DSV4_INDEXER_SCORES", "1").strip() != "0"
+if INDEXER_SCORES:
+    backend.register("indexer_scores", indexer_scores_cuda)
 # Prefill's dequantized copy of each mxfp8 weight in one vectorized pass (kernels/cuda/dequant.py) in place of
 # MLX's fp_dequantize (~0.7 TB/s on the H200). On unless DSV4_DEQUANT_KERNEL=0.
 DEQUANT_KERNEL = os.environ.get("DSV4_DEQUANT_KERNEL", "1").strip() != "0"

@@ -16,8 +16,9 @@ registers (mxfp4 decoded from e2m1 + e8m0 exactly as the decode step's skinny ke
 kernels/cuda/matmul.py WF 2; bf16 as they are), the rows B from shared memory, gathered there by
 cp.async (two 128-k chunks in flight), each x value read by a lane in the order its weight words hold k.
 Epilogues: PAIR 0 one product [P, N]; PAIR 1 SwiGLU with the limit clamp, each product rounded to T first
-(the reference's matmul outputs); PAIR 2 both products [2, P, N]. Every row of P is in exactly one tile row,
-so every output row is written once.
+(the reference's matmul outputs); PAIR 2 both products [2, P, N]; PAIR 3 the indexer's scores (TR rows a
+query's heads: hw[row] * relu(product) summed over the tile's rows -> [P / TR, N], `indexer_scores_cuda`).
+Every row of P is in exactly one tile row, so every output row is written once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import mlx.core as mx
 
 from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached
 from kernels.experts_grouped import TILE_ROWS
+from kernels.indexer_scores import indexer_scores_reference
 from kernels.matmul import MANY_ROWS  # fewer rows run as 8-row slices of the skinny kernels
 
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
@@ -70,7 +72,8 @@ __device__ __forceinline__ void dsv4_tw_load(uint4 (*wv)[2][WV], uint32_t (*sv)[
 
 SOURCE = r"""
   constexpr int RB = WF ? K / 2 : K * 2, CB = WF ? 64 : 256;  // bytes a weight row; of it a chunk
-  constexpr int WV = WF ? 1 : 4, G32 = K / 32, NCH = K / 128, NT = PAIR ? 2 * MT : MT, THREADS = 32 * WR;
+  constexpr int WV = WF ? 1 : 4, G32 = K / 32, NCH = K / 128, NT = PAIR == 1 || PAIR == 2 ? 2 * MT : MT;
+  constexpr int THREADS = 32 * WR;
   // N from the grid, not a template constant: the indexer's keys (N) grow with the context, and a
   // template value per N was an NVRTC compile per 512 tokens of prompt (~2 s each on the H200)
   const int N = gridDim.x * (16 * MT * WR);
@@ -166,6 +169,26 @@ SOURCE = r"""
     __syncthreads();  // this stage is read: the next iteration's load may overwrite it
     if (!WF && c + 1 < NCH) dsv4_tw_load<WF, NT, MT, WV, RB, CB, G32>(wv, sv, wb, wb2, sb, sb2, row0 + gq, cq, c + 1);
   }
+  if (PAIR == 3) {  // the indexer's scores: the tile's TR rows are one query's heads, summed here
+    const int q0 = ps[0] / TR;
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // weight row (key) gq + 8 h of tile t
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < TR / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int p = ps[8 * j + 2 * cq + i];
+            if (p >= 0) sum += hw[p] * fmaxf(acc[t][j][2 * h + i], 0.f);
+          }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // the 4 lanes of a key row hold the other heads
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (cq == 0) out[(size_t)q0 * N + row0 + t * 16 + gq + 8 * h] = dsv4_t<O>(sum);
+      }
+    return;
+  }
   const int P = (int)fparams[1];
   const float lim = fparams[0];
 #pragma unroll
@@ -195,7 +218,7 @@ SOURCE = r"""
       }
 """
 
-INPUTS = ("x", "w", "s", "w2", "s2", "ptab", "texp", "fparams")
+INPUTS = ("x", "w", "s", "w2", "s2", "ptab", "texp", "fparams", "hw")  # hw: PAIR 3's head weights
 # f32_linear(_pair)_rows past MANY_ROWS rows through the tile GEMM; DSV4_TILES_F32=0 (or bench/prefill.py's
 # arm f32_simt) keeps the reference's f32 matmul
 F32_MANY = os.environ.get("DSV4_TILES_F32", "1").strip() != "0"
@@ -209,25 +232,26 @@ class Plan:
 
     def __init__(self, p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                  limit: float | None = None) -> None:  # fmt: skip
-        mt = 1 if pair else 2
+        mt = 1 if pair in (1, 2) else 2
         self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=E2M1 + HEADER + launch_bounds(32 * WR, 2))
         self.tmpl = [("T", mx.bfloat16), ("O", out), ("WF", wf), ("K", k), ("PAIR", pair),
                      ("XDIV", xdiv), ("MT", mt), ("WR", WR), ("TR", TR), ("XS", XS)]  # fmt: skip
         self.grid = (n // (16 * mt * WR) * 32 * WR, tiles, 1)
-        self.shape = (2, p, n) if pair == 2 else (p, n)
+        self.shape = {2: (2, p, n), 3: (p // TR, n)}.get(pair, (p, n))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(p))
 
     def __call__(self, x: mx.array, w: mx.array, s: mx.array, w2: mx.array, s2: mx.array, ptab: mx.array,
-                 texp: mx.array) -> mx.array:  # fmt: skip
-        return self.kernel(inputs=[x, w, s, w2, s2, ptab, texp, self.fparams], template=self.tmpl, grid=self.grid,
+                 texp: mx.array, hw: mx.array | None = None) -> mx.array:  # fmt: skip
+        hw = dummy((1,), mx.float32) if hw is None else hw
+        return self.kernel(inputs=[x, w, s, w2, s2, ptab, texp, self.fparams, hw], template=self.tmpl, grid=self.grid,
                            threadgroup=(32 * WR, 1, 1), output_shapes=[self.shape],
                            output_dtypes=[self.dtype])[0]  # fmt: skip
 
 
 def tiles_for(k: int, n: int, pair: int) -> bool:
     """K a multiple of the 128-k chunk, N of a block's weight rows (16 x MT x WR)."""
-    return k % CK == 0 and n % (16 * (1 if pair else 2) * WR) == 0
+    return k % CK == 0 and n % (16 * (1 if pair in (1, 2) else 2) * WR) == 0
 
 
 def _rows(t: int) -> tuple[mx.array, mx.array]:
@@ -268,3 +292,18 @@ def f32_linear_pair_many(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.ar
     if out is None:
         return None
     return out[:1].reshape(out.shape[1:]), out[1:].reshape(out.shape[1:])
+
+
+def indexer_scores_cuda(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
+    """kernels.indexer_scores for TR heads, bf16 q and keys, f32 w, past MANY_ROWS rows: one tile GEMM (PAIR 3);
+    else the plain twin."""
+    ok = (F32_MANY and isinstance(q, mx.array) and q.ndim == 3 and q.shape[1] == TR and isinstance(w, mx.array)
+          and w.dtype == mx.float32 and w.shape == q.shape[:2])  # fmt: skip
+    x = q.reshape(-1, q.shape[2]) if ok else None
+    if not ok or not _dense_ok(x, keys) or not tiles_for(x.shape[1], keys.shape[0], 3):
+        return indexer_scores_reference(q, w, keys)
+    t, k = x.shape
+    ptab, texp = _rows(t)
+    p = plan_cached(("idx_scores", t, k, keys.shape[0]),
+                    lambda: Plan(t, k, keys.shape[0], texp.shape[0], wf=0, pair=3, xdiv=1, out=mx.float32))
+    return p(x, keys, dummy((4,), mx.uint8), keys, dummy((4,), mx.uint8), ptab, texp, w.reshape(-1))

@@ -160,6 +160,8 @@ def test_dispatch_uses_fast_path() -> None:
         opt_out |= {"prefill_attention"}
     if not kc.GROUPED_MMA:  # DSV4_GROUPED_MMA=0 keeps prefill's dequantized-copy experts
         opt_out |= {"grouped_experts"}
+    if not kc.INDEXER_SCORES:  # DSV4_INDEXER_SCORES=0 keeps the products + MLX ops for prefill's indexer
+        opt_out |= {"indexer_scores"}
     if not kc.DEQUANT_KERNEL:  # DSV4_DEQUANT_KERNEL=0 keeps MLX's dequantize for prefill's dense products
         opt_out |= {"dequantize_mxfp8"}
     assert set(backend.registered()) == set(backend.OPS) - opt_out

@@ -1,5 +1,6 @@
 """kernels/cuda/tiles_mm.py's f32 products of many rows (bf16 weights on the tensor cores, f32 out) against the
-reference's f32 matmul, through the fast ops the model calls (f32_linear_rows / f32_linear_pair_rows)."""
+reference's f32 matmul, through the fast ops the model calls (f32_linear_rows / f32_linear_pair_rows), and the
+indexer's scores summed in the epilogue (indexer_scores) against their plain twin."""
 
 from __future__ import annotations
 
@@ -55,3 +56,28 @@ def test_shapes_that_do_not_tile_run_the_reference(t: int, k: int, n: int) -> No
     assert f32_linear_many(x, w1) is None
     close(f32_linear_rows_cuda(x, w1), kmatmul.f32_linear_rows_reference(x, w1), 1e-5)
     close(f32_linear_pair_rows_cuda(x, w1, w2)[1], kmatmul.f32_linear_pair_rows_reference(x, w1, w2)[1], 1e-5)
+
+
+@pytest.mark.parametrize(("b", "n"), [(2, 128), (33, 512), (256, 4096), (3, 1024)])
+def test_indexer_scores_is_the_weighted_relu_sum(b: int, n: int) -> None:
+    """PAIR 3: a tile a query (64 heads), w * relu summed in the epilogue, against the products + MLX ops of the
+    plain twin (the same exact products, another order of the sums)."""
+    from kernels.cuda.tiles_mm import indexer_scores_cuda
+    from kernels.indexer_scores import indexer_scores_reference
+
+    q = mx.random.normal((b, 64, 128)).astype(mx.bfloat16)
+    w = mx.random.normal((b, 64)) * 0.1
+    keys = (mx.random.normal((n, 128)) * 128**-0.5).astype(mx.bfloat16)
+    got = indexer_scores_cuda(q, w, keys)
+    assert got.dtype == mx.float32 and got.shape == (b, n)
+    close(got, indexer_scores_reference(q, w, keys), 1e-5)
+
+
+def test_indexer_scores_other_heads_take_the_plain_twin() -> None:
+    """32 heads (not a tile's 64 rows): the plain twin's values exactly."""
+    from kernels.cuda.tiles_mm import indexer_scores_cuda
+    from kernels.indexer_scores import indexer_scores_reference
+
+    q = mx.random.normal((5, 32, 128)).astype(mx.bfloat16)
+    w, keys = mx.random.normal((5, 32)), mx.random.normal((256, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(indexer_scores_cuda(q, w, keys), indexer_scores_reference(q, w, keys)).item()

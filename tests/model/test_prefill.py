@@ -102,11 +102,11 @@ def test_compiled_prefill_equals_token_by_token(tiny, serial, monkeypatch, chunk
 
 def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
     """Long contexts score the indexer's queries in blocks (bounded memory): same ids, same logits."""
-    import model.prefill as prefill
+    import kernels.indexer_scores as scores
 
     model, args = tiny
     prompt, _, _, ref_last = serial
-    monkeypatch.setattr(prefill, "SCORE_BYTES", args.index_n_heads * 4 * 80 * 7)  # ~7 queries per block
+    monkeypatch.setattr(scores, "SCORE_BYTES", args.index_n_heads * 4 * 80 * 7)  # ~7 queries per block
     pools = StatePools(args, max_slots=1, max_positions=LEN + 8, page_size=PAGE)
     h = pools.alloc(LEN + 8)
     last = model.prefill(pools, h, prompt, 0, chunk=LEN)
