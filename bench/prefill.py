@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
 from kernels import backend, experts_grouped  # noqa: E402
+from model import prefill as mprefill  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.loader import tiny_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
@@ -135,7 +136,10 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
-        "idx_ops": (("indexer_scores",), None)}  # fmt: skip
+        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None)}  # fmt: skip
+
+
+EVAL_EVERY = mprefill.EVAL_EVERY
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -147,6 +151,7 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         else:
             backend.register(op, fn)
     os.environ[experts_grouped.ENV] = how or grouped
+    mprefill.EVAL_EVERY = 0 if arm == "sync_build" else EVAL_EVERY  # sync_build: the whole forward, then its eval
     if backend.name() == "cuda":  # f32_simt: the f32 products of many rows as MLX's f32 matmul (TF32 off: SIMT)
         import kernels.cuda.tiles_mm as tm
 
@@ -176,6 +181,7 @@ def main() -> None:
         "dsplit_attn (prefill's attention as rows of decode's kernel, DSV4_PREFILL_ATTN=dsplit), "
         "mlx_dequant (the dense weights' dequantized copy by mx.dequantize, DSV4_DEQUANT_KERNEL=0), "
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
+        "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

@@ -29,6 +29,10 @@ from model.layers import hc_head, rope_angles
 from model.state import StateHandle, StatePools
 
 KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
+# Layers a forward builds before it starts evaluating them (mx.async_eval of the residual stream): the GPU runs
+# the first layers while Python builds the next (one eval at the end left the whole build, ~40 ms of host a
+# V4-Flash forward, before any kernel). 0: build all, then evaluate (bench/prefill.py --arms sync_build).
+EVAL_EVERY = int(os.environ.get("DSV4_PREFILL_EVAL_EVERY", "4"))
 
 
 _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
@@ -225,6 +229,8 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
                 for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
             ])  # fmt: skip
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
+        if EVAL_EVERY > 0 and (i + 1) % EVAL_EVERY == 0 and i + 1 < len(model.layers):
+            mx.async_eval(hs)
     if not logits:
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
