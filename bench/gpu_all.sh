@@ -14,7 +14,7 @@
 #                decode end to end (4 layers), then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
-#   PART=final   prefill's gpu tests, 2K arms fast / mlx_dequant / idx_ops / dsplit_attn, 16K + 64K, CUDA prefill
+#   PART=final   prefill's gpu tests, 2K arms fast / mlx_dequant / idx_ops / sync_build, 16K + 64K, CUDA prefill
 #                against CUDA decode
 #   PART=heads   prefill's attention, a block a query with all heads: gpu tests, 2K fast / dsplit_attn, 16K
 #   PART=check   the default prefill path's gpu tests, 2K prefill (1 and 4 prompts), the compiled form at 256
@@ -100,16 +100,16 @@ for part in ${PART:-tests}; do
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
     final) # the prefill kernels' gpu tests (HEADS, the tile GEMMs incl. the indexer's scores, the mxfp8 dequantize,
-           # the dispatch), prefill at 2K (1 and 4 prompts; arms fast / mlx_dequant / idx_ops / dsplit_attn
+           # the dispatch), prefill at 2K (1 and 4 prompts; arms fast / mlx_dequant / idx_ops / sync_build
            # alternated, CUPTI on fast, agreement with decode), 16K and 64K prompts, then the whole CUDA prefill
            # against CUDA decode (tests/model/test_cuda_prefill.py) in what time is left
-           timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_dequant.py \
+           timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_dequant.py \
              tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py \
              tests/kernels/test_cuda_prefill_attention.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \
              2>&1 | tail -8
-           timeout 220 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
-             --arms fast,mlx_dequant,idx_ops,dsplit_attn --agree 256 --profile --out "$OUT/prefill_final.json" \
-             2>&1 | grep -v Warn | tail -12
+           timeout 230 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
+             --arms fast,mlx_dequant,idx_ops,sync_build --agree 256 --profile --out "$OUT/prefill_final.json" \
+             2>&1 | grep -v Warn | tail -14
            timeout 150 python3 bench/prefill.py --experts 32 --prompts 16384,65536 --concurrent 1 --agree 0 \
              --no-profile --out "$OUT/prefill_long.json" 2>&1 | tail -4
            timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
