@@ -14,6 +14,7 @@
 #                decode end to end (4 layers), then prefill at 2K
 #                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
 #                prompt in the service's 256-token forwards (arms fast / tiles)
+#   PART=rope    rms_rope for prefill's vector counts: gpu tests, 2K fast / rope_block, 2K in 256-token forwards
 #   PART=final   prefill's gpu tests, 2K arms fast / mlx_dequant / idx_ops / sync_build, 16K + 64K, CUDA prefill
 #                against CUDA decode
 #   PART=heads   prefill's attention, a block a query with all heads: gpu tests, 2K fast / dsplit_attn, 16K
@@ -99,6 +100,14 @@ for part in ${PART:-tests}; do
            --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
          timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
            --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
+    rope) # rms_rope a warp a vector past MANY_VECTORS: its gpu tests, 2K (arms fast / rope_block, CUPTI on fast),
+          # then a 2K prompt in the service's 256-token forwards (a short call: what a session's device time left)
+          timeout 60 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_fused.py \
+            -k rms_rope 2>&1 | tail -4
+          timeout 110 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1 --arms fast,rope_block \
+            --agree 0 --profile --out "$OUT/prefill_rope.json" 2>&1 | grep -v Warn | tail -4
+          timeout $((235 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
+            --arms fast --agree 0 --no-profile --out "$OUT/prefill_256.json" 2>&1 | tail -3 ;;
     final) # the prefill kernels' gpu tests (HEADS, the tile GEMMs incl. the indexer's scores, the mxfp8 dequantize,
            # the dispatch), prefill at 2K (1 and 4 prompts; arms fast / mlx_dequant / idx_ops / sync_build
            # alternated, CUPTI on fast, agreement with decode), 16K and 64K prompts, then the whole CUDA prefill

@@ -136,7 +136,7 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
-        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None)}  # fmt: skip
+        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
@@ -159,6 +159,9 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         import kernels.cuda.prefill_attention as kpa  # dsplit_attn: the decode kernel's rows, one a query
 
         kpa.HEADS_ON = arm != "dsplit_attn"
+        import kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
+
+        kp.MANY_ON = arm != "rope_block"
 
 
 def main() -> None:
@@ -182,6 +185,7 @@ def main() -> None:
         "mlx_dequant (the dense weights' dequantized copy by mx.dequantize, DSV4_DEQUANT_KERNEL=0), "
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
+        "rope_block (rms_rope a block a vector for prefill's counts too, DSV4_ROPE_MANY=0), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

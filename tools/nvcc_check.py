@@ -173,6 +173,10 @@ def units() -> dict[str, str]:
             "rms_rope", [("x", BF, True), ("c", F32, False), ("s", F32, False), ("w", BF, False),
                          ("fparams", F32, False)], [("out", BF)],
             [("T", BF), ("W", BF), ("NORM", norm), ("HAS_W", has_w), ("PER", 64)], rope.SOURCE)  # fmt: skip
+        out[f"rms_rope_many_{int(norm)}{int(has_w)}"] = standalone(
+            "rms_rope_many", [("x", BF, True), ("c", F32, False), ("s", F32, False), ("w", F32, False),
+                              ("fparams", F32, False)], [("out", BF)],
+            [("T", BF), ("W", F32), ("NORM", norm), ("HAS_W", has_w), ("PER", 64)], rope.MANY_SOURCE)  # fmt: skip
     out["hc_post_4"] = standalone(
         "hc_post", [("y", BF, False), ("h", BF, True), ("post", F32, False), ("comb", F32, False)], [("out", BF)],
         [("T", BF), ("NC", 4)], norms.POST_SOURCE)  # fmt: skip

@@ -9,6 +9,7 @@ any float dtype, d even; else the reference.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,65 @@ from kernels.cuda.norms import INV_RMS
 from kernels.rope import check_rms_rope_rows, rms_rope_rows_reference
 
 THREADS = 128
+# Past this many vectors (prefill: T x 64 heads; decode's <= 8 rows stay below) a warp a vector, 8 a block, 16-byte
+# loads: the block-a-vector kernel's scalar loads and 131K tiny blocks took ~0.15 ms a call on a 2,048-token q
+# (16 ms of a V4-Flash forward's 302 on the H200, PART=final, 2026-12-02). Its own order of the squares' sum.
+MANY_VECTORS = 4096
+MANY_THREADS = 256
+MANY_ON = os.environ.get("DSV4_ROPE_MANY", "1").strip() != "0"  # 0: the block-a-vector kernel for every count
+MANY_SOURCE = r"""
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int NV = x_shape[0], D = x_shape[1];
+  const int vec = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (vec >= NV) return;
+  const T* xr = x + (size_t)vec * D;
+  const float* cr = c + (size_t)(vec / PER) * D;
+  const float* sr = s + (size_t)(vec / PER) * D;
+  float v[4][8];  // the lane's elements 8 lane + 256 u .. + 7, u < D / 256 (D <= 1024)
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = 8 * lane + 256 * u;
+    if (i < D) {
+      const uint4 q = *reinterpret_cast<const uint4*>(xr + i);
+      const T* e = reinterpret_cast<const T*>(&q);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) { v[u][j] = dsv4_f(e[j]); ss += v[u][j] * v[u][j]; }
+    }
+  }
+  float inv = 1.f;
+  if (NORM) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    inv = rsqrtf(ss / (float)D + fparams[0]);
+  }
+  T* orow = out + (size_t)vec * D;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = 8 * lane + 256 * u;
+    if (i < D) {
+      float y[8], cc[8], sn[8];  // the tables element by element (a row is shared by PER vectors: cached)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        cc[j] = cr[i + j];
+        sn[j] = sr[i + j];
+        y[j] = v[u][j];
+        if (NORM) {  // the norm's output, rounded to T as the op's
+          y[j] *= inv;
+          if (HAS_W) y[j] = dsv4_f(w[i + j]) * y[j];
+          y[j] = dsv4_f(dsv4_t<T>(y[j]));
+        }
+      }
+      __align__(16) T o[8];
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        o[j] = dsv4_t<T>(y[j] * cc[j] + y[j + 1] * sn[j]);
+        o[j + 1] = dsv4_t<T>(y[j + 1] * cc[j + 1] + y[j] * sn[j + 1]);
+      }
+      *reinterpret_cast<uint4*>(orow + i) = *reinterpret_cast<const uint4*>(o);
+    }
+  }
+"""
 
 SOURCE = r"""
   __shared__ float red[32];
@@ -53,11 +113,17 @@ _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
 class Plan:
-    __slots__ = ("fparams", "kernel", "tmpl", "vectors")
+    __slots__ = ("fparams", "grid", "kernel", "nt", "tmpl", "vectors")
 
     def __init__(self, x: mx.array, weight: mx.array | None, eps: float | None) -> None:
         self.vectors = x.size // x.shape[-1]
-        self.kernel = kernel("rms_rope", ("x", "c", "s", "w", "fparams"), ("out",), SOURCE)
+        d = x.shape[-1]
+        many = (self.vectors > MANY_VECTORS and x.dtype in (mx.bfloat16, mx.float16) and d % 8 == 0 and d <= 1024
+                and MANY_ON)  # fmt: skip
+        src = MANY_SOURCE if many else SOURCE
+        self.kernel = kernel("rms_rope_many" if many else "rms_rope", ("x", "c", "s", "w", "fparams"), ("out",), src)
+        self.nt = MANY_THREADS if many else THREADS
+        self.grid = (-(-self.vectors // (MANY_THREADS // 32)) * MANY_THREADS if many else self.vectors * THREADS, 1, 1)
         wdt = weight.dtype if weight is not None else mx.float32
         self.tmpl = [("T", x.dtype), ("W", wdt), ("NORM", eps is not None), ("HAS_W", weight is not None),
                      ("PER", self.vectors // x.shape[0])]  # fmt: skip
@@ -67,7 +133,7 @@ class Plan:
 def rms_rope_rows_cuda(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.array | None = None,
                        eps: float | None = None) -> mx.array:  # fmt: skip
     try:
-        key: tuple[Any, ...] = ("rms_rope", x.shape, x.dtype, c.shape, c.dtype, s.shape, s.dtype,
+        key: tuple[Any, ...] = ("rms_rope", MANY_ON, x.shape, x.dtype, c.shape, c.dtype, s.shape, s.dtype,
                                 None if weight is None else (weight.shape, weight.dtype), type(eps), eps)  # fmt: skip
     except AttributeError:  # not arrays: the check names the argument
         check_rms_rope_rows(x, c, s, weight, eps)
@@ -87,8 +153,8 @@ def rms_rope_rows_cuda(x: mx.array, c: mx.array, s: mx.array, *, weight: mx.arra
     (out,) = plan.kernel(
         inputs=[x.reshape(plan.vectors, d), c, s, weight if weight is not None else plan.fparams, plan.fparams],
         template=plan.tmpl,
-        grid=(plan.vectors * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=plan.grid,
+        threadgroup=(plan.nt, 1, 1),
         output_shapes=[(plan.vectors, d)],
         output_dtypes=[x.dtype],
     )

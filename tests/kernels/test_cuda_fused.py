@@ -38,6 +38,23 @@ def test_rms_rope_rows(rows: int, heads: int, d: int, norm: bool, weight, dtype:
     close(got, rms_rope_rows_reference(x, c, s, weight=w, eps=eps), 1e-2 if dtype == mx.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("shape,norm,weight", [((80, 64, 512), True, None), ((5000, 512), True, mx.bfloat16),
+                                               ((4100, 512), True, mx.float32), ((80, 64, 128), False, None),
+                                               ((97, 64, 512), False, None), ((70, 64, 1024), True, None)])  # fmt: skip
+def test_rms_rope_rows_many_vectors(shape: tuple[int, ...], norm: bool, weight) -> None:
+    """Prefill's vector counts (past MANY_VECTORS): a warp a vector, 16-byte loads; D 128 .. 1024."""
+    import kernels.cuda.rope as kp
+
+    x = (3 * mx.random.normal(shape)).astype(mx.bfloat16)
+    assert x.size // shape[-1] > kp.MANY_VECTORS
+    w = (1 + 0.3 * mx.random.normal((shape[-1],))).astype(weight) if weight is not None else None
+    c, s = tables(shape[0], shape[-1], -1.0 if not norm else 1.0)
+    eps = 1e-6 if norm else None
+    got = kp.rms_rope_rows_cuda(x, c, s, weight=w, eps=eps)
+    assert got.dtype == mx.bfloat16 and got.shape == x.shape
+    close(got, rms_rope_rows_reference(x, c, s, weight=w, eps=eps), 1e-2)
+
+
 def test_a_row_gives_what_it_gives_alone() -> None:
     from kernels.cuda.rope import rms_rope_rows_cuda
 
