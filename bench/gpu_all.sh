@@ -186,6 +186,6 @@ for part in ${PART:-tests}; do
                --out "$OUT/prefill.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (final heads check rope new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

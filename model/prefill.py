@@ -40,10 +40,9 @@ _compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
 
 def compiled() -> bool:
     """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,314 kernels a
-    256-token V4-Flash forward instead of 6,146 by tools/prefill_count.py's count. Off by default: on the
-    H200 its first run (6de67c4, 2026-12-02) did not finish its warm-up forward within 170 s, cause not yet
-    known (the new fused kernels' NVRTC compiles, or a trace per call)."""
+    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,272 kernels a
+    256-token V4-Flash forward instead of 6,083 by tools/prefill_count.py's count. Off by default: on the
+    H200 its warm-up took 150 s (the fused kernels' NVRTC compiles; PART=check, 2f03c20, 2026-12-02)."""
     return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
 
 
