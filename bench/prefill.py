@@ -88,10 +88,10 @@ def attention_flops(model: DeepseekV4, prompt: int) -> float:
 
 def run_cell(model: DeepseekV4, pools: StatePools, prompts: list[list[int]], chunk: int):
     """All prompts through `prefill_batch`, `chunk` tokens a forward, oldest first. Returns (seconds,
-    ms to first token per prompt, forwards, last logits per prompt)."""
+    ms to first token per prompt, ms of each forward, last logits per prompt)."""
     handles = [pools.alloc(len(p)) for p in prompts]
-    fed, ttft, last, forwards = [0] * len(prompts), [0.0] * len(prompts), [None] * len(prompts), 0
-    t0 = time.perf_counter()
+    fed, ttft, last, forwards = [0] * len(prompts), [0.0] * len(prompts), [None] * len(prompts), []
+    t0 = prev = time.perf_counter()
     try:
         while any(f < len(p) for f, p in zip(fed, prompts, strict=True)):
             budget, work, ids = chunk, [], []
@@ -102,12 +102,14 @@ def run_cell(model: DeepseekV4, pools: StatePools, prompts: list[list[int]], chu
                     ids.append(j)
                     budget -= n
             out = model.prefill_batch(pools, work)  # evaluates logits + state
-            forwards += 1
             now = time.perf_counter()
+            forwards.append((now - prev) * 1e3)
+            prev = now
             for j, (_, toks, _), lg in zip(ids, work, out, strict=True):
                 fed[j] += len(toks)
                 if fed[j] == len(prompts[j]):
                     ttft[j], last[j] = (now - t0) * 1e3, np.array(lg)
+            prev = time.perf_counter()  # the logits' read-back counts in the TTFT, not in the next forward
         return time.perf_counter() - t0, ttft, forwards, last
     finally:
         for h in handles:
@@ -233,7 +235,8 @@ def main() -> None:
         secs, ttft, forwards, _ = run_cell(model, pools, prompts, opt.chunk)
         flops = c * (n * wf + attention_flops(model, n) + head)
         cell = {"layers": opt.layers, "experts": experts, "prompt": n, "concurrent": c, "chunk": opt.chunk,
-                "arm": arm, "forwards": forwards, "seconds": secs, "tokens_per_s": c * n / secs,
+                "arm": arm, "forwards": len(forwards), "forward_ms": [round(f, 1) for f in forwards],
+                "forward_ms_max": max(forwards), "seconds": secs, "tokens_per_s": c * n / secs,
                 "ttft_ms": ttft, "ttft_ms_max": max(ttft), "tflop": flops / 1e12,
                 "floor_s": flops / rate, "x_floor": secs / (flops / rate)}  # fmt: skip
         print(json.dumps(cell), flush=True)  # before the profile: a run cut short still reports the cell
