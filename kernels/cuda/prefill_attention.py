@@ -1,4 +1,5 @@
-"""prefill_attention on CUDA: T queries as T rows of the decode step's attention kernel (kernels/cuda/attention.py).
+"""prefill_attention on CUDA: T queries through `HEADS` (below) or as T rows of the decode step's attention
+kernel (kernels/cuda/attention.py).
 
 The decode kernels read a row's window as ring rows 0..W-1 of its slot, valid while j < min(p, W - 1) + 1, and
 its entries through a block table. A prefill query's window is the W positions before and at its own: with
@@ -25,14 +26,14 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.cuda import common
-from kernels.cuda.attention import Plan
+from kernels.cuda.attention import SMEM_MAX, Plan
 from kernels.cuda.attention_prefill_src import HEADS, heads_smem
 from kernels.cuda.attention_src import ATTN_HELPERS
 from kernels.cuda.common import f32_params, i32_dummy, kernel, launch_bounds, plan_cached
 from kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
 
-# Queries a launch: the grid's z dimension is the rows (< 65,536), and the window view is materialized at
-# rows x W x D (4,096 x 128 x 512 bf16: 512 MiB), as is split-K's partial O (f32, about as much).
+# Queries a launch: the grid's z dimension is the rows (< 65,536); on the `dsplit` path the window view is
+# materialized at rows x W x D (4,096 x 128 x 512 bf16: 512 MiB), as is split-K's partial O (f32, about as much).
 ROWS_MAX = 4096
 # Every row through `dsplit` (one launch, O in registers, no partial buffer): the decode step's split-K forms
 # exist to spread 1-8 long rows over the GPU, and their combine looks each q row up among all B rows (O(B^2)
@@ -48,7 +49,7 @@ def heads_fits(q: mx.array, kv: mx.array, pool: mx.array | None) -> bool:
     nh, d = q.shape[1], q.shape[2]
     same = kv.dtype == q.dtype and (pool is None or pool.dtype == q.dtype)
     return (HEADS_ON and q.dtype in (mx.bfloat16, mx.float16) and same and nh % HEADS_HG == 0 and d % 128 == 0
-            and heads_smem(d) <= 227 * 1024)  # fmt: skip
+            and heads_smem(d) <= SMEM_MAX)  # fmt: skip
 
 
 def heads_attention(q: mx.array, rseq: mx.array, w: int, start: int, pool: mx.array | None,
