@@ -11,7 +11,10 @@ build, encode, sample, wait; the parallel prefill; the rest of each iteration), 
 bench/step.py's build / encode split.
 
     python bench/serve.py --out bench-serve.json [--concurrency 1,2,4,8,16] [--input-len 32 --output-len 64]
-        [--plot serve.png] [--url http://host:8000]
+        [--plot serve.png] [--url http://host:8000] [--long-prompt 16384 --long-delay 1]
+
+`--long-prompt N` sends one N-token prompt into each cell and splits the streams' ITL by its prefill (issue 30's
+"7 streams keep streaming while a 16K prompt prefills": `--concurrency 7 --output-len 512 --long-prompt 16384`).
 """
 
 from __future__ import annotations
@@ -90,11 +93,14 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return {
         "ok": True, "ttft": ttft or latency, "latency": latency, "output_tokens": n,
         "input_tokens": (usage or {}).get("prompt_tokens", len(prompt)),
-        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "text": "".join(text),
+        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "stamps": stamps, "text": "".join(text),
     }
 
 
-async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit) -> tuple[dict, list[dict]]:
+async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, long_prompt=None,
+               long_delay=1.0) -> tuple[dict, list[dict]]:  # fmt: skip
+    """The cell's prompts at `concurrency`; with `long_prompt`, one more request of it (1 output token) sent
+    `long_delay` s in, whose prefill the streams' ITL is then split by (`interference`)."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -104,10 +110,37 @@ async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit) -
             async with sem:
                 return await one(client, url, model, p, out_len)
 
+        async def long_request() -> tuple[float, float, dict]:
+            await asyncio.sleep(long_delay)
+            sent = time.perf_counter()
+            r = await one(client, url, model, long_prompt, 1)
+            return sent, time.perf_counter(), r
+
         t0 = time.perf_counter()
+        long_task = asyncio.create_task(long_request()) if long_prompt else None
         results = await asyncio.wait_for(asyncio.gather(*(guarded(p) for p in prompts)), time_limit)
         duration = time.perf_counter() - t0
-    return summarize(results, duration, concurrency), results
+        window = await long_task if long_task else None
+    summary = summarize(results, duration, concurrency)
+    if window:
+        sent, done, long = window
+        summary |= interference(results, sent, done, len(long_prompt), long)
+    return summary, results
+
+
+def interference(results: list[dict], sent: float, done: float, n: int, long: dict) -> dict:
+    """The streams' inter-token gaps that end while the long prompt is in the server (sent .. its one token)
+    against the rest: a chunked prefill's cost to the running streams."""
+    during, outside = [], []
+    for r in results:
+        if r["ok"]:
+            for gap, end in zip(r["itl"], r["stamps"][1:], strict=False):
+                (during if sent <= end <= done else outside).append(gap)
+    base = statistics.median(outside) if outside else 0.0
+    return {"long_prompt": n, "long_prompt_ok": long["ok"], "long_prompt_s": done - sent,
+            "itl_during_long": len(during), "itl_outside_long": len(outside), "median_itl_outside_ms": base * 1e3,
+            "p99_itl_during_ms": pct(during, 99) * 1e3, "median_itl_during_ms": pct(during, 50) * 1e3,
+            "itl_p99_during_over_median_outside": pct(during, 99) / base if base and during else None}  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -173,6 +206,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-concurrency", type=int, default=10)
     ap.add_argument("--max-prompts", type=int, default=160)
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="tokens of one more prompt sent into each cell (its ITL split by its prefill; 0: none)")
+    ap.add_argument("--long-delay", type=float, default=1.0, help="seconds into the cell to send it")
     ap.add_argument("--time-limit", type=float, default=600, help="seconds per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
@@ -195,8 +231,10 @@ def main() -> None:
             prompts = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(n)]
             fixed = [[(7 * i + 3 * j) % vocab_hi + 2 for j in range(opt.input_len)] for i in range(8)]
             before = engine_host(url)
+            long_prompt = [rng.randrange(2, vocab_hi) for _ in range(opt.long_prompt)] or None
             summary, results = asyncio.run(
-                cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit)
+                cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit, long_prompt,
+                     opt.long_delay)  # fmt: skip
             )
             summary["engine_host_ms_per_step"] = host_ms_per_step(before, engine_host(url))
             check[c] = [r.get("text") for r in results[:8]]
@@ -205,6 +243,10 @@ def main() -> None:
             print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
                   f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms; "
                   f"engine host ms a step: {host}", flush=True)
+            if "long_prompt" in summary:
+                print(f"  with a {opt.long_prompt}-token prompt ({summary['long_prompt_s']:.2f} s): ITL p99 during "
+                      f"{summary['p99_itl_during_ms']:.1f} ms over {summary['itl_during_long']} gaps, median "
+                      f"outside {summary['median_itl_outside_ms']:.1f} ms", flush=True)  # fmt: skip
         same = None
         if 1 in check and 8 in check:  # the same 8 fixed prompts open every cell
             same = check[1] == check[8]

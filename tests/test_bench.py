@@ -37,6 +37,20 @@ def test_serve_writes_json_and_plot(tmp_path: Path) -> None:
     assert png_size(png) == (1200, 480)  # figsize 10 x 4 in at 120 dpi
 
 
+@pytest.mark.slow
+def test_serve_splits_itl_by_a_long_prompt(tmp_path: Path) -> None:
+    """--long-prompt: one more prompt sent into the cell; the streams' gaps split by its time in the server."""
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, "bench/serve.py", "--concurrency", "2", "--input-len", "4", "--output-len", "24",
+           "--prompts-per-concurrency", "1", "--max-prompts", "2", "--long-prompt", "150", "--long-delay", "0.2",
+           "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (c,) = json.loads(out.read_text())["results"]
+    assert c["long_prompt"] == 150 and c["long_prompt_ok"] and c["long_prompt_s"] > 0
+    assert c["itl_during_long"] + c["itl_outside_long"] > 0 and c["failed"] == 0
+
+
 def test_step_and_kernels_plots(tmp_path: Path) -> None:
     meta = {"device": "Device(gpu, 0)", "git": "89b3f14", "date": "2026-11-30 13:30:16"}
     step = [{"layers": 43, "experts": 32, "context": 4096, "rows": rows, "arm": arm, "ms_per_step": ms,
