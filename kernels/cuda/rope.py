@@ -4,7 +4,8 @@ One block a vector (a head of q, the window kv, a head of the output): the squar
 kernels/cuda/norms.py's rms_norm code (INV_RMS: strided over the threads, the warps' sums in order), the
 normed value rounded to x's dtype (the norm's output), then x * C + swap_pairs(x) * S in f32 on each pair,
 rounded once: the reference's two ops without the pair swap's copy. Fast path: c / s f32, x and the weight
-any float dtype, d even; else the reference.
+any float dtype, d even; else the reference. Past MANY_VECTORS vectors (prefill) of 16-bit x with d a multiple
+of 8 up to 1,024: `MANY_SOURCE`, a warp a vector (16-byte loads, the squares summed by the warp's shuffles).
 """
 
 from __future__ import annotations
