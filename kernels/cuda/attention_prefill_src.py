@@ -19,7 +19,7 @@ Math as decode's kernels: bf16/f16 q, keys and P, f32 logits, softmax and accumu
 from __future__ import annotations
 
 HEADS = r"""
-  constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32, HPW = HG / NWARP;
+  constexpr int LDK = D + 8, LDP = CK + 8, LDS = CK + 4, VPR = D / 8, NWARP = THREADS / 32;
   static_assert(HG == 64 && CK == 64 && THREADS == 512 && D % 128 == 0, "heads: 64 heads, 64 keys, 16 warps");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);               // [HG][LDK]
@@ -31,7 +31,7 @@ HEADS = r"""
   float* alpha = lrun + HG;
   long long* koff = reinterpret_cast<long long*>(alpha + HG);  // [2][CK]
   int* kwin = reinterpret_cast<int*>(koff + 2 * CK);           // [2][CK]
-  const int g = blockIdx.y, z = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = blockIdx.y, z = blockIdx.z, tid = threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int NH = q_shape[1], B = positions_shape[0];
   int b = B - 1 - z;  // prefill's rows: q row z is batch row B - 1 - z (else looked up)
   if (b < 0 || b >= B || q_rows[b] != z) {
@@ -134,30 +134,8 @@ HEADS = r"""
           __syncthreads();
         }
       }
-      {  // the online softmax over this chunk: warp w, heads HPW w ..
-        const long long* ko = koff + (c & 1) * CK;
-        const bool v0 = ko[lane] >= 0, v1 = ko[lane + 32] >= 0;
-        float s0[HPW], s1[HPW], m[HPW], l[HPW];
-#pragma unroll
-        for (int hh = 0; hh < HPW; ++hh) {
-          const int h = warp * HPW + hh;
-          s0[hh] = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
-          s1[hh] = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
-        }
-        dsv4_warp_softmax<T, HPW, LDP>(s0, s1, v0, v1, warp * HPW, mrun, m, l, Ps);
-        __syncwarp();
-        if (lane == 0) {
-#pragma unroll
-          for (int hh = 0; hh < HPW; ++hh) {
-            const int h = warp * HPW + hh;
-            const float mold = mrun[h];
-            const float a = (mold == -INFINITY) ? 0.f : __expf(mold - m[hh]);
-            alpha[h] = a;
-            lrun[h] = lrun[h] * a + l[hh];
-            mrun[h] = m[hh];
-          }
-        }
-      }
+      // the online softmax over this chunk (warp w: heads HG / NWARP w ..), S in one plane
+      dsv4_online_softmax<T, HG, CK, LDP, NWARP, LDS, 1>(Ss, koff + (c & 1) * CK, scale, mrun, lrun, alpha, Ps);
       __syncthreads();
       {  // O = alpha O + P V (V = K), in registers
 #pragma unroll

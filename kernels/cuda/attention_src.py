@@ -112,8 +112,9 @@ __device__ __forceinline__ void dsv4_warp_softmax(const float* s0, const float* 
   }
 }
 // Online softmax update over one 64-key chunk (warp w: heads HPW w ..): P (numerators at the new max) to
-// Ps, the running (max, sum) updated, alpha = the old O's rescale factor per head.
-template <typename T, int HG, int CK, int LDP, int NWARP>
+// Ps, the running (max, sum) updated, alpha = the old O's rescale factor per head. S is HALVES planes [HG][LDS]
+// (two: halves of D, summed here).
+template <typename T, int HG, int CK, int LDP, int NWARP, int LDS = CK, int HALVES = 2>
 __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long long* koff, float scale, float* mrun,
                                                     float* lrun, float* alpha, T* Ps) {
   constexpr int HPW = HG / NWARP;
@@ -123,8 +124,13 @@ __device__ __forceinline__ void dsv4_online_softmax(const float* Ss, const long 
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
     const int h = warp * HPW + hh;
-    s0[hh] = v0 ? (Ss[h * CK + lane] + Ss[HG * CK + h * CK + lane]) * scale : -INFINITY;
-    s1[hh] = v1 ? (Ss[h * CK + lane + 32] + Ss[HG * CK + h * CK + lane + 32]) * scale : -INFINITY;
+    if (HALVES == 2) {
+      s0[hh] = v0 ? (Ss[h * LDS + lane] + Ss[HG * LDS + h * LDS + lane]) * scale : -INFINITY;
+      s1[hh] = v1 ? (Ss[h * LDS + lane + 32] + Ss[HG * LDS + h * LDS + lane + 32]) * scale : -INFINITY;
+    } else {
+      s0[hh] = v0 ? Ss[h * LDS + lane] * scale : -INFINITY;
+      s1[hh] = v1 ? Ss[h * LDS + lane + 32] * scale : -INFINITY;
+    }
   }
   dsv4_warp_softmax<T, HPW, LDP>(s0, s1, v0, v1, warp * HPW, mrun, m, l, Ps);
   __syncwarp();
