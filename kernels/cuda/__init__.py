@@ -90,35 +90,42 @@ __all__ = [
     "sparse_attention_rows_cuda",
 ]
 
+
+def _on(env: str) -> bool:
+    """A fast path's switch: on unless the variable is 0."""
+    return os.environ.get(env, "1").strip() != "0"
+
+
 backend.register("compressor_rows", compressor_rows_cuda)
 backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
-# Prefill's attention as T rows of the decode kernel (kernels/cuda/prefill_attention.py). On unless
-# DSV4_PREFILL_ATTN=0 (the plain masked f32 ops, ATTN_BLOCK queries at a time).
-PREFILL_ATTN = os.environ.get("DSV4_PREFILL_ATTN", "1").strip() != "0"
+# Prefill's attention on CUDA (kernels/cuda/prefill_attention.py: `HEADS`, or with DSV4_PREFILL_ATTN=dsplit each
+# query a row of decode's kernel). On unless DSV4_PREFILL_ATTN=0 (the plain masked f32 ops, ATTN_BLOCK queries at a
+# time).
+PREFILL_ATTN = _on("DSV4_PREFILL_ATTN")
 if PREFILL_ATTN:
     backend.register("prefill_attention", prefill_attention_cuda)
 # Prefill's routed experts as grouped GEMMs on the mxfp4 weights (kernels/cuda/experts_grouped.py), in place of
 # the plain `tiles` form's dequantized copy + gather_mm. On unless DSV4_GROUPED_MMA=0.
-GROUPED_MMA = os.environ.get("DSV4_GROUPED_MMA", "1").strip() != "0"
+GROUPED_MMA = _on("DSV4_GROUPED_MMA")
 if GROUPED_MMA:
     backend.register("grouped_experts", grouped_experts_cuda)
 # Prefill's indexer scores as one tile GEMM that sums the heads in its epilogue (kernels/cuda/tiles_mm.py PAIR
 # 3) instead of the [queries, heads, entries] f32 products and three MLX ops. On unless DSV4_INDEXER_SCORES=0.
-INDEXER_SCORES = os.environ.get("DSV4_INDEXER_SCORES", "1").strip() != "0"
+INDEXER_SCORES = _on("DSV4_INDEXER_SCORES")
 if INDEXER_SCORES:
     backend.register("indexer_scores", indexer_scores_cuda)
 # Prefill's dequantized copy of each mxfp8 weight in one vectorized pass (kernels/cuda/dequant.py) in place of
 # MLX's fp_dequantize (~0.7 TB/s on the H200). On unless DSV4_DEQUANT_KERNEL=0.
-DEQUANT_KERNEL = os.environ.get("DSV4_DEQUANT_KERNEL", "1").strip() != "0"
+DEQUANT_KERNEL = _on("DSV4_DEQUANT_KERNEL")
 if DEQUANT_KERNEL:
     backend.register("dequantize_mxfp8", dequantize_mxfp8_cuda)
 # Two projections of one input in one skinny launch (kernels/cuda/matmul.py PAIR 3: wq_a + wkv, the two wq_b of
 # a CSA layer: 64 launches a step fewer). On unless DSV4_SKINNY_CAT=0 (each product its own launch): its gpu test
 # and the layer numerics passed on the H200 (PART=fused, 5d133be, 2026-12-02).
-SKINNY_CAT = os.environ.get("DSV4_SKINNY_CAT", "1").strip() != "0"
+SKINNY_CAT = _on("DSV4_SKINNY_CAT")
 # Skinny matmuls for 1..8 rows (kernels.matmul.SKINNY; DSV4_SKINNY=0: MLX's own quantized / f32 matmuls)
 if kmatmul.SKINNY:
     backend.register("qlinear_rows", qlinear_rows_cuda)
@@ -131,7 +138,7 @@ if kmatmul.SKINNY:
     backend.register("experts_down_rows", experts_down_rows_cuda)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
 # bench/step.py at 645720a, 2026-11-29; the plain path stays for A/B runs).
-HC_KERNEL = os.environ.get("DSV4_HC_KERNEL", "1").strip() != "0"
+HC_KERNEL = _on("DSV4_HC_KERNEL")
 if HC_KERNEL:
     backend.register("hc_pre_mix", hc_pre_mix_cuda)
 # The glue kernels, 1 launch each where the reference launches 3 or more: the norms and the mHC post-mix
@@ -139,12 +146,12 @@ if HC_KERNEL:
 # (kernels/cuda/router.py) and the mHC pre-mix with its input RMS and logits (kernels/cuda/hc_fused.py).
 # On unless DSV4_GLUE_KERNELS=0: the full-depth step at 4K, 43 layers, 1 / 8 rows, 27.2 / 35.8 ms with them
 # against 35.9 / 79.9 without (bench/step.py arms fast / no_glue, H200, 383f696, 2026-12-02).
-GLUE_KERNELS = os.environ.get("DSV4_GLUE_KERNELS", "1").strip() != "0"
+GLUE_KERNELS = _on("DSV4_GLUE_KERNELS")
 # The fused pre-mix spread over hc_fused.SPLITS blocks a row (1 block a row reads all 1.5 MB of fn: 76 us a
 # launch). On unless DSV4_HC_SPLIT=0: the full-depth step's GPU busy time at 4K, 1 / 8 rows, 16.1 / 21.2 ms
 # with one block a row against 10.8 / 16.1 ms split (bench/step.py arms fast / hc_split, H200, 74386e5,
 # 2026-12-02); tests/kernels/test_cuda_hc.py passed whole there.
-HC_SPLIT = os.environ.get("DSV4_HC_SPLIT", "1").strip() != "0"
+HC_SPLIT = _on("DSV4_HC_SPLIT")
 if HC_SPLIT:
     hc_fused.set_split(True)
 if GLUE_KERNELS:
