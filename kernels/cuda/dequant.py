@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels.cuda.common import kernel
+from kernels.matmul import dequantize_mxfp8_reference
 
 THREADS = 256
 HELPER = r"""
@@ -45,7 +46,7 @@ def dequantize_mxfp8_cuda(w: mx.array, scales: mx.array, dtype: mx.Dtype) -> mx.
           and scales.dtype == mx.uint8 and scales.shape == (w.shape[0], w.shape[1] // 8) and w.shape[1] % 8 == 0
           and dtype in (mx.bfloat16, mx.float16))  # fmt: skip
     if not ok:
-        return mx.dequantize(w, scales, group_size=32, bits=8, mode="mxfp8", dtype=dtype)
+        return dequantize_mxfp8_reference(w, scales, dtype)
     n, k = w.shape[0], w.shape[1] * 4
     threads = n * k // 8
     (out,) = kernel("dq_mxfp8", ("w", "s"), ("out",), SOURCE, header=HELPER)(
