@@ -5,7 +5,11 @@ layer, and a cProfile of where it goes. On the H200 the build is a third of a 1-
 or three graph nodes a launch where MLX's `cuda_kernel` makes one, so the compiled segments' replay (C++, the
 own time of `Block.__call__` in the profile) reads somewhat high; the Python around the kernels reads true.
 
-    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25] [--tiny]
+    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25] [--tiny] [--random]
+
+Per layer kind (sliding / CSA / HCA) it prints the median build of a layer, the first of its kind in a step
+apart (it makes the step's once-a-kind values). The weights are zeros unless --random: the build reads no
+value, and drawing V4-Flash's random weights on the CPU takes ~40 s a layer.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +47,47 @@ def stand_in_cuda_path() -> None:
     backend._use_fast = lambda: True
 
 
+def zero_weights() -> None:
+    """model.dummy draws zeros, the routed experts zero mxfp4 words and scales (the layout as before, no draws
+    and no quantizing of the experts: that alone is ~20 s a layer on the CPU)."""
+    import model.dummy as dummy
+
+    def experts(_name, shape, lo, hi, dtype, _seed, quantize):
+        e, o, i = hi - lo, *shape[1:]
+        if not quantize:
+            return (mx.zeros((e, o, i), dtype),)
+        return mx.zeros((e, o, i // 8), mx.uint32), mx.zeros((e, o, i // 32), mx.uint8)
+
+    dummy._draw = lambda _name, shape, dtype, _key: mx.zeros(shape, dtype)
+    dummy._experts = experts
+
+
+def time_layers(spans: list[tuple[int, float]]) -> None:
+    """Each Block call appends (layer, seconds) to `spans`."""
+    from model.deepseek_v4 import Block
+
+    call = Block.__call__
+
+    def timed(self, *a, **kw):
+        t = time.perf_counter()
+        out = call(self, *a, **kw)
+        spans.append((self.attn.layer, time.perf_counter() - t))
+        return out
+
+    Block.__call__ = timed
+
+
+def report_layers(spans: list[tuple[int, float]], ratios: list[int]) -> None:
+    """Median us a layer by kind, the first layer of each kind in a step (once-a-step work) apart."""
+    name = {0: "sliding", 4: "CSA", 128: "HCA"}
+    first = {r: ratios.index(r) for r in set(ratios)}
+    by: dict[str, list[float]] = defaultdict(list)
+    for layer, t in spans:
+        r = ratios[layer]
+        by[name.get(r, str(r)) + (" (first)" if first[r] == layer else "")].append(t * 1e6)
+    print("per layer: " + ", ".join(f"{k} {statistics.median(v):.0f} us" for k, v in sorted(by.items())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4, help="V4-Flash layers (sliding, CSA, HCA, CSA, ...)")
@@ -49,8 +96,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true", help="the tiny model instead (the tool's own check)")
+    ap.add_argument("--random", action="store_true", help="random weights (model/dummy.py's), not zeros")
     opt = ap.parse_args()
     stand_in_cuda_path()
+    if not opt.random:
+        zero_weights()
     from bench.step import flash_args, random_model
     from model.state import StatePools
 
@@ -73,7 +123,13 @@ def main() -> None:
 
     for i in range(3):  # trace the compiled segments, make the plans
         mx.eval(build(i))
+    spans: list[tuple[int, float]] = []
+    time_layers(spans)
     times, prof = [], cProfile.Profile()
+    for i in range(opt.steps):  # timed without the profiler, then profiled
+        out = build(3 + i)
+        mx.eval(out, pools.arrays())
+    del spans[:]
     for i in range(opt.steps):
         t = time.perf_counter()
         prof.enable()
@@ -85,6 +141,7 @@ def main() -> None:
     med = times[len(times) // 2]
     print(f"build: {med * 1e3:.2f} ms a step (median of {opt.steps}), {med / opt.layers * 1e6:.0f} us a layer, "
           f"{opt.layers} layers, {opt.rows} rows, {mx.default_device()}")  # fmt: skip
+    report_layers(spans, [args.layer_ratio(i) for i in range(opt.layers)])
     pstats.Stats(prof).sort_stats("tottime").print_stats(opt.top)
 
 
