@@ -30,6 +30,8 @@
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
+#   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
+#   PART=whole   PART=itl at the defaults, then with the earlier default's whole 256-token forwards
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
@@ -170,6 +172,18 @@ for part in ${PART:-tests}; do
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     itl) timeout 560 python3 bench/serve.py --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
            --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" 2>&1 | tail -6 ;;  # issue 30's ITL
+    slices) timeout 100 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+              tests/kernels/test_cuda_prefill_attention.py 2>&1 | tail -4
+            timeout $((590 - SECONDS)) python3 bench/serve.py --concurrency 7 --output-len 512 \
+              --prompts-per-concurrency 1 --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" \
+              2>&1 | tail -6 ;;
+    whole) # the same cell at the defaults (2,048-token forwards in slices), then the earlier default's whole
+           # 256-token forwards (one server each: ~140 s to ready on the H200)
+           for args in "" "--prefill-chunk 256 --prefill-slice-ms 0"; do
+             timeout $(((590 - SECONDS) / 2 + 10)) python3 bench/serve.py --concurrency 7 --output-len 512 \
+               --prompts-per-concurrency 1 --long-prompt 16384 --server-args "$flash $args" \
+               --out "$OUT/serve_itl${args// /_}.json" 2>&1 | tail -4
+           done ;;
     prefix) timeout 560 python3 bench/prefix_turn.py --server-args "$flash" --cold-server-args \
               "$flash --prefix-cache-gib 0" --tokens 16384 --output-len 32 --tail 64 --repeats 1 \
               --out "$OUT/prefix_turn.json" 2>&1 | tail -8 ;;
@@ -189,6 +203,6 @@ for part in ${PART:-tests}; do
                --out "$OUT/prefill.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (final heads check rope itl new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (slices whole final heads check rope itl new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -54,6 +54,7 @@ def start_server(port: int, extra: list[str], timeout: float = 120) -> subproces
     while time.time() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                print(f"server ready in {time.time() - deadline + timeout:.1f} s", flush=True)
                 return proc
         except httpx.HTTPError:
             pass

@@ -23,12 +23,11 @@ from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_batch, prefill_chunk
 from model.state import StateHandle, StatePools
 
-# Prompt tokens per parallel prefill pass (the service's --prefill-chunk default). On the H200 a forward has a
-# fixed cost (the routed experts' dequantized copy: ~130 ms at V4-Flash, 32 experts): 256-token forwards
-# prefilled 689 tokens/s, 2,048-token ones 1,926 (bench/prefill.py, 5d133be, 2026-12-02), but a running stream
-# then waits ~1 s a forward instead of ~0.4 s, and prompts that arrive together with a shared prefix prefill
-# it side by side in one forward instead of the later ones finding it cached (tests/e2e/test_prefix_cache.py).
-PREFILL_CHUNK = 256
+# Prompt tokens per parallel prefill pass (the service's --prefill-chunk default). On the H200 a V4-Flash forward
+# has a large host cost whatever its size: 256-token forwards ran 0.14-0.17 s, a 2,048-token one 0.33 s (6,219
+# tokens/s, bench/prefill.py, b5096d6, 2026-12-02). Running streams no longer wait a whole forward: the engine
+# builds it in slices with a decode step after each (service/engine/prefilling.py).
+PREFILL_CHUNK = 2048
 
 
 class Block(nn.Module):

@@ -14,7 +14,8 @@ share one forward (`prefill_batch`): the row-wise parts over all their tokens, a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Generator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -187,21 +188,10 @@ def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
         slots.add(handle.slot)
 
 
-def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
-                  logits: bool = True, every: bool = False) -> list[mx.array] | None:  # fmt: skip
-    """Feed several requests' chunks in ONE forward: work[i] = (handle, token_ids, start), request i's
-    tokens at positions start.. . Returns each request's last-token logits [vocab] f32 (None with
-    `logits=False`: the head is skipped; `every=True`: every token's, [len_i, vocab], for prompt
-    logprobs: the head then costs T rows instead of one a request, paid only by requests that ask).
-
-    The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
-    row-wise, each row at its own position and token id) run once over the T rows; the attention with
-    its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
-    block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
-    the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
-    prompt; the entries' views grow with the context (n = context / ratio).
-    The state update is lazy: evaluate the logits and `pools.arrays()` together."""
-    check_work(work)
+def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool,
+            every: bool) -> Generator[mx.array, None, list[mx.array] | None]:  # fmt: skip
+    """`prefill_batch`'s forward, yielding the residual stream after each layer (the driver decides when to
+    evaluate); returns what `prefill_batch` returns."""
     a = model.args
     ids = mx.array([int(x) for _, toks, _ in work for x in toks], dtype=mx.int32)
     lens = [len(toks) for _, toks, _ in work]
@@ -228,8 +218,7 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
                 for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
             ])  # fmt: skip
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
-        if EVAL_EVERY > 0 and (i + 1) % EVAL_EVERY == 0 and i + 1 < len(model.layers):
-            mx.async_eval(hs)
+        yield hs
     if not logits:
         return None
     rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
@@ -238,6 +227,69 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     if every:
         return [out[b0:b1] for b0, b1 in zip(bounds[:-1], bounds[1:], strict=True)]
     return [out[j] for j in range(len(work))]
+
+
+class Forward:
+    """One `prefill_batch` forward built a slice of layers at a time, so that the engine can run decode steps
+    between slices (a running stream then waits a slice, not a whole forward). `advance(seconds)` builds
+    layers until `seconds` of host time have passed (at least one), queues them (`mx.async_eval` of the
+    residual stream) and returns True once the forward is built; `out` is then `prefill_batch`'s result.
+    Between slices the layers still to come have not touched the state: a decode step of other slots may run
+    (it reads and writes the same pools, each layer's arrays taken when that layer is built)."""
+
+    def __init__(self, model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+                 logits: bool = True, every: bool = False) -> None:  # fmt: skip
+        check_work(work)
+        self.work = list(work)
+        self.layers = len(model.layers)
+        self.rows = sum(len(t) for _, t, _ in work)
+        self.built = 0  # layers built so far
+        self.done = False
+        self.out: list[mx.array] | None = None
+        self._gen = _layers(model, pools, work, logits, every)
+
+    def advance(self, seconds: float | None = None, rows_layers: int = 0) -> bool:
+        """Build the next slice: layers until `seconds` of host time (None: to the end) or, with `rows_layers`,
+        until layers x rows reach it (the host time does not see the GPU's: a 2,048-row V4-Flash layer is ~7 ms
+        of H200 time for ~3 ms of host), queued every EVAL_EVERY layers and at the slice's end; True when the
+        forward is built (evaluate `out` and the pools as `prefill_batch` says)."""
+        t0, hs, built = time.perf_counter(), None, 0
+        cap = max(1, rows_layers // self.rows) if rows_layers else self.layers  # layers x rows: the slice's GPU work
+        while not self.done:
+            try:
+                hs = next(self._gen)
+            except StopIteration as stop:
+                self.done, self.out, hs = True, stop.value, None
+                break
+            self.built += 1
+            built += 1
+            if EVAL_EVERY > 0 and self.built % EVAL_EVERY == 0 and self.built < self.layers:
+                mx.async_eval(hs)
+            full = built >= cap or time.perf_counter() - t0 >= seconds if seconds is not None else False
+            if full and self.built < self.layers:
+                break  # (the last layer's slice goes on to the head: no empty slice at the end)
+        if hs is not None and seconds is not None:
+            mx.async_eval(hs)
+        return self.done
+
+
+def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+                  logits: bool = True, every: bool = False) -> list[mx.array] | None:  # fmt: skip
+    """Feed several requests' chunks in ONE forward: work[i] = (handle, token_ids, start), request i's
+    tokens at positions start.. . Returns each request's last-token logits [vocab] f32 (None with
+    `logits=False`: the head is skipped; `every=True`: every token's, [len_i, vocab], for prompt
+    logprobs: the head then costs T rows instead of one a request, paid only by requests that ask).
+
+    The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
+    row-wise, each row at its own position and token id) run once over the T rows; the attention with
+    its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
+    block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
+    the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
+    prompt; the entries' views grow with the context (n = context / ratio). `Forward` builds it in slices.
+    The state update is lazy: evaluate the logits and `pools.arrays()` together."""
+    fwd = Forward(model, pools, work, logits, every)
+    fwd.advance(None)
+    return fwd.out
 
 
 def prefill_chunk(model, pools: StatePools, handle: StateHandle, token_ids: Sequence[int], start: int,

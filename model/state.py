@@ -244,10 +244,11 @@ class StatePools:
         return {name: c[k] for name, c, k in self._slot_fields()}
 
     def slot_state(self, slot: int) -> dict[str, mx.array]:
-        """A copy of the slot's fixed-size state (window ring, compressor windows), evaluated: later
-        writes to the slot (also in-place kernels') leave it alone."""
+        """A copy of the slot's fixed-size state (window ring, compressor windows), queued now: later writes to
+        the slot (also in-place kernels') run after it on the same stream and leave it alone. Not waited for:
+        a snapshot at the end of a prefill forward would otherwise hold the engine thread until the GPU is done."""
         out = {name: c[k][slot] * 1 for name, c, k in self._slot_fields()}  # * 1: a new buffer, not a view
-        mx.eval(list(out.values()))
+        mx.async_eval(list(out.values()))
         return out
 
     def load_slot(self, slot: int, state: dict[str, mx.array]) -> None:

@@ -38,6 +38,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, help="waiting requests before 429 (default 64)  [DSV4_MAX_QUEUE]")
     p.add_argument("--max-model-len", type=int, help="context limit (default: model's)  [DSV4_MAX_MODEL_LEN]")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step  [DSV4_PREFILL_CHUNK]")
+    p.add_argument(
+        "--prefill-slice-ms", type=float,
+        help="while rows stream, a prefill forward is built this many ms of host time at a time, a decode step "
+        "after each slice (default 10; 0: whole forwards)  [DSV4_PREFILL_SLICE_MS]",
+    )
     p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")
     p.add_argument(

@@ -28,7 +28,8 @@ class Settings(BaseModel):
     max_rows: int = Field(8, ge=1, le=8)  # decode rows per step (the kernels' row contract caps it at 8)
     max_queue: int = Field(64, ge=1)  # waiting requests beyond the running rows; more -> 429
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
-    prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 256
+    prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 2048
+    prefill_slice_ms: float = Field(10.0, ge=0)  # host ms of a forward between decode steps while rows stream; 0: whole
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     prefix_cache_gib: float | None = Field(None, ge=0)  # prefix cache budget; None: a share of the state, 0: off

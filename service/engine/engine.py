@@ -9,12 +9,13 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from kernels.upload import upload
-from model.config import ModelArgs
 from model.deepseek_v4 import DeepseekV4
-from model.state import StateHandle, StatePools
+from model.prefill import Forward
+from model.state import StateHandle
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt_logprobs import score_lazy
 from service.engine.request import PromptLogprob
+from service.engine.sizing import free_device_bytes, pools_for_budget
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.
@@ -24,49 +25,9 @@ log = logging.getLogger("dsv4.engine")
 Handle = StateHandle
 PREFIX_SHARE = 0.25  # default prefix cache budget: this share of the state pools' bytes ...
 PREFIX_MIN_BYTES = 64 << 20  # ... but at least this much
-
-
-def pools_for_budget(
-    args: ModelArgs, *, max_rows: int, max_model_len: int, budget_bytes: int | None, dtype: mx.Dtype, page_size: int
-) -> StatePools:
-    """Size the page pools: by default every row can reach max_model_len. A byte budget buys whole
-    max_model_len requests' worth of pages (admission then waits for pages instead of failing; shorter
-    requests fit more); what is left over goes to more CSA pages."""
-    probe = StatePools(args, max_slots=1, max_positions=1, page_size=page_size, dtype=dtype, pages={4: 0, 128: 0})
-    pages = None
-    if budget_bytes is not None:
-        left = budget_bytes - max_rows * probe.slot_bytes()
-        per_req = {r: probe.pages_for(max_model_len, r) for r in probe.ratios}
-        req_bytes = sum(n * probe.page_bytes(r) for r, n in per_req.items())
-        if left < req_bytes:
-            raise ValueError(
-                f"state budget of {budget_bytes} B does not hold {max_rows} rows' fixed state "
-                f"({max_rows * probe.slot_bytes()} B) plus one request of max_model_len {max_model_len} "
-                f"({req_bytes} B): raise the budget or lower max_model_len / max_rows"
-            )
-        k = left // max(req_bytes, 1)
-        pages = {r: k * n for r, n in per_req.items()}
-        if 4 in pages:
-            pages[4] += (left - k * req_bytes) // probe.page_bytes(4)
-    return StatePools(
-        args, max_slots=max_rows, max_positions=max_model_len, page_size=page_size, dtype=dtype, pages=pages
-    )
-
-
-def free_device_bytes() -> int:
-    """Memory still free for decode state after the weights are loaded: the accelerator's, or the host's."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    total = info.get("memory_size") or info.get("total_memory")
-    if mx.default_device() != mx.cpu and total:
-        return max(0, int(total) - mx.get_active_memory())
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: no limit beyond the pools' own size
+# A prefill slice's layers x rows at most (as well as its host time): 4 layers of a 2,048-token forward, ~28 ms of
+# H200 time, a layer of 4 such prompts in one forward.
+SLICE_ROWS_LAYERS = 8192
 
 
 class Engine:
@@ -117,6 +78,10 @@ class Engine:
         # for the tokens; worker.stats() copies them for /metrics (plain floats: no lock needed to read).
         self.host_seconds = dict.fromkeys(HOST_PHASES, 0.0)
         self.prefix_cache: PrefixCache | None = None
+        # A prefill forward built a slice at a time between decode steps (`prefill_batch(slice_seconds=)`), and
+        # the handles released while it was in flight: their slots are still written by its later layers.
+        self._forward: Forward | None = None
+        self._deferred: list[Handle] = []
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
             log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
@@ -156,6 +121,11 @@ class Engine:
         return self.pools.alloc(n_tokens)
 
     def release(self, handle: Handle) -> None:
+        """Free a request's state; a slot the prefill forward in flight still writes is freed when it ends."""
+        fwd = self._forward
+        if fwd is not None and any(h.slot == handle.slot for h, _, _ in fwd.work):
+            self._deferred.append(handle)
+            return
         self.pools.free(handle)
 
     # ---- the prefix cache (service/engine/prefix_cache.py) -------------------------------------
@@ -250,10 +220,49 @@ class Engine:
         """`dst` takes `src`'s state after `positions` positions (n > 1: the rows share one prefill)."""
         self.pools.copy_slot(src, dst, positions)
 
-    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]]) -> None:
+    # Whether prefill_batch can build a forward in slices (the distributed leader's forwards run with the next
+    # plan on every rank: not).
+    sliced_prefill = True
+
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]],
+                      slice_seconds: float | None = None) -> bool:  # fmt: skip
         """Several requests' prompt chunks, (handle, token_ids, start) each, in ONE parallel forward (no
-        logits kept); the worker's per-step budget bounds their total."""
-        self.model.prefill_batch(self.pools, work, logits=False)
+        logits kept); the worker's per-step budget bounds their total. With `slice_seconds`, only the
+        forward's first slice of layers (`model.prefill.Forward`): `prefill_advance` builds the rest, decode
+        steps of other rows in between. True when the whole forward is built."""
+        if self._forward is not None:
+            raise RuntimeError("prefill_batch: a prefill forward is already in flight")
+        self._forward = Forward(self.model, self.pools, work, logits=False)
+        return self.prefill_advance(slice_seconds)
+
+    def prefill_advance(self, slice_seconds: float | None = None) -> bool:
+        """The next slice of the forward in flight (None: all of it); True when it is built. Built whole, its
+        state is evaluated here (a failure then ends its requests only); built in slices, it is queued."""
+        fwd = self._forward
+        if fwd is None:
+            raise RuntimeError("prefill_advance: no prefill forward in flight")
+        try:
+            built = fwd.advance(slice_seconds, SLICE_ROWS_LAYERS)
+            if built:
+                (mx.eval if slice_seconds is None else mx.async_eval)(self.pools.arrays())
+        except BaseException:
+            self.prefill_abandon()
+            raise
+        if built:
+            self.prefill_abandon()
+        return built
+
+    def prefill_abandon(self) -> None:
+        """No forward in flight any more (built, or failed: its requests fail); the slots released meanwhile
+        are freed."""
+        self._forward, deferred, self._deferred = None, self._deferred, []
+        for h in deferred:
+            self.pools.free(h)
+
+    @property
+    def prefilling(self) -> bool:
+        """A prefill forward is in flight (built in slices)."""
+        return self._forward is not None
 
     def warmup(self) -> None:
         """Run a step at every batch size and one prefill so kernels and compiled segments are built before

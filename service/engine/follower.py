@@ -87,6 +87,8 @@ class LeaderEngine(Engine):
                              f"request's capacity {handle.capacity}")  # fmt: skip
         self._chunks.append((handle, [int(t) for t in token_ids], start))
 
+    sliced_prefill = False  # a forward runs with the next plan on every rank, whole
+
     def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]]) -> None:
         """Each request's chunk queued as `prefill` queues it (the plan then packs them into shared forwards)."""
         for handle, token_ids, start in work:

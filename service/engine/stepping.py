@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engine.prefilling import InFlight, advance, prefill
 from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
 from service.engine.scheduler import Scheduler, needs_sample
 
@@ -20,61 +21,6 @@ log = logging.getLogger(__name__)
 
 def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-
-
-def prefill(engine: Any, sched: Scheduler, plan: list[Request],
-            budget: int) -> tuple[list[TokenEvent], int, float]:  # fmt: skip
-    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
-    tokens prefilled, seconds). The prefix cache goes first (a hit moves `fed` on). The pieces (one a
-    request; with a cache, a piece short of its prompt's end ends on the snapshot interval, and the state
-    is snapshotted after it) go through one shared forward (`engine.prefill_batch`), except those of
-    requests asking for prompt logprobs (the head over every token: `engine.prefill`, one each). A failed forward fails
-    the requests in it (their state is half-written); the decode rows go on."""
-    events: list[TokenEvent] = []
-    done, t0 = 0, time.perf_counter()
-    for r in plan:
-        try:
-            sched.reuse_prefix(r)
-        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
-            log.exception("prefix reuse failed")
-            events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
-    snapshot = getattr(engine, "prefilled", None)
-    work = sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING], budget)
-    shared = [w for w in work if w[0].params.prompt_logprobs is None]  # one piece a request: one forward
-    scored = [w for w in work if w[0].params.prompt_logprobs is not None]
-
-    def finished(r: Request, handle: Any, tokens: list[int]) -> None:
-        nonlocal done
-        sched.prefilled(r, len(tokens))
-        done += len(tokens)
-        if snapshot is not None:
-            try:
-                snapshot(handle, r.prompt_ids, r.fed)
-            except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
-                log.exception("prefix snapshot failed")
-
-    if shared:
-        try:
-            engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in shared])
-        except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
-            log.exception("prefill failed (%d requests, %d tokens)", len(shared), sum(len(w[2]) for w in shared))
-            events += sched.fail([w[0].request_id for w in shared], f"prefill failed: {type(e).__name__}: {e}")
-        else:
-            for r, handle, tokens, _ in shared:
-                finished(r, handle, tokens)
-    for r, handle, tokens, start in scored:
-        if r.status is not RequestStatus.RUNNING:
-            continue
-        try:  # the head over every token, scoring the prompt token after each
-            nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
-            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=r.params.prompt_logprobs,
-                                                         next_ids=nxt)))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
-            log.exception("prefill failed (%d tokens)", len(tokens))
-            events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
-            continue
-        finished(r, handle, tokens)
-    return events, done, time.perf_counter() - t0 if done else 0.0
 
 
 @dataclass
@@ -92,21 +38,22 @@ class Ahead:
     since: float
 
 
-def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request]) -> bool:
+def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request], held: int = 0) -> bool:
     """Queue the next step before reading this one back? Only in pure decode (every running row samples,
     all of them in the plan, none its first token: a first token goes out before the host builds
     another step, or the time to first token grows by that build), and while nobody waiting could be
     admitted at the next plan (a step ahead fixes the next batch): nobody waits, or every row is taken
     and none reaches a length limit now. A row that stops on EOS / a stop id delays the head's
-    admission by one step."""
-    if not (getattr(engine, "pipeline_decode", False) and len(plan) == sched.num_running
+    admission by one step. `held`: running rows left out of the plan by a prefill forward in flight (its
+    next slice is built in the iteration that reads the step queued ahead)."""
+    if not (getattr(engine, "pipeline_decode", False) and len(plan) + held == sched.num_running
             and all(needs_sample(r) and r.output_ids for r in plan)):  # fmt: skip
         return False
     return not sched.num_waiting or (sched.num_running >= sched.max_rows and all(map(sched.will_continue, plan)))
 
 
 def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Callable[..., Any],
-                ahead: tuple[Any, float] | None = None, pipeline: bool = False,
+                ahead: tuple[Any, float] | None = None, pipeline: bool = False, held: int = 0,
                 ) -> tuple[list[TokenEvent], int, float | None, Ahead | None]:  # fmt: skip
     """The batched step for `plan` (or `ahead`: its logits, already queued, and `since`) and its sampling;
     (events, tokens sampled, step seconds or None if the step failed, the next step if one was queued
@@ -144,7 +91,7 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
             )
             if host is not None:
                 host["sample"] += time.perf_counter() - ts
-            if pipeline and can_pipeline(engine, sched, plan):
+            if pipeline and can_pipeline(engine, sched, plan, held):
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
                 if keep:
                     nrows = [plan[i] for i in keep]
@@ -192,38 +139,56 @@ class Outcome:
     ahead: bool = False  # its step had been queued before the previous one was read back
 
 
+def held(inflight: InFlight | None) -> int:
+    """Running rows whose prompt the forward in flight holds (they sit the steps out)."""
+    return 0 if inflight is None else sum(p[0].status is RequestStatus.RUNNING for p in inflight.pieces)
+
+
 def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: int,
             admitted: Callable[[], None], ahead: Ahead | None = None, pipeline: bool = False,
-            ) -> tuple[Outcome, Ahead | None]:  # fmt: skip
-    """plan -> prefill (`budget` prompt tokens) -> step + sample -> on_step; with `ahead`, its step
-    instead (no admission this time). `admitted()` runs right after admission (the worker publishes
-    the new queue counts). Returns the outcome and the step queued ahead, if any (`pipeline`)."""
+            inflight: InFlight | None = None, slice_seconds: float | None = None,
+            ) -> tuple[Outcome, Ahead | None, InFlight | None]:  # fmt: skip
+    """plan -> prefill (`budget` prompt tokens; or the next slice of the forward `inflight`) -> step + sample
+    -> on_step; with `ahead`, its step instead (no admission this time). `admitted()` runs right after
+    admission (the worker publishes the new queue counts). Returns the outcome, the step queued ahead, if
+    any (`pipeline`), and the prefill forward still in flight, if any (built `slice_seconds` at a time
+    while other rows stream: prefilling.py)."""
     live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
     if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
         from kernels.upload import upload
 
         plan = sched.resume([ahead.rows[i] for i in live])  # rows aborted since it was queued drop out
         logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[upload(live)]
-        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline)
-        out = Outcome(step_events, ahead=True)
+        out = Outcome([], ahead=True)
+        if inflight is not None:  # the next slice, queued behind the step ahead (its rows are not in it)
+            out.events, out.prefill_tokens, out.prefill_seconds, inflight = advance(
+                engine, sched, inflight, plan, slice_seconds)  # fmt: skip
+        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline,
+                                                    held(inflight))  # fmt: skip
+        out.events += step_events
         if dt is not None:
             out.rows, out.sampled, out.seconds = len(plan), sampled, dt
-        return out, nxt
+        return out, nxt, inflight
     try:
         plan = sched.plan()
     except Exception as e:  # noqa: BLE001 - admission failed: the head it was admitting fails
         log.exception("admission failed")
         head = [sched.waiting[0].request_id] if sched.waiting else []
-        return Outcome(sched.fail(head, f"admission failed: {e}")), None
+        return Outcome(sched.fail(head, f"admission failed: {e}")), None, inflight
     admitted()
-    if not plan:
+    if not plan and inflight is None:
         if sched.num_waiting and not sched.num_running:  # the head can't fit even alone
             head = sched.waiting[0].request_id
-            return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state")), None
-        return Outcome([]), None
-    events, n_pre, t_pre = prefill(engine, sched, plan, budget)
+            return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state")), None, None
+        return Outcome([]), None, None
+    if inflight is not None:
+        events, n_pre, t_pre, inflight = advance(engine, sched, inflight, plan, slice_seconds)
+    else:
+        events, n_pre, t_pre, inflight = prefill(engine, sched, plan, budget, slice_seconds)
     out = Outcome(events, n_pre, t_pre)
-    plan = [r for r in plan if r.status is RequestStatus.RUNNING]
+    # The rows of a forward still in flight sit this step out (their prompt is not fed yet).
+    plan = sched.resume([r for r in plan if r.status is RequestStatus.RUNNING
+                         and (inflight is None or not inflight.holds(r))])  # fmt: skip
     plan, ev = sched.finish_scored(plan)
     out.events += ev
     if any(r.followers for r in plan):
@@ -231,13 +196,13 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
         out.events += ev
     if not plan:
         out.events += sched.on_step({})
-        return out, None
+        return out, None, inflight
     prompt_steps = sum(r.fed < len(r.prompt_ids) for r in plan)
-    step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline)
+    step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline, held(inflight))
     out.events += step_events
     if dt is not None:  # None: the step failed and its rows were failed
         out.rows, out.sampled, out.seconds, out.prompt_steps = len(plan), sampled, dt, prompt_steps
-    return out, nxt
+    return out, nxt, inflight
 
 
 @dataclass

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
 
 
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
+DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
+DEFAULT_PREFILL_SLICE_MS = 10.0  # host ms of a prefill forward built between two decode steps while rows stream
 
 
 class EngineNotReady(RuntimeError):
@@ -43,6 +44,7 @@ class EngineWorker:
         max_rows: int = 8,
         max_queue: int = 64,
         prefill_chunk: int | None = None,
+        prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS,
         serial_prefill: bool = False,
         pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
@@ -56,6 +58,12 @@ class EngineWorker:
         # without one (parallel_prefill False, or serial_prefill) feeds prompts token by token and this caps
         # the prefilling rows.
         self.prefill_chunk = prefill_chunk
+        # While rows stream, a prefill forward is built this many ms of host time at a time (whole layers), a
+        # decode step after each slice (prefilling.py); 0: whole forwards, the streams waiting for each.
+        if prefill_slice_ms < 0:
+            raise ValueError(f"prefill_slice_ms must be >= 0, got {prefill_slice_ms}")
+        self.prefill_slice_ms = prefill_slice_ms
+        self._inflight: Any = None
         self.serial_prefill = serial_prefill  # token by token even when the engine has a parallel prefill
         # Pure decode: queue step N + 1 (fed step N's tokens on the device) before reading step N back, so
         # the host builds one step while the GPU runs the other (stepping.Ahead); engines that need the
@@ -289,7 +297,7 @@ class EngineWorker:
         self._ready.set()
         self._started.set()
         while True:
-            idle = not sched.has_work() and self._stop_deadline is None
+            idle = not sched.has_work() and self._inflight is None and self._stop_deadline is None
             events = self._drain_inbox(sched, block=idle)  # blocks only when idle: no busy spin
             deadline = self._stop_deadline
             if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
@@ -341,8 +349,10 @@ class EngineWorker:
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
     def _step(self, engine: Any, sched: Scheduler, sample: Callable[..., Any]) -> list[TokenEvent]:
-        out, self._ahead = iterate(engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched),
-                                   self._ahead, self.pipeline)  # fmt: skip
+        out, self._ahead, self._inflight = iterate(
+            engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched), self._ahead,
+            self.pipeline, self._inflight, self.prefill_slice_ms / 1e3,
+        )  # fmt: skip
         with self._lock:
             self._c.record(out)
         if out.rows and self.on_step_metrics is not None:

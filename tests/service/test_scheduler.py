@@ -300,9 +300,18 @@ def test_prefill_pieces_end_at_the_snapshot_interval_and_finish_retires_the_fed_
     assert work == [("a", 0, 16), ("b", 0, 3)]
     for r, _, toks, _ in s.prefill_work(plan, budget=100):
         s.prefilled(r, len(toks))
+    assert (a.fed, b.fed) == (16, 3)  # a fresh prompt's piece that reaches its end ends on the grid too
     s.feeds(plan)
-    s.on_step({"a": (40, None, ()), "b": (EOS, None, ())})  # b stops on EOS, a samples its first token
+    s.on_step({"b": (EOS, None, ())})  # the step feeds a's prompt token 16 (not sampled); b stops on EOS
     assert led.retired == [(2, [10, 11, 12, 13], "b")]  # b fed its prompt; the EOS was not fed
+    plan = s.plan()
+    assert [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=100)] == [
+        ("a", 17, 3),
+    ]  # fmt: skip  (start > 0: the rest whole)
+    for r, _, toks, _ in s.prefill_work(plan, budget=100):
+        s.prefilled(r, len(toks))
+    s.feeds(plan)
+    s.on_step({"a": (40, None, ())})  # a samples its first token
     run_step(s, default=41)  # a's second token: max_tokens
     assert led.retired[-1] == (1, list(range(10, 31)) + [40], "a")  # its prompt + the first token
 
@@ -319,3 +328,21 @@ def test_a_stop_fed_by_a_step_queued_ahead_is_part_of_the_retired_state() -> Non
     s.feeds(plan)
     s.on_step({"a": (EOS, None, ())}, ahead=frozenset({"a"}))  # a step queued ahead already fed the EOS
     assert led.retired == [(1, [10, 11, 12, 30, EOS], "a")]
+
+
+def test_prompts_sharing_a_prefix_compute_it_once() -> None:
+    """Three prompts arrive together: b shares a's first 21 tokens, c none. a's piece is cut at 16 (the shared
+    part's last snapshot boundary: the snapshot b adopts next step), b waits a step, c, a fresh prompt,
+    ends on the grid too."""
+    s, _ = make(SnapshotLedger())
+    a = Request("a", list(range(10, 40)), SamplingParams())
+    b = Request("b", list(range(10, 31)) + [99, 98, 97, 96, 95], SamplingParams())
+    c = Request("c", list(range(200, 230)), SamplingParams())
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.plan()
+    work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=100)]
+    assert work == [("a", 0, 16), ("c", 0, 24)]
+    a.fed = b.fed = 16  # a prefilled 16, b adopted its snapshot
+    work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work([a, b], budget=100)]
+    assert work == [("a", 16, 13), ("b", 16, 9)]  # from 16 on they share 5 tokens: < 8, no cut

@@ -26,9 +26,10 @@ import pytest
 
 from model.loader import tiny_model
 from model.state import StatePools
-from service.engine.engine import Engine, pools_for_budget
+from service.engine.engine import Engine
 from service.engine.request import FinishReason, SamplingParams, TokenEvent
 from service.engine.sampler import sample
+from service.engine.sizing import pools_for_budget
 from service.engine.worker import EngineNotReady, EngineWorker, QueueFull
 
 MAX_LEN = 128
@@ -57,11 +58,11 @@ class ControlledEngine(Engine):
             raise RuntimeError(f"step fed token {self.fail_token}")
         return super().step(feeds, tokens)
 
-    def prefill_batch(self, work):  # prompts reach the model here first
+    def prefill_batch(self, work, **kw):  # prompts reach the model here first
         self.gate.wait()
         if self.fail_token is not None and any(self.fail_token in toks for _, toks, _ in work):
             raise RuntimeError(f"step fed token {self.fail_token}")
-        return super().prefill_batch(work)
+        return super().prefill_batch(work, **kw)
 
 
 def make_engine(tiny, max_rows: int = 8, max_model_len: int = MAX_LEN, **kw) -> ControlledEngine:
@@ -399,9 +400,9 @@ def test_prompts_share_one_prefill_forward_within_the_budget(tiny) -> None:
             calls.append(("step", [len(feeds)]))
             return super().step(feeds, tokens)
 
-        def prefill_batch(self, work):
+        def prefill_batch(self, work, **kw):
             calls.append(("prefill", [len(toks) for _, toks, _ in work]))
-            return super().prefill_batch(work)
+            return super().prefill_batch(work, **kw)
 
     rng = np.random.default_rng(8)
     prompts = [[int(t) for t in rng.integers(3, tiny[1].vocab_size, n)] for n in (35, 29, 51)]  # 34 = 2 * 13 + 8

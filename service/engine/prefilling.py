@@ -1,0 +1,131 @@
+"""The engine thread's prompt work before each decode step: the planned prompts' parallel prefill, whole or
+a slice of layers at a time.
+
+With decode rows streaming, a forward is built in slices (`Engine.prefill_batch(slice_seconds=)`) and one
+decode step of the other rows runs after each slice: a stream waits a slice, not a whole forward (on the
+H200 a 2,048-token V4-Flash forward is ~0.33 s against a ~20 ms step). Its requests sit out the decode
+steps until the forward is built (`InFlight`); no other prefill starts meanwhile. With no stream to keep
+going, the forward is built whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from service.engine.request import Request, RequestStatus, TokenEvent
+from service.engine.scheduler import Scheduler, needs_sample
+
+log = logging.getLogger(__name__)
+
+Piece = tuple[Request, Any, list[int], int]  # (request, state handle, prompt tokens, start position)
+
+
+@dataclass
+class InFlight:
+    """A prefill forward the engine is building a slice at a time: its pieces and the host seconds so far."""
+
+    pieces: list[Piece]
+    seconds: float = 0.0
+
+    def holds(self, r: Request) -> bool:
+        return any(p[0] is r for p in self.pieces)
+
+
+def _finished(engine: Any, sched: Scheduler, r: Request, handle: Any, n: int) -> None:
+    """`n` prompt tokens of `r` are fed; a prefix cache snapshot of its state follows."""
+    sched.prefilled(r, n)
+    snapshot = getattr(engine, "prefilled", None)
+    if snapshot is not None:
+        try:
+            snapshot(handle, r.prompt_ids, r.fed)
+        except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
+            log.exception("prefix snapshot failed")
+
+
+def _built(engine: Any, sched: Scheduler, pieces: list[Piece]) -> int:
+    """The forward of `pieces` is built: account its requests' tokens (those still running); tokens fed."""
+    done = 0
+    for r, handle, tokens, _ in pieces:
+        if r.status is RequestStatus.RUNNING:
+            _finished(engine, sched, r, handle, len(tokens))
+            done += len(tokens)
+    return done
+
+
+def _fail(sched: Scheduler, pieces: list[Piece], e: Exception) -> list[TokenEvent]:
+    log.exception("prefill failed (%d requests, %d tokens)", len(pieces), sum(len(p[2]) for p in pieces))
+    return sched.fail([p[0].request_id for p in pieces], f"prefill failed: {type(e).__name__}: {e}")
+
+
+def prefill(engine: Any, sched: Scheduler, plan: list[Request], budget: int, slice_seconds: float | None = None,
+            ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
+    """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
+    tokens prefilled, seconds, the forward left in flight or None). The prefix cache goes first (a hit
+    moves `fed` on). The pieces (one a request; with a cache, a piece short of its prompt's end ends on
+    the snapshot interval, and the state is snapshotted after it) go through one shared forward
+    (`engine.prefill_batch`), in slices of `slice_seconds` when another planned row samples this step;
+    requests asking for prompt logprobs go one each through `engine.prefill` (the head over every token).
+    A failed forward fails the requests in it (their state is half-written); the decode rows go on."""
+    events: list[TokenEvent] = []
+    done, t0 = 0, time.perf_counter()
+    for r in plan:
+        try:
+            sched.reuse_prefix(r)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
+            log.exception("prefix reuse failed")
+            events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
+    work = sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING], budget)
+    shared = [w for w in work if w[0].params.prompt_logprobs is None]  # one piece a request: one forward
+    scored = [w for w in work if w[0].params.prompt_logprobs is not None]
+    inflight = None
+    if shared:
+        streams = any(needs_sample(r) for r in plan if not any(w[0] is r for w in shared))
+        sliced = streams and bool(slice_seconds) and getattr(engine, "sliced_prefill", False)
+        try:
+            kw = {"slice_seconds": slice_seconds} if sliced else {}
+            built = engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in shared], **kw)
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
+            events += _fail(sched, shared, e)
+        else:
+            if built is False:
+                inflight = InFlight(shared)
+            else:
+                done += _built(engine, sched, shared)
+    for r, handle, tokens, start in scored:
+        if r.status is not RequestStatus.RUNNING:
+            continue
+        try:  # the head over every token, scoring the prompt token after each
+            nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
+            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=r.params.prompt_logprobs,
+                                                         next_ids=nxt)))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
+            log.exception("prefill failed (%d tokens)", len(tokens))
+            events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
+            continue
+        _finished(engine, sched, r, handle, len(tokens))
+        done += len(tokens)
+    dt = time.perf_counter() - t0
+    if inflight is not None:
+        inflight.seconds = dt
+    return events, done, dt if done else 0.0, inflight
+
+
+def advance(engine: Any, sched: Scheduler, inflight: InFlight, plan: list[Request], slice_seconds: float | None,
+            ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
+    """The next slice of the forward in flight (all of it if no row of `plan` outside it samples this step);
+    (events, tokens prefilled, seconds, the forward if still in flight)."""
+    t0 = time.perf_counter()
+    streams = any(needs_sample(r) for r in plan if not inflight.holds(r))
+    try:
+        built = engine.prefill_advance(slice_seconds if streams else None)
+    except Exception as e:  # noqa: BLE001 - its requests fail, the others keep going
+        engine.prefill_abandon()
+        live = [p for p in inflight.pieces if p[0].status is RequestStatus.RUNNING]
+        return _fail(sched, live, e), 0, 0.0, None
+    inflight.seconds += time.perf_counter() - t0
+    if not built:
+        return [], 0, 0.0, inflight
+    return [], _built(engine, sched, inflight.pieces), inflight.seconds, None

@@ -1,0 +1,151 @@
+"""A prompt's prefill forward built in slices between a running stream's decode steps
+(service/engine/prefilling.py), on the real Engine and tiny model.
+
+Each test records the engine's calls (a subclass of the real Engine that only logs and, where a test
+says, aborts or fails on demand): with a stream running, a decode step runs after every slice of the
+forward and the prefilling request sits those steps out; with nothing streaming, the forward is built
+whole. Outputs are the model's own, each request run alone (`reference`); an abort or a failure in the
+middle of a forward ends that request only, and its slot is freed only once the forward is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from model.loader import tiny_model
+from service.engine.engine import Engine
+from service.engine.request import FinishReason, SamplingParams
+from tests.service.test_worker import MAX_LEN, PAGE, reference, run, tokens, wait_for
+
+STREAM = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, args, _ = tiny_model(seed=0)
+    return model, args
+
+
+class Recording(Engine):
+    """The real Engine, logging ("prefill", tokens), ("advance", 1 if a slice else 0), ("step", rows);
+    `on_advance(n)` runs before the n-th slice (it may raise)."""
+
+    def __init__(self, model, **kw) -> None:
+        super().__init__(model, max_rows=8, max_model_len=MAX_LEN, page_size=PAGE, **kw)
+        self.calls: list[tuple[str, int]] = []
+        self.on_advance = lambda n: None
+
+    def step(self, feeds, tokens=None):
+        self.calls.append(("step", len(feeds)))
+        return super().step(feeds, tokens)
+
+    def prefill_batch(self, work, **kw):
+        self.calls.append(("prefill", sum(len(t) for _, t, _ in work)))
+        return super().prefill_batch(work, **kw)
+
+    def prefill_advance(self, slice_seconds=None):
+        self.calls.append(("advance", int(slice_seconds is not None)))
+        self.on_advance(sum(c[0] == "advance" for c in self.calls))
+        return super().prefill_advance(slice_seconds)
+
+
+def long_prompt(tiny) -> list[int]:
+    return [int(t) for t in np.random.default_rng(9).integers(3, tiny[1].vocab_size, 70)]
+
+
+async def stream_then_long(w, eng, long, request_id="long", on_advance=None):
+    """A stream starts; once it has 2 tokens the long prompt arrives (`on_advance` set from then on).
+    (stream events, long events)"""
+    s = asyncio.ensure_future(_collect(await w.submit([5, 6], STREAM)))
+    assert await wait_for(lambda: w.stats()["tokens_total"] >= 2)
+    eng.calls.clear()
+    if on_advance is not None:
+        eng.on_advance = on_advance
+    lg = await w.submit(long, LONG, request_id)
+    return await s, await _collect(lg)
+
+
+async def _collect(it):
+    return [e async for e in it]
+
+
+def test_a_stream_steps_after_every_slice_of_a_prompts_forward(tiny) -> None:
+    long = long_prompt(tiny)
+    want_s, want_l = reference(tiny, [5, 6], STREAM)[0], reference(tiny, long, LONG)[0]
+    eng = Recording(tiny[0])
+    s, lg = run(lambda w, e: stream_then_long(w, e, long), eng, prefill_chunk=32, prefill_slice_ms=1e-6)
+    assert tokens(s) == want_s and tokens(lg) == want_l
+    layers = tiny[1].num_hidden_layers
+    # 70 prompt tokens: forwards of 32, 32 and the rest (less the one the step after a built forward feeds,
+    # when that step is not one queued ahead), the last by the first sampled step; a layer a slice
+    pieces = [n for k, n in eng.calls if k == "prefill"]
+    assert pieces[:2] == [32, 32] and pieces[2] in (3, 4, 5) and len(pieces) == 3
+    assert eng.calls.count(("advance", 1)) == 3 * layers  # prefill_batch builds the first slice through prefill_advance
+    # between two slices at least one step; while a forward is in flight every step is the stream's row alone,
+    # and steps are queued ahead (two engine.step calls in a row: the step read back and the next one)
+    idx = [i for i, (k, _) in enumerate(eng.calls) if k in ("advance", "prefill")]
+    for i, j in zip(idx, idx[1:], strict=False):
+        if eng.calls[i][0] == eng.calls[j][0] == "advance":
+            assert [k for k, _ in eng.calls[i + 1 : j]].count("step") >= 1, eng.calls
+    last = max(i for i, (k, _) in enumerate(eng.calls) if k == "advance")
+    held = [n for k, n in eng.calls[:last] if k == "step"]
+    assert set(held) == {1}
+    assert any(c == d == ("step", 1) for c, d in zip(eng.calls[:last], eng.calls[1:last], strict=False))
+    assert max(n for k, n in eng.calls if k == "step") == 2  # then decodes beside the stream
+    assert eng.bytes_in_use() == 0
+
+
+def test_nothing_streaming_builds_the_forward_whole(tiny) -> None:
+    long = long_prompt(tiny)
+    eng = Recording(tiny[0])
+
+    async def body(w, e):
+        return await _collect(await w.submit(long, LONG))
+
+    out = run(body, eng, prefill_chunk=32, prefill_slice_ms=1e-6)
+    assert tokens(out) == reference(tiny, long, LONG)[0]
+    assert [c for c in eng.calls if c[0] != "step"] == [("prefill", 32), ("advance", 0), ("prefill", 32),
+                                                         ("advance", 0), ("prefill", 3), ("advance", 0)]
+
+
+def test_an_abort_mid_forward_ends_that_request_and_frees_its_slot_after(tiny) -> None:
+    long = long_prompt(tiny)
+    want_s = reference(tiny, [5, 6], STREAM)[0]
+    eng = Recording(tiny[0])
+    freed_during: list[int] = []
+
+    async def body(w, e):
+        def on_advance(n):
+            if n == 1:
+                freed_during.append(e.pools.bytes_in_use())  # the stream's and the long prompt's
+                w.abort("long")
+            elif n == 3:  # the abort has been drained by now; the forward's slot must still be held
+                freed_during.append(e.pools.bytes_in_use())
+
+        return await stream_then_long(w, e, long, on_advance=on_advance)
+
+    s, lg = run(body, eng, prefill_chunk=32, prefill_slice_ms=1e-6)
+    assert tokens(s) == want_s
+    assert lg[-1].finish_reason is FinishReason.ABORT and not tokens(lg)
+    assert len(freed_during) == 2 and freed_during[1] == freed_during[0] > 0
+    assert eng.bytes_in_use() == 0
+
+
+def test_a_failing_slice_fails_its_request_only(tiny) -> None:
+    long = long_prompt(tiny)
+    want_s = reference(tiny, [5, 6], STREAM)[0]
+    eng = Recording(tiny[0])
+
+    def on_advance(n):
+        if n == 2:
+            raise RuntimeError("slice failed")
+
+    s, lg = run(lambda w, e: stream_then_long(w, e, long, on_advance=on_advance), eng, prefill_chunk=32,
+                prefill_slice_ms=1e-6)
+    assert tokens(s) == want_s
+    assert lg[-1].error is not None and "slice failed" in lg[-1].error
+    assert not eng.prefilling and eng.bytes_in_use() == 0
