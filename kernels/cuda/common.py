@@ -160,10 +160,11 @@ def dummy(shape: tuple[int, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
     """Zeros for a kernel input the launch does not read (absent scales, an unused table), one per shape and
     dtype, evaluated once."""
     key = ("dummy", dtype, *shape)
-    if key not in _consts:
-        _consts[key] = mx.zeros(shape, dtype=dtype)
-        mx.eval(_consts[key])
-    return _consts[key]
+    a = _consts.get(key)
+    if a is None:
+        a = _consts[key] = mx.zeros(shape, dtype=dtype)
+        mx.eval(a)
+    return a
 
 
 def i32_dummy(shape: tuple[int, ...]) -> mx.array:

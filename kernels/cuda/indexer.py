@@ -245,15 +245,22 @@ def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.
         check()
         raise
 
-    cols = workspace.shape[1] if isinstance(workspace, mx.array) and workspace.ndim == 2 else None
-    key += (cols,)
+    ws = isinstance(workspace, mx.array)
+    if workspace is not None and not ws:  # the batch's errors first, then the workspace's (raises)
+        check()
+        check_workspace(workspace, batch.size, batch.tables[4].shape[1] * batch.page_size)
+    cols = workspace.shape[1] if ws and workspace.ndim == 2 else None
+    key += (cols, workspace.shape, workspace.dtype) if ws else (None,)
+
+    def check_all() -> None:  # the workspace too, once per batch and key: its shape and dtype are in the key
+        check()
+        check_workspace(workspace, batch.size, batch.tables[4].shape[1] * batch.page_size)  # the batch is valid
 
     def make() -> Plan:
-        pk = key + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
+        pk = key[:10] + (batch.size, batch.page_size, batch.tables[4].shape, ONE_MAX)
         return plan_cached(pk, lambda: Plan(batch, q, keys, topk, cols))
 
-    plan: Plan = checked(batch, key, check, make)
-    check_workspace(workspace, batch.size, batch.tables[4].shape[1] * batch.page_size)  # the batch is valid here
+    plan: Plan = checked(batch, key, check_all, make)
     if not plan.fast:
         return indexer_rows_reference(batch, q, weights, keys, topk=topk, after=after, workspace=workspace)
     run = plan.compiled if common.COMPILE else plan.launch
