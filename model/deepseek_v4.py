@@ -18,7 +18,7 @@ from kernels.matmul import f32_linear_rows
 from kernels.upload import upload
 from model.attention import Attention
 from model.config import ModelArgs
-from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, rope_angles
+from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, step_angles
 from model.layers import reset_compiled as forget_hc_pre
 from model.prefill import prefill_batch, prefill_chunk
 from model.state import StateHandle, StatePools
@@ -60,12 +60,13 @@ class Block(nn.Module):
 
     def __call__(self, h, token_ids, batch, pools, freqs):
         before, after = self._segments()
-        r = self.attn.ratio
-        angles = batch.once(("rope_angles", r, id(freqs)), lambda: rope_angles(freqs, batch.positions, r, self.args))
+        attn = self["attn"]  # nn.Module's children are dict items: [] skips its __getattr__
+        r = attn.ratio
+        # the layer kind's RoPE inputs, then the de-rotation's table (-S): once a step per layer kind, compiled
+        *angles, back = batch.once(("rope_angles", r, id(freqs)),
+                                   lambda: step_angles(freqs, batch.positions, r, self.args))  # fmt: skip
         post, comb, *proj = before(h, *angles)
-        o = self.attn.attend(tuple(proj), batch, pools)
-        # the de-rotation's table (-S), once a step per layer kind rather than a negation in every layer
-        back = batch.once(("rope_back", r, id(freqs)), lambda: -angles[1])
+        o = attn.attend(tuple(proj), batch, pools)
         return after(o, h, post, comb, proj[2], back, token_ids)
 
     def _segments(self):
