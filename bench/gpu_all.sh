@@ -32,6 +32,8 @@
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
 #   PART=whole   PART=itl at the defaults, then with the earlier default's whole 256-token forwards
+#   PART=rows    PART=itl with DSV4_PREFILL_SLICE_ROWS 4096 (the default), then 2048
+#   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
@@ -184,6 +186,16 @@ for part in ${PART:-tests}; do
                --prompts-per-concurrency 1 --long-prompt 16384 --server-args "$flash $args" \
                --out "$OUT/serve_itl${args// /_}.json" 2>&1 | tail -4
            done ;;
+    rows) # the defaults' cell with a slice's rows x layers at 4,096 (the default) and 2,048 (one server each)
+          for rows in 4096 2048; do
+            DSV4_PREFILL_SLICE_ROWS=$rows timeout $(((590 - SECONDS) / 2 + 10)) python3 bench/serve.py \
+              --concurrency 7 --output-len 512 --prompts-per-concurrency 1 --long-prompt 16384 \
+              --server-args "$flash" --out "$OUT/serve_itl_rows$rows.json" 2>&1 | tail -4
+          done ;;
+    long64) # a 64K prompt beside 7 streams at the defaults (issue 30's memory point), their ITL during it
+            timeout 560 python3 bench/serve.py --concurrency 7 --output-len 1024 --prompts-per-concurrency 1 \
+              --long-prompt 65536 --server-args "$flash --max-model-len 70000" --out "$OUT/serve_itl64k.json" \
+              2>&1 | tail -4 ;;
     prefix) timeout 560 python3 bench/prefix_turn.py --server-args "$flash" --cold-server-args \
               "$flash --prefix-cache-gib 0" --tokens 16384 --output-len 32 --tail 64 --repeats 1 \
               --out "$OUT/prefix_turn.json" 2>&1 | tail -8 ;;
