@@ -281,12 +281,17 @@ def compressor_rows_inplace_cuda(
     workspace: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
     check_after("compressor_rows", after)
-    key, check = key_and_check("compressor_rows_inplace", batch, kv, score, ape, norm, kv_state, score_state, pool,
-                               ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
+    key, check_args = key_and_check("compressor_rows_inplace", batch, kv, score, ape, norm, kv_state, score_state,
+                                    pool, ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
     ws = workspace is not None
-    if ws:
-        check_workspace(workspace, workspace_words(batch.size, head_dim))
-    key += (ws,)
+    if ws and not isinstance(workspace, mx.array):
+        check_workspace(workspace, workspace_words(batch.size, head_dim))  # raises, naming it
+    key += (workspace.shape, workspace.dtype) if ws else (False,)
+
+    def check() -> None:  # the workspace first, as before; once per batch and key (its shape and dtype are in it)
+        if ws:
+            check_workspace(workspace, workspace_words(batch.size, head_dim))
+        check_args()
 
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[ratio].shape)

@@ -16,11 +16,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.compressor import CompressorArgs, PairOut, check_pair, compressor_pair_rows_inplace_reference
+from kernels.compressor import (
+    CompressorArgs,
+    PairOut,
+    check_compressor,
+    check_pair,
+    compressor_pair_rows_inplace_reference,
+)
 from kernels.cuda import common
 from kernels.cuda import compressor_inplace as single
 from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
-from kernels.cuda.compressor import key_and_check, template
+from kernels.cuda.compressor import template
 from kernels.rows import RowBatch, check_after, checked
 
 PARTS = ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")
@@ -74,18 +80,24 @@ def compressor_pair_rows_inplace_cuda(
 ) -> PairOut:
     check_after("compressor_rows", after)
     check_pair(first, second)
-    keys, checks = [], []
-    for a in (first, second):
-        k, c = key_and_check("compressor_pair_rows_inplace", batch, *a[:7], ratio=ratio, head_dim=a.head_dim,
-                             eps=eps, cos=cos, sin=sin)  # fmt: skip
-        keys.append(k)
-        checks.append(c)
 
     def check() -> None:
-        for c in checks:
-            c()
+        for a in (first, second):
+            check_compressor(batch, *a[:7], ratio=ratio, head_dim=a.head_dim, eps=eps, cos=cos, sin=sin)
 
-    key = tuple(keys)
+    try:  # one flat key (the scalars with their types, every argument's shape and dtype), no per-set closures
+        f, g = first, second
+        key: tuple[Any, ...] = (
+            "compressor_pair_rows_inplace", type(ratio), ratio, type(eps), eps, cos.shape, cos.dtype, sin.shape,
+            sin.dtype, type(f.head_dim), f.head_dim, f.kv.shape, f.kv.dtype, f.score.shape, f.score.dtype, f.ape.shape,
+            f.ape.dtype, f.norm.shape, f.norm.dtype, f.kv_state.shape, f.kv_state.dtype, f.score_state.shape,
+            f.score_state.dtype, f.pool.shape, f.pool.dtype, type(g.head_dim), g.head_dim, g.kv.shape, g.kv.dtype,
+            g.score.shape, g.score.dtype, g.ape.shape, g.ape.dtype, g.norm.shape, g.norm.dtype, g.kv_state.shape,
+            g.kv_state.dtype, g.score_state.shape, g.score_state.dtype, g.pool.shape, g.pool.dtype,
+        )  # fmt: skip
+    except AttributeError:  # not arrays: the check names the argument
+        check()
+        raise
 
     def make() -> Plan:
         pk: tuple[Any, ...] = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
