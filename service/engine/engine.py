@@ -16,6 +16,7 @@ from model.state import StateHandle
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt_logprobs import score_lazy
 from service.engine.request import PromptLogprob
+from service.engine.scheduler import first_turn
 from service.engine.sizing import free_device_bytes, pools_for_budget
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
@@ -150,15 +151,19 @@ class Engine:
         new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
         return None if new is None else (new, entry.length)  # type: ignore[union-attr]
 
+    # The first user turn's marker (`<｜User｜>`, set from the tokenizer by the worker): a prefill piece may end
+    # right before it (Scheduler.prefill_work), and the state there is snapshotted like an interval boundary's.
+    snapshot_token: int | None = None
+
     def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> None:
-        """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary if it fits
-        the budget as it is (those never evict another entry)."""
+        """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary and before the
+        first user turn if it fits the budget as it is (those never evict another entry)."""
         cache = self.prefix_cache
         if cache is None or not fed:
             return
         if fed == len(prompt_ids) - 1:
             cache.store(handle, prompt_ids[:fed])
-        elif cache.interval and fed % cache.interval == 0:
+        elif cache.interval and (fed % cache.interval == 0 or fed == first_turn(prompt_ids, self.snapshot_token)):
             cache.store(handle, prompt_ids[:fed], optional=True)
 
     def retire(self, handle: Handle, tokens: Sequence[int], request_id: str) -> None:

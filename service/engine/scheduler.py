@@ -44,6 +44,22 @@ def reserve_tokens(request: Request) -> int:
     return len(request.prompt_ids) + request.params.max_tokens
 
 
+# A chat's system prompt (the positions before its first user turn) is snapshotted on its own, at the cost of one
+# more prefill forward for the first conversation, from this many positions on (a shorter one costs less to
+# compute again than that forward).
+SYSTEM_SNAPSHOT_MIN = 512
+
+
+def first_turn(prompt_ids: list[int], token: int | None) -> int:
+    """The position of the first `token` (the first user turn's marker) in the prompt; -1 if none."""
+    if token is None:
+        return -1
+    try:
+        return prompt_ids.index(token)
+    except ValueError:
+        return -1
+
+
 def needs_sample(request: Request) -> bool:
     """True when this step's fed token is the last prompt token or a generated token."""
     return request.fed + 1 >= len(request.prompt_ids)
@@ -290,11 +306,11 @@ class Scheduler:
         for r in plan:
             start, last = r.fed, len(r.prompt_ids) - 1
             end = start + max(0, min(budget, last - start))
-            # A piece short of its prompt's end ends on the snapshot grid; so does a fresh prompt's piece that reaches
-            # it (one more forward, for the prompt's tail): its prefix then serves prompts that share only part of it
-            # (a system prompt), whose own tails differ. A turn after a cache hit (start > 0) goes whole.
-            if every and (end < last or start == 0) and end // every * every > start:
+            if every and end < last and end // every * every > start:
                 end = end // every * every
+            at = first_turn(r.prompt_ids, getattr(self.admission, "snapshot_token", None)) if every else -1
+            if start < at < end and at >= SYSTEM_SNAPSHOT_MIN:
+                end = at  # a snapshot before the first user turn: other conversations share the system prompt
             if every and end > start and self._share(work, r, start, end, every):
                 continue  # it adopts the earlier piece's snapshot next step instead of computing it again
             budget -= end - start
@@ -312,6 +328,8 @@ class Scheduler:
                 continue
             n = next((j for j, (x, y) in enumerate(zip(toks, r.prompt_ids[start:end], strict=False)) if x != y),
                      min(len(toks), end - start))  # fmt: skip
+            if n >= len(toks) >= every:  # that piece ends inside the shared part: its snapshot serves as it is
+                return True
             cut = (start + n) // every * every
             if cut - start >= every:
                 work[i] = (q, h, toks[: cut - start], s)

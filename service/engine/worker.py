@@ -29,6 +29,7 @@ __all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
 
 
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
+USER_TURN = "<｜User｜>"  # the chat format's user-turn marker (service/api/encoding.py's USER)
 DEFAULT_PREFILL_SLICE_MS = 10.0  # host ms of a prefill forward built between two decode steps while rows stream
 
 
@@ -229,6 +230,9 @@ class EngineWorker:
     def _start_engine(self) -> tuple[Any, Scheduler]:
         engine, self.tokenizer = self._factory()
         self._engine = engine  # for close() at thread exit
+        user = getattr(self.tokenizer, "token_to_id", lambda _: None)(USER_TURN)
+        if user is not None and hasattr(engine, "snapshot_token"):
+            engine.snapshot_token = user  # a system prompt's snapshot ends before it (Scheduler.prefill_work)
         engine.warmup()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size

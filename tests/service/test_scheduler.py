@@ -300,18 +300,9 @@ def test_prefill_pieces_end_at_the_snapshot_interval_and_finish_retires_the_fed_
     assert work == [("a", 0, 16), ("b", 0, 3)]
     for r, _, toks, _ in s.prefill_work(plan, budget=100):
         s.prefilled(r, len(toks))
-    assert (a.fed, b.fed) == (16, 3)  # a fresh prompt's piece that reaches its end ends on the grid too
     s.feeds(plan)
-    s.on_step({"b": (EOS, None, ())})  # the step feeds a's prompt token 16 (not sampled); b stops on EOS
+    s.on_step({"a": (40, None, ()), "b": (EOS, None, ())})  # b stops on EOS, a samples its first token
     assert led.retired == [(2, [10, 11, 12, 13], "b")]  # b fed its prompt; the EOS was not fed
-    plan = s.plan()
-    assert [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=100)] == [
-        ("a", 17, 3),
-    ]  # fmt: skip  (start > 0: the rest whole)
-    for r, _, toks, _ in s.prefill_work(plan, budget=100):
-        s.prefilled(r, len(toks))
-    s.feeds(plan)
-    s.on_step({"a": (40, None, ())})  # a samples its first token
     run_step(s, default=41)  # a's second token: max_tokens
     assert led.retired[-1] == (1, list(range(10, 31)) + [40], "a")  # its prompt + the first token
 
@@ -332,8 +323,7 @@ def test_a_stop_fed_by_a_step_queued_ahead_is_part_of_the_retired_state() -> Non
 
 def test_prompts_sharing_a_prefix_compute_it_once() -> None:
     """Three prompts arrive together: b shares a's first 21 tokens, c none. a's piece is cut at 16 (the shared
-    part's last snapshot boundary: the snapshot b adopts next step), b waits a step, c, a fresh prompt,
-    ends on the grid too."""
+    part's last snapshot boundary: the snapshot b adopts next step), b waits a step, c goes whole."""
     s, _ = make(SnapshotLedger())
     a = Request("a", list(range(10, 40)), SamplingParams())
     b = Request("b", list(range(10, 31)) + [99, 98, 97, 96, 95], SamplingParams())
@@ -342,7 +332,29 @@ def test_prompts_sharing_a_prefix_compute_it_once() -> None:
         s.add(r)
     plan = s.plan()
     work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(plan, budget=100)]
-    assert work == [("a", 0, 16), ("c", 0, 24)]
+    assert work == [("a", 0, 16), ("c", 0, 29)]
     a.fed = b.fed = 16  # a prefilled 16, b adopted its snapshot
     work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work([a, b], budget=100)]
     assert work == [("a", 16, 13), ("b", 16, 9)]  # from 16 on they share 5 tokens: < 8, no cut
+
+
+class ChatLedger(SnapshotLedger):
+    snapshot_token = 2  # the first user turn's marker
+
+
+def test_a_system_prompt_gets_its_own_snapshot() -> None:
+    """A prompt whose first user turn starts at SYSTEM_SNAPSHOT_MIN or later: its first piece ends right before it
+    (the engine snapshots that state); a later prompt with the same system prompt, arriving together, waits for
+    that snapshot. A shorter system prompt, or none, goes as usual."""
+    from service.engine.scheduler import SYSTEM_SNAPSHOT_MIN
+
+    n = SYSTEM_SNAPSHOT_MIN + 3
+    system = [5 + i % 90 for i in range(n)]
+    s, _ = make(ChatLedger(), max_model_len=4 * n)
+    a = Request("a", system + [2, 40, 41, 42], SamplingParams())
+    b = Request("b", system + [2, 50, 51], SamplingParams())
+    c = Request("c", [300 + i % 50 for i in range(60)] + [2] + system, SamplingParams())  # its turn at 60: whole
+    for r in (a, b, c):
+        s.add(r)
+    work = [(r.request_id, start, len(toks)) for r, _, toks, start in s.prefill_work(s.plan(), budget=4 * n)]
+    assert work == [("a", 0, n), ("c", 0, n + 60)]  # b shares a's piece whole: it waits for its snapshot
