@@ -15,8 +15,8 @@ from model.prefill import Forward
 from model.state import StateHandle
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt_logprobs import score_lazy
+from service.engine.prompt_plan import first_turn
 from service.engine.request import PromptLogprob
-from service.engine.scheduler import first_turn
 from service.engine.sizing import free_device_bytes, pools_for_budget
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it

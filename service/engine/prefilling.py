@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from service.engine.prompt_plan import Piece
 from service.engine.request import Request, RequestStatus, TokenEvent
 from service.engine.scheduler import Scheduler, needs_sample
 
 log = logging.getLogger(__name__)
 
-Piece = tuple[Request, Any, list[int], int]  # (request, state handle, prompt tokens, start position)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from service.engine.prompt_plan import PromptPlanning
 from service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus, TokenEvent
 
 # (token_id, logprob or None, top alternatives) for one row, as sampler.sample returns it.
@@ -44,28 +45,12 @@ def reserve_tokens(request: Request) -> int:
     return len(request.prompt_ids) + request.params.max_tokens
 
 
-# A chat's system prompt (the positions before its first user turn) is snapshotted on its own, at the cost of one
-# more prefill forward for the first conversation, from this many positions on (a shorter one costs less to
-# compute again than that forward).
-SYSTEM_SNAPSHOT_MIN = 512
-
-
-def first_turn(prompt_ids: list[int], token: int | None) -> int:
-    """The position of the first `token` (the first user turn's marker) in the prompt; -1 if none."""
-    if token is None:
-        return -1
-    try:
-        return prompt_ids.index(token)
-    except ValueError:
-        return -1
-
-
 def needs_sample(request: Request) -> bool:
     """True when this step's fed token is the last prompt token or a generated token."""
     return request.fed + 1 >= len(request.prompt_ids)
 
 
-class Scheduler:
+class Scheduler(PromptPlanning):
     def __init__(
         self,
         admission: Admission,
@@ -275,70 +260,6 @@ class Scheduler:
         limit; EOS / stop ids are not known before it is read back (a step queued ahead for a row that
         stops is wasted, not wrong: its state is freed)."""
         return not self._at_length(r, ahead=1)
-
-    def reuse_prefix(self, r: Request) -> None:
-        """A prefilling request adopts the longest cached prefix of its prompt beyond what it has fed
-        (looked up again only when the cache has changed since its last lookup). Not with prompt logprobs:
-        those score every prompt position, so each must be computed."""
-        reuse = getattr(self.admission, "reuse", None)
-        if reuse is None or r.status is not RequestStatus.RUNNING or r.fed >= len(r.prompt_ids) - 1:
-            return
-        if r.params.prompt_logprobs is not None or r.leader is not None:
-            return
-        version = self.admission.prefix_version()  # type: ignore[attr-defined]
-        if r.prefix_seen == version:
-            return
-        r.prefix_seen = version
-        got = reuse(self.handles[r.request_id], r.prompt_ids, r.fed)
-        if got is not None:
-            self.handles[r.request_id], r.fed = got
-            r.cached = r.fed
-
-    def prefill_work(self, plan: list[Request], budget: int) -> list[tuple[Request, Any, list[int], int]]:
-        """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
-        tokens in all, one piece a request; a prompt's last token is left for the step (its logits are
-        sampled). With a snapshot interval, a piece short of the prompt's end ends at the interval's last
-        multiple in it (a prefix cache snapshot follows each piece). Not cut at every multiple: each piece
-        would be a forward of its own, and a forward has a large fixed cost (16K-token first turn on the
-        H200 with cuts at every 128: 113 s, against 32 s with the cache off, 383f696)."""
-        work: list[tuple[Request, Any, list[int], int]] = []
-        every = getattr(self.admission, "snapshot_interval", 0)
-        for r in plan:
-            start, last = r.fed, len(r.prompt_ids) - 1
-            end = start + max(0, min(budget, last - start))
-            if every and end < last and end // every * every > start:
-                end = end // every * every
-            at = first_turn(r.prompt_ids, getattr(self.admission, "snapshot_token", None)) if every else -1
-            if start < at < end and at >= SYSTEM_SNAPSHOT_MIN:
-                end = at  # a snapshot before the first user turn: other conversations share the system prompt
-            if every and end > start and self._share(work, r, start, end, every):
-                continue  # it adopts the earlier piece's snapshot next step instead of computing it again
-            budget -= end - start
-            if end > start:
-                work.append((r, self.handles[r.request_id], r.prompt_ids[start:end], start))
-        return work
-
-    @staticmethod
-    def _share(work: list[tuple[Request, Any, list[int], int]], r: Request, start: int, end: int, every: int) -> bool:
-        """Does r's piece begin with >= `every` tokens of an earlier piece at the same start (prompts that arrive
-        together with a shared system prompt)? Then that piece is cut at the shared part's last snapshot
-        boundary (its snapshot is what r adopts) and r waits a step. Pieces are compared as lists."""
-        for i, (q, h, toks, s) in enumerate(work):
-            if s != start:
-                continue
-            n = next((j for j, (x, y) in enumerate(zip(toks, r.prompt_ids[start:end], strict=False)) if x != y),
-                     min(len(toks), end - start))  # fmt: skip
-            if n >= len(toks) >= every:  # that piece ends inside the shared part: its snapshot serves as it is
-                return True
-            cut = (start + n) // every * every
-            if cut - start >= every:
-                work[i] = (q, h, toks[: cut - start], s)
-                return True
-        return False
-
-    def prefilled(self, request: Request, n: int) -> None:
-        """`n` prompt tokens of `request` were fed by a parallel prefill."""
-        request.fed += n
 
     def feeds(self, plan: list[Request]) -> list[tuple[Any, int, int]]:
         """(handle, token_id, position) per planned request, in plan order."""

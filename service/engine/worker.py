@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from service.engine import startup
 from service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
 from service.engine.scheduler import QueueFull, Scheduler
 from service.engine.stepping import Counters, iterate
@@ -29,7 +30,6 @@ __all__ = ["EngineNotReady", "EngineWorker", "QueueFull"]
 
 
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per step through the parallel prefill (= model.deepseek_v4.PREFILL_CHUNK)
-USER_TURN = "<｜User｜>"  # the chat format's user-turn marker (service/api/encoding.py's USER)
 DEFAULT_PREFILL_SLICE_MS = 10.0  # host ms of a prefill forward built between two decode steps while rows stream
 
 
@@ -230,26 +230,14 @@ class EngineWorker:
     def _start_engine(self) -> tuple[Any, Scheduler]:
         engine, self.tokenizer = self._factory()
         self._engine = engine  # for close() at thread exit
-        user = getattr(self.tokenizer, "token_to_id", lambda _: None)(USER_TURN)
-        if user is not None and hasattr(engine, "snapshot_token"):
-            engine.snapshot_token = user  # a system prompt's snapshot ends before it (Scheduler.prefill_work)
+        startup.prepare(engine, self.tokenizer)
         engine.warmup()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
-        if getattr(engine, "guides", None) is None:
-            from service.engine.grammar import Guides  # the guided rows' token masks (stepping.decode_step)
-
-            engine.guides = Guides(engine.vocab_size, engine.eos_token_id)
         self.bytes_budget = engine.bytes_budget()
-        budget = self.bytes_budget
-        fits = getattr(engine, "fits_ever", None) or (lambda n: engine.state_bytes_for(n) <= budget)
         self._fits_rows = getattr(engine, "fits_ever", None)  # (positions, rows) -> bool; static arithmetic
-        lo, hi = 0, engine.max_model_len  # binary search: the largest n that fits empty pools
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        self.max_fit_tokens = lo
+        self.max_fit_tokens = startup.max_fit_tokens(engine)
         parallel = bool(getattr(engine, "parallel_prefill", False)) and not self.serial_prefill
         self._prefill_budget = (self.prefill_chunk or DEFAULT_PREFILL_CHUNK) if parallel else 0
         sched = Scheduler(

@@ -346,7 +346,7 @@ def test_a_system_prompt_gets_its_own_snapshot() -> None:
     """A prompt whose first user turn starts at SYSTEM_SNAPSHOT_MIN or later: its first piece ends right before it
     (the engine snapshots that state); a later prompt with the same system prompt, arriving together, waits for
     that snapshot. A shorter system prompt, or none, goes as usual."""
-    from service.engine.scheduler import SYSTEM_SNAPSHOT_MIN
+    from service.engine.prompt_plan import SYSTEM_SNAPSHOT_MIN
 
     n = SYSTEM_SNAPSHOT_MIN + 3
     system = [5 + i % 90 for i in range(n)]
