@@ -332,8 +332,8 @@ def f32_linear_pair_rows_cuda(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[
         return ref.f32_linear_pair_rows_reference(x, w1, w2) if many is None else many
     u8 = _const("u8")
     out = p(x, w1, u8, w2, u8, _const("u32"))
-    n = out.shape[1:]  # slices are views; an integer index (out[0]) would be a gather kernel each
-    return out[:1].reshape(n), out[1:].reshape(n)
+    b, n = out.shape[1:]  # views: an integer index (out[0]) would be a gather kernel each
+    return _rows_view(out, b, n, 0), _rows_view(out, b, n, b * n)
 
 
 def qlinear_cat_rows_cuda(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
@@ -348,8 +348,14 @@ def qlinear_cat_rows_cuda(x: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
     if p is None or not p.fast:  # each product its own launch (the checks name a bad argument)
         return qlinear_rows_cuda(x, w1, s1), qlinear_rows_cuda(x, w2, s2)
     out = p(x, w1, s1, w2, s2, _const("u32"))
-    cut = x.shape[0] * w1.shape[0]  # slices are views
-    return out[:cut].reshape(x.shape[0], w1.shape[0]), out[cut:].reshape(x.shape[0], w2.shape[0])
+    b, n1 = x.shape[0], w1.shape[0]
+    return _rows_view(out, b, n1, 0), _rows_view(out, b, w2.shape[0], b * n1)
+
+
+def _rows_view(out: mx.array, rows: int, cols: int, offset: int) -> mx.array:
+    """The row-major [rows, cols] block of `out`'s buffer at element `offset`: one view node (AsStrided), where
+    a slice and a reshape are two (each a node of the compiled segment's replay and of MLX's encode)."""
+    return mx.as_strided(out, (rows, cols), (cols, 1), offset)
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:
