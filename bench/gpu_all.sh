@@ -29,6 +29,7 @@
 #                the sweep run twice in turn: MLX reads it once a process)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
+#   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
@@ -173,6 +174,12 @@ for part in ${PART:-tests}; do
               --out "$OUT/step_64k.json" 2>&1 | tail -12 ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
+    dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
+              # and the layer-by-layer numerics with every fast path
+              timeout $((580 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider -x \
+                tests/kernels/test_cuda_matmul.py tests/kernels/test_cuda_pair.py tests/kernels/test_cuda_inplace.py \
+                tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_workspace.py \
+                tests/kernels/test_cuda_plans.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
     http90) # issue 29's HTTP point in one call: the engine's step at 8 rows (4K), then 8 streams through the service
             timeout 200 python3 bench/step.py --experts 32 --rows 8 --contexts 4096 --reps 8 --arms fast \
               --out "$OUT/step8.json" 2>&1 | tail -6
