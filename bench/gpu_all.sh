@@ -179,7 +179,8 @@ for part in ${PART:-tests}; do
               timeout $((580 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider -x \
                 tests/kernels/test_cuda_matmul.py tests/kernels/test_cuda_pair.py tests/kernels/test_cuda_inplace.py \
                 tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_workspace.py \
-                tests/kernels/test_cuda_plans.py tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
+                tests/kernels/test_cuda_plans.py tests/model/test_step_angles.py tests/model/test_cuda_layer_numerics.py \
+                2>&1 | tail -8 ;;
     http90) # issue 29's HTTP point in one call: the engine's step at 8 rows (4K), then 8 streams through the service
             timeout 200 python3 bench/step.py --experts 32 --rows 8 --contexts 4096 --reps 8 --arms fast \
               --out "$OUT/step8.json" 2>&1 | tail -6
