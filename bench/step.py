@@ -40,7 +40,6 @@ from model.config import ModelArgs  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.dummy import dummy_model  # noqa: E402
 from model.state import StatePools  # noqa: E402
-from service.engine.encoder import EncodeThread, readable  # noqa: E402
 
 
 def flash_args(layers: int, experts: int) -> ModelArgs:
@@ -163,46 +162,6 @@ def time_loop(model: DeepseekV4, pools: StatePools, handles, ctx: int, reps: int
     return ts[:-1]  # the last read-back has no step behind it
 
 
-def time_loop_thread(model: DeepseekV4, pools: StatePools, handles, ctx: int, reps: int) -> list[float]:
-    """`time_loop` with the encode on its own thread (service/engine/encoder.py): step i + 1 is built while
-    step i is encoded. HOST's `encode` is the encode thread's async_eval time a step."""
-    enc = _encoder()
-    tok = mx.array([7] * len(handles), dtype=mx.int32)
-    ts, pending = [], None
-    HOST["build"].clear()
-    HOST["encode"].clear()
-    t = time.perf_counter()
-    for i in range(reps + 1):
-        if i < reps:
-            t0 = time.perf_counter()
-            with mx.stream(enc.stream):
-                logits = model.step(model.make_batch(pools, handles, [ctx + i] * len(handles)), tok, pools)
-                tok = mx.argmax(logits, axis=-1).astype(mx.int32)
-                host = readable(tok)
-            HOST["build"].append(time.perf_counter() - t0)
-            e0 = enc.seconds
-            fut = enc.submit(tok, host, pools.arrays())
-        done, pending = pending, (fut, host, e0)
-        if done is not None:
-            done[0].result()
-            done[1].tolist()
-            HOST["encode"].append(enc.seconds - done[2])
-            now = time.perf_counter()
-            ts.append(now - t)
-            t = now
-    enc.drain()
-    return ts[:-1]
-
-
-_enc: list[EncodeThread] = []
-
-
-def _encoder() -> EncodeThread:
-    if not _enc:
-        _enc.append(EncodeThread())
-    return _enc[0]
-
-
 def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
     """CUPTI over `steps` steps: kernels a step, GPU busy us a step (union of activity), the top kernels."""
     from torch.profiler import ProfilerActivity, profile  # the device's python3; not a project dependency
@@ -244,8 +203,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--arms", default="fast,unfused,no_glue", help=f"of {', '.join(ARMS)} (bench/arms.py)")
-    ap.add_argument("--loops", default="inline", help="inline,thread: the encode on the engine thread or its own "
-                    "(service/engine/encoder.py), alternated like the arms")
     ap.add_argument("--profile", action="store_true", help="CUPTI: kernels and GPU busy time a step (each arm)")
     ap.add_argument("--traces", default="", help="folder for the profiles' Chrome traces (default: none kept)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
@@ -260,7 +217,6 @@ def main() -> None:
     bw = copy_bandwidth()
     rows_list = [int(r) for r in opt.rows.split(",")]
     arms = opt.arms.split(",")
-    loops = opt.loops.split(",")
     traces = Path(opt.traces) if opt.traces else None
     results = []
     for ctx in (int(c) for c in opt.contexts.split(",")):
@@ -275,12 +231,9 @@ def main() -> None:
             for arm in arms * 2:  # alternated
                 set_arm(arm, model)
                 time_loop(model, pools, handles[:rows], pos, 3)  # trace + warm
-                for loop in loops:
-                    name = arm if loop == "inline" else f"{arm}+{loop}"
-                    run = time_loop if loop == "inline" else time_loop_thread
-                    times.setdefault(name, []).extend(run(model, pools, handles[:rows], pos + 3, opt.reps))
-                    for k, v in HOST.items():
-                        host.setdefault((name, k), []).extend(v)
+                times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
+                for k, v in HOST.items():
+                    host.setdefault((arm, k), []).extend(v)
             wb, sb = floor_bytes(model, rows, ctx)
             floor = (wb + sb) / bw
             profs: dict[str, dict] = {}
