@@ -33,6 +33,7 @@
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
 #   PART=gil     8 streams through the service, DSV4_GC_FREEZE / DSV4_SWITCH_INTERVAL_MS 1 / 0.5 then 0 / 5
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
+#   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
 #   PART=whole   PART=itl at the defaults, then with the earlier default's whole 256-token forwards
@@ -201,6 +202,16 @@ for part in ${PART:-tests}; do
               --out "$OUT/step8.json" 2>&1 | tail -6
             timeout $((590 - SECONDS)) python3 bench/serve.py --concurrency 8 --output-len 256 \
               --prompts-per-concurrency 2 --server-args "$flash" --out "$OUT/serve8.json" 2>&1 | tail -4 ;;
+    ncu) # where a 2K forward's GPU time goes, then the experts' tile GEMMs under ncu (2 layers, no CUDA graphs)
+         timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1 --agree 0 --profile \
+           --out "$OUT/prefill_top.json" 2>&1 | grep -v Warn | tail -3
+         MLX_USE_CUDA_GRAPHS=0 timeout $((560 - SECONDS)) ncu --clock-control none --kernel-name-base demangled \
+           --kernel-name regex:tiles_mm --launch-count ${NCU_COUNT:-6} --section SpeedOfLight --section Occupancy \
+           --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+           --section ComputeWorkloadAnalysis --section SchedulerStats \
+           python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
+           --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
+           "$OUT/ncu.txt" | head -80 ;;
     itl) timeout 560 python3 bench/serve.py --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
            --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" 2>&1 | tail -6 ;;  # issue 30's ITL
     slices) timeout 100 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
