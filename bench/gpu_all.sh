@@ -31,7 +31,6 @@
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
-#   PART=gil     8 streams through the service, DSV4_GC_FREEZE / DSV4_SWITCH_INTERVAL_MS 1 / 0.5 then 0 / 5
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
@@ -189,14 +188,6 @@ for part in ${PART:-tests}; do
            --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6
          timeout $((590 - SECONDS)) python3 bench/serve.py --concurrency 8 --output-len 256 \
            --prompts-per-concurrency 2 --server-args "$flash" --out "$OUT/serve8.json" 2>&1 | tail -6 ;;
-    gil) # 8 streams through the service: the start-up heap frozen + a 0.5 ms GIL switch interval, then neither
-         for arm in "1 0.5" "0 5"; do
-           set -- $arm
-           echo "-- DSV4_GC_FREEZE=$1 DSV4_SWITCH_INTERVAL_MS=$2"
-           DSV4_GC_FREEZE=$1 DSV4_SWITCH_INTERVAL_MS=$2 timeout 280 python3 bench/serve.py --concurrency 8 \
-             --output-len 256 --prompts-per-concurrency 2 --server-args "$flash" --out "$OUT/serve8_$1.json" \
-             2>&1 | grep -v Warn | tail -4
-         done ;;
     http90) # issue 29's HTTP point in one call: the engine's step at 8 rows (4K), then 8 streams through the service
             timeout 200 python3 bench/step.py --experts 32 --rows 8 --contexts 4096 --reps 8 --arms fast \
               --out "$OUT/step8.json" 2>&1 | tail -6

@@ -3,7 +3,6 @@ grammar masks, and the longest request its state pools can ever hold. Imports no
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 USER_TURN = "<｜User｜>"  # the chat format's user-turn marker (service/api/encoding.py's USER)
@@ -31,40 +30,3 @@ def max_fit_tokens(engine: Any) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
-
-
-def settle(host_seconds: dict[str, float] | None = None) -> None:
-    """After warm-up, before serving: the start-up heap (the model's modules, the compiled traces, the
-    framework) frozen out of the cyclic collector's reach (`DSV4_GC_FREEZE`, default 1: vLLM does the same
-    after its start-up), so a full collection triggered by a step's garbage walks only what serving made;
-    Python's GIL switch interval (`DSV4_SWITCH_INTERVAL_MS`, default 5, Python's: how long the engine thread
-    may wait for the GIL that the event loop holds); and every collection's time added to `host_seconds["gc"]`
-    (the engine's host phases: it overlaps the others)."""
-    import gc
-    import os
-    import sys
-
-    if os.environ.get("DSV4_GC_FREEZE", "1") != "0":
-        gc.collect()
-        gc.freeze()
-    ms = float(os.environ.get("DSV4_SWITCH_INTERVAL_MS", "5"))
-    if not 0 < ms <= 100:
-        raise ValueError(f"DSV4_SWITCH_INTERVAL_MS must be in (0, 100], got {ms}")
-    sys.setswitchinterval(ms / 1e3)
-    global _sink
-    _sink = host_seconds
-    if _timed not in gc.callbacks:
-        gc.callbacks.append(_timed)
-
-
-_sink: dict[str, float] | None = None  # the serving engine's host phases (settle)
-_gc_started: list[float] = []
-
-
-def _timed(phase: str, _info: dict) -> None:
-    if phase == "start":
-        _gc_started.append(time.perf_counter())
-    elif _gc_started:
-        t = time.perf_counter() - _gc_started.pop()
-        if _sink is not None:
-            _sink["gc"] = _sink.get("gc", 0.0) + t

@@ -232,7 +232,6 @@ class EngineWorker:
         self._engine = engine  # for close() at thread exit
         startup.prepare(engine, self.tokenizer)
         engine.warmup()
-        startup.settle(getattr(engine, "host_seconds", None))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
@@ -275,9 +274,6 @@ class EngineWorker:
 
             mx.synchronize()
             mx.clear_streams()
-            import gc
-
-            gc.unfreeze()  # settle() froze the start-up heap; this engine's part of it may go now
 
     def _serve(self) -> None:
         try:
