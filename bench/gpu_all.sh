@@ -33,6 +33,7 @@
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
+#   PART=warps   the experts' tile GEMMs 8 warps a block: gpu tests, 2K (1 and 4 prompts) fast / warps4, 16K + 64K
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
 #   PART=whole   PART=itl at the defaults, then with the earlier default's whole 256-token forwards
@@ -203,6 +204,12 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
+    warps) timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py 2>&1 | tail -4
+           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,warps4 \
+             --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 | grep -v Warn | tail -6
+           timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384,65536 --concurrent 1 \
+             --arms fast --agree 0 --no-profile --out "$OUT/prefill_long.json" 2>&1 | grep -v Warn | tail -4 ;;
     itl) timeout 560 python3 bench/serve.py --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
            --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" 2>&1 | tail -6 ;;  # issue 30's ITL
     slices) timeout 100 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \

@@ -138,10 +138,12 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
-        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None)}  # fmt: skip
+        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None),
+        "warps4": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
+EXPERT_WARPS = int(os.environ.get("DSV4_EXPERT_WARPS", "8"))  # kernels/cuda/experts_grouped.WARPS' default
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -164,6 +166,9 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         import kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
 
         kp.MANY_ON = arm != "rope_block"
+        import kernels.cuda.experts_grouped as keg  # warps4: the experts' tile GEMMs 4 warps a block
+
+        keg.WARPS = 4 if arm == "warps4" else EXPERT_WARPS
 
 
 def main() -> None:
@@ -188,6 +193,7 @@ def main() -> None:
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
         "rope_block (rms_rope a block a vector for prefill's counts too, DSV4_ROPE_MANY=0), "
+        "warps4 (the experts' tile GEMMs 4 warps a block, DSV4_EXPERT_WARPS=4), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")
