@@ -2,31 +2,10 @@
 # The GPU set on the lent machine, one device call each PART (each under the 10-minute call limit), after
 # `bash ../shared/tools/gpu-wheels.sh` staged MLX's CUDA build in /tmp/mlxsite (see that script's header).
 #
-#   PART=new     the gpu tests not yet run whole on a GPU (the fused and split mHC pre-mix, qtiles, the dispatch)
-#                and the layer-by-layer numerics with the glue kernels (the default since 2026-12-02)
-#   PART=fused   the fused glue kernels' gpu tests, the step's A/B fast / unfused (rows 1 and 8, 4K, CUPTI), the
-#                layer numerics with every fast path (DSV4_SKINNY_CAT=1 too), the grouped experts' gpu tests form by form
-#   PART=accept  the step (rows 1 and 8, 4K and 64K, CUPTI), then prefill (32 and 2,048 tokens, 1 and 4 prompts,
-#                arms fast / qtiles / plain_attn)
-#   PART=pattn   prefill's attention on the decode kernel: its gpu test, prefill 2K (arms fast / plain_attn) and
-#                16K, the 64K step
-#   PART=gmm     prefill's tile GEMMs (the grouped experts, the f32 products): their gpu tests and prefill against
-#                decode end to end (4 layers), then prefill at 2K
-#                (1 and 4 prompts, arms fast / f32_simt / tiles, CUPTI on fast, agreement with decode) and a 2K
-#                prompt in the service's 256-token forwards (arms fast / tiles)
-#   PART=rope    rms_rope for prefill's vector counts: gpu tests, 2K fast / rope_block, 2K in 256-token forwards
-#   PART=final   prefill's gpu tests, 2K arms fast / mlx_dequant / idx_ops / sync_build, 16K + 64K, CUDA prefill
+#   PART=prefill prefill's gpu tests, 2K arms fast / mlx_dequant / idx_ops / sync_build, 16K + 64K, CUDA prefill
 #                against CUDA decode
-#   PART=heads   prefill's attention, a block a query with all heads: gpu tests, 2K fast / dsplit_attn, 16K
-#   PART=check   the default prefill path's gpu tests, 2K prefill (1 and 4 prompts), the compiled form at 256
-#   PART=pcount  one 256-token prefill forward profiled (kernels a forward, GPU busy), agreement with decode,
-#                with DSV4_PREFILL_COMPILE=0 (the default) then 1 (one process each: the warm-up's time is printed)
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
-#   PART=grouped bench/prefill.py at 2K, one prompt, for DSV4_GROUPED_EXPERTS tiles / qtiles / off
-#   PART=step64  the same step at 64K context, 1 and 8 rows
-#   PART=commit  the step at 1 and 8 rows, 4K, for MLX_MAX_OPS_PER_BUFFER 8 / 32 / 100 / 400 (one process each,
-#                the sweep run twice in turn: MLX reads it once a process)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -35,9 +14,6 @@
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=warps   the experts' tile GEMMs 8 warps a block: gpu tests, 2K (1 and 4 prompts) fast / warps4, 16K + 64K
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
-#   PART=slices  HEADS' gpu tests, then PART=itl at the defaults (2,048-token forwards in 10 ms slices)
-#   PART=whole   PART=itl at the defaults, then with the earlier default's whole 256-token forwards
-#   PART=rows    PART=itl with DSV4_PREFILL_SLICE_ROWS 4096 (the default), then 2048
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
@@ -46,7 +22,6 @@
 #                and 64K, fast vs mlx_mm, against the release-precision byte floor, with the CUPTI profile
 #   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
-#   PART=prefill bench/prefill.py: a forward's CUPTI profile at 256 and 2,048 tokens, then 2K and 16K prompts
 #   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
 #
 #   PART="step kernels" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
@@ -66,59 +41,7 @@ for part in ${PART:-tests}; do
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
-    new) timeout 260 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_hc.py \
-           tests/kernels/test_experts_grouped.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path 2>&1 | tail -15
-         timeout 220 python3 -m pytest -m gpu -v -x --tb=short -p no:cacheprovider \
-           tests/model/test_cuda_layer_numerics.py 2>&1 | tail -8 ;;
-    fused) # the fused glue kernels' gpu tests, the step's A/B (fused against the launches they fuse), the layer
-           # numerics with every fast path, the grouped experts' forms (prefill) one by one
-           timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_fused.py \
-             tests/kernels/test_cuda_matmul.py::test_f32_linear_pair_rows_is_each_product_alone \
-             tests/kernels/test_cuda_matmul.py::test_qlinear_cat_rows_is_each_product \
-             tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm \
-             tests/kernels/test_cuda_hc.py::test_hc_pre_norm_rows_bad_arguments_are_named \
-             tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \
-             tests/kernels/test_cuda_norms.py::test_tiny_model_decode_with_the_glue_kernels 2>&1 | tail -12
-           timeout 190 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
-             --arms fast,unfused --out "$OUT/step_fused.json" 2>&1 | tail -5
-           DSV4_SKINNY_CAT=1 timeout 190 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
-             tests/model/test_cuda_layer_numerics.py 2>&1 | grep -E "PASS|FAIL|Error|assert" | tail -8
-           timeout 50 python3 -m pytest -m gpu -v --tb=line -p no:cacheprovider \
-             tests/kernels/test_experts_grouped.py 2>&1 | grep -E "PASS|FAIL|Error" | tail -8 ;;
-    pattn) # prefill's attention as the decode kernel's rows: its gpu test, then prefill at 2K (1 and 4 prompts,
-           # arms fast / plain_attn alternated, CUPTI on fast, agreement with decode) and 16K, then the 64K step
-           timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-             tests/kernels/test_cuda_prefill_attention.py tests/kernels/test_cuda.py::test_dispatch_uses_fast_path \
-             2>&1 | tail -8
-           timeout 240 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,plain_attn \
-             --agree 256 --profile --out "$OUT/prefill_attn.json" 2>&1 | grep -v Warn | tail -7
-           timeout 130 python3 bench/prefill.py --experts 32 --prompts 16384 --concurrent 1 --agree 0 --no-profile \
-             --out "$OUT/prefill_16k.json" 2>&1 | tail -2
-           timeout $((575 - SECONDS)) python3 bench/step.py --experts 32 --rows 8,1 --contexts 65536 --reps 8 \
-             --arms fast --out "$OUT/step_64k.json" 2>&1 | tail -4 ;;
-    accept) # the figures of record in one call: the step (rows 1 and 8, 4K and 64K, CUPTI), then prefill (a 32-token
-            # prompt: 8-row slices; 2K; 1 and 4 prompts; arms fast / plain_attn, CUPTI on fast)
-            timeout 260 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096,65536 --reps 8 --profile \
-              --arms fast --out "$OUT/step.json" 2>&1 | tail -6
-            timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32,2048 --concurrent 1,4 \
-              --arms fast,qtiles,plain_attn --agree 0 --profile --out "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -10 ;;
-    gmm) # prefill's tile GEMMs on the weights as stored (kernels/cuda/tiles_mm.py): the experts, the f32 products
-         timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-           tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py \
-           tests/model/test_cuda_prefill.py 2>&1 | tail -8
-         timeout 270 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,f32_simt,tiles \
-           --agree 256 --profile --out "$OUT/prefill_gmm.json" 2>&1 | grep -v Warn | tail -8
-         timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
-           --arms fast,tiles --agree 0 --no-profile --out "$OUT/prefill_gmm_256.json" 2>&1 | tail -3 ;;
-    rope) # rms_rope a warp a vector past MANY_VECTORS: its gpu tests, 2K (arms fast / rope_block, CUPTI on fast),
-          # then a 2K prompt in the service's 256-token forwards (a short call: what a session's device time left)
-          timeout 60 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_fused.py \
-            -k rms_rope 2>&1 | tail -4
-          timeout 110 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1 --arms fast,rope_block \
-            --agree 0 --profile --out "$OUT/prefill_rope.json" 2>&1 | grep -v Warn | tail -4
-          timeout $((235 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --chunk 256 --concurrent 1 \
-            --arms fast --agree 0 --no-profile --out "$OUT/prefill_256.json" 2>&1 | tail -3 ;;
-    final) # the prefill kernels' gpu tests (HEADS, the tile GEMMs incl. the indexer's scores, the mxfp8 dequantize,
+    prefill) # the prefill kernels' gpu tests (HEADS, the tile GEMMs incl. the indexer's scores, the mxfp8 dequantize,
            # the dispatch), prefill at 2K (1 and 4 prompts; arms fast / mlx_dequant / idx_ops / sync_build
            # alternated, CUPTI on fast, agreement with decode), 16K and 64K prompts, then the whole CUDA prefill
            # against CUDA decode (tests/model/test_cuda_prefill.py) in what time is left
@@ -133,29 +56,6 @@ for part in ${PART:-tests}; do
              --no-profile --out "$OUT/prefill_long.json" 2>&1 | tail -4
            timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
              tests/model/test_cuda_prefill.py 2>&1 | tail -8 ;;
-    heads) # prefill's attention as one block a query with all 64 heads (`HEADS`): its gpu tests, prefill at 2K
-           # (1 and 4 prompts, arms fast / dsplit_attn alternated, CUPTI on fast, agreement with decode), then 16K
-           timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-             tests/kernels/test_cuda_prefill_attention.py 2>&1 | tail -8
-           timeout 250 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,dsplit_attn \
-             --agree 256 --profile --out "$OUT/prefill_heads.json" 2>&1 | grep -v Warn | tail -8
-           timeout $((585 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384 --concurrent 1 --agree 0 \
-             --no-profile --out "$OUT/prefill_16k.json" 2>&1 | tail -3 ;;
-    check) # the default prefill path's gpu tests (the tile kernels, the experts' table, prefill against decode at
-           # V4-Flash dims), the 2K prefill (1 and 4 prompts, CUPTI), then the compiled form at 256 tokens (a stuck
-           # run dumps every thread's stack: SIGABRT + PYTHONFAULTHANDLER)
-           timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-             tests/kernels/test_cuda_tiles_mm.py tests/kernels/test_cuda_experts_grouped.py \
-             tests/model/test_cuda_prefill.py 2>&1 | tail -8
-           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast \
-             --agree 256 --profile --out "$OUT/prefill_check.json" 2>&1 | grep -v Warn | tail -6
-           DSV4_PREFILL_COMPILE=1 PYTHONFAULTHANDLER=1 timeout -s ABRT $((590 - SECONDS)) python3 bench/prefill.py \
-             --experts 32 --prompts 256 --chunk 256 --concurrent 1 --agree 64 --profile \
-             --out "$OUT/prefill_256_c1.json" 2>&1 | grep -v Warn | tail -40 ;;
-    pcount) for c in 0 1; do  # the compiled form's first GPU run printed nothing in 170 s (6de67c4)
-              DSV4_PREFILL_COMPILE=$c timeout 270 python3 bench/prefill.py --experts 32 --prompts 256 --chunk 256 \
-                --concurrent 1 --agree 64 --profile --out "$OUT/prefill_256_c$c.json" 2>&1 | grep -v Warn | tail -6
-            done ;;
     graphs) # the host's cost a kernel under MLX's three ways of submitting work (read once a process): CUDA
             # graphs committed every 100 nodes (ours), no graphs (each kernel launched as encoded), one graph a step
             for mode in on off step; do
@@ -164,17 +64,6 @@ for part in ${PART:-tests}; do
               env "${env[@]}" timeout 180 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
                 --profile --arms fast,hc_one --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
             done ;;
-    grouped) for how in tiles qtiles off; do
-               DSV4_GROUPED_EXPERTS=$how timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 \
-                 --concurrent 1 --agree 0 --no-profile --out "$OUT/prefill_$how.json" 2>&1 | tail -2 | sed "s/^/$how: /"
-             done ;;
-    commit) for rep in 1 2; do for ops in 8 32 100 400; do  # MLX's CUDA-graph commit size, read once a process
-              MLX_MAX_OPS_PER_BUFFER=$ops timeout 70 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
-                --arms fast --reps 10 --out "/tmp/commit_${ops}_$rep.json" 2>&1 | grep -E "^ +4096" | sed "s/^/ops $ops: /"
-            done; done
-            python3 -c "import glob, json, sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/commit_*.json'))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/commit.json" ;;
-    step64) timeout 200 python3 bench/step.py --experts 32 --rows 1,8 --contexts 65536 --reps 8 --profile \
-              --out "$OUT/step_64k.json" 2>&1 | tail -12 ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
@@ -212,24 +101,6 @@ for part in ${PART:-tests}; do
              --arms fast --agree 0 --no-profile --out "$OUT/prefill_long.json" 2>&1 | grep -v Warn | tail -4 ;;
     itl) timeout 560 python3 bench/serve.py --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
            --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" 2>&1 | tail -6 ;;  # issue 30's ITL
-    slices) timeout 100 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-              tests/kernels/test_cuda_prefill_attention.py 2>&1 | tail -4
-            timeout $((590 - SECONDS)) python3 bench/serve.py --concurrency 7 --output-len 512 \
-              --prompts-per-concurrency 1 --long-prompt 16384 --server-args "$flash" --out "$OUT/serve_itl.json" \
-              2>&1 | tail -6 ;;
-    whole) # the same cell at the defaults (2,048-token forwards in slices), then the earlier default's whole
-           # 256-token forwards (one server each: ~140 s to ready on the H200)
-           for args in "" "--prefill-chunk 256 --prefill-slice-ms 0"; do
-             timeout $(((590 - SECONDS) / 2 + 10)) python3 bench/serve.py --concurrency 7 --output-len 512 \
-               --prompts-per-concurrency 1 --long-prompt 16384 --server-args "$flash $args" \
-               --out "$OUT/serve_itl${args// /_}.json" 2>&1 | tail -4
-           done ;;
-    rows) # the defaults' cell with a slice's rows x layers at 4,096 (the default) and 2,048 (one server each)
-          for rows in 4096 2048; do
-            DSV4_PREFILL_SLICE_ROWS=$rows timeout $(((590 - SECONDS) / 2 + 10)) python3 bench/serve.py \
-              --concurrency 7 --output-len 512 --prompts-per-concurrency 1 --long-prompt 16384 \
-              --server-args "$flash" --out "$OUT/serve_itl_rows$rows.json" 2>&1 | tail -4
-          done ;;
     long64) # a 64K prompt beside 7 streams at the defaults (issue 30's memory point), their ITL during it
             timeout 560 python3 bench/serve.py --concurrency 7 --output-len 1024 --prompts-per-concurrency 1 \
               --long-prompt 65536 --server-args "$flash --max-model-len 70000" --out "$OUT/serve_itl64k.json" \
@@ -243,16 +114,8 @@ for part in ${PART:-tests}; do
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
-    prefill) # the CUPTI profile of a forward, short first (a 2,048-token prompt in 256-token forwards, profiled,
-             # did not finish in 200 s on 2026-12-02), then the 2K and 16K cells; 64K: --prompts 65536, its own call
-             for chunk in 256 2048; do
-               timeout 170 python3 bench/prefill.py --experts 32 --prompts $((2 * chunk)) --chunk $chunk --agree 0 \
-                 --profile --out "$OUT/prefill_profile_$chunk.json" 2>&1 | grep -v Warn | tail -4
-             done
-             timeout 240 python3 bench/prefill.py --experts 32 --prompts 2048,16384 --agree 512 --no-profile \
-               --out "$OUT/prefill.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (slices whole final heads check rope itl new fused accept pattn graphs grouped commit step64 http prefix tests tests2 step kernels serve prefill dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 prefill graphs http dispatch now http90 ncu warps itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
