@@ -12,7 +12,8 @@
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
-#   PART=warps   the experts' tile GEMMs 8 warps a block: gpu tests, 2K (1 and 4 prompts) fast / warps4, 16K + 64K
+#   PART=warps   the experts' tile GEMMs 8 warps a block: gpu tests, 2K (1 and 4 prompts) fast / warps4, 4 x 2K in
+#                one 8,192-token forward, 16K + 64K
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
@@ -97,6 +98,8 @@ for part in ${PART:-tests}; do
              tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py 2>&1 | tail -4
            timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,warps4 \
              --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 | grep -v Warn | tail -6
+           timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \
+             --arms fast --agree 0 --no-profile --out "$OUT/prefill_8k.json" 2>&1 | grep -v Warn | tail -3
            timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384,65536 --concurrent 1 \
              --arms fast --agree 0 --no-profile --out "$OUT/prefill_long.json" 2>&1 | grep -v Warn | tail -4 ;;
     itl) timeout 560 python3 bench/serve.py --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
