@@ -12,8 +12,9 @@
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
-#   PART=warps   the experts' tile GEMMs 8 warps a block: gpu tests, 2K (1 and 4 prompts) fast / warps4, 4 x 2K in
-#                one 8,192-token forward, 16K + 64K
+#   PART=warps   the experts' tile GEMMs 8 warps a block, the MoE's fused end: gpu tests (+ CUDA prefill against
+#                CUDA decode), 2K (1 and 4 prompts) fast / warps4 / moe_composed, 4 x 2K in one 8,192-token
+#                forward, 16K + 64K
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
@@ -94,11 +95,13 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
-    warps) timeout 150 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-             tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py 2>&1 | tail -4
-           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --arms fast,warps4 \
-             --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 | grep -v Warn | tail -6
-           timeout 150 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \
+    warps) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py \
+             tests/model/test_cuda_prefill.py 2>&1 | tail -4
+           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
+             --arms fast,warps4,moe_composed --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 \
+             | grep -v Warn | tail -8
+           timeout 120 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \
              --arms fast --agree 0 --no-profile --out "$OUT/prefill_8k.json" 2>&1 | grep -v Warn | tail -3
            timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384,65536 --concurrent 1 \
              --arms fast --agree 0 --no-profile --out "$OUT/prefill_long.json" 2>&1 | grep -v Warn | tail -4 ;;

@@ -137,8 +137,9 @@ def tile_table(flat: mx.array, e: int) -> tuple[mx.array, mx.array]:
 
 def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
                     s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None,
-                    how: str | None = None) -> mx.array:  # fmt: skip
-    """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection.
+                    how: str | None = None, pairs: bool = False) -> mx.array:  # fmt: skip
+    """sum_j weights[b, j] * expert_{idx[b, j]}(x[b]) -> [B, H] f32, one grouped GEMM per projection;
+    `pairs`: each pair's product before that sum, [B, k, H] in x.dtype (for a fused combine).
     `how`: `tiles` (the pairs padded to TILE_ROWS-row tiles of one expert each: gather_mm M = TILE_ROWS) or
     `qtiles` (those tiles through gather_qmm on the mxfp4 weights); None: `mode()`, where `tiles` is the
     registered fast form when there is one (CUDA: the same tiles on the mxfp4 weights in two kernels)."""
@@ -146,7 +147,8 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
     if how is None and mode() == "tiles":  # the fast form of `tiles` where one is registered (CUDA)
         fast = backend.pick(OP, None)
         if fast is not None:
-            return fast(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit)
+            more = {"pairs": True} if pairs else {}
+            return fast(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, **more)
     how = mode() if how is None else how
     if how not in ("tiles", "qtiles"):
         raise ValueError(f"grouped_experts: how: must be tiles or qtiles, got {how!r}")
@@ -170,7 +172,7 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
     out = prod(hdn, w2, s2)  # [tiles, TILE_ROWS, H]
     out = out.reshape(-1, out.shape[-1])[slot]  # back to the sorted pairs
     out = out.astype(x.dtype)[mx.argsort(order)].reshape(b, k, -1)  # back to [B, k, H]
-    return mx.sum(out.astype(mx.float32) * weights[:, :, None], axis=1)
+    return out if pairs else mx.sum(out.astype(mx.float32) * weights[:, :, None], axis=1)
 
 
 def experts_rows_reference(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,

@@ -220,6 +220,10 @@ class Experts(nn.Module):
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
         return mx.sum(self.pairs(x, idx).astype(mx.float32) * w[:, :, None], axis=1)  # [B, k, H] -> [B, H]
 
+    def routed(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        """Each pair's product [B, k, H], not yet weighted by `w` (model.quant.QuantizedExperts groups them)."""
+        return self.pairs(x, idx)
+
     def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
         """Each (row, k) pair through its expert -> [B, k, H]."""
         # MLX's CPU gather_mm is f32-only: there, run a bf16 model's experts in f32.
@@ -256,6 +260,9 @@ class SharedExpert(nn.Module):
         return self.w2(h)
 
 
+COMBINE_MANY = True  # prefill's rows through the fused combine too (bench/prefill.py's arm moe_composed: False)
+
+
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -264,12 +271,13 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(args)
 
     def post_mixed(self, x: mx.array, token_ids: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-        """The MoE's output through its unit's mHC post-mix (`hc_post`): at decode's rows the combine and the
-        post-mix are one op (`kernels.moe_combine_post_rows`, one launch on CUDA)."""
-        if x.ndim == 2 and x.shape[0] <= GROUPED_ROWS:
+        """The MoE's output through its unit's mHC post-mix (`hc_post`): the router-weighted combine, the
+        shared expert and the post-mix are one op (`kernels.moe_combine_post_rows`, one launch on CUDA) for
+        decode's rows and prefill's alike (the latter's pairs from the grouped GEMMs, in pair order)."""
+        if x.ndim == 2 and (COMBINE_MANY or x.shape[0] <= GROUPED_ROWS):
             idx, w = self.gate(x, token_ids)
             shared = self.shared_experts.project(x)
-            return kernels.moe_combine_post_rows(self.experts.pairs(x, idx), w, shared, h, post, comb)
+            return kernels.moe_combine_post_rows(self.experts.routed(x, idx, w), w, shared, h, post, comb)
         return hc_post(self(x, token_ids), h, post, comb)
 
     def __call__(self, x: mx.array, token_ids: mx.array) -> mx.array:

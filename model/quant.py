@@ -136,14 +136,25 @@ class QuantizedExperts(nn.Module):
         self.limit = limit
 
     def __call__(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
-        # a short prompt (9..64 rows) runs per pair too, in 8-row slices (`pairs`), where the grouped GEMM would
-        # dequantize every expert of the layer
-        short = kmatmul.fast_sliced("experts_gate_up_rows", x) is not None
-        if not short and x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS and experts_grouped.mode() != "off":
-            # prefill: one grouped GEMM a projection over the pairs sorted by expert (kernels.experts_grouped)
+        if self._grouped(x):  # prefill: one grouped GEMM a projection over the pairs sorted by expert
             return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
                                                    self.w3, self.w3_scales, limit=self.limit)  # fmt: skip
         return mx.sum(self.pairs(x, idx).astype(mx.float32) * w[:, :, None], axis=1)
+
+    def _grouped(self, x: mx.array) -> bool:
+        # a short prompt (9..64 rows) runs per pair too, in 8-row slices (`pairs`), where the grouped GEMM would
+        # dequantize every expert of the layer
+        short = kmatmul.fast_sliced("experts_gate_up_rows", x) is not None
+        many = x.ndim == 2 and x.shape[0] > experts_grouped.GROUPED_ROWS
+        return not short and many and experts_grouped.mode() != "off"
+
+    def routed(self, x: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+        """Each (row, k) pair's product [B, k, H] in x.dtype, not yet weighted by `w` (checked only): grouped
+        past 64 rows (prefill), else `pairs`; for the MoE's fused combine (`kernels.moe_combine_post_rows`)."""
+        if self._grouped(x):
+            return experts_grouped.grouped_experts(x, idx, w, self.w1, self.w1_scales, self.w2, self.w2_scales,
+                                                   self.w3, self.w3_scales, limit=self.limit, pairs=True)  # fmt: skip
+        return self.pairs(x, idx)
 
     def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
         """Each (row, k) pair through its expert -> [B, k, H] in x.dtype. kernels.matmul: on CUDA, 1..8 rows

@@ -36,12 +36,13 @@ def fits(x: mx.array, w1: mx.array, w2: mx.array) -> bool:
 
 
 def grouped_experts_cuda(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array, s1: mx.array, w2: mx.array,
-                         s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None) -> mx.array:  # fmt: skip
+                         s2: mx.array, w3: mx.array, s3: mx.array, *, limit: float | None,
+                         pairs: bool = False) -> mx.array:  # fmt: skip
     """`kernels.experts_grouped.grouped_experts` (same arguments, checks and result) as two tile GEMMs on the
     mxfp4 weights; shapes that do not tile run the plain `tiles` form."""
     ref.check_grouped("grouped_experts", x, idx, weights, w1, s1, w2, s2, w3, s3)
     if not fits(x, w1, w2):
-        return ref.grouped_experts(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, how="tiles")
+        return ref.grouped_experts(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, how="tiles", pairs=pairs)
     b, k = idx.shape
     hid, inter, e = x.shape[1], w1.shape[1], w1.shape[0]
     ptab, texp = ref.tile_table(idx.reshape(-1).astype(mx.uint32), e)  # the pair a tile row holds, each tile's expert
@@ -56,4 +57,6 @@ def grouped_experts_cuda(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.a
                                                             out=mx.bfloat16, wr=w_down))  # fmt: skip
     hdn = up(x, w1, s1, w3, s3, ptab, texp)  # [B * k, I] in pair order
     out = down(hdn, w2, s2, w2, s2, ptab, texp)  # [B * k, H]
+    if pairs:
+        return out.reshape(b, k, hid)
     return mx.sum(out.reshape(b, k, hid).astype(mx.float32) * weights[:, :, None], axis=1)

@@ -66,6 +66,10 @@ def test_cuda_grouped_is_the_per_pair_reference(b: int, e: int, hid: int, inter:
     assert got.dtype == mx.float32 and got.shape == (b, hid)
     close(got, eg.experts_rows_reference(x, idx, w, *args(p), limit=limit), 2e-2)
     close(got, eg.grouped_experts(x, idx, w, *args(p), limit=limit, how="tiles"), 2e-2)
+    pairs = grouped_experts_cuda(x, idx, w, *args(p), limit=limit, pairs=True)  # the MoE's fused combine's input
+    assert pairs.dtype == x.dtype and pairs.shape == (b, idx.shape[1], hid)
+    close(pairs, eg.grouped_experts(x, idx, w, *args(p), limit=limit, how="tiles", pairs=True), 2e-2)
+    assert mx.array_equal(mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1), got).item()
 
 
 @pytest.mark.gpu

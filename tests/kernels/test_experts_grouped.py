@@ -82,6 +82,38 @@ def test_a_row_does_not_depend_on_the_other_rows(how: str) -> None:
     np.testing.assert_allclose(np.array(yb[11]), np.array(ya[5]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["tiles", "qtiles"])
+@pytest.mark.parametrize("b", [9, 300])
+def test_pairs_are_each_pair_before_the_weighted_sum(b: int, how: str) -> None:
+    """`pairs=True`: [B, k, H] in x.dtype, each pair's product (the per-pair reference's, pair by pair), whose
+    router-weighted f32 sum is the grouped result."""
+    rng = np.random.default_rng(b)
+    p = experts(16, 128, 64)
+    x = 3 * mx.random.normal((b, 128))
+    idx, w = routing("ragged", b, 16, rng)
+    got = eg.grouped_experts(x, idx, w, *args(p), limit=0.5, how=how, pairs=True)
+    assert got.dtype == x.dtype and got.shape == (b, K, 128)
+    ri = idx.astype(mx.uint32)
+    hdn = eg.experts_gate_up_rows_reference(x, ri, p["w1"], p["w1_scales"], p["w3"], p["w3_scales"], limit=0.5)
+    close(got, eg.experts_down_rows_reference(hdn, ri, p["w2"], p["w2_scales"]), 1e-4)
+    summed = mx.sum(got.astype(mx.float32) * w[:, :, None], axis=1)
+    assert mx.array_equal(summed, eg.grouped_experts(x, idx, w, *args(p), limit=0.5, how=how)).item()
+
+
+@pytest.mark.parametrize("env", ["tiles", "off"])
+def test_routed_is_the_pairs_the_experts_sum(env: str, monkeypatch) -> None:
+    """QuantizedExperts.routed (the MoE's fused combine takes it): the pairs whose weighted sum is the
+    module's output, grouped past the decode rows, per pair up to them."""
+    monkeypatch.setenv(eg.ENV, env)
+    rng = np.random.default_rng(5)
+    mod = QuantizedExperts(experts(8, 128, 64), 0.5)
+    for b in (3, 100):
+        x = mx.random.normal((b, 128))
+        idx, w = routing("ragged", b, 8, rng)
+        pairs = mod.routed(x, idx, w)
+        assert pairs.shape == (b, K, 128)
+        assert mx.array_equal(mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1), mod(x, idx, w)).item()
+
 @pytest.mark.parametrize("env", ["", "tiles", "qtiles", "off"])
 def test_quantized_experts_run_grouped_past_the_decode_rows_only(env: str, monkeypatch) -> None:
     monkeypatch.setenv(eg.ENV, env)
