@@ -121,7 +121,8 @@ class PostPlan:
 
     def __init__(self, h: mx.array, post: mx.array, comb: mx.array) -> None:
         b, nc, hid = h.shape
-        self.fast = post.dtype == mx.float32 and comb.dtype == mx.float32 and nc <= MAX_NC
+        # rows are the grid's y (at most 65,535: a longer prefill chunk runs the reference)
+        self.fast = post.dtype == mx.float32 and comb.dtype == mx.float32 and nc <= MAX_NC and b <= 65535
         if not self.fast:
             return
         self.kernel = kernel("hc_post", ("y", "h", "post", "comb"), ("out",), POST_SOURCE)

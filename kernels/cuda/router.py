@@ -199,6 +199,7 @@ def moe_combine_post_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, h
         check_moe_combine_post_rows(pairs, w, shared, h, post, comb)
         floats = (mx.float32, mx.bfloat16, mx.float16)
         if (pairs.size == 0 or h.shape[1] > MAX_NC or post.dtype != mx.float32 or comb.dtype != mx.float32
+                or pairs.shape[0] > 65535  # rows are the grid's y (prefill's chunk)
                 or any(a.dtype not in floats for a in (pairs, w, shared, h))):  # fmt: skip
             return None
         plan = CombinePlan(pairs, h.dtype)
