@@ -95,12 +95,13 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
-    warps) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+    warps) timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
              tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py \
              tests/model/test_cuda_prefill.py 2>&1 | tail -4
-           timeout 200 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
+           timeout $((${LIMIT:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
              --arms fast,warps4,moe_composed --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 \
              | grep -v Warn | tail -8
+           [ "${SHORT:-0}" = 1 ] && continue  # a short call: the tests and the A/B only
            timeout 120 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \
              --arms fast --agree 0 --no-profile --out "$OUT/prefill_8k.json" 2>&1 | grep -v Warn | tail -3
            timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 16384,65536 --concurrent 1 \
