@@ -12,9 +12,8 @@
 #   PART=now     the step (rows 1 and 8, 4K and 64K, CUPTI), then 8 streams through the service: issue 29's figures
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
-#   PART=warps   the experts' tile GEMMs 8 warps a block, the MoE's fused end: gpu tests (+ CUDA prefill against
-#                CUDA decode), 2K (1 and 4 prompts) fast / warps4 / moe_composed, 4 x 2K in one 8,192-token
-#                forward, 16K + 64K
+#   PART=moe     prefill's MoE end in one launch: gpu tests (+ CUDA prefill against CUDA decode), 2K (1 and 4
+#                prompts) fast / moe_composed, 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
@@ -95,11 +94,11 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
-    warps) timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+    moe) timeout 170 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
              tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py \
              tests/model/test_cuda_prefill.py 2>&1 | tail -4
            timeout $((${LIMIT:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
-             --arms fast,warps4,moe_composed --agree 0 --profile --out "$OUT/prefill_warps.json" 2>&1 \
+             --arms fast,moe_composed --agree 0 --profile --out "$OUT/prefill_moe.json" 2>&1 \
              | grep -v Warn | tail -8
            [ "${SHORT:-0}" = 1 ] && continue  # a short call: the tests and the A/B only
            timeout 120 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \
@@ -123,6 +122,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 prefill graphs http dispatch now http90 ncu warps itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

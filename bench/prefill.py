@@ -140,11 +140,10 @@ ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
         "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None),
-        "warps4": ((), None), "moe_composed": ((), None)}  # fmt: skip
+        "moe_composed": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
-EXPERT_WARPS = int(os.environ.get("DSV4_EXPERT_WARPS", "8"))  # kernels/cuda/experts_grouped.WARPS' default
 
 
 def set_arm(arm: str, held: dict, grouped: str) -> None:
@@ -168,9 +167,6 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         import kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
 
         kp.MANY_ON = arm != "rope_block"
-        import kernels.cuda.experts_grouped as keg  # warps4: the experts' tile GEMMs 4 warps a block
-
-        keg.WARPS = 4 if arm == "warps4" else EXPERT_WARPS
 
 
 def main() -> None:
@@ -195,7 +191,6 @@ def main() -> None:
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
         "rope_block (rms_rope a block a vector for prefill's counts too, DSV4_ROPE_MANY=0), "
-        "warps4 (the experts' tile GEMMs 4 warps a block, DSV4_EXPERT_WARPS=4), "
         "moe_composed (prefill's MoE end as the weighted sum, the shared expert and hc_post: 6 launches, not 1), "
         "alternated per cell; the first is profiled",
     )

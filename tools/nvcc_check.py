@@ -204,16 +204,14 @@ def units() -> dict[str, str]:
     gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False),
              ("hw", F32, False)]  # fmt: skip
-    for name, o, wf, k, pair, xdiv, wr in (
-        ("tiles_gate_up", BF, 2, 4096, 1, 6, 8), ("tiles_down", BF, 2, 2048, 0, 1, 8),
-        ("tiles_gate_up_w4", BF, 2, 4096, 1, 6, 4), ("tiles_f32", F32, 0, 4096, 0, 1, 4),
-        ("tiles_f32_pair", F32, 0, 4096, 2, 1, 4), ("tiles_idx_scores", F32, 0, 128, 3, 1, 4),
-    ):  # fmt: skip
+    for name, o, wf, k, pair, xdiv in (("tiles_gate_up", BF, 2, 4096, 1, 6), ("tiles_down", BF, 2, 2048, 0, 1),
+                                       ("tiles_f32", F32, 0, 4096, 0, 1), ("tiles_f32_pair", F32, 0, 4096, 2, 1),
+                                       ("tiles_idx_scores", F32, 0, 128, 3, 1)):
         out[name] = standalone("tiles_mm", gm_in, [("out", o)],
                                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("PAIR", pair), ("XDIV", xdiv),
-                                ("MT", 1 if pair in (1, 2) else 2), ("WR", wr), ("TR", tm.TR), ("XS", tm.XS)],
+                                ("MT", 1 if pair in (1, 2) else 2), ("WR", tm.WR), ("TR", tm.TR), ("XS", tm.XS)],
                                tm.SOURCE,
-                               header=E2M1 + tm.HEADER + launch_bounds(32 * wr, 8 // wr))  # fmt: skip
+                               header=E2M1 + tm.HEADER + launch_bounds(32 * tm.WR, 2))  # fmt: skip
     return out
 
 

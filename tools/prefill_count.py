@@ -62,7 +62,7 @@ def cuda_prefill() -> Iterator[None]:
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel)
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
-                  limit: float | None = None, wr: int = 4) -> _OneLaunch:  # fmt: skip
+                  limit: float | None = None) -> _OneLaunch:  # fmt: skip
         return _OneLaunch((2, p, n) if pair == 2 else (p, n), out)
 
     def attn_plan(r: int, page: int, width: int, q: mx.array, *_: Any) -> _OneLaunch:

@@ -10,23 +10,19 @@ its length. Here the same tiles (`tiles`' ptab / tile experts) go through gate +
 epilogue (hidden [P, I] in pair order, x rows gathered in the kernel) and down ([P, H] in pair order); the
 router-weighted sum over k stays the reference's f32 ops.
 
-A block has `WARPS` warps (8 by default where N tiles so, `DSV4_EXPERT_WARPS=4` the earlier form): Nsight
-Compute on the 4-warp form (H200, e4b4565) found both GEMMs bound by L2 traffic (72-74% of its throughput,
-DRAM 4-5%, SM 37-42%), most of it each block gathering its tile's x rows: 8 warps a block share one
-gather over twice the weight rows, so the x rows cross L2 half as often.
+Nsight Compute (H200, e4b4565) finds both GEMMs bound by L2 traffic (72-74% of its throughput, DRAM 4-5%,
+SM 37-42%, 12% occupancy at 194 registers), most of it each block gathering its tile's x rows. 8 warps a
+block (one gather for twice the weight rows) was slower on the whole forward (2K: 6,304 against 6,830
+tokens/s, 146 against ~138 ms of these GEMMs; 2026-12-03, 2094d6e..08b7568): not kept.
 """
 
 from __future__ import annotations
-
-import os
 
 import mlx.core as mx
 
 from kernels import experts_grouped as ref
 from kernels.cuda.common import plan_cached
-from kernels.cuda.tiles_mm import TR, Plan, tiles_for, warps_for
-
-WARPS = int(os.environ.get("DSV4_EXPERT_WARPS", "8"))  # read at each call (bench/prefill.py's arm warps4)
+from kernels.cuda.tiles_mm import TR, Plan, tiles_for
 
 
 def fits(x: mx.array, w1: mx.array, w2: mx.array) -> bool:
@@ -47,14 +43,10 @@ def grouped_experts_cuda(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.a
     hid, inter, e = x.shape[1], w1.shape[1], w1.shape[0]
     ptab, texp = ref.tile_table(idx.reshape(-1).astype(mx.uint32), e)  # the pair a tile row holds, each tile's expert
     tiles = ptab.shape[0] // TR
-    if WARPS not in (4, 8):
-        raise ValueError(f"grouped_experts: DSV4_EXPERT_WARPS must be 4 or 8, got {WARPS}")
-    w_up, w_down = warps_for(hid, inter, 1, WARPS), warps_for(inter, hid, 0, WARPS)
     key = ("grouped_experts", b * k, hid, inter, tiles, limit)
-    up = plan_cached(key + ("up", w_up), lambda: Plan(b * k, hid, inter, tiles, wf=2, pair=1, xdiv=k,
-                                                      out=mx.bfloat16, limit=limit, wr=w_up))  # fmt: skip
-    down = plan_cached(key + ("down", w_down), lambda: Plan(b * k, inter, hid, tiles, wf=2, pair=0, xdiv=1,
-                                                            out=mx.bfloat16, wr=w_down))  # fmt: skip
+    up = plan_cached(key + ("up",), lambda: Plan(b * k, hid, inter, tiles, wf=2, pair=1, xdiv=k, out=mx.bfloat16,
+                                                 limit=limit))  # fmt: skip
+    down = plan_cached(key + ("down",), lambda: Plan(b * k, inter, hid, tiles, wf=2, pair=0, xdiv=1, out=mx.bfloat16))
     hdn = up(x, w1, s1, w3, s3, ptab, texp)  # [B * k, I] in pair order
     out = down(hdn, w2, s2, w2, s2, ptab, texp)  # [B * k, H]
     if pairs:

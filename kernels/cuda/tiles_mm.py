@@ -35,7 +35,7 @@ from kernels.matmul import MANY_ROWS  # fewer rows run as 8-row slices of the sk
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
 CK = 128  # k values a chunk: 64 (mxfp4) or 256 (bf16) bytes of a weight row, a quarter of it a lane
 XS = 20  # uint4 a tile row in shared memory (16 used): lanes 4 apart in gq land 4 banks apart
-WR = 4  # warps a block (the f32 products, the indexer); the experts' plans may take 8 (warps_for)
+WR = 4  # warps a block
 
 HEADER = r"""
 // One 128-k chunk of the tile's x rows into shared memory: row r's uint4 u (k 8u..8u+7) at r * XS +
@@ -228,20 +228,15 @@ _dense: dict[int, mx.array] = {}  # T -> its rows as tiles (a few distinct T: th
 class Plan:
     """One launch (P rows, K, N, tiles, weight format, epilogue), made once per shape."""
 
-    __slots__ = ("dtype", "fparams", "grid", "kernel", "shape", "threads", "tmpl")
+    __slots__ = ("dtype", "fparams", "grid", "kernel", "shape", "tmpl")
 
     def __init__(self, p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
-                 limit: float | None = None, wr: int = WR) -> None:  # fmt: skip
-        if wr not in (4, 8) or not tiles_for(k, n, pair, wr):
-            raise ValueError(f"tiles_mm: wr must be 4 or 8 and tile N {n}, got {wr}")
+                 limit: float | None = None) -> None:  # fmt: skip
         mt = 1 if pair in (1, 2) else 2
-        # ~194 registers a thread: two blocks of 4 warps or one of 8 an SM (8 warps either way)
-        bounds = launch_bounds(32 * wr, 8 // wr)
-        self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=E2M1 + HEADER + bounds)
+        self.kernel = kernel("tiles_mm", INPUTS, ("out",), SOURCE, header=E2M1 + HEADER + launch_bounds(32 * WR, 2))
         self.tmpl = [("T", mx.bfloat16), ("O", out), ("WF", wf), ("K", k), ("PAIR", pair),
-                     ("XDIV", xdiv), ("MT", mt), ("WR", wr), ("TR", TR), ("XS", XS)]  # fmt: skip
-        self.grid = (n // (16 * mt * wr) * 32 * wr, tiles, 1)
-        self.threads = 32 * wr
+                     ("XDIV", xdiv), ("MT", mt), ("WR", WR), ("TR", TR), ("XS", XS)]  # fmt: skip
+        self.grid = (n // (16 * mt * WR) * 32 * WR, tiles, 1)
         self.shape = {2: (2, p, n), 3: (p // TR, n)}.get(pair, (p, n))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(p))
@@ -250,18 +245,13 @@ class Plan:
                  texp: mx.array, hw: mx.array | None = None) -> mx.array:  # fmt: skip
         hw = dummy((1,), mx.float32) if hw is None else hw
         return self.kernel(inputs=[x, w, s, w2, s2, ptab, texp, self.fparams, hw], template=self.tmpl, grid=self.grid,
-                           threadgroup=(self.threads, 1, 1), output_shapes=[self.shape],
+                           threadgroup=(32 * WR, 1, 1), output_shapes=[self.shape],
                            output_dtypes=[self.dtype])[0]  # fmt: skip
 
 
-def tiles_for(k: int, n: int, pair: int, wr: int = WR) -> bool:
-    """K a multiple of the 128-k chunk, N of a block's weight rows (16 x MT x wr)."""
-    return k % CK == 0 and n % (16 * (1 if pair in (1, 2) else 2) * wr) == 0
-
-
-def warps_for(k: int, n: int, pair: int, most: int) -> int:
-    """The warps a block for an experts' GEMM: `most` (8 or 4) where N tiles that way, else 4."""
-    return most if tiles_for(k, n, pair, most) else WR
+def tiles_for(k: int, n: int, pair: int) -> bool:
+    """K a multiple of the 128-k chunk, N of a block's weight rows (16 x MT x WR)."""
+    return k % CK == 0 and n % (16 * (1 if pair in (1, 2) else 2) * WR) == 0
 
 
 def _rows(t: int) -> tuple[mx.array, mx.array]:
