@@ -13,7 +13,7 @@
 #   PART=http90  the engine's step at 8 rows, then bench/serve.py at 8 streams (issue 29's 90%), one call
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=moe     prefill's MoE end in one launch: gpu tests (+ CUDA prefill against CUDA decode), 2K (1 and 4
-#                prompts) fast / moe_composed, 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
+#                prompts; the composed end was the arm moe_composed up to 8312596), 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
@@ -98,7 +98,7 @@ for part in ${PART:-tests}; do
              tests/kernels/test_cuda_experts_grouped.py tests/kernels/test_cuda_tiles_mm.py \
              tests/model/test_cuda_prefill.py 2>&1 | tail -4
            timeout $((${LIMIT:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 \
-             --arms fast,moe_composed --agree 0 --profile --out "$OUT/prefill_moe.json" 2>&1 \
+             --arms fast --agree 0 --profile --out "$OUT/prefill_moe.json" 2>&1 \
              | grep -v Warn | tail -8
            [ "${SHORT:-0}" = 1 ] && continue  # a short call: the tests and the A/B only
            timeout 120 python3 bench/prefill.py --experts 32 --prompts 2048 --concurrent 1,4 --chunk 8192 \

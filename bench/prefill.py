@@ -36,7 +36,6 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
 from kernels import backend, experts_grouped  # noqa: E402
-from model import layers as mlayers  # noqa: E402
 from model import prefill as mprefill  # noqa: E402
 from model.deepseek_v4 import DeepseekV4  # noqa: E402
 from model.loader import tiny_model  # noqa: E402
@@ -139,8 +138,7 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
-        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None),
-        "moe_composed": ((), None)}  # fmt: skip
+        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
@@ -156,7 +154,6 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
             backend.register(op, fn)
     os.environ[experts_grouped.ENV] = how or grouped
     mprefill.EVAL_EVERY = 0 if arm == "sync_build" else EVAL_EVERY  # sync_build: the whole forward, then its eval
-    mlayers.COMBINE_MANY = arm != "moe_composed"  # moe_composed: the MoE's end as the weighted sum + hc_post
     if backend.name() == "cuda":  # f32_simt: the f32 products of many rows as MLX's f32 matmul (TF32 off: SIMT)
         import kernels.cuda.tiles_mm as tm
 
@@ -191,7 +188,6 @@ def main() -> None:
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
         "rope_block (rms_rope a block a vector for prefill's counts too, DSV4_ROPE_MANY=0), "
-        "moe_composed (prefill's MoE end as the weighted sum, the shared expert and hc_post: 6 launches, not 1), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

@@ -147,8 +147,7 @@ def grouped_experts(x: mx.array, idx: mx.array, weights: mx.array, w1: mx.array,
     if how is None and mode() == "tiles":  # the fast form of `tiles` where one is registered (CUDA)
         fast = backend.pick(OP, None)
         if fast is not None:
-            more = {"pairs": True} if pairs else {}
-            return fast(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, **more)
+            return fast(x, idx, weights, w1, s1, w2, s2, w3, s3, limit=limit, pairs=pairs)
     how = mode() if how is None else how
     if how not in ("tiles", "qtiles"):
         raise ValueError(f"grouped_experts: how: must be tiles or qtiles, got {how!r}")

@@ -260,9 +260,6 @@ class SharedExpert(nn.Module):
         return self.w2(h)
 
 
-COMBINE_MANY = True  # prefill's rows through the fused combine too (bench/prefill.py's arm moe_composed: False)
-
-
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -274,7 +271,7 @@ class MoE(nn.Module):
         """The MoE's output through its unit's mHC post-mix (`hc_post`): the router-weighted combine, the
         shared expert and the post-mix are one op (`kernels.moe_combine_post_rows`, one launch on CUDA) for
         decode's rows and prefill's alike (the latter's pairs from the grouped GEMMs, in pair order)."""
-        if x.ndim == 2 and (COMBINE_MANY or x.shape[0] <= GROUPED_ROWS):
+        if x.ndim == 2:
             idx, w = self.gate(x, token_ids)
             shared = self.shared_experts.project(x)
             return kernels.moe_combine_post_rows(self.experts.routed(x, idx, w), w, shared, h, post, comb)

@@ -115,6 +115,9 @@ def minify(src: str) -> str:
     return "\n".join(out)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y: kernels with rows there take longer inputs to the reference
+
+
 def kernel(name: str, inputs: Sequence[str], outputs: Sequence[str], source: str, shared_memory: int = 0,
            header: str = "") -> Any:  # fmt: skip
     """One `mx.fast.cuda_kernel` object per (source, shared memory), named by the source digest.

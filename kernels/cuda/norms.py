@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
 from kernels.norms import check_hc_post_rows, check_rms_norm_rows, hc_post_rows_reference, rms_norm_rows_reference
 
 THREADS = 256
@@ -121,8 +121,7 @@ class PostPlan:
 
     def __init__(self, h: mx.array, post: mx.array, comb: mx.array) -> None:
         b, nc, hid = h.shape
-        # rows are the grid's y (at most 65,535: a longer prefill chunk runs the reference)
-        self.fast = post.dtype == mx.float32 and comb.dtype == mx.float32 and nc <= MAX_NC and b <= 65535
+        self.fast = post.dtype == mx.float32 and comb.dtype == mx.float32 and nc <= MAX_NC and b <= MAX_GRID_Y
         if not self.fast:
             return
         self.kernel = kernel("hc_post", ("y", "h", "post", "comb"), ("out",), POST_SOURCE)

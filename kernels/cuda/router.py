@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, kernel, plan_cached
+from kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
 from kernels.cuda.norms import POST_SOURCE
 from kernels.router import (
     check_moe_combine_post_rows,
@@ -199,7 +199,7 @@ def moe_combine_post_rows_cuda(pairs: mx.array, w: mx.array, shared: mx.array, h
         check_moe_combine_post_rows(pairs, w, shared, h, post, comb)
         floats = (mx.float32, mx.bfloat16, mx.float16)
         if (pairs.size == 0 or h.shape[1] > MAX_NC or post.dtype != mx.float32 or comb.dtype != mx.float32
-                or pairs.shape[0] > 65535  # rows are the grid's y (prefill's chunk)
+                or pairs.shape[0] > MAX_GRID_Y
                 or any(a.dtype not in floats for a in (pairs, w, shared, h))):  # fmt: skip
             return None
         plan = CombinePlan(pairs, h.dtype)

@@ -20,7 +20,7 @@ def test_tiles_dispatches_to_the_registered_fast_form(monkeypatch: pytest.Monkey
     `DSV4_GROUPED_EXPERTS=qtiles`, runs the plain forms."""
     seen = []
 
-    def fast(*a: mx.array, limit: float | None) -> mx.array:
+    def fast(*a: mx.array, limit: float | None, pairs: bool) -> mx.array:
         seen.append((len(a), limit))
         return mx.zeros((a[0].shape[0], a[0].shape[1]), mx.float32)
 

@@ -114,6 +114,7 @@ def test_routed_is_the_pairs_the_experts_sum(env: str, monkeypatch) -> None:
         assert pairs.shape == (b, K, 128)
         assert mx.array_equal(mx.sum(pairs.astype(mx.float32) * w[:, :, None], axis=1), mod(x, idx, w)).item()
 
+
 @pytest.mark.parametrize("env", ["", "tiles", "qtiles", "off"])
 def test_quantized_experts_run_grouped_past_the_decode_rows_only(env: str, monkeypatch) -> None:
     monkeypatch.setenv(eg.ENV, env)
