@@ -8,7 +8,9 @@ retrace after each switch).
   the MoE combine and the mHC post-mix, the mHC pre-mix and the unit's RMSNorm);
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
-- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0).
+- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
+- `old_geometry`: `fast` with the dense products launched as the routed experts are (kernels.cuda.matmul's
+  DENSE geometry as it was before 2026-12-03; bench/matmuls.py times the two product by product).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -24,7 +26,11 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one")
+GEOMETRY: dict[str, dict[str, dict[str, int]]] = {
+    "old_geometry": {"DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}},
+}
+ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", *GEOMETRY)
+_geometry: dict[str, dict[str, int]] = {}
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -88,6 +94,7 @@ def set_arm(arm: str, model: Any) -> None:
         import kernels.cuda.hc_fused as kh
 
         kh.set_split(arm != "hc_one")
+        _set_geometry(GEOMETRY.get(arm, {}))
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):
@@ -95,3 +102,15 @@ def set_arm(arm: str, model: Any) -> None:
         else:
             backend.unregister(op)
     model.reset_compiled()
+
+
+def _set_geometry(values: dict[str, dict[str, int]]) -> None:
+    """kernels.cuda.matmul's launch-geometry values: the code's own (kept from the first call) under `values`."""
+    import kernels.cuda.common as kc
+    import kernels.cuda.matmul as km
+
+    if not _geometry:
+        _geometry.update({n: getattr(km, n) for v in GEOMETRY.values() for n in v})
+    for name, value in (_geometry | values).items():
+        setattr(km, name, value)
+    kc._plans.clear()

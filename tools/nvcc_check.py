@@ -196,7 +196,7 @@ def units() -> dict[str, str]:
                                                ("mm_fp4_gate_up", BF, 2, 4096, 2048, True, 1, 6),
                                                ("mm_fp4_down", BF, 2, 2048, 4096, False, 2, 6)):  # fmt: skip
         n2 = 512 if pair == 3 else 0  # CAT: wkv's rows after wq_a's
-        mt, wk, wr, u = mm.geometry(n + n2, k, wf, int(pair))
+        mt, wk, wr, u = mm.geometry(n + n2, k, wf, int(pair), exp)
         out[name] = standalone("skinny_mm", mm_in, [("out", o)],
                                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)),
                                 ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2)],

@@ -207,12 +207,20 @@ import mlx.core as mx  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
 from kernels.cuda import tiles_mm  # noqa: E402
-from kernels.cuda.common import E2M1, dummy, f32_params, kernel, plan_cached  # noqa: E402
+from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
 CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
-TARGET_WARPS = 1024  # enough loads in flight to keep HBM busy (~8 warps on each of 132 SMs)
+UNROLL = {0: 4, 1: 4, 2: 2}  # U by weight format: chunks whose loads a warp issues before using any
+# Warps a launch aims at (K split among warps until there are this many), the fewest iterations a warp keeps and
+# the most warps splitting K. A warp's loads wait for its last iteration's products, so the bytes in flight
+# are the warps': the dense products measured fastest at 4,096 warps and K split down to one iteration a
+# warp (bench/matmuls.py, H200, 2026-12-03: wq_a + wkv 7.2 -> 4.9 us, the shared expert's gate + up 17.8 ->
+# 9.8, wo_b 26.0 -> 17.8, the head 421 -> 351 at 1 row); the routed experts (a launch is every chosen
+# expert's grid) at 1,024 a expert and two iterations (the dense form made them 1.5-1.7x slower).
+DENSE = {"target_warps": 4096, "min_iters": 1, "max_wk": 32}
+EXPERTS = {"target_warps": 1024, "min_iters": 2, "max_wk": 16}
 
 
 def _const(name: str) -> mx.array:
@@ -220,20 +228,22 @@ def _const(name: str) -> mx.array:
     return dummy((4,), mx.uint8 if name == "u8" else mx.uint32)
 
 
-def geometry(n: int, k: int, wf: int, pair: int) -> tuple[int, int, int, int] | None:
+def geometry(n: int, k: int, wf: int, pair: int, exp: int = 0) -> tuple[int, int, int, int] | None:
     """(MT, WK, WR, U): row tiles a warp, warps splitting K, warps over rows, chunks an iteration; None
     when the shape does not tile (n % 16, k % chunk)."""
     ck = CK[wf]
     if n % 16 or k % ck:
         return None
+    g = EXPERTS if exp else DENSE
     tiles, chunks = n // 16, k // ck
-    mt = 2 if tiles >= 2 * TARGET_WARPS and not pair else 1
+    mt = 2 if tiles >= 2 * g["target_warps"] and not pair else 1
     wt = tiles // mt
-    u = 2 if wf == 2 else 4
+    u = UNROLL[wf]
     while u > 1 and chunks % u:
         u //= 2
     wk = 1
-    while wt * wk < TARGET_WARPS and wk < 16 and chunks % (2 * wk * u) == 0 and chunks // (2 * wk) >= 2 * u:
+    while (wt * wk < g["target_warps"] and wk < g["max_wk"] and chunks % (2 * wk * u) == 0
+           and chunks // (2 * wk) >= g["min_iters"] * u):  # fmt: skip
         wk *= 2
     wr = max(1, 8 // wk)
     while wt % wr:
@@ -248,14 +258,16 @@ class Plan:
 
     def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: int, exp: int,
                  topk: int, limit: float | None, n2: int = 0) -> None:  # fmt: skip
-        geo = geometry(n + n2, k, wf, pair)
+        geo = geometry(n + n2, k, wf, pair, exp)
         self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
         if self.fast and n2:  # CAT: no warp's row tiles may straddle the two weights
             self.fast = n % (16 * geo[0]) == 0
         if not self.fast:
             return
         mt, wk, wr, u = geo
-        self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE, header=E2M1)
+        # past 512 threads a block the registers a thread must fit 64K / threads: ptxas is told so
+        bounds = launch_bounds(32 * wk * wr, 1) if 32 * wk * wr > 512 else ""
+        self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE, header=E2M1 + bounds)
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
                      ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
         self.nt = 32 * wk * wr
