@@ -9,8 +9,9 @@ retrace after each switch).
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
 - `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
-- `old_geometry`: `fast` with the dense products launched as the routed experts are (kernels.cuda.matmul's
-  DENSE geometry as it was before 2026-12-03; bench/matmuls.py times the two product by product).
+- `prior`: `fast` with the dense products launched as the routed experts are (kernels.cuda.matmul's DENSE
+  geometry) and the mHC pre-mix's unit norm a column at a time (kernels.cuda.hc_fused's NORM_U), as before
+  2026-12-03 (bench/matmuls.py times them product by product).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -26,11 +27,11 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-GEOMETRY: dict[str, dict[str, dict[str, int]]] = {
-    "old_geometry": {"DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}},
+GEOMETRY: dict[str, dict[str, Any]] = {
+    "prior": {"matmul.DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}, "hc_fused.NORM_U": 1},
 }
 ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", *GEOMETRY)
-_geometry: dict[str, dict[str, int]] = {}
+_geometry: dict[str, Any] = {}
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -104,13 +105,17 @@ def set_arm(arm: str, model: Any) -> None:
     model.reset_compiled()
 
 
-def _set_geometry(values: dict[str, dict[str, int]]) -> None:
-    """kernels.cuda.matmul's launch-geometry values: the code's own (kept from the first call) under `values`."""
+def _set_geometry(values: dict[str, Any]) -> None:
+    """kernels.cuda modules' launch values ("module.NAME"): the code's own (kept from the first call) under
+    `values`; the launch plans rebuilt."""
     import kernels.cuda.common as kc
+    import kernels.cuda.hc_fused as kh
     import kernels.cuda.matmul as km
 
+    mods = {"matmul": km, "hc_fused": kh}
     if not _geometry:
-        _geometry.update({n: getattr(km, n) for v in GEOMETRY.values() for n in v})
+        _geometry.update({n: getattr(mods[n.split(".")[0]], n.split(".")[1]) for v in GEOMETRY.values() for n in v})
     for name, value in (_geometry | values).items():
-        setattr(km, name, value)
+        mod, attr = name.split(".")
+        setattr(mods[mod], attr, value)
     kc._plans.clear()

@@ -125,13 +125,11 @@ def _first(out: Any) -> mx.array:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def time_launches(make: Callable[[], Any], sets: int, reps: int) -> list[float]:
+def time_launches(make: Callable[[], Any], sets: int, reps: int, profile: bool = True) -> list[float]:
     """CUPTI durations (us) of the product's kernels over `reps` evals of `sets` launches, each on its own
     weights and each waiting for the one before (its x carries a zero times the last output's first value:
     independent launches could run at once in MLX's CUDA graph, and a step's products run one after another)."""
     import tempfile
-
-    from torch.profiler import ProfilerActivity, profile  # the device's python3; not a project dependency
 
     calls = [make() for _ in range(sets)]
     mx.eval([c[1] for c in calls])
@@ -147,7 +145,14 @@ def time_launches(make: Callable[[], Any], sets: int, reps: int) -> list[float]:
 
     for _ in range(2):  # JIT, plans, graphs
         mx.eval(chain())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    if not profile:  # under Nsight Compute: the launches only
+        for _ in range(reps):
+            mx.eval(chain())
+        return []
+    from torch.profiler import ProfilerActivity  # the device's python3; not a project dependency
+    from torch.profiler import profile as cupti
+
+    with cupti(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             mx.eval(chain())
         mx.synchronize()
@@ -181,8 +186,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--sets", type=int, default=16, help="distinct weight sets a product cycles through")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--only", default="", help="products whose name contains this")
+    ap.add_argument("--only", default="", help="products whose name contains one of these (comma-separated)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-profile", action="store_true", help="launch only, no timing (to run under ncu)")
     opt = ap.parse_args()
     a = ModelArgs()
     bw = copy_bandwidth()
@@ -190,11 +196,11 @@ def main() -> None:
     results = []
     for rows in (int(r) for r in opt.rows.split(",")):
         for name, (per_step, make, nbytes) in products(a, rows, opt.experts).items():
-            if opt.only not in name:
+            if opt.only and not any(part in name for part in opt.only.split(",")):
                 continue
             for arm in arms:  # alternated a product at a time
                 set_arm(arm)
-                ts = time_launches(make, opt.sets if per_step != 1 else 2, opt.reps)
+                ts = time_launches(make, opt.sets if per_step != 1 else 2, opt.reps, not opt.no_profile)
                 us = statistics.median(ts) if ts else float("nan")
                 floor = nbytes / bw * 1e6
                 results.append({"rows": rows, "product": name, "arm": arm, "launches_per_step": per_step,
