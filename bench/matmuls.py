@@ -10,7 +10,8 @@ ratio, and the product's share of a step (launches a step x us). `--arms` altern
 process: `now` (the code as it is), `old` (every product at the routed experts' geometry: the code before
 2026-12-03), `w8192` (the dense products aim at 8,192 warps), `exp2048` (the experts at 2,048 warps an
 expert), `exp_u4` (the mxfp4 loads 4 chunks an iteration), `norm_u1` (the pre-mix's unit norm a
-column at a time: the code before 2026-12-03). Prints a table, writes JSON.
+column at a time: the code before 2026-12-03), `xu24` (the pre-mix's x 24 columns a thread at once, not 8).
+Prints a table, writes JSON.
 
     python3 bench/matmuls.py --out $OUT/matmuls.json [--rows 1,8] [--arms now,old] [--sets 16]
 """
@@ -40,6 +41,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "exp2048": {"matmul.EXPERTS": {"target_warps": 2048, "min_iters": 2, "max_wk": 16}},
     "exp_u4": {"matmul.UNROLL": {0: 4, 1: 4, 2: 4}},
     "norm_u1": {"hc_fused.NORM_U": 1},
+    "xu24": {"hc.X_U": 24},
 }
 
 
@@ -167,9 +169,9 @@ _DEFAULTS: dict[str, Any] = {}
 
 def set_arm(arm: str) -> None:
     """The arm's module values over the code's own (kept from the first call); launch plans rebuilt."""
-    from kernels.cuda import common, hc_fused, matmul
+    from kernels.cuda import common, hc, hc_fused, matmul
 
-    mods = {"matmul": matmul, "hc_fused": hc_fused}
+    mods = {"matmul": matmul, "hc_fused": hc_fused, "hc": hc}
     if not _DEFAULTS:
         _DEFAULTS.update({n: getattr(mods[n.split(".")[0]], n.split(".")[1]) for v in ARMS.values() for n in v})
     for name, value in (_DEFAULTS | ARMS[arm]).items():

@@ -201,7 +201,7 @@ class Plan:
         inputs = (*(SPLIT_INPUTS if self.split else INPUTS), *(("xw",) if norm else ()))
         self.kernel = kernel(name, inputs, hc.OUTPUTS, fused_source(split=self.split, norm=norm))
         self.grid = (SPLITS * hc.THREADS, b, 1) if self.split else (b * hc.THREADS, 1, 1)
-        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters)]
+        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters), ("XU", hc.X_U)]
         self.shapes = [(b, hid), (b, nc), (b, nc, nc)]
         self.fparams = f32_params(eps, norm_eps, x_eps)
 
