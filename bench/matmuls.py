@@ -8,7 +8,7 @@ device's python3) times every launch. Per product and rows: us a launch (median)
 (each distinct expert once), those bytes' time at the plain copy's bandwidth measured in the same run, the
 ratio, and the product's share of a step (launches a step x us). `--arms` alternates launch geometries in one
 process: `now` (the code as it is), `old` (every product at the routed experts' geometry: the code before
-2026-12-03), `w8192` (the dense products aim at 8,192 warps), `exp2048` (the experts at 2,048 warps an
+2026-12-03), `w8192` (the dense products aim at 8,192 warps), `exp256` (the experts at 256 warps an
 expert), `exp_u4` (the mxfp4 loads 4 chunks an iteration), `norm_u1` (the pre-mix's unit norm a
 column at a time: the code before 2026-12-03), `xu24` (the pre-mix's x 24 columns a thread at once, not 8).
 Prints a table, writes JSON.
@@ -38,7 +38,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "now": {},
     "old": {"matmul.DENSE": ONE, "matmul.EXPERTS": ONE},
     "w8192": {"matmul.DENSE": {"target_warps": 8192, "min_iters": 1, "max_wk": 32}},
-    "exp2048": {"matmul.EXPERTS": {"target_warps": 2048, "min_iters": 2, "max_wk": 16}},
+    "exp256": {"matmul.EXPERTS": {"target_warps": 256, "min_iters": 2, "max_wk": 16}},
     "exp_u4": {"matmul.UNROLL": {0: 4, 1: 4, 2: 4}},
     "norm_u1": {"hc_fused.NORM_U": 1},
     "xu24": {"hc.X_U": 24},
