@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows",
-              "experts_gate_up_rows", "experts_down_rows")  # fmt: skip
+              "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
 GEOMETRY: dict[str, dict[str, Any]] = {

@@ -77,6 +77,11 @@ def products(a: ModelArgs, rows: int, experts: int) -> dict[str, tuple[int, Call
     def cat8(n1: int, n2: int, kk: int) -> Callable[[], Any]:
         return lambda: (km.qlinear_cat_rows_cuda, (x(kk), *_q((n1, kk), 8), *_q((n2, kk), 8)))
 
+    def grouped() -> tuple[Any, tuple[Any, ...]]:
+        g, r, i = a.o_groups, a.o_lora_rank, nh * d // a.o_groups
+        xg = mx.random.normal((rows, g, i)).astype(mx.bfloat16)
+        return km.grouped_qlinear_rows_cuda, (xg, *_q((g, r, i), 8))
+
     def bf(n: int, kk: int, pair: bool) -> Callable[[], Any]:
         w = [lambda: mx.random.normal((n, kk)).astype(mx.bfloat16) for _ in range(2 if pair else 1)]
         fn = km.f32_linear_pair_rows_cuda if pair else km.f32_linear_rows_cuda
@@ -107,6 +112,7 @@ def products(a: ModelArgs, rows: int, experts: int) -> dict[str, tuple[int, Call
         "wq_b (mxfp8)": (layers - csa, q8(nh * d, ql), nh * d * ql * fp8),
         "wq_b+idx wq_b (mxfp8)": (csa, cat8(nh * d, a.index_n_heads * a.index_head_dim, ql),
                                   (nh * d + a.index_n_heads * a.index_head_dim) * ql * fp8),
+        "wo_a (mxfp8, 8 groups)": (layers, grouped, nh * d * a.o_lora_rank * fp8),
         "wo_b (mxfp8)": (layers, q8(h, a.o_groups * a.o_lora_rank), h * a.o_groups * a.o_lora_rank * fp8),
         "shared gate+up (mxfp8)": (layers, swiglu, 2 * inter * h * fp8),
         "shared down (mxfp8)": (layers, q8(h, inter), h * inter * fp8),

@@ -23,7 +23,8 @@ import mlx.core as mx
 
 OPS = ("compressor_rows", "compressor_rows_inplace", "compressor_pair_rows_inplace", "indexer_rows",
        "sparse_attention_rows", "hc_pre_mix", "qlinear_rows", "qlinear_cat_rows", "f32_linear_rows",
-       "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows", "rms_norm_rows",
+       "f32_linear_pair_rows", "swiglu_rows", "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows",
+       "rms_norm_rows",
        "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "moe_combine_post_rows",
        "rms_rope_rows", "hc_pre_norm_rows", "prefill_attention", "grouped_experts", "dequantize_mxfp8",
        "indexer_scores")

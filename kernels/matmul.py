@@ -215,6 +215,32 @@ def experts_down_rows_reference(h: mx.array, idx: mx.array, w2: mx.array, s2: mx
     return _gqmm(h[:, :, None, :], w2, s2, pair_rows, idx.astype(mx.uint32))[:, :, 0, :]
 
 
+def check_grouped(op: str, x: mx.array, w: mx.array, scales: mx.array) -> None:
+    """x [B, G, K]; w packed mxfp8 [G, N, K / 4] uint32 with uint8 scales [G, N, K / 32]: group g of x through
+    its own weight (attention's wo_a: each group of heads through its rows)."""
+    if _is(x, op, "x").ndim != 3:
+        raise ValueError(f"{op}: x: expected [B, G, K], got shape {tuple(x.shape)}")
+    check_linear(op, x, w, scales, 8)
+    if w.ndim != 3 or w.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: w: expected [{x.shape[1]}, N, {x.shape[2] // 4}] (a weight a group of x), got "
+                         f"{tuple(w.shape)}")  # fmt: skip
+
+
+def grouped_qlinear_rows_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """z[b, g] = x[b, g] @ W_g.T in x.dtype: the weight dequantized (exact), then MLX's batched matmul."""
+    check_grouped("grouped_qlinear_rows", x, w, scales)
+    return mx.einsum("bgi,gri->bgr", x, _dq8(w, scales, x.dtype))
+
+
+def grouped_qlinear_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """x [B, G, K] with one mxfp8 weight [N, K] a group (stacked [G, N, K / 4]) -> [B, G, N] in x.dtype."""
+    rows = x.shape[0] if isinstance(x, mx.array) and x.ndim == 3 else 0
+    fast = None if rows > MANY_ROWS else backend.pick("grouped_qlinear_rows", None)  # prefill: the reference
+    if fast is not None and rows > SLICE_ROWS:
+        return _by_slices(fast, x, w, scales)
+    return (fast or grouped_qlinear_rows_reference)(x, w, scales)
+
+
 def qlinear_many_rows(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """qlinear_rows for prefill's row counts: the weight dequantized to x.dtype, then x @ W.T."""
     check_linear("qlinear_rows", x, w, scales, 8)

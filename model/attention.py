@@ -158,11 +158,14 @@ class Attention(nn.Module):
         a, b, d = self.args, o.shape[0], self.args.head_dim
         o = kernels.rms_rope_rows(o.astype(dtype), c, s_back)
         # Group k (contiguous heads) goes through its own rows of wo_a.
-        g = self.n_groups
+        g, r = self.n_groups, a.o_lora_rank
         u = o.reshape(b, g, self.n_heads * d // g)
-        wa = self.wo_a.weight.reshape(g, a.o_lora_rank, self.n_heads * d // g)
-        z = mx.einsum("bgi,gri->bgr", u, wa).reshape(b, g * a.o_lora_rank)
-        out = self.wo_b(z)
+        wo_a = self.wo_a
+        if isinstance(wo_a, nn.QuantizedLinear):  # mxfp8 as released: one launch on CUDA, each group read once
+            z = kmatmul.grouped_qlinear_rows(u, wo_a.weight.reshape(g, r, -1), wo_a.scales.reshape(g, r, -1))
+        else:
+            z = mx.einsum("bgi,gri->bgr", u, wo_a.weight.reshape(g, r, -1))
+        out = self.wo_b(z.reshape(b, g * r))
         return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
     def __call__(self, x: mx.array, batch: kernels.RowBatch, pools: StatePools, freqs: mx.array) -> mx.array:

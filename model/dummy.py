@@ -3,7 +3,7 @@
 
 The model is what `load_model(quantize=True)` makes of a release checkpoint: the FP8 projections of the
 `model.quant.FP8_LINEAR` as mxfp8 QuantizedLinear, the routed experts as mxfp4 QuantizedExperts (as
-model/quant.py's quantize_model does), wo_a and the rest in the model dtype, the release's F32 tensors
+model/quant.py's quantize_model does), the rest in the model dtype, the release's F32 tensors
 and the f32-multiplied weights as the loader keeps them (checkpoint.is_f32_resident with
 kernels.matmul.weights_as_stored(): f32 copies unless the skinny kernels read them as stored), tid2eid int32.
 Built one tensor at a time on the default device: each is drawn, cut to the rank's shard, quantized

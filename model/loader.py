@@ -192,7 +192,7 @@ def load_model(
 
     dtype: model dtype (default: f32 for an F32 checkpoint or on the CPU, else bf16); hc_*, sinks, APE, router
     bias stay f32 as released. quantize: keep FP8 projections as mxfp8 and FP4 experts as mxfp4 MLX
-    quantized weights instead of decoding them (wo_a is always decoded: it is read as a matrix).
+    quantized weights instead of decoding them.
     shard: parameter name -> (axis, lo, hi) of its full shape to keep (model/distributed.py); routed experts
     outside [lo, hi) are never read, other slices are cut before evaluation. The caller marks the modules."""
     model_dir = Path(model_dir)

@@ -18,12 +18,14 @@ from kernels import matmul as kmatmul
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row
-# nn.Linear modules only ever called (never read through .weight), which the release stores as FP8: safe to
-# swap for mxfp8 QuantizedLinear (the loader and quantize_model both read this one list).
+# The nn.Linear modules the release stores as FP8, kept as mxfp8 QuantizedLinear (the loader and quantize_model
+# both read this one list). All are called as modules but wo_a, whose weight is read by groups
+# (model.attention's output: kernels.matmul.grouped_qlinear_rows on the mxfp8 weight, an einsum on a float one).
 FP8_LINEAR = (
     "attn.wq_a",
     "attn.wq_b",
     "attn.wkv",
+    "attn.wo_a",
     "attn.wo_b",
     "attn.indexer.wq_b",
     "ffn.shared_experts.w1",

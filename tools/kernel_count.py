@@ -66,6 +66,7 @@ STANDINS = {
     "experts_gate_up_rows": lambda x, i, w1, s1, w3, s3, *, limit: one([((*i.shape, w1.shape[1]), x.dtype)],
                                                                        x, i, w1, s1, w3, s3)[0],  # fmt: skip
     "experts_down_rows": lambda h, i, w2, s2: one([((*i.shape, w2.shape[1]), h.dtype)], h, i, w2, s2)[0],
+    "grouped_qlinear_rows": lambda x, w, s: one([((*x.shape[:2], w.shape[1]), x.dtype)], x, w, s)[0],
     "hc_pre_mix": lambda m, sc, ba, h, *, iters, eps: pre_mix(h, m, sc, ba),
 }
 GLUE = {

@@ -58,6 +58,7 @@ from kernels.cuda.matmul import (
     experts_gate_up_rows_cuda,
     f32_linear_pair_rows_cuda,
     f32_linear_rows_cuda,
+    grouped_qlinear_rows_cuda,
     qlinear_cat_rows_cuda,
     qlinear_rows_cuda,
     swiglu_rows_cuda,
@@ -136,6 +137,7 @@ if kmatmul.SKINNY:
     backend.register("swiglu_rows", swiglu_rows_cuda)
     backend.register("experts_gate_up_rows", experts_gate_up_rows_cuda)
     backend.register("experts_down_rows", experts_down_rows_cuda)
+    backend.register("grouped_qlinear_rows", grouped_qlinear_rows_cuda)  # wo_a as released (mxfp8)
 # The mHC pre-mix kernel: on unless DSV4_HC_KERNEL=0 (it halves the 4-layer step on the H200,
 # bench/step.py at 645720a, 2026-11-29; the plain path stays for A/B runs).
 HC_KERNEL = _on("DSV4_HC_KERNEL")

@@ -204,6 +204,7 @@ from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
 from kernels.cuda import tiles_mm  # noqa: E402
@@ -257,8 +258,8 @@ class Plan:
     __slots__ = ("dtype", "fast", "fparams", "grid", "kernel", "nt", "shape", "tmpl")
 
     def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: int, exp: int,
-                 topk: int, limit: float | None, n2: int = 0) -> None:  # fmt: skip
-        geo = geometry(n + n2, k, wf, pair, exp)
+                 topk: int, limit: float | None, n2: int = 0, dense: bool = False) -> None:  # fmt: skip
+        geo = geometry(n + n2, k, wf, pair, 0 if dense else exp)  # dense: every group's weight is read
         self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
         if self.fast and n2:  # CAT: no warp's row tiles may straddle the two weights
             self.fast = n % (16 * geo[0]) == 0
@@ -368,6 +369,34 @@ def _rows_view(out: mx.array, rows: int, cols: int, offset: int) -> mx.array:
     """The row-major [rows, cols] block of `out`'s buffer at element `offset`: one view node (AsStrided), where
     a slice and a reshape are two (each a node of the compiled segment's replay and of MLX's encode)."""
     return mx.as_strided(out, (rows, cols), (cols, 1), offset)
+
+
+def _groups(rows: int, groups: int) -> mx.array:
+    """[rows, groups] uint32, each row 0..groups-1: the grouped product as the experts' launch (every row's
+    pair j through weight j), built once from NumPy."""
+    key = ("groups", rows, groups)
+    a = _GROUPS.get(key)
+    if a is None:
+        a = _GROUPS[key] = mx.array(np.tile(np.arange(groups, dtype=np.uint32), (rows, 1)))
+        mx.eval(a)
+    return a
+
+
+_GROUPS: dict[tuple[str, int, int], mx.array] = {}
+
+
+def grouped_qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """attention's wo_a: group g of x [B, G, K] through mxfp8 weight g of [G, N, K / 4], one launch (EXP 2: the
+    groups are the pairs' experts, x's groups their hidden rows; each weight read once for all rows)."""
+    p = None
+    if isinstance(x, mx.array) and x.ndim == 3 and isinstance(w, mx.array) and w.ndim == 3:
+        p = _plan("grouped_qlinear", (x, w, scales), lambda: ref.check_grouped("grouped_qlinear_rows", x, w, scales),
+                  dtype=x.dtype, nb=x.shape[0], k=x.shape[2], n=w.shape[1], wf=1, out=x.dtype, pair=0, exp=2,
+                  topk=x.shape[1], limit=None, dense=True)  # fmt: skip
+    if p is None or not p.fast or w.shape[0] != x.shape[1]:
+        return ref.grouped_qlinear_rows_reference(x, w, scales)
+    b, g, k = x.shape
+    return p(x.reshape(b * g, k), w, scales, w, scales, _groups(b, g)).reshape(b, g, w.shape[1])
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:

@@ -73,6 +73,20 @@ def test_f32_linear_pair_rows_is_each_product_alone(rows: int, n: int, k: int) -
         close(got, ref.f32_linear_rows_reference(x, w), 1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("g,n,k", [(8, 1024, 4096), (4, 1024, 4096), (3, 48, 64)])
+def test_grouped_qlinear_rows(rows: int, g: int, n: int, k: int) -> None:
+    """wo_a as released: group j of each row through mxfp8 weight j in one launch (V4-Flash: 8 groups of 1,024
+    rows over 4,096; a rank's 4 of two), as the reference's dequantized einsum."""
+    w, s = mxfp((g, n, k), 8)
+    x = mx.random.normal((rows, g, k)).astype(mx.bfloat16)
+    got = cuda().grouped_qlinear_rows_cuda(x, w, s)
+    assert got.dtype == mx.bfloat16 and got.shape == (rows, g, n)
+    close(got, ref.grouped_qlinear_rows_reference(x, w, s), 1e-2)
+    if rows == 8:  # batch invariance: a row alone gives what it gives among 7 others, bit for bit
+        assert mx.array_equal(got[5:6], cuda().grouped_qlinear_rows_cuda(x[5:6], w, s)).item()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("limit", [None, 10.0, 0.5])
 def test_swiglu_rows(rows: int, limit: float | None) -> None:

@@ -32,6 +32,21 @@ def test_qlinear_cat_rows_is_each_dequantized_product() -> None:
         np.testing.assert_allclose(np.array(got), np.array(x @ w.T), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, km.SLICE_ROWS + 3, km.MANY_ROWS + 1])
+def test_grouped_qlinear_rows_is_each_group_through_its_weight(rows: int) -> None:
+    """wo_a's product: group g of x through mxfp8 weight g, as the einsum of the dequantized weights (the
+    float model's), at decode's rows, a short prompt's (8-row slices on CUDA) and prefill's."""
+    q, s, w = mxfp((3 * 64, 128), 8)
+    x = mx.random.normal((rows, 3, 128))
+    got = km.grouped_qlinear_rows(x, q.reshape(3, 64, -1), s.reshape(3, 64, -1))
+    assert got.shape == (rows, 3, 64) and got.dtype == x.dtype
+    want = mx.einsum("bgi,gri->bgr", x, w.reshape(3, 64, 128))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    for g in range(3):  # each group alone is the plain mxfp8 product
+        np.testing.assert_allclose(np.array(got[:, g]), np.array(km.qlinear_rows_reference(
+            x[:, g], q[64 * g: 64 * (g + 1)], s[64 * g: 64 * (g + 1)])), rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
 def test_f32_linear_rows_upcasts_the_weight() -> None:
     w = mx.random.normal((16, 32)).astype(mx.bfloat16)
     x = mx.random.normal((2, 32)).astype(mx.bfloat16)
@@ -95,6 +110,10 @@ def test_experts_rows_route_each_pair_through_its_expert() -> None:
     (lambda: km.experts_gate_up_rows(mx.zeros((2, 64)), mx.zeros((2,), mx.uint32), mx.zeros((4, 8, 8), mx.uint32),
                                      mx.zeros((4, 8, 2), mx.uint8), mx.zeros((4, 8, 8), mx.uint32),
                                      mx.zeros((4, 8, 2), mx.uint8), limit=None), "^experts_gate_up_rows: idx: "),
+    (lambda: km.grouped_qlinear_rows(mx.zeros((2, 64)), mx.zeros((2, 8, 16), mx.uint32),
+                                     mx.zeros((2, 8, 2), mx.uint8)), "^grouped_qlinear_rows: x: "),
+    (lambda: km.grouped_qlinear_rows(mx.zeros((2, 3, 64)), mx.zeros((2, 8, 16), mx.uint32),
+                                     mx.zeros((2, 8, 2), mx.uint8)), "^grouped_qlinear_rows: w: "),
 ])  # fmt: skip
 def test_bad_arguments_are_named(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):

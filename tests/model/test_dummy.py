@@ -55,7 +55,7 @@ def test_layout_is_the_loaders(release_dir: Path, quantize: bool) -> None:
     if quantize:
         assert mods["layers.1.attn.wq_b"] == "QuantizedLinear/mxfp8/8/32"
         assert mods["layers.0.ffn.experts"] == "QuantizedExperts"
-        assert mods["layers.0.attn.wo_a"] == "Linear"  # read as a matrix: never quantized
+        assert mods["layers.0.attn.wo_a"] == "QuantizedLinear/mxfp8/8/32"  # read by groups (grouped_qlinear_rows)
     layout = _layout(dummy)
     assert layout["layers.1.attn.attn_sink"][1] == mx.float32 and layout["layers.1.hc_attn_fn"][1] == mx.float32
     assert layout["layers.0.ffn.gate.tid2eid"][1] == mx.int32
@@ -74,9 +74,9 @@ def test_resident_bytes_is_what_is_built() -> None:
 def test_flash_fits_one_h200() -> None:
     """The arithmetic the issue asks for: V4-Flash, 43 layers, 32 routed experts at mxfp4 (bf16 model dtype)."""
     flash = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=False)
-    assert 28 * 2**30 < flash < 29 * 2**30  # ~28.3 GiB of the H200's 139 (f32 copies of the f32-multiplied)
+    assert 27 * 2**30 < flash < 28 * 2**30  # ~27.0 GiB of the H200's 139 (f32 copies of the f32-multiplied)
     stored = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=True)
-    assert 26 * 2**30 < stored < 27 * 2**30  # ~26.8 GiB as stored (the skinny kernels on CUDA)
+    assert 25 * 2**30 < stored < 26 * 2**30  # ~25.5 GiB as stored (the skinny kernels on CUDA)
     assert resident_bytes(preset_args("flash"), as_stored=True) > 139 * 2**30  # all 256 experts do not fit one
     assert resident_bytes(preset_args("flash"), ranks=2, as_stored=False) < 80 * 2**30  # a rank's shard of two
 

@@ -94,7 +94,7 @@ def test_quantized_load_matches_dequantized(tiny, tmp_path) -> None:
     qnt, _ = load_model(tmp_path, dtype=mx.float32, quantize=True)
     names = {k for k, _ in tree_flatten(qnt.parameters())}
     assert "layers.1.attn.wq_b.scales" in names and "layers.1.ffn.experts.w1_scales" in names
-    assert qnt.layers[1].attn.wq_b.mode == "mxfp8"
+    assert qnt.layers[1].attn.wq_b.mode == "mxfp8" and qnt.layers[1].attn.wo_a.mode == "mxfp8"  # wo_a: by groups
     prompt = list(range(2, 42))
     np.testing.assert_allclose(_logits(qnt, args, prompt), _logits(deq, args, prompt), atol=1e-4)
 
