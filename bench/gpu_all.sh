@@ -14,7 +14,7 @@
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=moe     prefill's MoE end in one launch: gpu tests (+ CUDA prefill against CUDA decode), 2K (1 and 4
 #                prompts; the composed end was the arm moe_composed up to 8312596), 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
-#   PART=skinny  the decode step's weight products and mHC pre-mix: their gpu tests, each alone against the copy
+#   PART=skinny  the decode step's weight products and mHC pre-mix: their gpu tests (+ the layer numerics), each alone against the copy
 #                (bench/matmuls.py, arms $ARMS), the step at rows 1 and 8 (4K; arms fast / prior, CUPTI)
 #   PART=ncu_skinny Nsight Compute on the routed experts' skinny kernels at 8 rows and on the pre-mix
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
@@ -97,8 +97,9 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
-    skinny) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_matmul.py \
-              tests/kernels/test_cuda_hc.py tests/kernels/test_cuda_pair.py 2>&1 | tail -5
+    skinny) timeout 240 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_matmul.py \
+              tests/kernels/test_cuda_hc.py tests/kernels/test_cuda_pair.py tests/model/test_cuda_layer_numerics.py \
+              2>&1 | tail -5
             timeout 200 python3 bench/matmuls.py --rows 1,8 --arms "${ARMS:-now,old,norm_u1}" --out "$OUT/matmuls.json" \
               2>&1 | grep -v Warn | grep -v '^[18] '
             timeout $((580 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
