@@ -9,9 +9,9 @@ retrace after each switch).
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
 - `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
-- `prior`: `fast` with the dense products launched as the routed experts are (kernels.cuda.matmul's DENSE
-  geometry) and the mHC pre-mix's unit norm a column at a time (kernels.cuda.hc_fused's NORM_U), as before
-  2026-12-03 (bench/matmuls.py times them product by product).
+- `prior`: `fast` with the skinny kernels' launch geometry (kernels.cuda.matmul's DENSE, UNROLL) and the mHC
+  pre-mix's unit norm a column at a time (kernels.cuda.hc_fused's NORM_U) as before 2026-12-03
+  (bench/matmuls.py times them product by product; wo_a's grouped launch has no prior form here).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -28,7 +28,8 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
 GEOMETRY: dict[str, dict[str, Any]] = {
-    "prior": {"matmul.DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}, "hc_fused.NORM_U": 1},
+    "prior": {"matmul.DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}, "matmul.UNROLL": {0: 4, 1: 4, 2: 2},
+              "hc_fused.NORM_U": 1},
 }
 ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", *GEOMETRY)
 _geometry: dict[str, Any] = {}

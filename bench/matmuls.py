@@ -7,10 +7,9 @@ distinct weight sets (more bytes than the L2 holds, as 43 layers are), and CUPTI
 device's python3) times every launch. Per product and rows: us a launch (median), the bytes it must read
 (each distinct expert once), those bytes' time at the plain copy's bandwidth measured in the same run, the
 ratio, and the product's share of a step (launches a step x us). `--arms` alternates launch geometries in one
-process: `now` (the code as it is), `old` (every product at the routed experts' geometry: the code before
-2026-12-03), `w8192` (the dense products aim at 8,192 warps), `exp256` (the experts at 256 warps an
-expert), `exp_u4` (the mxfp4 loads 4 chunks an iteration), `norm_u1` (the pre-mix's unit norm a
-column at a time: the code before 2026-12-03), `xu24` (the pre-mix's x 24 columns a thread at once, not 8).
+process: `now` (the code as it is), `old` (the skinny kernels' launch geometry before 2026-12-03: every
+product at the routed experts' warps, mxfp4 loads 2 chunks an iteration), `norm_u1` (the pre-mix's unit norm
+a column at a time, as before 2026-12-03), `xu24` (the pre-mix's x 24 columns a thread at once, not 8).
 Prints a table, writes JSON.
 
     python3 bench/matmuls.py --out $OUT/matmuls.json [--rows 1,8] [--arms now,old] [--sets 16]
@@ -36,10 +35,7 @@ from model.config import ModelArgs  # noqa: E402
 ONE = {"target_warps": 1024, "min_iters": 2, "max_wk": 16}  # both kinds' geometry before 2026-12-03
 ARMS: dict[str, dict[str, Any]] = {
     "now": {},
-    "old": {"matmul.DENSE": ONE, "matmul.EXPERTS": ONE},
-    "w8192": {"matmul.DENSE": {"target_warps": 8192, "min_iters": 1, "max_wk": 32}},
-    "exp256": {"matmul.EXPERTS": {"target_warps": 256, "min_iters": 2, "max_wk": 16}},
-    "exp_u4": {"matmul.UNROLL": {0: 4, 1: 4, 2: 4}},
+    "old": {"matmul.DENSE": ONE, "matmul.EXPERTS": ONE, "matmul.UNROLL": {0: 4, 1: 4, 2: 2}},
     "norm_u1": {"hc_fused.NORM_U": 1},
     "xu24": {"hc.X_U": 24},
 }

@@ -213,7 +213,9 @@ from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
 CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
-UNROLL = {0: 4, 1: 4, 2: 2}  # U by weight format: chunks whose loads a warp issues before using any
+# U by weight format: chunks whose loads a warp issues before using any (mxfp4 at 4: the routed experts at 8
+# rows 120.5 + 81.1 -> 113.1 + 67.8 us, the same at 1 row; bench/matmuls.py, H200, 2026-12-03)
+UNROLL = {0: 4, 1: 4, 2: 4}
 # Warps a launch aims at (K split among warps until there are this many), the fewest iterations a warp keeps and
 # the most warps splitting K. A warp's loads wait for its last iteration's products, so the bytes in flight
 # are the warps': the dense products measured fastest at 4,096 warps and K split down to one iteration a
@@ -272,7 +274,8 @@ class Plan:
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
                      ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
         self.nt = 32 * wk * wr
-        self.grid = ((n + n2) // (16 * mt * wr) * self.nt, nb * topk if exp else 1, 1)
+        # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks
+        self.grid = ((n + n2) // (16 * mt * wr) * self.nt, (topk if dense else nb * topk) if exp else 1, 1)
         self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else ((nb * (n + n2),) if n2 else (nb, n)))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))
