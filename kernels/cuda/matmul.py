@@ -374,6 +374,9 @@ def _rows_view(out: mx.array, rows: int, cols: int, offset: int) -> mx.array:
     return mx.as_strided(out, (rows, cols), (cols, 1), offset)
 
 
+_GROUPS: dict[tuple[str, int, int], mx.array] = {}
+
+
 def _groups(rows: int, groups: int) -> mx.array:
     """[rows, groups] uint32, each row 0..groups-1: the grouped product as the experts' launch (every row's
     pair j through weight j), built once from NumPy."""
@@ -385,9 +388,6 @@ def _groups(rows: int, groups: int) -> mx.array:
     return a
 
 
-_GROUPS: dict[tuple[str, int, int], mx.array] = {}
-
-
 def grouped_qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """attention's wo_a: group g of x [B, G, K] through mxfp8 weight g of [G, N, K / 4], one launch (EXP 2: the
     groups are the pairs' experts, x's groups their hidden rows; each weight read once for all rows)."""
@@ -396,7 +396,7 @@ def grouped_qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.
         p = _plan("grouped_qlinear", (x, w, scales), lambda: ref.check_grouped("grouped_qlinear_rows", x, w, scales),
                   dtype=x.dtype, nb=x.shape[0], k=x.shape[2], n=w.shape[1], wf=1, out=x.dtype, pair=0, exp=2,
                   topk=x.shape[1], limit=None, dense=True)  # fmt: skip
-    if p is None or not p.fast or w.shape[0] != x.shape[1]:
+    if p is None or not p.fast:
         return ref.grouped_qlinear_rows_reference(x, w, scales)
     b, g, k = x.shape
     return p(x.reshape(b * g, k), w, scales, w, scales, _groups(b, g)).reshape(b, g, w.shape[1])
