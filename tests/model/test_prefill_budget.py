@@ -12,8 +12,9 @@ from tools.prefill_count import layer_counts
 # windows, the attention's reversed keys and rows and the indexer's keys through host-made indices, the
 # experts' tile table in one scatter, the RoPE tables once a kind, the window ring as a view (a sliding / CSA /
 # HCA layer was 95 / 261 / 152 at 76d6509), then with DSV4_PREFILL_COMPILE=1; since 2026-12-03 the MoE's
-# combine, shared expert and post-mix in one launch (65 / 182 / 107 before).
-BUDGET = {"0": {"sliding": 59, "CSA": 176, "HCA": 101}, "1": {"sliding": 51, "CSA": 119, "HCA": 77}}
+# combine, shared expert and post-mix in one launch (65 / 182 / 107 before); one more since wo_a is kept mxfp8 as
+# released (its dequantized copy a forward, as every dense mxfp8 projection of prefill has: ~1.3 GiB less resident).
+BUDGET = {"0": {"sliding": 60, "CSA": 177, "HCA": 102}, "1": {"sliding": 52, "CSA": 120, "HCA": 78}}
 
 
 @pytest.mark.parametrize("compiled", ["0", "1"])
