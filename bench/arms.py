@@ -32,7 +32,7 @@ GEOMETRY: dict[str, dict[str, Any]] = {
               "hc_fused.NORM_U": 1},
 }
 ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", *GEOMETRY)
-_geometry: dict[str, Any] = {}
+_launch_defaults: dict[str, Any] = {}
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -96,7 +96,7 @@ def set_arm(arm: str, model: Any) -> None:
         import kernels.cuda.hc_fused as kh
 
         kh.set_split(arm != "hc_one")
-        _set_geometry(GEOMETRY.get(arm, {}))
+        set_launch_values(GEOMETRY.get(arm, {}))
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):
@@ -106,17 +106,19 @@ def set_arm(arm: str, model: Any) -> None:
     model.reset_compiled()
 
 
-def _set_geometry(values: dict[str, Any]) -> None:
-    """kernels.cuda modules' launch values ("module.NAME"): the code's own (kept from the first call) under
-    `values`; the launch plans rebuilt."""
+def set_launch_values(values: dict[str, Any]) -> None:
+    """kernels.cuda modules' launch values ("module.NAME", of matmul / hc_fused / hc): the code's own (kept the
+    first time a name is set) under `values`, every other one back to the code's; the launch plans rebuilt."""
     import kernels.cuda.common as kc
+    import kernels.cuda.hc as kx
     import kernels.cuda.hc_fused as kh
     import kernels.cuda.matmul as km
 
-    mods = {"matmul": km, "hc_fused": kh}
-    if not _geometry:
-        _geometry.update({n: getattr(mods[n.split(".")[0]], n.split(".")[1]) for v in GEOMETRY.values() for n in v})
-    for name, value in (_geometry | values).items():
+    mods = {"matmul": km, "hc_fused": kh, "hc": kx}
+    for name in values:
+        mod, attr = name.split(".")
+        _launch_defaults.setdefault(name, getattr(mods[mod], attr))
+    for name, value in (_launch_defaults | values).items():
         mod, attr = name.split(".")
         setattr(mods[mod], attr, value)
     kc._plans.clear()

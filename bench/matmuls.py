@@ -166,21 +166,13 @@ def time_launches(make: Callable[[], Any], sets: int, reps: int, profile: bool =
     return [e["dur"] for e in trace if e.get("ph") == "X" and e.get("cat") == "kernel" and "dsv4_" in e["name"]]
 
 
-_DEFAULTS: dict[str, Any] = {}
-
-
 def set_arm(arm: str) -> None:
-    """The arm's module values over the code's own (kept from the first call); launch plans rebuilt."""
-    from kernels.cuda import common, hc, hc_fused, matmul
+    """The arm's launch values over the code's own (bench/arms.py), the pre-mix's workspace sized by SPLITS."""
+    from bench.arms import set_launch_values
+    from kernels.cuda import hc_fused
 
-    mods = {"matmul": matmul, "hc_fused": hc_fused, "hc": hc}
-    if not _DEFAULTS:
-        _DEFAULTS.update({n: getattr(mods[n.split(".")[0]], n.split(".")[1]) for v in ARMS.values() for n in v})
-    for name, value in (_DEFAULTS | ARMS[arm]).items():
-        mod, attr = name.split(".")
-        setattr(mods[mod], attr, value)
-    common._plans.clear()
-    hc_fused.set_split(True)  # its workspace sized by SPLITS
+    set_launch_values(ARMS[arm])
+    hc_fused.set_split(True)
 
 
 def main() -> None:
