@@ -14,6 +14,7 @@
 #   PART=ncu     prefill at 2K (CUPTI: the top kernels), then Nsight Compute on a 2-layer forward's tile GEMMs
 #   PART=moe     prefill's MoE end in one launch: gpu tests (+ CUDA prefill against CUDA decode), 2K (1 and 4
 #                prompts; the composed end was the arm moe_composed up to 8312596), 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
+#   PART=numerics the layer-by-layer numerics (every fast path against the references), then the skinny kernels' tests
 #   PART=skinny  the decode step's weight products and mHC pre-mix: their gpu tests (+ the layer numerics), each alone against the copy
 #                (bench/matmuls.py, arms $ARMS), the step at rows 1 and 8 (4K; arms fast / prior, CUPTI)
 #   PART=ncu_skinny Nsight Compute on the routed experts' skinny kernels at 8 rows and on the pre-mix
@@ -77,6 +78,12 @@ for part in ${PART:-tests}; do
                 tests/kernels/test_cuda_indexer.py tests/kernels/test_cuda_workspace.py \
                 tests/kernels/test_cuda_plans.py tests/model/test_step_angles.py tests/model/test_cuda_layer_numerics.py \
                 2>&1 | tail -8 ;;
+    numerics) # the layer-by-layer numerics with every fast path first (its fixture builds and JITs a 4-layer
+              # V4-Flash: > 150 s on a fresh machine), then the skinny products' gpu tests
+              timeout 380 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+                tests/model/test_cuda_layer_numerics.py 2>&1 | tail -4
+              timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+                tests/kernels/test_cuda_matmul.py 2>&1 | tail -4 ;;
     now) # issue 29's figures in one call: the step at 1 and 8 rows, 4K and 64K, with CUPTI, then 8 streams over HTTP
          timeout 250 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096,65536 --reps 8 --arms fast \
            --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6
