@@ -8,10 +8,7 @@ retrace after each switch).
   the MoE combine and the mHC post-mix, the mHC pre-mix and the unit's RMSNorm);
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
-- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
-- `prior`: `fast` with the skinny kernels' launch geometry (kernels.cuda.matmul's DENSE, UNROLL) and the mHC
-  pre-mix's unit norm a column at a time (kernels.cuda.hc_fused's NORM_U) as before 2026-12-03
-  (bench/matmuls.py times them product by product; wo_a's grouped launch has no prior form here).
+- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -27,12 +24,7 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-GEOMETRY: dict[str, dict[str, Any]] = {
-    "prior": {"matmul.DENSE": {"target_warps": 1024, "min_iters": 2, "max_wk": 16}, "matmul.UNROLL": {0: 4, 1: 4, 2: 2},
-              "hc_fused.NORM_U": 1},
-}
-ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", *GEOMETRY)
-_launch_defaults: dict[str, Any] = {}
+ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one")
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -96,7 +88,6 @@ def set_arm(arm: str, model: Any) -> None:
         import kernels.cuda.hc_fused as kh
 
         kh.set_split(arm != "hc_one")
-        set_launch_values(GEOMETRY.get(arm, {}))
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):
@@ -104,21 +95,3 @@ def set_arm(arm: str, model: Any) -> None:
         else:
             backend.unregister(op)
     model.reset_compiled()
-
-
-def set_launch_values(values: dict[str, Any]) -> None:
-    """kernels.cuda modules' launch values ("module.NAME", of matmul / hc_fused / hc): the code's own (kept the
-    first time a name is set) under `values`, every other one back to the code's; the launch plans rebuilt."""
-    import kernels.cuda.common as kc
-    import kernels.cuda.hc as kx
-    import kernels.cuda.hc_fused as kh
-    import kernels.cuda.matmul as km
-
-    mods = {"matmul": km, "hc_fused": kh, "hc": kx}
-    for name in values:
-        mod, attr = name.split(".")
-        _launch_defaults.setdefault(name, getattr(mods[mod], attr))
-    for name, value in (_launch_defaults | values).items():
-        mod, attr = name.split(".")
-        setattr(mods[mod], attr, value)
-    kc._plans.clear()

@@ -15,8 +15,8 @@
 #   PART=moe     prefill's MoE end in one launch: gpu tests (+ CUDA prefill against CUDA decode), 2K (1 and 4
 #                prompts; the composed end was the arm moe_composed up to 8312596), 4 x 2K in one 8,192-token forward, 16K + 64K (SHORT=1: the A/B only)
 #   PART=numerics the layer-by-layer numerics (every fast path against the references), then the skinny kernels' tests
-#   PART=skinny  the decode step's weight products and mHC pre-mix: their gpu tests (+ the layer numerics), each alone against the copy
-#                (bench/matmuls.py, arms $ARMS), the step at rows 1 and 8 (4K; arms fast / prior, CUPTI)
+#   PART=skinny  the decode step's weight products and mHC pre-mix each alone against the copy (bench/matmuls.py),
+#                then the step at rows 1 and 8 (4K, CUPTI); their gpu tests are PART=numerics
 #   PART=ncu_skinny Nsight Compute on the routed experts' skinny kernels at 8 rows and on the pre-mix
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
@@ -83,7 +83,7 @@ for part in ${PART:-tests}; do
               timeout 380 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
                 tests/model/test_cuda_layer_numerics.py 2>&1 | tail -4
               timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
-                tests/kernels/test_cuda_matmul.py 2>&1 | tail -4 ;;
+                tests/kernels/test_cuda_matmul.py tests/kernels/test_cuda_hc.py 2>&1 | tail -4 ;;
     now) # issue 29's figures in one call: the step at 1 and 8 rows, 4K and 64K, with CUPTI, then 8 streams over HTTP
          timeout 250 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096,65536 --reps 8 --arms fast \
            --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6
@@ -104,13 +104,9 @@ for part in ${PART:-tests}; do
            python3 bench/prefill.py --layers 2 --experts 32 --prompts 2048 --concurrent 1 --agree 0 --no-profile \
            --out /tmp/p2.json > "$OUT/ncu.txt" 2>&1; grep -E "tiles_mm|Duration|Throughput|Registers|Achieved Occ|Block Limit" \
            "$OUT/ncu.txt" | head -80 ;;
-    skinny) timeout 240 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_matmul.py \
-              tests/kernels/test_cuda_hc.py tests/kernels/test_cuda_pair.py tests/model/test_cuda_layer_numerics.py \
-              2>&1 | tail -5
-            timeout 200 python3 bench/matmuls.py --rows 1,8 --arms "${ARMS:-now,old,norm_u1}" --out "$OUT/matmuls.json" \
-              2>&1 | grep -v Warn | grep -v '^[18] '
+    skinny) timeout 200 python3 bench/matmuls.py --rows 1,8 --out "$OUT/matmuls.json" 2>&1 | grep -v Warn
             timeout $((580 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
-              --arms fast,prior --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6 ;;
+              --arms fast --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6 ;;
     ncu_skinny) MLX_USE_CUDA_GRAPHS=0 timeout 400 ncu --clock-control none --kernel-name-base demangled \
            --kernel-name regex:"skinny_mm|hc_pre" --launch-skip 4 --launch-count 12 --section SpeedOfLight \
            --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \

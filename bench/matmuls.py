@@ -6,13 +6,11 @@ mxfp8 projections, the mxfp4 routed experts, the bf16 weights multiplied in f32)
 distinct weight sets (more bytes than the L2 holds, as 43 layers are), and CUPTI (torch.profiler, the
 device's python3) times every launch. Per product and rows: us a launch (median), the bytes it must read
 (each distinct expert once), those bytes' time at the plain copy's bandwidth measured in the same run, the
-ratio, and the product's share of a step (launches a step x us). `--arms` alternates launch geometries in one
-process: `now` (the code as it is), `old` (the skinny kernels' launch geometry before 2026-12-03: every
-product at the routed experts' warps, mxfp4 loads 2 chunks an iteration), `norm_u1` (the pre-mix's unit norm
-a column at a time, as before 2026-12-03), `xu24` (the pre-mix's x 24 columns a thread at once, not 8).
-Prints a table, writes JSON.
+ratio, and the product's share of a step (launches a step x us). Prints a table, writes JSON. (The launch
+geometries of 2026-12-03 were chosen with arms of this script, alternated in one process: see
+docs/performance.md; the arms went once measured, at 023ce1c.)
 
-    python3 bench/matmuls.py --out $OUT/matmuls.json [--rows 1,8] [--arms now,old] [--sets 16]
+    python3 bench/matmuls.py --out $OUT/matmuls.json [--rows 1,8] [--only experts,wo_a] [--sets 16]
 """
 
 from __future__ import annotations
@@ -31,14 +29,6 @@ import mlx.core as mx  # noqa: E402
 
 from bench.common import copy_bandwidth, provenance  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
-
-ONE = {"target_warps": 1024, "min_iters": 2, "max_wk": 16}  # both kinds' geometry before 2026-12-03
-ARMS: dict[str, dict[str, Any]] = {
-    "now": {},
-    "old": {"matmul.DENSE": ONE, "matmul.EXPERTS": ONE, "matmul.UNROLL": {0: 4, 1: 4, 2: 2}},
-    "norm_u1": {"hc_fused.NORM_U": 1},
-    "xu24": {"hc.X_U": 24},
-}
 
 
 def _q(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array]:
@@ -166,19 +156,9 @@ def time_launches(make: Callable[[], Any], sets: int, reps: int, profile: bool =
     return [e["dur"] for e in trace if e.get("ph") == "X" and e.get("cat") == "kernel" and "dsv4_" in e["name"]]
 
 
-def set_arm(arm: str) -> None:
-    """The arm's launch values over the code's own (bench/arms.py), the pre-mix's workspace sized by SPLITS."""
-    from bench.arms import set_launch_values
-    from kernels.cuda import hc_fused
-
-    set_launch_values(ARMS[arm])
-    hc_fused.set_split(True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8")
-    ap.add_argument("--arms", default="now")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--sets", type=int, default=16, help="distinct weight sets a product cycles through")
     ap.add_argument("--reps", type=int, default=5)
@@ -186,32 +166,30 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-profile", action="store_true", help="launch only, no timing (to run under ncu)")
     opt = ap.parse_args()
+    from kernels.cuda import hc_fused
+
+    hc_fused.set_split(True)  # the step's pre-mix (its workspace)
     a = ModelArgs()
     bw = copy_bandwidth()
-    arms = opt.arms.split(",")
     results = []
     for rows in (int(r) for r in opt.rows.split(",")):
         for name, (per_step, make, nbytes) in products(a, rows, opt.experts).items():
             if opt.only and not any(part in name for part in opt.only.split(",")):
                 continue
-            for arm in arms:  # alternated a product at a time
-                set_arm(arm)
-                ts = time_launches(make, opt.sets if per_step != 1 else 2, opt.reps, not opt.no_profile)
-                us = statistics.median(ts) if ts else float("nan")
-                floor = nbytes / bw * 1e6
-                results.append({"rows": rows, "product": name, "arm": arm, "launches_per_step": per_step,
-                                "kernels_per_call": len(ts) / (opt.reps * (opt.sets if per_step != 1 else 2)),
-                                "us": us, "bytes": nbytes, "floor_us": floor, "x_floor": us / floor,
-                                "ms_per_step": us * per_step / 1e3})  # fmt: skip
-                r = results[-1]
-                print(f"{rows} {name:32s} {arm:6s} {us:8.1f} us  floor {floor:7.1f}  x{r['x_floor']:5.2f}  "
-                      f"{r['ms_per_step']:6.3f} ms a step  ({r['kernels_per_call']:.1f} kernels a call)", flush=True)
+            ts = time_launches(make, opt.sets if per_step != 1 else 2, opt.reps, not opt.no_profile)
+            us = statistics.median(ts) if ts else float("nan")
+            floor = nbytes / bw * 1e6
+            results.append({"rows": rows, "product": name, "launches_per_step": per_step,
+                            "kernels_per_call": len(ts) / (opt.reps * (opt.sets if per_step != 1 else 2)),
+                            "us": us, "bytes": nbytes, "floor_us": floor, "x_floor": us / floor,
+                            "ms_per_step": us * per_step / 1e3})  # fmt: skip
+            print(f"{rows} {name:32s} {us:8.1f} us  floor {floor:7.1f}  x{us / floor:5.2f}  "
+                  f"{us * per_step / 1e3:6.3f} ms a step  ({results[-1]['kernels_per_call']:.1f} kernels a call)",
+                  flush=True)  # fmt: skip
     for rows in sorted({r["rows"] for r in results}):
-        for arm in arms:
-            cell = [r for r in results if r["rows"] == rows and r["arm"] == arm]
-            tot, fl = sum(r["ms_per_step"] for r in cell), sum(r["floor_us"] * r["launches_per_step"] for r in cell)
-            print(f"rows {rows} arm {arm}: {tot:.2f} ms a step of these products, floor {fl / 1e3:.2f} ms "
-                  f"(x{tot * 1e3 / fl:.2f})")
+        cell = [r for r in results if r["rows"] == rows]
+        tot, fl = sum(r["ms_per_step"] for r in cell), sum(r["floor_us"] * r["launches_per_step"] for r in cell)
+        print(f"rows {rows}: {tot:.2f} ms a step of these products, floor {fl / 1e3:.2f} ms (x{tot * 1e3 / fl:.2f})")
     meta = provenance() | {"copy_bw_GBs": bw / 1e9, "experts": opt.experts, "sets": opt.sets}
     if opt.out:
         Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

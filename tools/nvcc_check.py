@@ -145,17 +145,17 @@ def units() -> dict[str, str]:
     out["hc_pre_rows_4_20"] = standalone(
         "hc_pre_rows", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
                         ("fparams", F32, False)], [("x", BF), ("post", F32), ("comb", F32)],
-        [("T", BF), ("NC", 4), ("ITERS", 20), ("XU", hc.X_U)], hc_fused.fused_source())  # fmt: skip
+        [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source())  # fmt: skip
     out["hc_pre_split_4_20"] = standalone(
         "hc_pre_split", [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
                          ("fparams", F32, False), ("workspace", U32, False)], [("x", BF), ("post", F32), ("comb", F32)],
-        [("T", BF), ("NC", 4), ("ITERS", 20), ("XU", hc.X_U)], hc_fused.fused_source(split=True))  # fmt: skip
+        [("T", BF), ("NC", 4), ("ITERS", 20)], hc_fused.fused_source(split=True))  # fmt: skip
     for split in (False, True):  # the pre-mix with the unit's RMSNorm on x
         ins = [("h", BF, True), ("fn", F32, False), ("scale", F32, False), ("base", F32, False),
                ("fparams", F32, False), *([("workspace", U32, False)] if split else []), ("xw", F32, False)]
         out[f"hc_pre_norm_{'split' if split else 'rows'}_4_20"] = standalone(
             "hc_pre_norm", ins, [("x", BF), ("post", F32), ("comb", F32)],
-            [("T", BF), ("NC", 4), ("ITERS", 20), ("XU", hc.X_U), ("XW", F32)],
+            [("T", BF), ("NC", 4), ("ITERS", 20), ("XW", F32)],
             hc_fused.fused_source(split=split, norm=True))  # fmt: skip
     out["router_topk_6"] = standalone(
         "router_topk", [("logits", F32, True), ("bias", F32, False), ("fparams", F32, False)],
@@ -184,7 +184,7 @@ def units() -> dict[str, str]:
     for nc, iters in ((4, 20), (1, 1), (8, 5)):
         out[f"hc_pre_mix_{nc}_{iters}"] = standalone(
             "hc_pre_mix", hc_in, [("x", BF), ("post", F32), ("comb", F32)],
-            [("T", BF), ("NC", nc), ("ITERS", iters), ("XU", hc.X_U)], hc.SOURCE)  # fmt: skip
+            [("T", BF), ("NC", nc), ("ITERS", iters)], hc.SOURCE)  # fmt: skip
     # the skinny matmuls, V4-Flash shapes of each weight format / epilogue
     mm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("idx", U32, False), ("fparams", F32, False)]  # fmt: skip

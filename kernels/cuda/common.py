@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kernels.upload import upload
 
@@ -232,10 +233,11 @@ def plan_cached(key: tuple[Any, ...], make: Any) -> Any:
     return plan
 
 
-def arange_rows(rows: int, cap: int) -> mx.array:
-    """A cached `[rows, cap]` int32 array whose every row is 0..cap-1 (HCA: attend to the whole table)."""
-    key = ("arange_rows", rows, cap)
+def arange_rows(rows: int, cap: int, dtype: mx.Dtype = mx.int32) -> mx.array:
+    """A cached `[rows, cap]` array whose every row is 0..cap-1 (HCA: attend to the whole table; wo_a's groups as
+    the skinny kernel's experts), made from NumPy: no graph node, so it may be first asked for in a compiled trace."""
+    key = ("arange_rows", rows, cap, dtype)
     if key not in _consts:
-        a = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, :], (rows, cap))
-        _consts[key] = mx.contiguous(a)  # materialized by its first eval, then kept
+        _consts[key] = mx.array(np.tile(np.arange(cap), (rows, 1)), dtype=dtype)
+        mx.eval(_consts[key])
     return _consts[key]

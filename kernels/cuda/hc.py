@@ -21,7 +21,6 @@ from kernels.hc import check_hc_pre_mix, hc_pre_mix_reference
 THREADS = 256
 MAX_NC = 8
 SINKHORN_THREADS = 64  # warps 0-1: one thread per comb element (MAX_NC ** 2); the rest of the block sums x
-X_U = 8  # columns of x a thread loads before storing any (template XU; a store may alias h: no hoisting)
 assert MAX_NC**2 <= SINKHORN_THREADS < THREADS and SINKHORN_THREADS % 32 == 0
 INPUTS = ("m", "scale", "base", "h", "fparams")
 OUTPUTS = ("x", "post", "comb")
@@ -93,7 +92,7 @@ SOURCE = r"""
 #undef DSV4_SK_SYNC
     if (own) comb[(size_t)b * NC * NC + tid] = v;
   } else {  // the other warps: x = sum_k pre_k h_k, meanwhile; U columns' loads issued before their stores
-    constexpr int U = XU;
+    constexpr int U = 8;
     const int nt = blockDim.x - SK;
     const T* hb = h + (size_t)b * NC * H;
     for (int d0 = tid - SK; d0 < H; d0 += U * nt) {
@@ -130,7 +129,7 @@ class Plan:
             return
         b, nc, hid = h.shape
         self.kernel = kernel("hc_pre_mix", INPUTS, OUTPUTS, SOURCE)
-        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters), ("XU", X_U)]
+        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters)]
         self.grid = (b * THREADS, 1, 1)
         self.shapes = [(b, hid), (b, nc), (b, nc, nc)]
         self.fparams = f32_params(eps)

@@ -32,7 +32,6 @@ MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays
 U = 4  # columns a thread has in flight
 SPLITS = 16  # blocks a row with DSV4_HC_SPLIT=1 (16 x 8 rows = 128 blocks: about one an SM)
-NORM_U = 8  # the unit norm's columns a thread reads before writing any (1: a memory round trip a column)
 WORKSPACE: mx.array | None = None  # uint32: MAX_ROWS tickets, then [MAX_ROWS][SPLITS][NM + 1] f32 partials
 
 # Columns lo..hi-1 of row b: each warp's sums of h^2 (acc[NM]) and of h . fn_j, into part[j][warp].
@@ -133,16 +132,18 @@ NORM_TAIL = r"""
       float t = 0.f;
       for (int q = 0; q < nt / 32; ++q) t += xred[q];
       const float inv = rsqrtf(t / (float)H + fparams[2]);
-      for (int d0 = tid - SK; d0 < H; d0 += @NU@ * nt) {  // the columns this thread wrote above, read back
-        float xv[@NU@], wv[@NU@];  // NU columns' loads before their stores (a store may alias xw: no hoisting)
+      // the columns this thread wrote above, read back 8 at a time: their loads before their stores (a store may
+      // alias xw, so a load is never hoisted above one: a column at a time was a memory round trip each)
+      for (int d0 = tid - SK; d0 < H; d0 += 8 * nt) {
+        float xv[8], wv[8];
 #pragma unroll
-        for (int u = 0; u < @NU@; ++u) {
+        for (int u = 0; u < 8; ++u) {
           const int d = d0 + u * nt;
           xv[u] = d < H ? dsv4_f(x[(size_t)b * H + d]) : 0.f;
           wv[u] = d < H ? dsv4_f(xw[d]) : 0.f;
         }
 #pragma unroll
-        for (int u = 0; u < @NU@; ++u) {
+        for (int u = 0; u < 8; ++u) {
           const int d = d0 + u * nt;
           if (d < H) x[(size_t)b * H + d] = dsv4_t<T>(wv[u] * (xv[u] * inv));
         }
@@ -168,8 +169,7 @@ def fused_source(split: bool = False, norm: bool = False) -> str:
         src = src.replace(hb, hb + " float xss = 0.f;")
         src = src.replace(store, "{ const T xv = dsv4_t<T>(acc); x[(size_t)b * H + d0 + u * nt] = xv; "
                                  "const float f = dsv4_f(xv); xss += f * f; }")  # fmt: skip
-        tail = NORM_TAIL.replace("@THREADS@", str(hc.THREADS)).replace("@NU@", str(NORM_U))
-        src = src[: -len("  }\n")] + tail + "  }\n"
+        src = src[: -len("  }\n")] + NORM_TAIL.replace("@THREADS@", str(hc.THREADS)) + "  }\n"
     return src
 
 
@@ -201,7 +201,7 @@ class Plan:
         inputs = (*(SPLIT_INPUTS if self.split else INPUTS), *(("xw",) if norm else ()))
         self.kernel = kernel(name, inputs, hc.OUTPUTS, fused_source(split=self.split, norm=norm))
         self.grid = (SPLITS * hc.THREADS, b, 1) if self.split else (b * hc.THREADS, 1, 1)
-        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters), ("XU", hc.X_U)]
+        self.tmpl = [("T", h.dtype), ("NC", nc), ("ITERS", iters)]
         self.shapes = [(b, hid), (b, nc), (b, nc, nc)]
         self.fparams = f32_params(eps, norm_eps, x_eps)
 

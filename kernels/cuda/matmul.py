@@ -204,11 +204,10 @@ from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from kernels import matmul as ref  # noqa: E402
 from kernels.cuda import tiles_mm  # noqa: E402
-from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached  # noqa: E402
+from kernels.cuda.common import E2M1, arange_rows, dummy, f32_params, kernel, launch_bounds, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
@@ -374,20 +373,6 @@ def _rows_view(out: mx.array, rows: int, cols: int, offset: int) -> mx.array:
     return mx.as_strided(out, (rows, cols), (cols, 1), offset)
 
 
-_GROUPS: dict[tuple[str, int, int], mx.array] = {}
-
-
-def _groups(rows: int, groups: int) -> mx.array:
-    """[rows, groups] uint32, each row 0..groups-1: the grouped product as the experts' launch (every row's
-    pair j through weight j), built once from NumPy."""
-    key = ("groups", rows, groups)
-    a = _GROUPS.get(key)
-    if a is None:
-        a = _GROUPS[key] = mx.array(np.tile(np.arange(groups, dtype=np.uint32), (rows, 1)))
-        mx.eval(a)
-    return a
-
-
 def grouped_qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """attention's wo_a: group g of x [B, G, K] through mxfp8 weight g of [G, N, K / 4], one launch (EXP 2: the
     groups are the pairs' experts, x's groups their hidden rows; each weight read once for all rows)."""
@@ -399,7 +384,8 @@ def grouped_qlinear_rows_cuda(x: mx.array, w: mx.array, scales: mx.array) -> mx.
     if p is None or not p.fast:
         return ref.grouped_qlinear_rows_reference(x, w, scales)
     b, g, k = x.shape
-    return p(x.reshape(b * g, k), w, scales, w, scales, _groups(b, g)).reshape(b, g, w.shape[1])
+    # every row's pair j is group j
+    return p(x.reshape(b * g, k), w, scales, w, scales, arange_rows(b, g, mx.uint32)).reshape(b, g, w.shape[1])
 
 
 def _experts_ok(x: object, idx: object, w: object, xdim: int) -> bool:
