@@ -21,6 +21,7 @@ COPY pyproject.toml ./
 COPY service ./service
 COPY model ./model
 COPY kernels ./kernels
+COPY dsv4_serve ./dsv4_serve
 # README.md is named in pyproject; an empty one is enough when it is excluded by .dockerignore.
 # pyproject pins mlx[cpu] on Linux; the CUDA build replaces mlx-cpu with mlx-cuda-13 afterwards.
 RUN touch README.md \

@@ -29,11 +29,11 @@ _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
 def _fast_ops() -> dict[str, Any]:
-    import kernels.cuda.hc_fused as kh
-    import kernels.cuda.matmul as km
-    import kernels.cuda.norms as kn
-    import kernels.cuda.rope as kp
-    import kernels.cuda.router as kr
+    import dsv4_serve.kernels.cuda.hc_fused as kh
+    import dsv4_serve.kernels.cuda.matmul as km
+    import dsv4_serve.kernels.cuda.norms as kn
+    import dsv4_serve.kernels.cuda.rope as kp
+    import dsv4_serve.kernels.cuda.router as kr
 
     where = {"rms_norm_rows": kn, "hc_post_rows": kn, "router_topk": kr, "hc_pre_rows": kh, "moe_combine_rows": kr,
              "hc_pre_norm_rows": kh, "moe_combine_post_rows": kr, "rms_rope_rows": kp}  # fmt: skip
@@ -43,11 +43,11 @@ def _fast_ops() -> dict[str, Any]:
 
 def _unfused() -> dict[str, Any]:
     """The fused ops as the fast ops they fuse, one launch each (the step before they were fused)."""
-    import kernels.cuda.matmul as km
-    import kernels.cuda.norms as kn
-    import kernels.cuda.router as kr
-    from kernels.hc import hc_pre_norm_composed
-    from kernels.rope import rope_apply
+    import dsv4_serve.kernels.cuda.matmul as km
+    import dsv4_serve.kernels.cuda.norms as kn
+    import dsv4_serve.kernels.cuda.router as kr
+    from dsv4_serve.kernels.hc import hc_pre_norm_composed
+    from dsv4_serve.kernels.rope import rope_apply
 
     def pair(x: mx.array, w1: mx.array, w2: mx.array) -> tuple[mx.array, mx.array]:
         return km.f32_linear_rows_cuda(x, w1), km.f32_linear_rows_cuda(x, w2)
@@ -71,8 +71,8 @@ def _unfused() -> dict[str, Any]:
 
 def set_arm(arm: str, model: Any) -> None:
     """Register the arm's fast paths in the backend (the rest run their references) and retrace."""
-    from kernels import backend
-    from model.checkpoint import is_f32_compute
+    from dsv4_serve.kernels import backend
+    from dsv4_serve.model.checkpoint import is_f32_compute
 
     if arm not in ARMS:
         raise SystemExit(f"step.py: --arms: unknown arm {arm!r}, expected some of {', '.join(ARMS)}")
@@ -85,7 +85,7 @@ def set_arm(arm: str, model: Any) -> None:
     model.update(tree_unflatten(_as_held[skinny]))
     fast: dict[str, Any] = {}
     if backend.cuda_available():
-        import kernels.cuda.hc_fused as kh
+        import dsv4_serve.kernels.cuda.hc_fused as kh
 
         kh.set_split(arm != "hc_one")
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})

@@ -11,12 +11,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-import kernels.cuda as kc
-from kernels import Row, RowBatch
-from kernels.compressor import CompressorArgs, compressor_pair_rows_inplace_reference, compressor_rows_inplace_reference
-from kernels.compressor import new_workspace as new_comp_workspace
-from kernels.indexer import indexer_rows_reference, new_workspace
-from kernels.sparse_attention import sparse_attention_rows_reference
+import dsv4_serve.kernels.cuda as kc
+from dsv4_serve.kernels import Row, RowBatch
+from dsv4_serve.kernels.compressor import (
+    CompressorArgs,
+    compressor_pair_rows_inplace_reference,
+    compressor_rows_inplace_reference,
+)
+from dsv4_serve.kernels.compressor import new_workspace as new_comp_workspace
+from dsv4_serve.kernels.indexer import indexer_rows_reference, new_workspace
+from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 
 PAGE, NH, D, DI, NI, W, TOPK, HALF = 64, 64, 512, 128, 64, 128, 512, 32
 # The compressor as the model runs it: in place on CUDA (state + pool written through their buffers, a

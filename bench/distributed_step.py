@@ -38,11 +38,11 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.common import copy_bandwidth, provenance  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
-from model.dummy import cut, dummy_model, resolve_args  # noqa: E402
-from model.state import StatePools  # noqa: E402
-from service.engine.engine import Engine  # noqa: E402
-from service.engine.follower import LeaderEngine, follow, plan_size  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.dummy import cut, dummy_model, resolve_args  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
+from dsv4_serve.service.engine.engine import Engine  # noqa: E402
+from dsv4_serve.service.engine.follower import LeaderEngine, follow, plan_size  # noqa: E402
 
 PAGE = 256
 

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kernels.cuda as kc  # noqa: E402
-import kernels.cuda.common as kcommon  # noqa: E402
-import kernels.cuda.compressor as kcomp  # noqa: E402
+import dsv4_serve.kernels.cuda as kc  # noqa: E402
+import dsv4_serve.kernels.cuda.common as kcommon  # noqa: E402
+import dsv4_serve.kernels.cuda.compressor as kcomp  # noqa: E402
 from bench.cases import Case, add_link_argument, chain43, make_case  # noqa: E402
 from bench.common import copy_kernel, plot_kernels, provenance  # noqa: E402
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.common import copy_bandwidth, provenance  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
 
 
 def _q(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array]:
@@ -41,8 +41,8 @@ def _q(shape: tuple[int, ...], bits: int) -> tuple[mx.array, mx.array]:
 
 def products(a: ModelArgs, rows: int, experts: int) -> dict[str, tuple[int, Callable[[], Any], float]]:
     """name -> (launches a step, a maker of one launch's (fn, args), bytes a launch reads)."""
-    from kernels.cuda import hc_fused
-    from kernels.cuda import matmul as km
+    from dsv4_serve.kernels.cuda import hc_fused
+    from dsv4_serve.kernels.cuda import matmul as km
 
     h, ql, d, nh, inter = a.hidden_size, a.q_lora_rank, a.head_dim, a.num_attention_heads, a.moe_intermediate_size
     csa = sum(r == 4 for r in a.compress_ratios)
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-profile", action="store_true", help="launch only, no timing (to run under ncu)")
     opt = ap.parse_args()
-    from kernels.cuda import hc_fused
+    from dsv4_serve.kernels.cuda import hc_fused
 
     hc_fused.set_split(True)  # the step's pre-mix (its workspace)
     a = ModelArgs()

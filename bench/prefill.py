@@ -35,11 +35,11 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
-from kernels import backend, experts_grouped  # noqa: E402
-from model import prefill as mprefill  # noqa: E402
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.loader import tiny_model  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.kernels import backend, experts_grouped  # noqa: E402
+from dsv4_serve.model import prefill as mprefill  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.loader import tiny_model  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 
 
 def gemm_rate(n: int, reps: int = 5) -> float:
@@ -155,13 +155,13 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
     os.environ[experts_grouped.ENV] = how or grouped
     mprefill.EVAL_EVERY = 0 if arm == "sync_build" else EVAL_EVERY  # sync_build: the whole forward, then its eval
     if backend.name() == "cuda":  # f32_simt: the f32 products of many rows as MLX's f32 matmul (TF32 off: SIMT)
-        import kernels.cuda.tiles_mm as tm
+        import dsv4_serve.kernels.cuda.tiles_mm as tm
 
         tm.F32_MANY = arm != "f32_simt"
-        import kernels.cuda.prefill_attention as kpa  # dsplit_attn: the decode kernel's rows, one a query
+        import dsv4_serve.kernels.cuda.prefill_attention as kpa  # dsplit_attn: the decode kernel's rows, one a query
 
         kpa.HEADS_ON = arm != "dsplit_attn"
-        import kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
+        import dsv4_serve.kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
 
         kp.MANY_ON = arm != "rope_block"
 

@@ -48,7 +48,7 @@ def free_port() -> int:
 
 def start_server(port: int, extra: list[str], timeout: float = 120) -> subprocess.Popen:
     """`dsv4-serve serve` on 127.0.0.1:port with `extra` flags, returned once /ready says 200."""
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "dsv4_serve.service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + timeout
     while time.time() < deadline:

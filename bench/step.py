@@ -35,11 +35,11 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.arms import ARMS, set_arm  # noqa: E402
 from bench.common import copy_bandwidth, plot_step, provenance  # noqa: E402
-from model.checkpoint import is_f32_param  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.dummy import dummy_model  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.model.checkpoint import is_f32_param  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.dummy import dummy_model  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 
 
 def flash_args(layers: int, experts: int) -> ModelArgs:

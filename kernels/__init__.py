@@ -11,26 +11,26 @@ import importlib
 
 import mlx.core as mx
 
-from kernels import backend
-from kernels.compressor import (
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.compressor import (
     CompressorArgs,
     PairOut,
     compressor_pair_rows_inplace_reference,
     compressor_rows_inplace_reference,
     compressor_rows_reference,
 )
-from kernels.hc import hc_pre_composed, hc_pre_mix_reference, hc_pre_norm_composed
-from kernels.indexer import indexer_rows_reference
-from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
-from kernels.prefill_attention import prefill_attention_reference
-from kernels.rope import rms_rope_rows_reference, rope, rope_apply, rope_tables
-from kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference, router_topk_reference
-from kernels.rows import Row, RowBatch
-from kernels.sparse_attention import sparse_attention_rows_reference
+from dsv4_serve.kernels.hc import hc_pre_composed, hc_pre_mix_reference, hc_pre_norm_composed
+from dsv4_serve.kernels.indexer import indexer_rows_reference
+from dsv4_serve.kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
+from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
+from dsv4_serve.kernels.rope import rms_rope_rows_reference, rope, rope_apply, rope_tables
+from dsv4_serve.kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference, router_topk_reference
+from dsv4_serve.kernels.rows import Row, RowBatch
+from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 
 backend.tune_cuda_commits()  # before any GPU eval
 # The CUDA fast path, imported when an op first asks for it on a CUDA device (it registers its ops then).
-backend.set_fast_loader(lambda: importlib.import_module("kernels.cuda"))
+backend.set_fast_loader(lambda: importlib.import_module("dsv4_serve.kernels.cuda"))
 
 __all__ = [
     "CompressorArgs",

@@ -3,7 +3,7 @@
 The reference is always there (and is what CI and a Mac run). A fast module — `kernels/cuda/`
 — registers its versions by op name:
 
-    from kernels import backend
+    from dsv4_serve.kernels import backend
     backend.register("sparse_attention_rows", my_fast_fn)
 
 and is imported lazily the first time the CUDA path is considered, so importing `kernels` never

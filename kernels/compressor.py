@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from kernels.rope import rope
-from kernels.rows import (
+from dsv4_serve.kernels.rope import rope
+from dsv4_serve.kernels.rows import (
     FLOATS,
     RowBatch,
     check_after,
@@ -33,7 +33,7 @@ from kernels.rows import (
     row_entries,
     zeroed_workspace,
 )
-from kernels.rows import check_workspace as check_ws
+from dsv4_serve.kernels.rows import check_workspace as check_ws
 
 OP = "compressor_rows"
 RATIOS = (4, 128)

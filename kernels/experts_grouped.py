@@ -30,8 +30,8 @@ import os
 
 import mlx.core as mx
 
-from kernels import backend
-from kernels.matmul import GROUP, _is, experts_down_rows_reference, experts_gate_up_rows_reference, swiglu
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.matmul import GROUP, _is, experts_down_rows_reference, experts_gate_up_rows_reference, swiglu
 
 # Rows above which the experts run grouped. 1..8 rows are the decode step's (the CUDA skinny kernels,
 # kernels/cuda/matmul.py MAX_ROWS, read each weight byte once). Estimate for V4-Flash on an H200: the

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import backend
-from kernels.norms import rms_norm_rows_reference
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.norms import rms_norm_rows_reference
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 

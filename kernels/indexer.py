@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.rows import (
+from dsv4_serve.kernels.rows import (
     FLOATS,
     RowBatch,
     check_after,
@@ -32,7 +32,7 @@ from kernels.rows import (
     row_entries,
     zeroed_workspace,
 )
-from kernels.rows import check_workspace as check_ws
+from dsv4_serve.kernels.rows import check_workspace as check_ws
 
 OP = "indexer_rows"
 RATIO = 4

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import backend
-from kernels import matmul as kmatmul
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import matmul as kmatmul
 
 
 def check_indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> None:

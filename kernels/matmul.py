@@ -31,8 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels import backend
-from kernels.rows import MAX_ROWS
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.rows import MAX_ROWS
 
 GROUP = 32  # mxfp8 / mxfp4 scale group
 # The CUDA skinny kernels are on by default (their gpu tests and the full-depth A/B ran on an H200,

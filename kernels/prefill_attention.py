@@ -14,8 +14,8 @@ import math
 
 import mlx.core as mx
 
-from kernels.rows import FLOATS, check_array, fail
-from kernels.sparse_attention import RATIOS, sink_softmax
+from dsv4_serve.kernels.rows import FLOATS, check_array, fail
+from dsv4_serve.kernels.sparse_attention import RATIOS, sink_softmax
 
 OP = "prefill_attention"
 # Queries attended together. A query sees W window keys, but a block's window logits span its queries' keys

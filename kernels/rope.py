@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels.norms import check_rms_norm_rows, rms_norm_rows_reference
+from dsv4_serve.kernels.norms import check_rms_norm_rows, rms_norm_rows_reference
 
 _signs: dict[int, mx.array] = {}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.norms import check_hc_post_rows, hc_post_rows_reference
+from dsv4_serve.kernels.norms import check_hc_post_rows, hc_post_rows_reference
 
 
 def check_router_topk(logits: mx.array, bias: mx.array, k: int, route_scale: float) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.upload import upload
+from dsv4_serve.kernels.upload import upload
 
 MAX_ROWS = 8
 INT32_MAX = 2**31 - 1

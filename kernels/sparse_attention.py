@@ -14,7 +14,7 @@ import math
 
 import mlx.core as mx
 
-from kernels.rows import (
+from dsv4_serve.kernels.rows import (
     FLOATS,
     RowBatch,
     check_after,

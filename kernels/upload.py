@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels.backend import cuda_available
+from dsv4_serve.kernels.backend import cuda_available
 
 MAX_PIECES = 32  # pieces of 2 values; longer arrays: one managed array (one fault), then cached
 # kernel variants by piece count (the rest padded with a zero piece); at least 2: an output of 8 bytes would

@@ -12,12 +12,12 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-import kernels
-from kernels import matmul as kmatmul
-from model.config import ModelArgs
-from model.layers import RMSNorm, rope_angles
-from model.quant import linear_cat
-from model.state import StatePools
+from dsv4_serve import kernels
+from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.layers import RMSNorm, rope_angles
+from dsv4_serve.model.quant import linear_cat
+from dsv4_serve.model.state import StatePools
 
 # The in-place compressor (kernels.compressor_rows_inplace: state and pool written through their buffers on
 # CUDA, no pool scatter, one launch). The default since its model-level GPU test and the engine tests passed

@@ -18,9 +18,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from model.config import ModelArgs
-from model.quant import encode_fp4, encode_fp8
-from model.tokenizer import tokenizer_config
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.quant import encode_fp4, encode_fp8
+from dsv4_serve.model.tokenizer import tokenizer_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

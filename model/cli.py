@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from model.checkpoint import write_checkpoint
-from model.loader import load_model, tiny_model
-from model.state import StatePools
-from model.tokenizer import load_tokenizer
+from dsv4_serve.model.checkpoint import write_checkpoint
+from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tokenizer import load_tokenizer
 
 
 def make_tiny_main(argv: Sequence[str]) -> int:

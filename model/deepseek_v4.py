@@ -13,15 +13,15 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import Row, RowBatch
-from kernels.matmul import f32_linear_rows
-from kernels.upload import upload
-from model.attention import Attention
-from model.config import ModelArgs
-from model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, step_angles
-from model.layers import reset_compiled as forget_hc_pre
-from model.prefill import prefill_batch, prefill_chunk
-from model.state import StateHandle, StatePools
+from dsv4_serve.kernels import Row, RowBatch
+from dsv4_serve.kernels.matmul import f32_linear_rows
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.model.attention import Attention
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, step_angles
+from dsv4_serve.model.layers import reset_compiled as forget_hc_pre
+from dsv4_serve.model.prefill import prefill_batch, prefill_chunk
+from dsv4_serve.model.state import StateHandle, StatePools
 
 # Prompt tokens per parallel prefill pass (the service's --prefill-chunk default). On the H200 a V4-Flash forward
 # has a large host cost whatever its size: 256-token forwards ran 0.14-0.17 s, a 2,048-token one 0.33 s (6,219

@@ -29,10 +29,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from model.config import ModelArgs
-from model.deepseek_v4 import DeepseekV4
-from model.layers import MoE, hc_post
-from model.loader import Slice, load_model, take
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.deepseek_v4 import DeepseekV4
+from dsv4_serve.model.layers import MoE, hc_post
+from dsv4_serve.model.loader import Slice, load_model, take
 
 # (axis, lo, hi) of a parameter's full shape that one rank keeps; None: replicated.
 

@@ -28,11 +28,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from kernels.matmul import weights_as_stored
-from model.checkpoint import expert_param, is_f32_resident
-from model.config import ModelArgs
-from model.deepseek_v4 import DeepseekV4
-from model.quant import FP4_GROUP, FP8_LINEAR, QuantizedExperts, mxfp8_linear
+from dsv4_serve.kernels.matmul import weights_as_stored
+from dsv4_serve.model.checkpoint import expert_param, is_f32_resident
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.deepseek_v4 import DeepseekV4
+from dsv4_serve.model.quant import FP4_GROUP, FP8_LINEAR, QuantizedExperts, mxfp8_linear
 
 log = logging.getLogger("dsv4.loader")
 
@@ -41,7 +41,7 @@ PRESETS = ("flash", "pro", "tiny")
 
 def preset_args(name: str) -> ModelArgs:
     """'flash' / 'pro': the released V4 configs (model/skeleton.py); 'tiny': ModelArgs.tiny()."""
-    from model.skeleton import flash_args, pro_args
+    from dsv4_serve.model.skeleton import flash_args, pro_args
 
     makers = {"flash": flash_args, "pro": pro_args, "tiny": ModelArgs.tiny}
     if name not in makers:
@@ -126,8 +126,8 @@ def dummy_model(
     checkpoint. dtype: the model dtype (default as load_model: f32 on the CPU, else bf16). quantize=False:
     what `load_model(quantize=False)` keeps (`serve --dequantize`). group: an mx.distributed group (or any
     object with rank() / size()) of > 1 ranks: build only this rank's shard (model/distributed.py)."""
-    from model.distributed import mark_sharded, shard_slices
-    from model.loader import _set_module, take
+    from dsv4_serve.model.distributed import mark_sharded, shard_slices
+    from dsv4_serve.model.loader import _set_module, take
 
     args = cut(args, experts=experts, layers=layers)
     if dtype is None:
@@ -197,7 +197,7 @@ def resident_bytes(args: ModelArgs, *, dtype_bytes: int = 2, ranks: int = 1, as_
     K/2 + K/32 bytes a row, mxfp8 K + K/32, f32-resident tensors 4 bytes an element, the rest dtype_bytes.
     as_stored: the f32-multiplied weights in the model dtype (default: weights_as_stored(), as built)."""
     as_stored = weights_as_stored() if as_stored is None else as_stored
-    from model.distributed import shard_slices
+    from dsv4_serve.model.distributed import shard_slices
 
     rule = shard_slices(args, 0, ranks) if ranks > 1 else (lambda _name: None)
     total = 0

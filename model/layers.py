@@ -13,10 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-import kernels
-from kernels import matmul as kmatmul
-from kernels.experts_grouped import GROUPED_ROWS
-from model.config import ModelArgs
+from dsv4_serve import kernels
+from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.kernels.experts_grouped import GROUPED_ROWS
+from dsv4_serve.model.config import ModelArgs
 
 
 class RMSNorm(nn.Module):

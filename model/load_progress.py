@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-from model.checkpoint import TensorInfo
+from dsv4_serve.model.checkpoint import TensorInfo
 
 log = logging.getLogger("dsv4.loader")
 EVERY_S = 10.0

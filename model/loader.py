@@ -18,8 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from kernels.matmul import weights_as_stored
-from model.checkpoint import (
+from dsv4_serve.kernels.matmul import weights_as_stored
+from dsv4_serve.model.checkpoint import (
     FLOAT_DTYPES,
     INT_DTYPES,
     ROW_READABLE,
@@ -30,10 +30,10 @@ from model.checkpoint import (
     read_rows,
     scale_names,
 )
-from model.config import ModelArgs
-from model.deepseek_v4 import DeepseekV4
-from model.load_progress import LoadProgress
-from model.quant import (
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.deepseek_v4 import DeepseekV4
+from dsv4_serve.model.load_progress import LoadProgress
+from dsv4_serve.model.quant import (
     FP8_BLOCK,
     FP8_LINEAR,
     QuantizedExperts,
@@ -45,7 +45,7 @@ from model.quant import (
     fp8_to_mxfp8,
     mxfp8_linear,
 )
-from model.tokenizer import build_tiny_tokenizer
+from dsv4_serve.model.tokenizer import build_tiny_tokenizer
 
 log = logging.getLogger("dsv4.loader")
 Slice = tuple[int, int, int]  # (axis, lo, hi) of a parameter's full shape: one rank's share (model/distributed.py)

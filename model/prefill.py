@@ -20,14 +20,14 @@ from collections.abc import Callable, Generator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kernels import matmul as kmatmul
-from kernels import prefill_attention
-from kernels.compressor import pooled_entry
-from kernels.indexer import topk_ids
-from kernels.indexer_scores import indexer_scores
-from model.attention import Attention, Compressor
-from model.layers import hc_head, rope_angles
-from model.state import StateHandle, StatePools
+from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.kernels import prefill_attention
+from dsv4_serve.kernels.compressor import pooled_entry
+from dsv4_serve.kernels.indexer import topk_ids
+from dsv4_serve.kernels.indexer_scores import indexer_scores
+from dsv4_serve.model.attention import Attention, Compressor
+from dsv4_serve.model.layers import hc_head, rope_angles
+from dsv4_serve.model.state import StateHandle, StatePools
 
 KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
 # Layers a forward builds before it starts evaluating them (mx.async_eval of the residual stream): the GPU runs

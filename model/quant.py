@@ -13,8 +13,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from kernels import experts_grouped
-from kernels import matmul as kmatmul
+from dsv4_serve.kernels import experts_grouped
+from dsv4_serve.kernels import matmul as kmatmul
 
 FP8_BLOCK = 128  # UE8M0 scale per 128x128 block of an FP8 weight
 FP4_GROUP = 32  # UE8M0 scale per 32 consecutive values of an FP4 expert row

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mlx.utils import tree_flatten
 
-from model.config import ModelArgs
-from model.deepseek_v4 import DeepseekV4
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.deepseek_v4 import DeepseekV4
 
 
 def parameter_counts(args: ModelArgs) -> dict[str, int]:

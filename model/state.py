@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kernels.compressor import new_workspace as new_comp_workspace
-from kernels.indexer import new_workspace
-from model.config import ModelArgs
+from dsv4_serve.kernels.compressor import new_workspace as new_comp_workspace
+from dsv4_serve.kernels.indexer import new_workspace
+from dsv4_serve.model.config import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from dsv4_serve.service.settings import Settings
 
 # Subcommands owned by model/cli.py: their argv passes through untouched.
 _PASSTHROUGH = {
@@ -131,11 +131,11 @@ def follow(settings: Settings) -> int | None:
     group = mx.distributed.init()
     if group.size() == 1 or group.rank() == 0:
         return None
-    from service.engine.build import build_engine
-    from service.engine.follower import follow as follow_loop
+    from dsv4_serve.service.engine.build import build_engine
+    from dsv4_serve.service.engine.follower import follow as follow_loop
 
     engine, _ = build_engine(settings.model, group=group, **settings.engine_options())
-    from model.deepseek_v4 import PREFILL_CHUNK
+    from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
 
     steps = follow_loop(engine, group, prefill_cap=settings.prefill_chunk or PREFILL_CHUNK)
     logging.getLogger("dsv4.follower").info("rank %d: stop after %d steps", group.rank(), steps)
@@ -171,7 +171,7 @@ def check_dummy(settings: Settings) -> str | None:
     """--load-format dummy: the preset / config.json and the cuts, checked before anything starts."""
     if settings.load_format != "dummy":
         return None
-    from model.dummy import resolve_args
+    from dsv4_serve.model.dummy import resolve_args
 
     try:
         resolve_args(settings.model or "", experts=settings.experts, layers=settings.layers)
@@ -199,7 +199,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
             return rc
     import uvicorn
 
-    from service.api.app import create_app
+    from dsv4_serve.service.api.app import create_app
 
     app = create_app(settings)
 
@@ -244,9 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     exact_f32_matmuls()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:
-        import model.cli
+        from dsv4_serve.model import cli
 
-        return int(getattr(model.cli, _PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
+        return int(getattr(cli, _PASSTHROUGH[argv[0]][0])(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         sock = listen_early(args, os.environ)
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from pydantic import ValidationError
 
-    from service.settings import Settings, describe_error
+    from dsv4_serve.service.settings import Settings, describe_error
 
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
     try:

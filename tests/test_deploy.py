@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from service.settings import Settings
+from dsv4_serve.service.settings import Settings
 
 yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parents[1]

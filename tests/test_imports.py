@@ -2,6 +2,10 @@
 level or inside a function, and `importlib.import_module("...")` of a literal name), and the HTTP side
 (`service/api`) never imports MLX: the engine thread does.
 
+Modules are named as in the checkout (`kernels.cuda`); the sources import them under the installed namespace
+(`dsv4_serve.kernels.cuda`, pyproject's package-dir), and a source that imports a bare `kernels`, `model` or
+`service` fails here: installed, that name is somebody else's package (PyPI's `kernels`) or nothing.
+
 The graph is built from the sources (ast), not from what one run happens to import. `from pkg import name`
 depends on the submodule `pkg.name` where there is one, else on `pkg/__init__.py`."""
 
@@ -27,9 +31,19 @@ def modules() -> dict[str, Path]:
     return out
 
 
+NS = "dsv4_serve."
+
+
 def imported_names(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Every module name `name` imports (resolved when relative). `from pkg import x` names `pkg.x` where that
-    is a module of `mods`, else `pkg` (x is defined in pkg/__init__.py)."""
+    """Every module name `name` imports (resolved when relative; the `dsv4_serve.` namespace taken off).
+    `from pkg import x` names `pkg.x` where that is a module of `mods`, else `pkg` (x is defined in
+    pkg/__init__.py)."""
+    return {n.removeprefix(NS) for n in raw_imports(name, path, mods)}
+
+
+def raw_imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """imported_names as written in the source (the namespace kept)."""
+    mods = {**mods, **{NS + k: v for k, v in mods.items()}}
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -106,9 +120,21 @@ def test_graph_sees_known_edges() -> None:
     g = graph()
     assert "service.engine.engine" in g["service.engine.follower"]  # module level
     assert "model.loader" in g["service.engine.build"]  # inside build_engine
-    assert "kernels.cuda" in g["kernels"]  # importlib.import_module("kernels.cuda"), the fast loader
+    assert "kernels.cuda" in g["kernels"]  # importlib.import_module("dsv4_serve.kernels.cuda"), the fast loader
     assert "kernels.cuda.common" in g["kernels.cuda.attention"]  # from kernels.cuda import common
     assert "kernels.cuda" not in g["kernels.cuda.attention"]  # ... which is not kernels/cuda/__init__.py
+
+
+def test_every_import_goes_through_the_namespace() -> None:
+    """No source of the project (the packages, tests, bench, tools) imports a bare `service`, `model` or
+    `kernels`: installed, those are not ours (issue: PyPI's `kernels`, brought by transformers, shadowed ours)."""
+    bad = []
+    for p in sorted(ROOT.glob("*/**/*.py")):
+        if p.relative_to(ROOT).parts[0] not in (*PACKAGES, "tests", "bench", "tools", "dsv4_serve"):
+            continue
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        bad += [f"{p.relative_to(ROOT)}: {imp}" for imp in raw_imports(name, p, {}) if imp.split(".")[0] in PACKAGES]
+    assert not bad, bad
 
 
 def test_cycle_detection_finds_a_planted_cycle() -> None:
@@ -132,7 +158,8 @@ def test_service_api_imports_no_mlx_in_its_sources() -> None:
 def test_building_the_app_loads_no_mlx() -> None:
     """Importing the HTTP side and building its app (not started: the engine thread is what imports MLX)
     leaves mlx out of sys.modules, in a fresh interpreter."""
-    code = ("import sys\nfrom service.api.app import create_app\nfrom service.settings import Settings\n"
+    code = ("import sys\nfrom dsv4_serve.service.api.app import create_app\n"
+            "from dsv4_serve.service.settings import Settings\n"
             "create_app(Settings())\nprint(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-CODE = "import os, service.__main__ as m; m.exact_f32_matmuls(); print(os.environ['MLX_ENABLE_TF32'])"
+CODE = "import os, dsv4_serve.service.__main__ as m; m.exact_f32_matmuls(); print(os.environ['MLX_ENABLE_TF32'])"
 
 
 def run(env_value: str | None) -> str:

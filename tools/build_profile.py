@@ -41,8 +41,8 @@ def _stand_in(*_: object, **__: object):
 def stand_in_cuda_path() -> None:
     """Import kernels.cuda with MLX's `cuda_kernel` stood in for, and have the backend pick the fast ops."""
     mx.fast.cuda_kernel = _stand_in
-    import kernels.cuda  # noqa: F401  (registers the fast ops)
-    from kernels import backend
+    import dsv4_serve.kernels.cuda  # noqa: F401  (registers the fast ops)
+    from dsv4_serve.kernels import backend
 
     backend._use_fast = lambda: True
 
@@ -50,7 +50,7 @@ def stand_in_cuda_path() -> None:
 def zero_weights() -> None:
     """model.dummy draws zeros, the routed experts zero mxfp4 words and scales (the layout as before, no draws
     and no quantizing of the experts: that alone is ~20 s a layer on the CPU)."""
-    import model.dummy as dummy
+    import dsv4_serve.model.dummy as dummy
 
     def experts(_name, shape, lo, hi, dtype, _seed, quantize):
         e, o, i = hi - lo, *shape[1:]
@@ -64,7 +64,7 @@ def zero_weights() -> None:
 
 def time_layers(spans: list[tuple[int, float]]) -> None:
     """Each Block call appends (layer, seconds) to `spans`."""
-    from model.deepseek_v4 import Block
+    from dsv4_serve.model.deepseek_v4 import Block
 
     call = Block.__call__
 
@@ -102,10 +102,10 @@ def main() -> None:
     if not opt.random:
         zero_weights()
     from bench.step import flash_args, random_model
-    from model.state import StatePools
+    from dsv4_serve.model.state import StatePools
 
     if opt.tiny:
-        from model.loader import tiny_model
+        from dsv4_serve.model.loader import tiny_model
 
         model, args, _ = tiny_model(seed=0)
         opt.layers = args.num_hidden_layers

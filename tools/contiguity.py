@@ -23,10 +23,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-from kernels import backend  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
-from model.dummy import dummy_model  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.kernels import backend  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.dummy import dummy_model  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 
 
 def strided(a: mx.array) -> bool:
@@ -58,8 +58,8 @@ def probe(found: collections.Counter, where: list[str]) -> None:
 
         return run
 
-    import kernels
-    import kernels.matmul as km
+    import dsv4_serve.kernels.matmul as km
+    from dsv4_serve import kernels
 
     composed = {"hc_pre_rows": kernels.hc_pre_composed, "hc_pre_norm_rows": kernels.hc_pre_norm_composed}
     for op in backend.OPS:

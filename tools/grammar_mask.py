@@ -39,7 +39,7 @@ def med_us(xs: list[float]) -> float:
 
 
 def tiny_step(steps: int) -> float:
-    from service.engine.engine import build_engine
+    from dsv4_serve.service.engine.engine import build_engine
 
     engine, _tok = build_engine(None, max_rows=8, max_model_len=1024)
     engine.warmup()
@@ -54,9 +54,9 @@ def tiny_step(steps: int) -> float:
 
 def xgr_masks(tok, vocab: int, steps: int) -> tuple[float, float]:
     """(median us of service.engine.grammar.Guides.masks for 8 rows, median us of sampler.apply_masks)."""
-    from service.engine import grammar
-    from service.engine.request import Request, SamplingParams
-    from service.engine.sampler import apply_masks
+    from dsv4_serve.service.engine import grammar
+    from dsv4_serve.service.engine.request import Request, SamplingParams
+    from dsv4_serve.service.engine.sampler import apply_masks
 
     guide = grammar.compile_guide(tok, vocab, 1, grammar.json_format(SCHEMA), "bench")
     guides = grammar.Guides(vocab, eos_token_id=1)
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--llguidance", action="store_true", help="also measure llguidance (if installed)")
     a = ap.parse_args()
-    from model.tokenizer import build_tiny_tokenizer
+    from dsv4_serve.model.tokenizer import build_tiny_tokenizer
 
     step = tiny_step(a.steps)
     print(f"tiny model, 8-row decode step (CPU): {step:9.1f} us")

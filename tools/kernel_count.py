@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from kernels import backend, rope_apply  # noqa: E402
-from kernels.norms import rms_norm_rows_reference  # noqa: E402
-from model.checkpoint import is_f32_param  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.layers import reset_compiled as forget_hc_pre  # noqa: E402
-from model.layers import rope_angles  # noqa: E402
-from model.quant import quantize_block  # noqa: E402
+from dsv4_serve.kernels import backend, rope_apply  # noqa: E402
+from dsv4_serve.kernels.norms import rms_norm_rows_reference  # noqa: E402
+from dsv4_serve.model.checkpoint import is_f32_param  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.layers import reset_compiled as forget_hc_pre  # noqa: E402
+from dsv4_serve.model.layers import rope_angles  # noqa: E402
+from dsv4_serve.model.quant import quantize_block  # noqa: E402
 
 VIEWS = {"Full", "Reshape", "Slice", "Broadcast", "BroadcastAxes", "Squeeze", "ExpandDims", "Transpose",
          "AsStrided", "Copy"}  # fmt: skip

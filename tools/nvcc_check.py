@@ -17,27 +17,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from kernels.cuda import attention as at  # noqa: E402
-from kernels.cuda import attention_dsplit_src as dsrc  # noqa: E402
-from kernels.cuda import attention_prefill_src as psrc  # noqa: E402
-from kernels.cuda import attention_src as asrc  # noqa: E402
-from kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
-from kernels.cuda import compressor as cp  # noqa: E402
-from kernels.cuda import compressor_inplace as cpi  # noqa: E402
-from kernels.cuda import compressor_pair as cpp  # noqa: E402
-from kernels.cuda import dequant as dq  # noqa: E402
-from kernels.cuda import (
+from dsv4_serve.kernels.cuda import attention as at  # noqa: E402
+from dsv4_serve.kernels.cuda import attention_dsplit_src as dsrc  # noqa: E402
+from dsv4_serve.kernels.cuda import attention_prefill_src as psrc  # noqa: E402
+from dsv4_serve.kernels.cuda import attention_src as asrc  # noqa: E402
+from dsv4_serve.kernels.cuda import attention_wmma_src as wsrc  # noqa: E402
+from dsv4_serve.kernels.cuda import compressor as cp  # noqa: E402
+from dsv4_serve.kernels.cuda import compressor_inplace as cpi  # noqa: E402
+from dsv4_serve.kernels.cuda import compressor_pair as cpp  # noqa: E402
+from dsv4_serve.kernels.cuda import dequant as dq  # noqa: E402
+from dsv4_serve.kernels.cuda import (
     hc,
     hc_fused,  # noqa: E402
     norms,  # noqa: E402
     rope,  # noqa: E402
     router,  # noqa: E402
 )
-from kernels.cuda import indexer as ix  # noqa: E402
-from kernels.cuda import matmul as mm  # noqa: E402
-from kernels.cuda import tiles_mm as tm  # noqa: E402
-from kernels.cuda.common import E2M1, launch_bounds, standalone  # noqa: E402
-from kernels.cuda.select import HELPERS  # noqa: E402
+from dsv4_serve.kernels.cuda import indexer as ix  # noqa: E402
+from dsv4_serve.kernels.cuda import matmul as mm  # noqa: E402
+from dsv4_serve.kernels.cuda import tiles_mm as tm  # noqa: E402
+from dsv4_serve.kernels.cuda.common import E2M1, launch_bounds, standalone  # noqa: E402
+from dsv4_serve.kernels.cuda.select import HELPERS  # noqa: E402
 
 I32, U32, F32, BF = mx.int32, mx.uint32, mx.float32, mx.bfloat16
 

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from kernels import backend  # noqa: E402
-from kernels import matmul as kmatmul  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.prefill import prefill_chunk  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.kernels import backend  # noqa: E402
+from dsv4_serve.kernels import matmul as kmatmul  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.prefill import prefill_chunk  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 from tools.kernel_count import STANDINS, counted, one, release_structure, standins  # noqa: E402
 
 
@@ -56,8 +56,8 @@ class _OneLaunch:
 @contextlib.contextmanager
 def cuda_prefill() -> Iterator[None]:
     """The CUDA path's prefill ops (their Python as is, each kernel launch one node), undone after."""
-    import kernels.cuda.experts_grouped as ceg
-    import kernels.cuda.prefill_attention as cpa
+    import dsv4_serve.kernels.cuda.experts_grouped as ceg
+    import dsv4_serve.kernels.cuda.prefill_attention as cpa
 
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel)
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from model.config import ModelArgs  # noqa: E402
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.layers import _hc_pre, hc_post, rms, rope_angles  # noqa: E402
+from dsv4_serve.model.config import ModelArgs  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.layers import _hc_pre, hc_post, rms, rope_angles  # noqa: E402
 
 
 def nodes(outs: list[mx.array]) -> collections.Counter:

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import provenance  # noqa: E402
-from service.api.limits import encode  # noqa: E402
-from service.engine.build import build_engine  # noqa: E402
-from service.engine.request import SamplingParams  # noqa: E402
-from service.engine.worker import EngineWorker  # noqa: E402
+from dsv4_serve.service.api.limits import encode  # noqa: E402
+from dsv4_serve.service.engine.build import build_engine  # noqa: E402
+from dsv4_serve.service.engine.request import SamplingParams  # noqa: E402
+from dsv4_serve.service.engine.worker import EngineWorker  # noqa: E402
 
 
 async def _stream(w: EngineWorker, i: int, n: int, times: list[float]) -> None:

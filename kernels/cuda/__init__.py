@@ -39,21 +39,21 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels import backend, upload
-from kernels import matmul as kmatmul
-from kernels.compressor import CompressorArgs
-from kernels.compressor import new_workspace as new_comp_workspace
-from kernels.cuda import hc_fused
-from kernels.cuda.attention import sparse_attention_rows_cuda
-from kernels.cuda.compressor import compressor_rows_cuda
-from kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
-from kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
-from kernels.cuda.dequant import dequantize_mxfp8_cuda
-from kernels.cuda.experts_grouped import grouped_experts_cuda
-from kernels.cuda.hc import hc_pre_mix_cuda
-from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
-from kernels.cuda.indexer import indexer_rows_cuda
-from kernels.cuda.matmul import (
+from dsv4_serve.kernels import backend, upload
+from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.kernels.compressor import CompressorArgs
+from dsv4_serve.kernels.compressor import new_workspace as new_comp_workspace
+from dsv4_serve.kernels.cuda import hc_fused
+from dsv4_serve.kernels.cuda.attention import sparse_attention_rows_cuda
+from dsv4_serve.kernels.cuda.compressor import compressor_rows_cuda
+from dsv4_serve.kernels.cuda.compressor_inplace import compressor_rows_inplace_cuda
+from dsv4_serve.kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
+from dsv4_serve.kernels.cuda.dequant import dequantize_mxfp8_cuda
+from dsv4_serve.kernels.cuda.experts_grouped import grouped_experts_cuda
+from dsv4_serve.kernels.cuda.hc import hc_pre_mix_cuda
+from dsv4_serve.kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
+from dsv4_serve.kernels.cuda.indexer import indexer_rows_cuda
+from dsv4_serve.kernels.cuda.matmul import (
     experts_down_rows_cuda,
     experts_gate_up_rows_cuda,
     f32_linear_pair_rows_cuda,
@@ -63,13 +63,13 @@ from kernels.cuda.matmul import (
     qlinear_rows_cuda,
     swiglu_rows_cuda,
 )
-from kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
-from kernels.cuda.prefill_attention import prefill_attention_cuda
-from kernels.cuda.rope import rms_rope_rows_cuda
-from kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
-from kernels.cuda.tiles_mm import indexer_scores_cuda
-from kernels.indexer import new_workspace
-from kernels.rows import Row, RowBatch
+from dsv4_serve.kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
+from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
+from dsv4_serve.kernels.cuda.rope import rms_rope_rows_cuda
+from dsv4_serve.kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
+from dsv4_serve.kernels.cuda.tiles_mm import indexer_scores_cuda
+from dsv4_serve.kernels.indexer import new_workspace
+from dsv4_serve.kernels.rows import Row, RowBatch
 
 __all__ = [
     "compressor_pair_rows_inplace_cuda",

@@ -27,13 +27,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda import common
-from kernels.cuda.attention_dsplit_src import DSPLIT
-from kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE_MAX_SPLITS, WIDE
-from kernels.cuda.attention_wmma_src import PARTIAL
-from kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
-from kernels.rows import RowBatch, check_after, checked
-from kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda.attention_dsplit_src import DSPLIT
+from dsv4_serve.kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE_MAX_SPLITS, WIDE
+from dsv4_serve.kernels.cuda.attention_wmma_src import PARTIAL
+from dsv4_serve.kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
+from dsv4_serve.kernels.rows import RowBatch, check_after, checked
+from dsv4_serve.kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)

@@ -14,7 +14,7 @@ chunk's key offsets and keys in flight, cp.async double buffer) for its 16 heads
 
 from __future__ import annotations
 
-from kernels.cuda.attention_src import ROW
+from dsv4_serve.kernels.cuda.attention_src import ROW
 
 DSPLIT = (
     r"""

@@ -5,7 +5,7 @@ use (wmma's fragment loads cost ~10x the instructions: ncu, dsplit).
 
 from __future__ import annotations
 
-from kernels.cuda.attention_src import ROW
+from dsv4_serve.kernels.cuda.attention_src import ROW
 
 PARTIAL = (
     r"""

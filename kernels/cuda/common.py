@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels.upload import upload
+from dsv4_serve.kernels.upload import upload
 
 # Type conversions shared by every kernel (T is float, __nv_bfloat16 or __half).
 HEADER = r"""

@@ -21,10 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.compressor import check_compressor
-from kernels.cuda import common
-from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.rows import RowBatch, checked
+from dsv4_serve.kernels.compressor import check_compressor
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda.common import f32_params, kernel, plan_cached
+from dsv4_serve.kernels.rows import RowBatch, checked
 
 THREADS = 256
 CHUNK = THREADS * 8  # state floats per copy block

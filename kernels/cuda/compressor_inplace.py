@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.compressor import check_workspace, compressor_rows_inplace_reference, workspace_words
-from kernels.cuda import common
-from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
-from kernels.cuda.compressor import key_and_check, norm_rope, template
-from kernels.rows import RowBatch, check_after, checked
+from dsv4_serve.kernels.compressor import check_workspace, compressor_rows_inplace_reference, workspace_words
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
+from dsv4_serve.kernels.cuda.compressor import key_and_check, norm_rope, template
+from dsv4_serve.kernels.rows import RowBatch, check_after, checked
 
 NT = 512  # threads per row block (registers: at most 128 per thread)
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",

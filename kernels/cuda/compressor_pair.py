@@ -16,18 +16,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.compressor import (
+from dsv4_serve.kernels.compressor import (
     CompressorArgs,
     PairOut,
     check_compressor,
     check_pair,
     compressor_pair_rows_inplace_reference,
 )
-from kernels.cuda import common
-from kernels.cuda import compressor_inplace as single
-from kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
-from kernels.cuda.compressor import template
-from kernels.rows import RowBatch, check_after, checked
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda import compressor_inplace as single
+from dsv4_serve.kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
+from dsv4_serve.kernels.cuda.compressor import template
+from dsv4_serve.kernels.rows import RowBatch, check_after, checked
 
 PARTS = ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")
 INPUTS = ("slots", "positions", "q_rows", "table", *PARTS, *(n + "2" for n in PARTS), "rcos", "rsin", "fparams",

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.cuda.common import kernel
-from kernels.matmul import dequantize_mxfp8_reference
+from dsv4_serve.kernels.cuda.common import kernel
+from dsv4_serve.kernels.matmul import dequantize_mxfp8_reference
 
 THREADS = 256
 HELPER = r"""

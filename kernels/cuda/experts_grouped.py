@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import experts_grouped as ref
-from kernels.cuda.common import plan_cached
-from kernels.cuda.tiles_mm import TR, Plan, tiles_for
+from dsv4_serve.kernels import experts_grouped as ref
+from dsv4_serve.kernels.cuda.common import plan_cached
+from dsv4_serve.kernels.cuda.tiles_mm import TR, Plan, tiles_for
 
 
 def fits(x: mx.array, w1: mx.array, w2: mx.array) -> bool:

@@ -15,8 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.hc import check_hc_pre_mix, hc_pre_mix_reference
+from dsv4_serve.kernels.cuda.common import f32_params, kernel, plan_cached
+from dsv4_serve.kernels.hc import check_hc_pre_mix, hc_pre_mix_reference
 
 THREADS = 256
 MAX_NC = 8

@@ -24,9 +24,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels.cuda import hc
-from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.hc import check_hc_pre_norm_rows, check_hc_pre_rows, hc_pre_composed, hc_pre_norm_composed
+from dsv4_serve.kernels.cuda import hc
+from dsv4_serve.kernels.cuda.common import f32_params, kernel, plan_cached
+from dsv4_serve.kernels.hc import check_hc_pre_norm_rows, check_hc_pre_rows, hc_pre_composed, hc_pre_norm_composed
 
 MAX_NC = 4  # nm = nc (2 + nc) <= 24 accumulators a thread
 MAX_ROWS = 8  # each row's block reads all of fn: past the decode rows (prefill) the composition's GEMM pays

@@ -40,14 +40,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda import common
-from kernels.cuda.common import i32_dummy, kernel, launch_bounds, next_pow2, plan_cached
-from kernels.cuda.indexer_merge_src import MERGE
-from kernels.cuda.indexer_one_src import ONE, ONE_HELPERS, ONE_WS
-from kernels.cuda.indexer_src import SEGMENT
-from kernels.cuda.select import HELPERS
-from kernels.indexer import WS_HEAD, WS_KEYS_MAX, check_indexer, check_workspace, indexer_rows_reference
-from kernels.rows import RowBatch, check_after, checked
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda.common import i32_dummy, kernel, launch_bounds, next_pow2, plan_cached
+from dsv4_serve.kernels.cuda.indexer_merge_src import MERGE
+from dsv4_serve.kernels.cuda.indexer_one_src import ONE, ONE_HELPERS, ONE_WS
+from dsv4_serve.kernels.cuda.indexer_src import SEGMENT
+from dsv4_serve.kernels.cuda.select import HELPERS
+from dsv4_serve.kernels.indexer import WS_HEAD, WS_KEYS_MAX, check_indexer, check_workspace, indexer_rows_reference
+from dsv4_serve.kernels.rows import RowBatch, check_after, checked
 
 CH, NT, STAGES = 64, 256, 4  # entries per pipelined chunk, threads per segment block, chunks in flight
 MAX_TOPK = 2048

@@ -20,7 +20,7 @@ more warps hide more of the select's latency), EB, CAPN, CAPL (keys the shared-m
 
 from __future__ import annotations
 
-from kernels.cuda.indexer_src import PRE, score
+from dsv4_serve.kernels.cuda.indexer_src import PRE, score
 
 # Helpers (after select.HELPERS: dsv4_block_excl, the radix selects). Loads of `scratch` written by other
 # blocks of this launch go through L2 (__ldcg): no SM may serve them from a stale L1 line.

@@ -205,9 +205,9 @@ from typing import Any  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from kernels import matmul as ref  # noqa: E402
-from kernels.cuda import tiles_mm  # noqa: E402
-from kernels.cuda.common import E2M1, arange_rows, dummy, f32_params, kernel, launch_bounds, plan_cached  # noqa: E402
+from dsv4_serve.kernels import matmul as ref  # noqa: E402
+from dsv4_serve.kernels.cuda import tiles_mm  # noqa: E402
+from dsv4_serve.kernels.cuda.common import E2M1, arange_rows, dummy, f32_params, kernel, launch_bounds, plan_cached  # noqa: E402
 
 MAX_ROWS = 8  # the mma's n
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")

@@ -14,8 +14,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
-from kernels.norms import check_hc_post_rows, check_rms_norm_rows, hc_post_rows_reference, rms_norm_rows_reference
+from dsv4_serve.kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
+from dsv4_serve.kernels.norms import (
+    check_hc_post_rows,
+    check_rms_norm_rows,
+    hc_post_rows_reference,
+    rms_norm_rows_reference,
+)
 
 THREADS = 256
 MAX_NC = 8

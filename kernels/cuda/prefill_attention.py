@@ -25,12 +25,12 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from kernels.cuda import common
-from kernels.cuda.attention import SMEM_MAX, Plan
-from kernels.cuda.attention_prefill_src import HEADS, heads_smem
-from kernels.cuda.attention_src import ATTN_HELPERS
-from kernels.cuda.common import f32_params, i32_dummy, kernel, launch_bounds, plan_cached
-from kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
+from dsv4_serve.kernels.cuda import common
+from dsv4_serve.kernels.cuda.attention import SMEM_MAX, Plan
+from dsv4_serve.kernels.cuda.attention_prefill_src import HEADS, heads_smem
+from dsv4_serve.kernels.cuda.attention_src import ATTN_HELPERS
+from dsv4_serve.kernels.cuda.common import f32_params, i32_dummy, kernel, launch_bounds, plan_cached
+from dsv4_serve.kernels.prefill_attention import check_prefill_attention, prefill_attention_reference
 
 # Queries a launch: the grid's z dimension is the rows (< 65,536); on the `dsplit` path the window view is
 # materialized at rows x W x D (4,096 x 128 x 512 bf16: 512 MiB), as is split-K's partial O (f32, about as much).

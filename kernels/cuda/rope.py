@@ -15,9 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import f32_params, kernel, plan_cached
-from kernels.cuda.norms import INV_RMS
-from kernels.rope import check_rms_rope_rows, rms_rope_rows_reference
+from dsv4_serve.kernels.cuda.common import f32_params, kernel, plan_cached
+from dsv4_serve.kernels.cuda.norms import INV_RMS
+from dsv4_serve.kernels.rope import check_rms_rope_rows, rms_rope_rows_reference
 
 THREADS = 128
 # Past this many vectors (prefill: T x 64 heads; decode's <= 8 rows stay below) a warp a vector, 8 a block, 16-byte

@@ -15,9 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
-from kernels.cuda.norms import POST_SOURCE
-from kernels.router import (
+from dsv4_serve.kernels.cuda.common import MAX_GRID_Y, f32_params, kernel, plan_cached
+from dsv4_serve.kernels.cuda.norms import POST_SOURCE
+from dsv4_serve.kernels.router import (
     check_moe_combine_post_rows,
     check_moe_combine_rows,
     check_router_topk,

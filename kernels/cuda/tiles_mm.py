@@ -27,10 +27,10 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached
-from kernels.experts_grouped import TILE_ROWS
-from kernels.indexer_scores import indexer_scores_reference
-from kernels.matmul import MANY_ROWS  # fewer rows run as 8-row slices of the skinny kernels
+from dsv4_serve.kernels.cuda.common import E2M1, dummy, f32_params, kernel, launch_bounds, plan_cached
+from dsv4_serve.kernels.experts_grouped import TILE_ROWS
+from dsv4_serve.kernels.indexer_scores import indexer_scores_reference
+from dsv4_serve.kernels.matmul import MANY_ROWS  # fewer rows run as 8-row slices of the skinny kernels
 
 TR = TILE_ROWS  # rows a tile (the mma's n: TR / 8 fragments)
 CK = 128  # k values a chunk: 64 (mxfp4) or 256 (bf16) bytes of a weight row, a quarter of it a lane

@@ -14,14 +14,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api.auth import guard
-from service.api.controller import Controller, call
-from service.api.metrics import Metrics
-from service.api.protocol import APIError, error_body
-from service.api.responses import router as responses_router
-from service.api.routes import router
-from service.api.state_routes import router as state_router
-from service.settings import Settings
+from dsv4_serve.service.api.auth import guard
+from dsv4_serve.service.api.controller import Controller, call
+from dsv4_serve.service.api.metrics import Metrics
+from dsv4_serve.service.api.protocol import APIError, error_body
+from dsv4_serve.service.api.responses import router as responses_router
+from dsv4_serve.service.api.routes import router
+from dsv4_serve.service.api.state_routes import router as state_router
+from dsv4_serve.service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
 
@@ -32,10 +32,10 @@ WorkerBuilder = Callable[[Settings, Controller], Any]
 def default_worker(settings: Settings, ctl: Controller) -> Any:
     """The real EngineWorker; the engine and tokenizer are built on the engine thread (which imports mlx:
     this module does not)."""
-    from service.engine.worker import EngineWorker
+    from dsv4_serve.service.engine.worker import EngineWorker
 
     def factory() -> tuple[Any, Any]:
-        from service.engine.build import build_engine, distributed_group
+        from dsv4_serve.service.engine.build import build_engine, distributed_group
 
         engine, tokenizer = build_engine(
             settings.model, group=distributed_group() if settings.distributed else None, **settings.engine_options()

@@ -10,8 +10,8 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
-from service.api.limits import BodyLimit, body_limit_bytes, send_error
-from service.api.protocol import error_body
+from dsv4_serve.service.api.limits import BodyLimit, body_limit_bytes, send_error
+from dsv4_serve.service.api.protocol import error_body
 
 
 def _digest(key: str | bytes) -> bytes:

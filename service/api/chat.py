@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.api.encoding import END_THINK
+from dsv4_serve.service.api.encoding import END_THINK
 
 
 class Decoder(Protocol):
@@ -188,7 +188,7 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     holding part of a UTF-8 sequence gives those bytes, not U+FFFD's."""
     global _BYTE_CHARS
     if _BYTE_CHARS is None:
-        from model.tokenizer import byte_alphabet
+        from dsv4_serve.model.tokenizer import byte_alphabet
 
         _BYTE_CHARS = {c: b for b, c in byte_alphabet().items()}
     piece = tokenizer.id_to_token(token_id) if hasattr(tokenizer, "id_to_token") else None

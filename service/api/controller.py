@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.metrics import Metrics
-from service.api.protocol import APIError
-from service.settings import Settings
+from dsv4_serve.service.api.metrics import Metrics
+from dsv4_serve.service.api.protocol import APIError
+from dsv4_serve.service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
 READY_POLL_S = 0.02  # how often a request held for readiness looks again (no thread per waiting request)

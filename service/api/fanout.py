@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.protocol import APIError, now, usage
-from service.api.streaming import Generation
+from dsv4_serve.service.api.protocol import APIError, now, usage
+from dsv4_serve.service.api.streaming import Generation
 
 _END = object()
 

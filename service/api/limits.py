@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.responses import StreamingResponse
 
-from service.api.protocol import APIError, error_body, validation_to_api_error
+from dsv4_serve.service.api.protocol import APIError, error_body, validation_to_api_error
 
 log = logging.getLogger("dsv4.api")
 MiB = 2**20

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from service.api.tool_protocol import Guided, ToolCall, ToolFields
+from dsv4_serve.service.api.tool_protocol import Guided, ToolCall, ToolFields
 
 _REQ = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # nested objects: clients echo extra keys
 # A request body: a field the server does not know is rejected by name (`validation_to_api_error`), never

@@ -19,9 +19,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from service.api import routes
-from service.api.limits import StallGuardedStream
-from service.api.protocol import (
+from dsv4_serve.service.api import routes
+from dsv4_serve.service.api.limits import StallGuardedStream
+from dsv4_serve.service.api.protocol import (
     _REQ,
     APIError,
     Body,
@@ -30,7 +30,7 @@ from service.api.protocol import (
     now,
     validation_to_api_error,
 )
-from service.api.streaming import Generation
+from dsv4_serve.service.api.streaming import Generation
 
 router = APIRouter()
 

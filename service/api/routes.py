@@ -12,23 +12,23 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from service.api import structured
-from service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
-from service.api.controller import Controller
-from service.api.encoding import encode_messages
-from service.api.fanout import Reply
-from service.api.limits import StallGuardedStream, check_content_type, check_text_fits, encode, parse_body
-from service.api.protocol import (
+from dsv4_serve.service.api import structured
+from dsv4_serve.service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
+from dsv4_serve.service.api.controller import Controller
+from dsv4_serve.service.api.encoding import encode_messages
+from dsv4_serve.service.api.fanout import Reply
+from dsv4_serve.service.api.limits import StallGuardedStream, check_content_type, check_text_fits, encode, parse_body
+from dsv4_serve.service.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     model_card,
 )
-from service.api.streaming import Echo, Generation, request_id
-from service.api.tools import ToolStream
-from service.engine.request import SamplingParams
-from service.engine.scheduler import QueueFull
-from service.engine.worker import EngineNotReady
+from dsv4_serve.service.api.streaming import Echo, Generation, request_id
+from dsv4_serve.service.api.tools import ToolStream
+from dsv4_serve.service.engine.request import SamplingParams
+from dsv4_serve.service.engine.scheduler import QueueFull
+from dsv4_serve.service.engine.worker import EngineNotReady
 
 router = APIRouter()
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

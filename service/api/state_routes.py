@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.api.controller import Controller
-from service.api.protocol import APIError
-from service.engine.request import StateError, StateNotFound
-from service.engine.worker import EngineNotReady
+from dsv4_serve.service.api.controller import Controller
+from dsv4_serve.service.api.protocol import APIError
+from dsv4_serve.service.engine.request import StateError, StateNotFound
+from dsv4_serve.service.engine.worker import EngineNotReady
 
 router = APIRouter()
 MAX_STATE_BYTES = 8 << 30  # a body larger than this is refused before it is read whole
@@ -40,7 +40,7 @@ async def export_state(state_id: str, request: Request) -> Response:
     await ctl.wait_ready()
 
     def run(engine: Any) -> bytes:
-        from service.engine.state_io import export_for
+        from dsv4_serve.service.engine.state_io import export_for
 
         return export_for(engine, state_id)
 
@@ -60,7 +60,7 @@ async def import_state(request: Request) -> Response:
         raise APIError(400, "the body must be a state exported by GET /v1/state/{id}", code="invalid_state")
 
     def run(engine: Any) -> tuple[str, int]:
-        from service.engine.state_io import import_for
+        from dsv4_serve.service.engine.state_io import import_for
 
         return import_for(engine, data)
 

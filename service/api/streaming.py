@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.chat import Delta, TextStream
-from service.api.metrics import Metrics
-from service.api.protocol import APIError, new_id, now
-from service.api.tools import ToolStream
-from service.engine.request import PromptLogprob, TokenEvent
+from dsv4_serve.service.api.chat import Delta, TextStream
+from dsv4_serve.service.api.metrics import Metrics
+from dsv4_serve.service.api.protocol import APIError, new_id, now
+from dsv4_serve.service.api.tools import ToolStream
+from dsv4_serve.service.engine.request import PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import asyncio
 import json
 from typing import Any
 
-from service.api import tools as dsml
-from service.api.protocol import APIError
-from service.engine import grammar
-from service.engine.request import Guide
+from dsv4_serve.service.api import tools as dsml
+from dsv4_serve.service.api.protocol import APIError
+from dsv4_serve.service.engine import grammar
+from dsv4_serve.service.engine.request import Guide
 
 
 def _bad(msg: str, param: str) -> APIError:

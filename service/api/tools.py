@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.encoding import DSML, to_json
-from service.engine.grammar import json_format
+from dsv4_serve.service.api.encoding import DSML, to_json
+from dsv4_serve.service.engine.grammar import json_format
 
 CALLS_START = f"\n\n<{DSML}tool_calls"  # as the reference parser: the ">" follows
 CALLS_END = f"</{DSML}tool_calls>"

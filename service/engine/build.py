@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from service.engine.engine import Engine
-from service.engine.follower import LeaderEngine
+from dsv4_serve.service.engine.engine import Engine
+from dsv4_serve.service.engine.follower import LeaderEngine
 
 log = logging.getLogger("dsv4.engine")
 
@@ -42,8 +42,8 @@ def build_engine(
     group: an mx.distributed group of > 1 ranks: this rank's shard of the model (model/distributed.py);
     rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`;
     prefill_chunk (the worker's prompt tokens a step) sizes the leader's plan messages."""
-    from model.loader import load_model, tiny_model
-    from model.tokenizer import load_tokenizer
+    from dsv4_serve.model.loader import load_model, tiny_model
+    from dsv4_serve.model.tokenizer import load_tokenizer
 
     sharded = group is not None and group.size() > 1  # type: ignore[attr-defined]
     if load_format == "dummy":
@@ -51,12 +51,12 @@ def build_engine(
     elif model_dir is None:
         model, _args, tokenizer = tiny_model()
         if sharded:
-            from model.distributed import shard_model
+            from dsv4_serve.model.distributed import shard_model
 
             shard_model(model, group)
     else:
         if sharded:
-            from model.distributed import load_sharded
+            from dsv4_serve.model.distributed import load_sharded
 
             model, _args = load_sharded(model_dir, group, quantize=not dequantize)
         else:
@@ -66,7 +66,7 @@ def build_engine(
     kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes,
           "prefix_cache_bytes": 0 if sharded else prefix_cache_bytes, "prefix_interval": prefix_interval}
     if sharded and group.rank() == 0:  # type: ignore[attr-defined]
-        from model.deepseek_v4 import PREFILL_CHUNK
+        from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
 
         return LeaderEngine(model, group, prefill_cap=prefill_chunk or PREFILL_CHUNK, **kw), tokenizer
     return Engine(model, **kw), tokenizer
@@ -78,8 +78,8 @@ def _dummy(spec: str, experts: int | None, layers: int | None, group: object | N
 
     import mlx.core as mx
 
-    from model.dummy import PRESETS, dummy_model, resolve_args
-    from model.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from dsv4_serve.model.dummy import PRESETS, dummy_model, resolve_args
+    from dsv4_serve.model.tokenizer import build_tiny_tokenizer, load_tokenizer
 
     args = resolve_args(spec, experts=experts, layers=layers)
     t0 = time.perf_counter()

@@ -9,15 +9,15 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kernels.upload import upload
-from model.deepseek_v4 import DeepseekV4
-from model.prefill import Forward
-from model.state import StateHandle
-from service.engine.prefix_cache import PrefixCache
-from service.engine.prompt_logprobs import score_lazy
-from service.engine.prompt_plan import first_turn
-from service.engine.request import PromptLogprob
-from service.engine.sizing import free_device_bytes, pools_for_budget
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.model.deepseek_v4 import DeepseekV4
+from dsv4_serve.model.prefill import Forward
+from dsv4_serve.model.state import StateHandle
+from dsv4_serve.service.engine.prefix_cache import PrefixCache
+from dsv4_serve.service.engine.prompt_logprobs import score_lazy
+from dsv4_serve.service.engine.prompt_plan import first_turn
+from dsv4_serve.service.engine.request import PromptLogprob
+from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.
@@ -274,11 +274,11 @@ class Engine:
         """Run a step at every batch size and one prefill so kernels and compiled segments are built before
         /ready says yes."""
         t0 = time.perf_counter()
-        from kernels import backend
+        from dsv4_serve.kernels import backend
 
         if backend.name() == "cuda":  # NVRTC compiles each variant once per process: do it before /ready
-            from kernels.cuda import precompile_model
-            from model import attention
+            from dsv4_serve.kernels.cuda import precompile_model
+            from dsv4_serve.model import attention
 
             precompile_model(self.args, self.model.dtype, self.pools.page_size,
                              inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip

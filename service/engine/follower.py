@@ -27,10 +27,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels.upload import upload
-from model.deepseek_v4 import PREFILL_CHUNK
-from model.distributed import broadcast_ints
-from service.engine.engine import Engine, Handle
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
+from dsv4_serve.model.distributed import broadcast_ints
+from dsv4_serve.service.engine.engine import Engine, Handle
 
 log = logging.getLogger("dsv4.follower")
 

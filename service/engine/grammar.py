@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.request import Guide, Request
+from dsv4_serve.service.engine.request import Guide, Request
 
 log = logging.getLogger(__name__)
 

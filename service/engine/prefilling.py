@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.prompt_plan import Piece
-from service.engine.request import Request, RequestStatus, TokenEvent
-from service.engine.scheduler import Scheduler, needs_sample
+from dsv4_serve.service.engine.prompt_plan import Piece
+from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
+from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
 
 log = logging.getLogger(__name__)
 

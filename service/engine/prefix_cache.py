@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from model.state import StateHandle, StatePools
+from dsv4_serve.model.state import StateHandle, StatePools
 
 
 def token_key(tokens: Sequence[int]) -> bytes:

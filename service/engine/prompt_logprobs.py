@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kernels.upload import upload
-from service.engine.request import PromptLogprob
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.service.engine.request import PromptLogprob
 
 
 class PendingPrompt:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.engine.request import Request, RequestStatus
+from dsv4_serve.service.engine.request import Request, RequestStatus
 
 Piece = tuple[Request, Any, list[int], int]  # (request, state handle, prompt tokens, start position)
 

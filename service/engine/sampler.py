@@ -25,9 +25,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels.upload import upload
-from service.engine.request import SamplingParams, finite_logprob
-from service.engine.scheduler import Sampled
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.service.engine.request import SamplingParams, finite_logprob
+from dsv4_serve.service.engine.scheduler import Sampled
 
 _M64 = (1 << 64) - 1
 _rng = random.SystemRandom()

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from service.engine.prompt_plan import PromptPlanning
-from service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus, TokenEvent
+from dsv4_serve.service.engine.prompt_plan import PromptPlanning
+from dsv4_serve.service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus, TokenEvent
 
 # (token_id, logprob or None, top alternatives) for one row, as sampler.sample returns it.
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]

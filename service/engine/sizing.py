@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from model.config import ModelArgs
-from model.state import StatePools
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.state import StatePools
 
 
 def pools_for_budget(

@@ -15,7 +15,7 @@ def prepare(engine: Any, tokenizer: Any) -> None:
     if user is not None and hasattr(engine, "snapshot_token"):
         engine.snapshot_token = user
     if getattr(engine, "guides", None) is None:
-        from service.engine.grammar import Guides
+        from dsv4_serve.service.engine.grammar import Guides
 
         engine.guides = Guides(engine.vocab_size, engine.eos_token_id)
 

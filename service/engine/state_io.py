@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from service.engine.prefix_cache import Entry, PrefixCache
-from service.engine.request import StateError, StateNotFound
+from dsv4_serve.service.engine.prefix_cache import Entry, PrefixCache
+from dsv4_serve.service.engine.request import StateError, StateNotFound
 
 MAGIC = b"DSV4-STATE\n"
 VERSION = 1

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.prefilling import InFlight, advance, prefill
-from service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
-from service.engine.scheduler import Scheduler, needs_sample
+from dsv4_serve.service.engine.prefilling import InFlight, advance, prefill
+from dsv4_serve.service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
+from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Call
     ahead). `sample` is sampler.sample_lazy."""
     import mlx.core as mx
 
-    from kernels.upload import upload
-    from service.engine.prompt_logprobs import score_lazy
+    from dsv4_serve.kernels.upload import upload
+    from dsv4_serve.service.engine.prompt_logprobs import score_lazy
 
     t0 = ahead[1] if ahead is not None else time.perf_counter()
     host = getattr(engine, "host_seconds", None)  # Engine.host_seconds: this adds "sample" and "wait"
@@ -155,7 +155,7 @@ def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: i
     while other rows stream: prefilling.py)."""
     live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
     if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
-        from kernels.upload import upload
+        from dsv4_serve.kernels.upload import upload
 
         plan = sched.resume([ahead.rows[i] for i in live])  # rows aborted since it was queued drop out
         logits = ahead.logits if len(live) == len(ahead.rows) else ahead.logits[upload(live)]

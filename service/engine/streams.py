@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.request import TokenEvent
+from dsv4_serve.service.engine.request import TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from service.engine import startup
-from service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
-from service.engine.scheduler import QueueFull, Scheduler
-from service.engine.stepping import Counters, iterate
-from service.engine.streams import Stream, deliver, settle
+from dsv4_serve.service.engine import startup
+from dsv4_serve.service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
+from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler
+from dsv4_serve.service.engine.stepping import Counters, iterate
+from dsv4_serve.service.engine.streams import Stream, deliver, settle
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class EngineWorker:
     def _serve(self) -> None:
         try:
             engine, sched = self._start_engine()
-            from service.engine.sampler import sample_lazy as sample  # mlx is imported on this thread only
+            from dsv4_serve.service.engine.sampler import sample_lazy as sample  # mlx is imported on this thread only
         except BaseException as e:  # noqa: BLE001 - reported through start_error / EngineNotReady
             log.exception("engine start-up failed")
             self.start_error = e

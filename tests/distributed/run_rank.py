@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 
-from model.deepseek_v4 import DeepseekV4  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 
 PROMPT_LENS = (1, 2, 3, 5, 7, 9, 11, 12)
 STEPS = 20
@@ -68,13 +68,13 @@ def engine_greedy(engine) -> list[list[int]]:
 
 
 def main() -> None:
-    from model.distributed import shard_model
-    from model.loader import tiny_model
+    from dsv4_serve.model.distributed import shard_model
+    from dsv4_serve.model.loader import tiny_model
 
     group = mx.distributed.init(strict=True)
     if sys.argv[2:] == ["--engine"]:
-        from service.engine.engine import Engine
-        from service.engine.follower import LeaderEngine, follow
+        from dsv4_serve.service.engine.engine import Engine
+        from dsv4_serve.service.engine.follower import LeaderEngine, follow
 
         model, _args, _tok = tiny_model(seed=0, dtype=mx.float32)
         shard_model(model, group)
@@ -88,7 +88,7 @@ def main() -> None:
             follow(Engine(model, max_rows=8, max_model_len=64), group, prefill_cap=5)
         return
     if len(sys.argv) > 2:  # a checkpoint directory: read only this rank's shard of it
-        from model.distributed import load_sharded
+        from dsv4_serve.model.distributed import load_sharded
 
         model, _args = load_sharded(sys.argv[2], group, dtype=mx.float32)
     else:

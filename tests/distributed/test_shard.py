@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import model.loader as loader
-from model.checkpoint import write_checkpoint
-from model.config import ModelArgs
-from model.distributed import ShardedMoE, check_shardable, load_sharded, shard_model
-from model.loader import load_model, tiny_model
+import dsv4_serve.model.loader as loader
+from dsv4_serve.model.checkpoint import write_checkpoint
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.distributed import ShardedMoE, check_shardable, load_sharded, shard_model
+from dsv4_serve.model.loader import load_model, tiny_model
 
 
 @dataclass
@@ -93,7 +93,7 @@ def test_load_sharded_reads_only_its_heads(tmp_path: Path, monkeypatch: pytest.M
     load's slices, mxfp8-packed or decoded."""
     from dataclasses import replace
 
-    from model.dummy import dummy_model
+    from dsv4_serve.model.dummy import dummy_model
 
     args = replace(ModelArgs.tiny(), num_attention_heads=8, head_dim=64, o_groups=2, o_lora_rank=128,
                    moe_intermediate_size=64)

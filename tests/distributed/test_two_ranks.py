@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.checkpoint import write_checkpoint
-from model.loader import load_model, tiny_model
+from dsv4_serve.model.checkpoint import write_checkpoint
+from dsv4_serve.model.loader import load_model, tiny_model
 from tests.distributed.run_rank import greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ def test_two_ranks_greedy_matches_single_process(tmp_path: Path, source: str) ->
 def test_two_ranks_engine_prefill_and_pipeline(tmp_path: Path) -> None:
     """LeaderEngine + follow(): 8 rows prefilled in parallel (each prompt split into pieces of 5 tokens over
     several plan messages), then pipelined steps fed the device tokens; ids identical to one process."""
-    from service.engine.engine import Engine
+    from dsv4_serve.service.engine.engine import Engine
     from tests.distributed.run_rank import engine_greedy
 
     out, log = tmp_path / "ids.json", tmp_path / "launch.log"
@@ -128,7 +128,7 @@ def test_two_ranks_engine_prefill_and_pipeline(tmp_path: Path) -> None:
 
 def _generate_single(model, prompt: list[int], n: int) -> list[int]:
     """Greedy ids from one process (what `dsv4-serve generate` computes): parallel prefill, then decode."""
-    from model.state import StatePools
+    from dsv4_serve.model.state import StatePools
 
     pools = StatePools(model.args, max_slots=1, max_positions=len(prompt) + n, page_size=64, dtype=model.dtype)
     h = pools.alloc(len(prompt) + n)
@@ -158,7 +158,7 @@ def test_serve_distributed_http(tmp_path: Path, source: str) -> None:
     log = tmp_path / "serve.log"
     port = _free_port()
     script = Path(sys.executable).parent / "dsv4-serve"
-    serve = [str(script)] if script.exists() else [sys.executable, "-m", "service"]
+    serve = [str(script)] if script.exists() else [sys.executable, "-m", "dsv4_serve.service"]
     extra = ["--load-format", "dummy", "--model", "tiny", "--dequantize"] if source == "dummy" else []
     proc = _launch(*serve, "serve", "--distributed", "--host", "127.0.0.1", "--port", str(port),
                    "--max-model-len", "256", "--drain-timeout", "5", "--prefill-chunk", "16", *extra, log=log)
@@ -202,9 +202,9 @@ def test_serve_distributed_http(tmp_path: Path, source: str) -> None:
     assert 16 < prefilled <= sum(len(p) - 1 for p in PROMPTS)
     assert ahead > 0  # decode steps queued before the previous one was read back
     if source == "dummy":
-        from model.config import ModelArgs
-        from model.dummy import dummy_model
-        from model.tokenizer import build_tiny_tokenizer
+        from dsv4_serve.model.config import ModelArgs
+        from dsv4_serve.model.dummy import dummy_model
+        from dsv4_serve.model.tokenizer import build_tiny_tokenizer
 
         model, tok = dummy_model(ModelArgs.tiny(), quantize=False), build_tiny_tokenizer(512)
     else:

@@ -22,7 +22,7 @@ MODEL = "deepseek-v4-tiny"
 
 def server_command() -> list[str]:
     script = Path(sys.executable).parent / "dsv4-serve"  # the pyproject entry point, when installed
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dsv4_serve.service"]
 
 
 def _free_port() -> int:
@@ -71,7 +71,8 @@ class Server:
 
 def _engine_importable() -> bool:
     try:
-        return all(importlib.util.find_spec(m) is not None for m in ("model.loader", "model.tokenizer", "mlx"))
+        names = ("dsv4_serve.model.loader", "dsv4_serve.model.tokenizer", "mlx")
+        return all(importlib.util.find_spec(m) is not None for m in names)
     except ModuleNotFoundError:
         return False
 

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from model.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer
-from service.api.chat import token_text
+from dsv4_serve.model.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer
+from dsv4_serve.service.api.chat import token_text
 from tests.e2e.conftest import MODEL, ROOT, Server, server_command
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.api import limits
-from service.api.protocol import ChatCompletionRequest, CompletionRequest
+from dsv4_serve.service.api import limits
+from dsv4_serve.service.api.protocol import ChatCompletionRequest, CompletionRequest
 from tests.e2e.conftest import MODEL, Server
 from tests.e2e.test_api import metric
 

@@ -8,8 +8,8 @@ import numpy as np
 import openai
 import pytest
 
-from model.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer
-from service.api.chat import token_text
+from dsv4_serve.model.tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer
+from dsv4_serve.service.api.chat import token_text
 from tests.e2e.conftest import MODEL, Server
 from tests.e2e.test_api import metric
 

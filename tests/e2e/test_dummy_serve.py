@@ -11,10 +11,10 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from model.config import ModelArgs
-from model.dummy import dummy_model
-from model.state import StatePools
-from model.tokenizer import build_tiny_tokenizer
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.dummy import dummy_model
+from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tokenizer import build_tiny_tokenizer
 from tests.e2e.conftest import ROOT, server_command
 
 
@@ -77,7 +77,7 @@ def test_bad_config_json(tmp_path: Path) -> None:
 
 def test_config_json_without_tokenizer(tmp_path: Path) -> None:
     """A config.json with no tokenizer.json beside it: token-id prompts only (the API says so for text)."""
-    from service.engine.build import build_engine
+    from dsv4_serve.service.engine.build import build_engine
 
     (tmp_path / "config.json").write_text(json.dumps(ModelArgs.tiny().to_config_json()))
     engine, tok = build_engine(str(tmp_path / "config.json"), load_format="dummy", layers=2, max_model_len=64)
@@ -87,7 +87,7 @@ def test_config_json_without_tokenizer(tmp_path: Path) -> None:
 
 
 def test_served_name() -> None:
-    from service.settings import Settings
+    from dsv4_serve.service.settings import Settings
 
     assert Settings(load_format="dummy", model="flash").served_name == "flash"
     assert Settings(load_format="dummy", model="/models/v4-mini/config.json").served_name == "v4-mini"

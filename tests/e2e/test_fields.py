@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.api.protocol import ChatCompletionRequest, CompletionRequest
-from service.api.responses import ResponsesRequest
+from dsv4_serve.service.api.protocol import ChatCompletionRequest, CompletionRequest
+from dsv4_serve.service.api.responses import ResponsesRequest
 from tests.e2e.conftest import MODEL, Server
 
 OK, REJECTED = "ok", "rejected"

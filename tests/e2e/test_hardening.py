@@ -285,7 +285,7 @@ SMALL_SNDBUF = [sys.executable, "-c", (
     "    self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)\n"
     "    return _bind(self, addr)\n"
     "socket.socket.bind = bind\n"
-    "from service.__main__ import main\n"
+    "from dsv4_serve.service.__main__ import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )]  # fmt: skip
 

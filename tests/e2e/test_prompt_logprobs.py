@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from service.api.chat import token_text
+from dsv4_serve.service.api.chat import token_text
 from tests.e2e.conftest import Server
 
 LEN, TOL = 300, 1e-4
@@ -23,7 +23,7 @@ LEN, TOL = 300, 1e-4
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from model.cli import make_tiny_main
+    from dsv4_serve.model.cli import make_tiny_main
 
     path = tmp_path_factory.mktemp("tiny-ckpt")
     make_tiny_main([str(path), "--seed", "0", "--dtype", "float32"])
@@ -58,7 +58,7 @@ def client(srv: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tok(ckpt: Path):
-    from model.tokenizer import load_tokenizer
+    from dsv4_serve.model.tokenizer import load_tokenizer
 
     return load_tokenizer(ckpt)
 

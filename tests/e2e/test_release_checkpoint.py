@@ -9,8 +9,8 @@ import subprocess
 
 import httpx
 
-from model.cli import make_tiny_main
-from model.tokenizer import load_tokenizer
+from dsv4_serve.model.cli import make_tiny_main
+from dsv4_serve.model.tokenizer import load_tokenizer
 from tests.e2e.conftest import ROOT, server_command
 
 PROMPT = [12, 400, 7, 99, 3, 250, 18]

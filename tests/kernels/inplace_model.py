@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 
-from kernels import backend  # noqa: E402
-from model.loader import tiny_model  # noqa: E402
-from model.state import StatePools  # noqa: E402
+from dsv4_serve.kernels import backend  # noqa: E402
+from dsv4_serve.model.loader import tiny_model  # noqa: E402
+from dsv4_serve.model.state import StatePools  # noqa: E402
 
 
 def run(model, args, prompt: list[int], prefill: bool, n: int = 6, settle: bool = False) -> list[int]:
@@ -45,7 +45,7 @@ def diverge(model, args, prompt: list[int]) -> None:
     state / pool array that differs between the two (max abs difference, the rows that differ)."""
     import numpy as np
 
-    import model.attention as att
+    import dsv4_serve.model.attention as att
 
     snaps: dict[bool, list[dict[str, np.ndarray]]] = {}
     default = att.INPLACE_COMPRESSOR
@@ -94,7 +94,7 @@ def main() -> None:
         return
     print(mx.default_device(), backend.name(), args.compress_ratios)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
-    import model.attention as att
+    import dsv4_serve.model.attention as att
     from bench.cases import functional
 
     att.INPLACE_COMPRESSOR = True

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import (
+from dsv4_serve.kernels import (
     Row,
     RowBatch,
     compressor_rows,
@@ -79,7 +79,7 @@ def test_a_bad_token_names_the_op_and_after(op: str) -> None:
 def test_any_array_can_order_a_read() -> None:
     """`after` may be any array (bench chain43 passes a layer's bf16 output): the ordered table keeps its
     values and dtype, even when `after` holds inf / NaN (a `* 0` link would turn those into NaN)."""
-    from kernels.rows import ordered
+    from dsv4_serve.kernels.rows import ordered
 
     table = mx.array([[3, 1, 4], [1, 5, 9]], mx.int32)
     for after in (mx.array([math.inf, 2.0], mx.bfloat16), mx.array([math.nan], mx.float32), mx.array([7], mx.int32)):

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, compressor_rows, indexer_rows, sparse_attention_rows
-from kernels.rows import INT32_MAX
+from dsv4_serve.kernels import Row, RowBatch, compressor_rows, indexer_rows, sparse_attention_rows
+from dsv4_serve.kernels.rows import INT32_MAX
 
 PAGE = 2
 # Two valid rows: slots 0 and 2 of 3, q rows 1 and 0 of 2, pages 1 and 2 of 4 (page 0 is trash).

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, compressor_rows
+from dsv4_serve.kernels import Row, RowBatch, compressor_rows
 from tests.kernels.naive import CompressorNp, scatter_tables
 
 EPS = 1e-6

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import CompressorArgs, Row, RowBatch, compressor_pair_rows_inplace
+from dsv4_serve.kernels import CompressorArgs, Row, RowBatch, compressor_pair_rows_inplace
 from tests.kernels.test_compressor import EPS, _inputs, initial_state, make_setup
 
 
@@ -78,8 +78,8 @@ def test_pair_bad_arguments_name_them() -> None:
 def test_inplace_workspace_is_checked() -> None:
     """compressor_rows_inplace's `workspace` (the CUDA HCA form's scratch): a well-formed one leaves the
     reference's update alone; a wrong one is a ValueError naming it."""
-    from kernels import compressor_rows_inplace
-    from kernels.compressor import new_workspace, workspace_words
+    from dsv4_serve.kernels import compressor_rows_inplace
+    from dsv4_serve.kernels.compressor import new_workspace, workspace_words
 
     batch = RowBatch.build([Row(0, 127, 0, {128: (1,)})], 4)
     d = 8

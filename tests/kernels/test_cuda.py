@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, backend
-from kernels import matmul as kmatmul
-from kernels.compressor import compressor_rows_reference
-from kernels.sparse_attention import sparse_attention_rows_reference
+from dsv4_serve.kernels import Row, RowBatch, backend
+from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.kernels.compressor import compressor_rows_reference
+from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 from tests.kernels.naive import scatter_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -20,7 +20,7 @@ PAGE = 64
 
 
 def fast():
-    import kernels.cuda as kc
+    import dsv4_serve.kernels.cuda as kc
 
     return kc
 
@@ -96,7 +96,7 @@ def test_sparse_attention_matches_reference(kind: str, n_rows: int) -> None:
 @pytest.mark.parametrize("n_rows", [1, 3, 8])
 def test_sparse_attention_wide_32_heads(kind: str, n_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The wide kernel with 32 heads per block (twice the blocks: 4 warps per head tile)."""
-    import kernels.cuda.attention as at
+    import dsv4_serve.kernels.cuda.attention as at
 
     monkeypatch.setattr(at, "WIDE_HG", 32)  # part of the launch plan's key
     check_attention(kind, n_rows)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
+from dsv4_serve.kernels import backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -26,7 +26,7 @@ def weight(n: int, k: int, seed: int, lo: int, hi: int) -> tuple[mx.array, mx.ar
 @pytest.mark.parametrize("n,k,lo,hi", [(1, 32, 120, 130), (7, 256, 100, 140), (1024, 4096, 110, 128),
                                        (333, 2048, 1, 254)])
 def test_dequantize_mxfp8_is_mx_dequantize(dtype: mx.Dtype, n: int, k: int, lo: int, hi: int) -> None:
-    from kernels.cuda.dequant import dequantize_mxfp8_cuda
+    from dsv4_serve.kernels.cuda.dequant import dequantize_mxfp8_cuda
 
     w, s = weight(n, k, seed=n + k, lo=lo, hi=hi)
     want = mx.dequantize(w, s, group_size=32, bits=8, mode="mxfp8", dtype=dtype)
@@ -37,7 +37,7 @@ def test_dequantize_mxfp8_is_mx_dequantize(dtype: mx.Dtype, n: int, k: int, lo: 
 
 def test_dequantize_mxfp8_other_forms_take_mx_dequantize() -> None:
     """f32 out (not a kernel form): the op answers with mx.dequantize's values."""
-    from kernels.cuda.dequant import dequantize_mxfp8_cuda
+    from dsv4_serve.kernels.cuda.dequant import dequantize_mxfp8_cuda
 
     w, s = weight(16, 64, seed=1, lo=120, hi=130)
     want = mx.dequantize(w, s, group_size=32, bits=8, mode="mxfp8", dtype=mx.float32)

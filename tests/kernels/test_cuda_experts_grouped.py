@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels import experts_grouped as eg
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import experts_grouped as eg
 from tests.kernels.agreement import close
 from tests.kernels.test_experts_grouped import args, experts, routing
 
@@ -49,7 +49,7 @@ def test_tiles_dispatches_to_the_registered_fast_form(monkeypatch: pytest.Monkey
 ])  # fmt: skip
 def test_cuda_grouped_is_the_per_pair_reference(b: int, e: int, hid: int, inter: int, kind: str,
                                                 limit: float | None) -> None:  # fmt: skip
-    from kernels.cuda.experts_grouped import fits, grouped_experts_cuda
+    from dsv4_serve.kernels.cuda.experts_grouped import fits, grouped_experts_cuda
 
     rng = np.random.default_rng(b + e)
     p = experts(e, hid, inter)
@@ -71,7 +71,7 @@ def test_cuda_grouped_is_the_per_pair_reference(b: int, e: int, hid: int, inter:
 @pytest.mark.parametrize("limit", [None, 10.0])
 def test_cuda_grouped_at_v4_flash_dims(limit: float | None) -> None:
     """H 4096, I 2048, 32 experts, a 2,048-token chunk: the kernels vs gather_qmm a pair."""
-    from kernels.cuda.experts_grouped import grouped_experts_cuda
+    from dsv4_serve.kernels.cuda.experts_grouped import grouped_experts_cuda
 
     rng = np.random.default_rng(0)
     p = experts(32, 4096, 2048)
@@ -86,7 +86,7 @@ def test_cuda_grouped_at_v4_flash_dims(limit: float | None) -> None:
 @pytest.mark.parametrize("b", [9, 40])
 def test_cuda_grouped_shapes_that_do_not_tile_run_the_plain_form(b: int) -> None:
     """H = 64 (not a multiple of 128): the plain `tiles` form, same result."""
-    from kernels.cuda.experts_grouped import fits, grouped_experts_cuda
+    from dsv4_serve.kernels.cuda.experts_grouped import fits, grouped_experts_cuda
 
     p = experts(8, 64, 64)
     x = mx.random.normal((b, 64)).astype(mx.bfloat16)

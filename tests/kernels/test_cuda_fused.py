@@ -6,10 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels import backend, rope_tables
-from kernels.norms import hc_post_rows_reference
-from kernels.rope import rms_rope_rows_reference
-from kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference
+from dsv4_serve.kernels import backend, rope_tables
+from dsv4_serve.kernels.norms import hc_post_rows_reference
+from dsv4_serve.kernels.rope import rms_rope_rows_reference
+from dsv4_serve.kernels.router import moe_combine_post_rows_reference, moe_combine_rows_reference
 from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -27,7 +27,7 @@ def tables(rows: int, d: int, sign: float = 1.0) -> tuple[mx.array, mx.array]:
                                                  (64, 512, False, None)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_rms_rope_rows(rows: int, heads: int, d: int, norm: bool, weight, dtype: mx.Dtype) -> None:
-    from kernels.cuda.rope import rms_rope_rows_cuda
+    from dsv4_serve.kernels.cuda.rope import rms_rope_rows_cuda
 
     x = (3 * mx.random.normal((rows, heads, d) if heads else (rows, d))).astype(dtype)
     w = (1 + 0.3 * mx.random.normal((d,))).astype(weight) if weight is not None else None
@@ -43,7 +43,7 @@ def test_rms_rope_rows(rows: int, heads: int, d: int, norm: bool, weight, dtype:
                                                ((97, 64, 512), False, None), ((70, 64, 1024), True, None)])  # fmt: skip
 def test_rms_rope_rows_many_vectors(shape: tuple[int, ...], norm: bool, weight) -> None:
     """Prefill's vector counts (past MANY_VECTORS): a warp a vector, 16-byte loads; D 128 .. 1024."""
-    import kernels.cuda.rope as kp
+    import dsv4_serve.kernels.cuda.rope as kp
 
     x = (3 * mx.random.normal(shape)).astype(mx.bfloat16)
     assert x.size // shape[-1] > kp.MANY_VECTORS
@@ -56,7 +56,7 @@ def test_rms_rope_rows_many_vectors(shape: tuple[int, ...], norm: bool, weight) 
 
 
 def test_a_row_gives_what_it_gives_alone() -> None:
-    from kernels.cuda.rope import rms_rope_rows_cuda
+    from dsv4_serve.kernels.cuda.rope import rms_rope_rows_cuda
 
     x = mx.random.normal((8, 64, 512)).astype(mx.bfloat16)
     c, s = tables(8, 512)
@@ -69,8 +69,8 @@ def test_a_row_gives_what_it_gives_alone() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("nc,hidden", [(4, 4096), (2, 100)])
 def test_moe_combine_post_rows(rows: int, nc: int, hidden: int) -> None:
-    from kernels.cuda.norms import hc_post_rows_cuda
-    from kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda
+    from dsv4_serve.kernels.cuda.norms import hc_post_rows_cuda
+    from dsv4_serve.kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda
 
     pairs = mx.random.normal((rows, 6, hidden)).astype(mx.bfloat16)
     w = mx.random.uniform(0, 1, (rows, 6))

@@ -7,15 +7,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels.hc import hc_pre_mix_reference
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.hc import hc_pre_mix_reference
 from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
 
 def cuda_op():
-    from kernels.cuda.hc import hc_pre_mix_cuda
+    from dsv4_serve.kernels.cuda.hc import hc_pre_mix_cuda
 
     return hc_pre_mix_cuda
 
@@ -50,8 +50,8 @@ def test_hc_pre_mix_bad_arguments_are_named() -> None:
 
 def test_tiny_model_decode_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy decode of the tiny f32 model: the same logits with the kernel as with the reference."""
-    from model.loader import tiny_model
-    from model.state import StatePools
+    from dsv4_serve.model.loader import tiny_model
+    from dsv4_serve.model.state import StatePools
 
     def run() -> np.ndarray:
         model, args, _ = tiny_model(seed=0)  # fresh: compiled segments trace the current op choice
@@ -71,7 +71,7 @@ def test_tiny_model_decode_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
 
 def pure_pre(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int) -> tuple[mx.array, ...]:
     """hc_pre_rows from the plain references: the input RMS, the f32 logits, the pre-mix."""
-    from kernels.norms import rms_norm_rows_reference
+    from dsv4_serve.kernels.norms import rms_norm_rows_reference
 
     f = rms_norm_rows_reference(h.reshape(h.shape[0], -1), None, eps=1e-6, out_dtype=mx.float32)
     return hc_pre_mix_reference(f @ fn.T, scale, base, h, iters=iters, eps=1e-6)
@@ -80,7 +80,7 @@ def pure_pre(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: 
 @pytest.fixture(params=[False, True], ids=["one_block", "split"])
 def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """The fused kernel's two forms: one block a row, or DSV4_HC_SPLIT's SPLITS blocks a row."""
-    from kernels.cuda import hc_fused
+    from dsv4_serve.kernels.cuda import hc_fused
 
     monkeypatch.setattr(hc_fused, "WORKSPACE", hc_fused.WORKSPACE)  # restored after the test
     hc_fused.set_split(request.param)
@@ -93,7 +93,7 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bo
 def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden: int, dtype: mx.Dtype,
                                                      split: bool) -> None:  # fmt: skip
     """The fused kernel (nc <= 4; nc 8 falls back to the composition) against the parts' references."""
-    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_rows_cuda
 
     nm = nc * (2 + nc)
     h = mx.random.normal((rows, nc, hidden)).astype(dtype)
@@ -112,8 +112,8 @@ def test_hc_pre_rows_matches_the_composed_references(rows: int, nc: int, hidden:
 def test_the_split_form_is_deterministic_and_leaves_its_tickets_at_zero(rows: int, split: bool) -> None:
     """Launch after launch (each evaluated before the next, as the model's data chain orders them) the split
     form gives the same bits: the tickets the last block of each row resets are at zero again."""
-    from kernels.cuda import hc_fused
-    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+    from dsv4_serve.kernels.cuda import hc_fused
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_rows_cuda
 
     h = mx.random.normal((rows, 4, 4096)).astype(mx.bfloat16)
     fn = mx.random.normal((24, 4 * 4096)) * (4 * 4096) ** -0.5
@@ -131,7 +131,7 @@ def test_the_split_form_is_deterministic_and_leaves_its_tickets_at_zero(rows: in
 
 
 def test_hc_pre_rows_bad_arguments_are_named() -> None:
-    from kernels.cuda.hc_fused import hc_pre_rows_cuda
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_rows_cuda
 
     h = mx.zeros((2, 4, 8))
     with pytest.raises(ValueError, match="^hc_pre_rows: fn: "):
@@ -145,8 +145,8 @@ def test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm(rows: int, nc: int, h
                                                           split: bool) -> None:  # fmt: skip
     """The fused pre-mix with the unit's RMSNorm on x (nc <= 4; nc 8 falls back) against the parts' references:
     the pre-mix's x, then rms_norm_rows with the weight."""
-    from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
-    from kernels.norms import rms_norm_rows_reference
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
+    from dsv4_serve.kernels.norms import rms_norm_rows_reference
 
     nm = nc * (2 + nc)
     h = mx.random.normal((rows, nc, hidden)).astype(mx.bfloat16)
@@ -163,7 +163,7 @@ def test_hc_pre_norm_rows_is_the_pre_mix_then_the_rms_norm(rows: int, nc: int, h
 
 
 def test_hc_pre_norm_rows_bad_arguments_are_named() -> None:
-    from kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_norm_rows_cuda
 
     h, fn, scale, base = mx.zeros((2, 4, 8)), mx.zeros((24, 32)), mx.ones((3,)), mx.zeros((24,))
     with pytest.raises(ValueError, match="^hc_pre_norm_rows: weight: "):

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, backend
-from kernels.indexer import indexer_rows_reference
+from dsv4_serve.kernels import Row, RowBatch, backend
+from dsv4_serve.kernels.indexer import indexer_rows_reference
 from tests.kernels.test_cuda import PAGE, fast, rows_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -107,7 +107,7 @@ def test_indexer_single_segment(n_rows: int) -> None:
 def test_indexer_one_launch(n_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-launch kernel at 32,768 entries of capacity (whatever ONE_MAX is), ragged rows from 1 to
     32,768 entries (a full table), random and small-integer scores (ties exact)."""
-    import kernels.cuda.indexer as ix
+    import dsv4_serve.kernels.cuda.indexer as ix
 
     monkeypatch.setattr(ix, "ONE_MAX", 1 << 15)  # part of the launch plan's key
     rng = np.random.default_rng(140 + n_rows)
@@ -124,7 +124,7 @@ def test_indexer_dense_segments(n_rows: int) -> None:
     """128K context (32,768 entries of capacity): segments of at most 2 * topk entries hand the merge every
     key (DENSE; top-512 and top-1024). Ragged rows from 0 entries to a full table, a last segment of one
     entry; random and small-integer scores (ties exact), all-equal scores (the merge's whole-list path)."""
-    import kernels.cuda.indexer as ix
+    import dsv4_serve.kernels.cuda.indexer as ix
 
     cap = 32_768
     for topk in (512, 1024):

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import RowBatch, backend
-from kernels.compressor import compressor_rows_reference
-from kernels.indexer import indexer_rows_reference
-from kernels.sparse_attention import sparse_attention_rows_reference
+from dsv4_serve.kernels import RowBatch, backend
+from dsv4_serve.kernels.compressor import compressor_rows_reference
+from dsv4_serve.kernels.indexer import indexer_rows_reference
+from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 from tests.kernels.test_cuda import PAGE, fast, rel_err, rows_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -153,8 +153,8 @@ def test_tiny_model_decode_in_place_equals_functional(prefill: bool, monkeypatch
     then a whole-array update, for which MLX returns a broadcast scalar, and a custom kernel gets a copy
     of a broadcast: the divergence found and fixed in 79b27c3; model/state.py keeps every state array a
     full buffer)."""
-    import model.attention as att
-    from model.loader import tiny_model
+    import dsv4_serve.model.attention as att
+    from dsv4_serve.model.loader import tiny_model
     from tests.kernels.inplace_model import run
 
     model, args, _ = tiny_model(seed=0)

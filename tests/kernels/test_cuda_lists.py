@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import RowBatch, backend
-from kernels.indexer import indexer_rows_reference
+from dsv4_serve.kernels import RowBatch, backend
+from dsv4_serve.kernels.indexer import indexer_rows_reference
 from tests.kernels.test_cuda import PAGE, fast, rows_for
 from tests.kernels.test_cuda_indexer import assert_topk_equal
 
@@ -31,7 +31,7 @@ def test_indexer_compact_list_fallbacks(n_rows: int) -> None:
     that segment's keys, not its list); segment 5's keys all one vector (1,024 equal scores, more than its
     list holds: it reads the keys too, and ties go to the lowest ids); the rest small random integers.
     Rows of 32,768 entries (bounds from class maxima), 10,000 (m = 57: from the radix pass) and 6,000."""
-    import kernels.cuda.indexer as ix
+    import dsv4_serve.kernels.cuda.indexer as ix
 
     assert ix.dense_segments(ix.segment_size(CAP, 512), 512) and ix.segment_size(CAP, 512) == SEG
     rng = np.random.default_rng(300 + n_rows)

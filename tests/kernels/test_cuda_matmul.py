@@ -7,15 +7,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels import matmul as ref
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import matmul as ref
 from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
 
 def cuda():
-    from kernels.cuda import matmul
+    from dsv4_serve.kernels.cuda import matmul
 
     return matmul
 

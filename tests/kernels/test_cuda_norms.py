@@ -7,14 +7,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
 
 def cuda():
-    from kernels.cuda import norms
+    from dsv4_serve.kernels.cuda import norms
 
     return norms
 
@@ -70,10 +70,10 @@ def test_bad_arguments_are_named() -> None:
 def test_tiny_model_decode_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy decode of the tiny f32 model: the same logits with the glue kernels (norms, mHC pre- and
     post-mix, router, MoE combine) as with the references."""
-    from kernels.cuda.hc_fused import hc_pre_rows_cuda
-    from kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
-    from model.loader import tiny_model
-    from model.state import StatePools
+    from dsv4_serve.kernels.cuda.hc_fused import hc_pre_rows_cuda
+    from dsv4_serve.kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
+    from dsv4_serve.model.loader import tiny_model
+    from dsv4_serve.model.state import StatePools
 
     def run() -> np.ndarray:
         model, args, _ = tiny_model(seed=0)  # fresh: compiled segments trace the current op choice

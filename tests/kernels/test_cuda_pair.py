@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import CompressorArgs, RowBatch, backend
-from kernels.compressor import compressor_rows_reference
-from kernels.indexer import indexer_rows_reference
-from kernels.sparse_attention import sparse_attention_rows_reference
+from dsv4_serve.kernels import CompressorArgs, RowBatch, backend
+from dsv4_serve.kernels.compressor import compressor_rows_reference
+from dsv4_serve.kernels.indexer import indexer_rows_reference
+from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 from tests.kernels.test_cuda import PAGE, fast, rel_err, rows_for
 from tests.kernels.test_cuda_inplace import copies
 

@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from kernels.cuda import attention as at
-from kernels.cuda import indexer as ix
+from dsv4_serve.kernels.cuda import attention as at
+from dsv4_serve.kernels.cuda import indexer as ix
 
 SMEM_MAX = 227 * 1024  # per block on sm_90
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
+from dsv4_serve.kernels import backend
 from tests.kernels.naive import scatter_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -56,8 +56,8 @@ def case(kind: str, start: int, t: int, seed: int):
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("start,t", [(0, 1), (0, 7), (5, 64), (0, 300), (120, 200), (2_000, 513), (16_380, 97)])
 def test_prefill_attention_is_the_plain_attention(kind: str, start: int, t: int) -> None:
-    from kernels.cuda.prefill_attention import prefill_attention_cuda
-    from kernels.prefill_attention import prefill_attention_reference
+    from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
+    from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
     args = case(kind, start, t, seed=7 * start + t)
     q, ring, kv, pool, table, ind, sinks, ratio = args
@@ -73,8 +73,8 @@ def test_prefill_attention_is_the_plain_attention(kind: str, start: int, t: int)
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 def test_prefill_attention_dsplit_rows_are_the_plain_attention(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DSV4_PREFILL_ATTN=dsplit: the decode kernel's rows, one per query."""
-    kc = importlib.import_module("kernels.cuda.prefill_attention")
-    from kernels.prefill_attention import prefill_attention_reference
+    kc = importlib.import_module("dsv4_serve.kernels.cuda.prefill_attention")
+    from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
     monkeypatch.setattr(kc, "HEADS_ON", False)
     q, ring, kv, pool, table, ind, sinks, ratio = case(kind, 120, 200, seed=11)
@@ -87,8 +87,8 @@ def test_prefill_attention_dsplit_rows_are_the_plain_attention(kind: str, monkey
 def test_prefill_attention_csa_picks_in_front() -> None:
     """CSA picks packed in front (-1 after them, as the indexer's top-k leaves a short prompt): the chunks
     after them hold no valid key and are skipped, the rest attended as the plain form does."""
-    from kernels.cuda.prefill_attention import prefill_attention_cuda
-    from kernels.prefill_attention import prefill_attention_reference
+    from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
+    from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
     q, ring, kv, pool, table, ind, sinks, ratio = case("csa", 0, 700, seed=13)
     ind = mx.sort(ind, axis=1)[:, ::-1]  # valid ids first, the -1s last
@@ -100,8 +100,8 @@ def test_prefill_attention_csa_picks_in_front() -> None:
 
 def test_prefill_attention_launches_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """More queries than ROWS_MAX: several launches, each its own window view of the reversed keys."""
-    kc = importlib.import_module("kernels.cuda.prefill_attention")
-    from kernels.prefill_attention import prefill_attention_reference
+    kc = importlib.import_module("dsv4_serve.kernels.cuda.prefill_attention")
+    from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
     monkeypatch.setattr(kc, "ROWS_MAX", 100)
     q, ring, kv, pool, table, ind, sinks, ratio = case("csa", 60, 333, seed=3)
@@ -114,8 +114,8 @@ def test_prefill_attention_launches_in_row_blocks(monkeypatch: pytest.MonkeyPatc
 def test_prefill_attention_f32_takes_the_plain_path() -> None:
     """An f32 model (the tiny one): the kernels take 16-bit q and keys only; the op answers with the twin's
     values exactly."""
-    from kernels.cuda.prefill_attention import prefill_attention_cuda
-    from kernels.prefill_attention import prefill_attention_reference
+    from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
+    from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
     q, ring, kv, pool, table, ind, sinks, ratio = case("hca", 300, 40, seed=5)
     q, ring, kv, pool = (x.astype(mx.float32) for x in (q, ring, kv, pool))

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels.router import moe_combine_rows_reference, router_topk_reference
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.router import moe_combine_rows_reference, router_topk_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -21,7 +21,7 @@ def by_expert(idx: mx.array, w: mx.array) -> list[dict[int, float]]:
 @pytest.mark.parametrize("experts,k", [(256, 6), (32, 6), (8, 8), (1000, 16)])
 @pytest.mark.parametrize("bias_dtype", [mx.float32, mx.bfloat16])
 def test_router_topk_matches_reference(rows: int, experts: int, k: int, bias_dtype: mx.Dtype) -> None:
-    from kernels.cuda.router import router_topk_cuda
+    from dsv4_serve.kernels.cuda.router import router_topk_cuda
 
     logits = 2 * mx.random.normal((rows, experts))
     bias = (0.3 * mx.random.normal((experts,))).astype(bias_dtype)
@@ -33,7 +33,7 @@ def test_router_topk_matches_reference(rows: int, experts: int, k: int, bias_dty
 
 
 def test_more_experts_than_the_kernel_takes_run_the_reference() -> None:
-    from kernels.cuda.router import MAX_EXPERTS, router_topk_cuda
+    from dsv4_serve.kernels.cuda.router import MAX_EXPERTS, router_topk_cuda
 
     logits, bias = mx.random.normal((2, MAX_EXPERTS + 1)), mx.zeros((MAX_EXPERTS + 1,))
     got, want = router_topk_cuda(logits, bias, k=4, route_scale=1.0), router_topk_reference(logits, bias, k=4,
@@ -42,7 +42,7 @@ def test_more_experts_than_the_kernel_takes_run_the_reference() -> None:
 
 
 def test_bad_arguments_are_named() -> None:
-    from kernels.cuda.router import router_topk_cuda
+    from dsv4_serve.kernels.cuda.router import router_topk_cuda
 
     with pytest.raises(ValueError, match="^router_topk: k: "):
         router_topk_cuda(mx.zeros((2, 8)), mx.zeros((8,)), k=0, route_scale=1.0)
@@ -52,7 +52,7 @@ def test_bad_arguments_are_named() -> None:
 @pytest.mark.parametrize("k,hidden", [(6, 4096), (1, 100), (8, 64)])
 @pytest.mark.parametrize("out_dtype", [mx.bfloat16, mx.float32])
 def test_moe_combine_rows_matches_reference(rows: int, k: int, hidden: int, out_dtype: mx.Dtype) -> None:
-    from kernels.cuda.router import moe_combine_rows_cuda
+    from dsv4_serve.kernels.cuda.router import moe_combine_rows_cuda
 
     pairs = mx.random.normal((rows, k, hidden)).astype(mx.bfloat16)
     w, shared = mx.random.uniform(0, 1, (rows, k)), mx.random.normal((rows, hidden)).astype(mx.bfloat16)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels import backend
-from kernels import matmul as kmatmul
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import matmul as kmatmul
 from tests.kernels.agreement import close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
@@ -23,8 +23,8 @@ def _xw(t: int, k: int, n: int) -> tuple[mx.array, mx.array, mx.array]:
 
 @pytest.mark.parametrize(("t", "k", "n"), [(65, 128, 128), (300, 256, 256), (2048, 4096, 1024), (777, 4096, 512)])
 def test_f32_linear_rows_many_is_the_f32_matmul(t: int, k: int, n: int) -> None:
-    from kernels.cuda.matmul import f32_linear_rows_cuda
-    from kernels.cuda.tiles_mm import f32_linear_many
+    from dsv4_serve.kernels.cuda.matmul import f32_linear_rows_cuda
+    from dsv4_serve.kernels.cuda.tiles_mm import f32_linear_many
 
     x, w, _ = _xw(t, k, n)
     assert f32_linear_many(x, w) is not None  # the shape tiles: the kernel runs
@@ -35,8 +35,8 @@ def test_f32_linear_rows_many_is_the_f32_matmul(t: int, k: int, n: int) -> None:
 
 @pytest.mark.parametrize(("t", "k", "n"), [(65, 128, 64), (300, 256, 192), (2048, 4096, 1024), (1000, 4096, 256)])
 def test_f32_linear_pair_rows_many_is_each_f32_matmul(t: int, k: int, n: int) -> None:
-    from kernels.cuda.matmul import f32_linear_pair_rows_cuda
-    from kernels.cuda.tiles_mm import f32_linear_pair_many
+    from dsv4_serve.kernels.cuda.matmul import f32_linear_pair_rows_cuda
+    from dsv4_serve.kernels.cuda.tiles_mm import f32_linear_pair_many
 
     x, w1, w2 = _xw(t, k, n)
     assert f32_linear_pair_many(x, w1, w2) is not None
@@ -49,8 +49,8 @@ def test_f32_linear_pair_rows_many_is_each_f32_matmul(t: int, k: int, n: int) ->
 @pytest.mark.parametrize(("t", "k", "n"), [(64, 256, 256), (100, 200, 256), (100, 256, 40)])
 def test_shapes_that_do_not_tile_run_the_reference(t: int, k: int, n: int) -> None:
     """<= 64 rows (the skinny slices' range), K not a multiple of 128, N not of the block's rows."""
-    from kernels.cuda.matmul import f32_linear_pair_rows_cuda, f32_linear_rows_cuda
-    from kernels.cuda.tiles_mm import f32_linear_many
+    from dsv4_serve.kernels.cuda.matmul import f32_linear_pair_rows_cuda, f32_linear_rows_cuda
+    from dsv4_serve.kernels.cuda.tiles_mm import f32_linear_many
 
     x, w1, w2 = _xw(t, k, n)
     assert f32_linear_many(x, w1) is None
@@ -62,8 +62,8 @@ def test_shapes_that_do_not_tile_run_the_reference(t: int, k: int, n: int) -> No
 def test_indexer_scores_is_the_weighted_relu_sum(b: int, n: int) -> None:
     """PAIR 3: a tile a query (64 heads), w * relu summed in the epilogue, against the products + MLX ops of the
     plain twin (the same exact products, another order of the sums)."""
-    from kernels.cuda.tiles_mm import indexer_scores_cuda
-    from kernels.indexer_scores import indexer_scores_reference
+    from dsv4_serve.kernels.cuda.tiles_mm import indexer_scores_cuda
+    from dsv4_serve.kernels.indexer_scores import indexer_scores_reference
 
     q = mx.random.normal((b, 64, 128)).astype(mx.bfloat16)
     w = mx.random.normal((b, 64)) * 0.1
@@ -75,8 +75,8 @@ def test_indexer_scores_is_the_weighted_relu_sum(b: int, n: int) -> None:
 
 def test_indexer_scores_other_heads_take_the_plain_twin() -> None:
     """32 heads (not a tile's 64 rows): the plain twin's values exactly."""
-    from kernels.cuda.tiles_mm import indexer_scores_cuda
-    from kernels.indexer_scores import indexer_scores_reference
+    from dsv4_serve.kernels.cuda.tiles_mm import indexer_scores_cuda
+    from dsv4_serve.kernels.indexer_scores import indexer_scores_reference
 
     q = mx.random.normal((5, 32, 128)).astype(mx.bfloat16)
     w, keys = mx.random.normal((5, 32)), mx.random.normal((256, 128)).astype(mx.bfloat16)

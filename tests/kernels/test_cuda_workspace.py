@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import RowBatch, backend
-from kernels.indexer import WS_HEAD, indexer_rows_reference, new_workspace
+from dsv4_serve.kernels import RowBatch, backend
+from dsv4_serve.kernels.indexer import WS_HEAD, indexer_rows_reference, new_workspace
 from tests.kernels.test_cuda import PAGE, fast, rel_err, rows_for
 from tests.kernels.test_cuda_indexer import assert_topk_equal
 
@@ -90,7 +90,7 @@ def test_hca_compressor_workspace_steps_match_reference(n_rows: int) -> None:
     """The in-place HCA compressor (ratio 128: 8 blocks a row, a ticket each) with a workspace over steps
     that complete windows (chained by tokens in one eval), then a call with fewer rows on the same
     workspace: the reference's states and pools, and the workspace's tickets (its last words) zero."""
-    from kernels.compressor import compressor_rows_reference, new_workspace
+    from dsv4_serve.kernels.compressor import compressor_rows_reference, new_workspace
     from tests.kernels.test_cuda_inplace import copies, setup
 
     ws = new_workspace(8, 512)

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels import experts_grouped as eg
-from model.quant import QuantizedExperts
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import experts_grouped as eg
+from dsv4_serve.model.quant import QuantizedExperts
 from tests.kernels.agreement import close
 
 K = 6

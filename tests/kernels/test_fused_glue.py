@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import rope_tables
+from dsv4_serve import kernels
+from dsv4_serve.kernels import rope_tables
 
 
 def bf16(a: np.ndarray) -> np.ndarray:

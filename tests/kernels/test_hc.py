@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels.hc import hc_pre_mix_reference
+from dsv4_serve import kernels
+from dsv4_serve.kernels.hc import hc_pre_mix_reference
 
 
 def numpy_pre_mix(m, scale, base, h, iters, eps):
@@ -77,7 +77,7 @@ def test_bad_arguments_are_named(kw: dict, arg: str) -> None:
 def test_hc_pre_rows_is_the_rms_the_logits_and_the_pre_mix() -> None:
     """Without a fast path, kernels.hc_pre_rows is its composition: the input RMS in f32, m = rms(h) @ fn.T
     and the pre-mix, checked against float64 NumPy for the logits' part (post)."""
-    import kernels
+    from dsv4_serve import kernels
 
     b, nc, hid = 3, 4, 16
     nm = nc * (2 + nc)

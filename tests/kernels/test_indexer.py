@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, indexer_rows
+from dsv4_serve.kernels import Row, RowBatch, indexer_rows
 from tests.kernels.naive import indexer_np, scatter_tables
 
 
@@ -103,7 +103,7 @@ def test_indexer_batched_equals_single_rows() -> None:
 
 def test_indexer_order_key_signed_zero_and_infinities() -> None:
     """The sort key alone: -0.0 ties +0.0 (id decides), +-inf order, masked entries go last."""
-    from kernels.indexer import order_key
+    from dsv4_serve.kernels.indexer import order_key
 
     scores = np.array([0.0, -0.0, 1.0, -1.0, -0.0, np.inf, -np.inf, 1.0, 5.0, 0.0], np.float32)
     valid = np.array([True] * 8 + [False, True])
@@ -116,7 +116,7 @@ def test_indexer_order_key_signed_zero_and_infinities() -> None:
 def test_indexer_workspace_is_checked_and_leaves_the_result_alone() -> None:
     """`workspace` (the CUDA path's scratch: a row per batch row, counts then keys): a well-formed one gives
     the NumPy model's ids (here the reference runs); a wrong one is a ValueError naming it."""
-    from kernels.indexer import WS_HEAD, WS_KEYS_MAX, new_workspace, workspace_cols
+    from dsv4_serve.kernels.indexer import WS_HEAD, WS_KEYS_MAX, new_workspace, workspace_cols
 
     rng = np.random.default_rng(77)
     rows, q, w, keys = make_case(rng, [7, 130, 41], page=3, n_heads=4, dim=8)

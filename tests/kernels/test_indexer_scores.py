@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from dsv4_serve.kernels.indexer_scores import indexer_scores, indexer_scores_reference
 
 
 @pytest.mark.parametrize(("b", "nh", "n"), [(1, 4, 3), (3, 64, 130), (20, 8, 17)])

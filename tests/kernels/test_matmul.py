@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import matmul as km
+from dsv4_serve.kernels import matmul as km
 
 
 def mxfp(shape: tuple[int, ...], bits: int):

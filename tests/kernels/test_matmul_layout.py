@@ -130,8 +130,8 @@ def _nodes(*arrays: mx.array) -> set[str]:
 def test_the_two_product_forms_hand_out_views_of_their_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """PAIR 2 writes [2, B, N], CAT [B, N1] then [B, N2] into one buffer: the products handed out are its
     pieces in that order, as slices (an integer index would be one more kernel each: a Gather in MLX)."""
-    from kernels.cuda import common
-    from kernels.cuda import matmul as cm
+    from dsv4_serve.kernels.cuda import common
+    from dsv4_serve.kernels.cuda import matmul as cm
 
     monkeypatch.setattr(cm, "kernel", _fake_kernel)
     monkeypatch.setattr(common, "_plans", {})

@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from kernels import matmul as km
-from model.quant import QuantizedExperts
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import matmul as km
+from dsv4_serve.model.quant import QuantizedExperts
 from tests.kernels.test_matmul import mxfp
 
 REFS = {"qlinear_rows": km.qlinear_rows_reference, "f32_linear_rows": km.f32_linear_rows_reference,

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
+from dsv4_serve import kernels
+from dsv4_serve.kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
 
 
 def f64(a: mx.array) -> np.ndarray:

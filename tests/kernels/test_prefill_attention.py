@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import prefill_attention
-from kernels.prefill_attention import prefill_attention_reference
+from dsv4_serve.kernels import prefill_attention
+from dsv4_serve.kernels.prefill_attention import prefill_attention_reference
 
 NH, D, W, PAGE = 4, 16, 8, 4
 
@@ -63,7 +63,7 @@ def test_plain_prefill_attention_blocks_agree(monkeypatch: pytest.MonkeyPatch) -
     """ATTN_BLOCK queries at a time: blocks of 1, 3 and the whole chunk give the same output."""
     import importlib
 
-    pa = importlib.import_module("kernels.prefill_attention")
+    pa = importlib.import_module("dsv4_serve.kernels.prefill_attention")
     rng = np.random.default_rng(0)
     t, start = 23, 5
     q, ring, kv = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((t, NH, D), (W, D), (t, D)))
@@ -117,11 +117,12 @@ def test_prefill_rows_are_decode_rows(ratio, start: int, t: int, monkeypatch: py
     that check is off here, as the CUDA path never makes it.)"""
     import importlib
 
-    from kernels import Row, RowBatch
+    from dsv4_serve.kernels import Row, RowBatch
 
-    monkeypatch.setattr(importlib.import_module("kernels.sparse_attention"), "check_tables", lambda *a, **k: None)
-    from kernels.cuda.prefill_attention import block_rows, reversed_keys
-    from kernels.sparse_attention import sparse_attention_rows_reference
+    sparse = importlib.import_module("dsv4_serve.kernels.sparse_attention")
+    monkeypatch.setattr(sparse, "check_tables", lambda *a, **k: None)
+    from dsv4_serve.kernels.cuda.prefill_attention import block_rows, reversed_keys
+    from dsv4_serve.kernels.sparse_attention import sparse_attention_rows_reference
 
     rng = np.random.default_rng(start * 13 + t)
     f = lambda *s: mx.array(rng.normal(size=s).astype(np.float32))  # noqa: E731

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import backend, rope, rope_apply, rope_tables
-from kernels.indexer import indexer_rows_reference
+from dsv4_serve import kernels
+from dsv4_serve.kernels import backend, rope, rope_apply, rope_tables
+from dsv4_serve.kernels.indexer import indexer_rows_reference
 from tests.kernels.naive import rope_np
 
 
@@ -85,7 +85,7 @@ def test_backend_picks_registered_fast_op_on_cuda(fresh_backend: pytest.MonkeyPa
     assert backend.name() == "cuda"
     assert kernels.indexer_rows(None, None, None, None, topk=1) == "fast"  # type: ignore[arg-type]
     # an op without a fast version still gets its reference
-    from kernels.compressor import compressor_rows_reference
+    from dsv4_serve.kernels.compressor import compressor_rows_reference
 
     assert backend.pick("compressor_rows", compressor_rows_reference) is compressor_rows_reference
     fresh_backend.setenv(backend.ENV, "reference")

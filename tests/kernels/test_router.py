@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels.router import moe_combine_rows_reference, router_topk_reference
+from dsv4_serve import kernels
+from dsv4_serve.kernels.router import moe_combine_rows_reference, router_topk_reference
 
 
 def numpy_router(logits: np.ndarray, bias: np.ndarray, k: int, scale: float) -> list[dict[int, float]]:

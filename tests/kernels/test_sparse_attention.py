@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import Row, RowBatch, sparse_attention_rows
+from dsv4_serve.kernels import Row, RowBatch, sparse_attention_rows
 from tests.kernels.naive import attention_np, scatter_tables
 
 W, NH, D, PAGE = 8, 3, 16, 2

@@ -29,7 +29,7 @@ class Capture:
 
 
 def attention_launch(kind: str, start: int, t: int, cap: Capture, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cuda.prefill_attention as kpa
+    import dsv4_serve.kernels.cuda.prefill_attention as kpa
 
     monkeypatch.setattr(kpa, "kernel", cap)
     ratio = {"sliding": None, "csa": 4, "hca": 128}[kind]
@@ -56,7 +56,7 @@ def test_heads_attention_template_is_the_same_at_every_context(kind: str, monkey
 def test_tile_gemm_template_holds_neither_rows_nor_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiles_mm's Plan for the indexer's scores (N = the entries, growing with the context) and the f32
     products (P = the chunk's rows)."""
-    import kernels.cuda.tiles_mm as tm
+    import dsv4_serve.kernels.cuda.tiles_mm as tm
 
     monkeypatch.setattr(tm, "kernel", lambda *a, **k: None)
     monkeypatch.setattr(tm, "f32_params", lambda *a: None)

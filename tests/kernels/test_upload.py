@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend, upload
+from dsv4_serve.kernels import backend, upload
 
 SIZES = [1, 2, 3, 4, 5, 8, 9, 17, 31, 32, 33, 63, 64, 65, 1000]
 

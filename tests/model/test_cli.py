@@ -11,13 +11,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from model.cli import generate_main, make_tiny_main
+from dsv4_serve.model.cli import generate_main, make_tiny_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "service", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dsv4_serve.service", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
 
 

@@ -3,7 +3,7 @@ argument of an `mx.fast.cuda_kernel` is one more copy kernel, a step's host time
 
 from __future__ import annotations
 
-from model.config import ModelArgs
+from dsv4_serve.model.config import ModelArgs
 from tools.contiguity import scan
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
+from dsv4_serve.kernels import backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")]
 
@@ -77,7 +77,7 @@ def flash4():
 @pytest.mark.parametrize("ctx", [4096, 65536])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_each_layer_kind_agrees_with_the_reference(flash4, rows: int, ctx: int) -> None:
-    from model.state import StatePools
+    from dsv4_serve.model.state import StatePools
 
     args, model, fill_state = flash4
     pools = StatePools(args, max_slots=rows, max_positions=ctx + 8, page_size=256, dtype=mx.bfloat16)

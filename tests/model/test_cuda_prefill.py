@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import backend
-from model.state import StatePools
+from dsv4_serve.kernels import backend
+from dsv4_serve.model.state import StatePools
 
 TOL = 5e-2
 LEN = 300  # past HCA's first window (128) and CSA's 75 entries, all within the indexer's top-k

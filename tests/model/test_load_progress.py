@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import model.load_progress as load_progress
-from model.checkpoint import write_checkpoint
-from model.loader import load_model, tiny_model
+import dsv4_serve.model.load_progress as load_progress
+from dsv4_serve.model.checkpoint import write_checkpoint
+from dsv4_serve.model.loader import load_model, tiny_model
 
 
 def header_bytes(path: Path) -> int:

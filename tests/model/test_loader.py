@@ -12,11 +12,18 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from model.checkpoint import SINGLE, is_f32_compute, is_f32_param, release_tensors, write_checkpoint, write_safetensors
-from model.config import ModelArgs
-from model.loader import load_model, tiny_model
-from model.quant import dequant_fp4, dequant_fp8
-from model.state import StatePools
+from dsv4_serve.model.checkpoint import (
+    SINGLE,
+    is_f32_compute,
+    is_f32_param,
+    release_tensors,
+    write_checkpoint,
+    write_safetensors,
+)
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.quant import dequant_fp4, dequant_fp8
+from dsv4_serve.model.state import StatePools
 
 Tensors = list[tuple[str, str, np.ndarray]]
 
@@ -197,9 +204,9 @@ def _write_big_release(d: Path) -> int:
     """Random release bytes written directly (no encoding): FP4 experts dominate, 4 shards of ~100 MB."""
     from dataclasses import replace
 
-    from model.checkpoint import expert_param, is_fp8_weight, scale_names
-    from model.deepseek_v4 import DeepseekV4
-    from model.quant import fp8_grid
+    from dsv4_serve.model.checkpoint import expert_param, is_fp8_weight, scale_names
+    from dsv4_serve.model.deepseek_v4 import DeepseekV4
+    from dsv4_serve.model.quant import fp8_grid
 
     args = replace(ModelArgs.tiny(), vocab_size=4096, hidden_size=1024, moe_intermediate_size=1024,
                    n_routed_experts=64, num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1)
@@ -243,7 +250,7 @@ def _write_big_release(d: Path) -> int:
 _MEASURE = """
 import json, resource, sys, mlx.core as mx
 from mlx.utils import tree_flatten
-from model.loader import load_model
+from dsv4_serve.model.loader import load_model
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 m, _ = load_model(sys.argv[1], quantize=True, dtype=mx.bfloat16)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.loader import load_model
-from model.state import StatePools
+from dsv4_serve.model.loader import load_model
+from dsv4_serve.model.state import StatePools
 from tests.oracle import hf_greedy, hf_load
 
 PROMPT_LEN, STEPS = 262, 32
@@ -19,7 +19,7 @@ PROMPT_LEN, STEPS = 262, 32
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
 def case(request, tmp_path_factory):
-    from model.cli import make_tiny_main
+    from dsv4_serve.model.cli import make_tiny_main
 
     seed = request.param
     ckpt = tmp_path_factory.mktemp(f"tiny{seed}")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from model.state import StatePools
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.state import StatePools
 
 PAGE, LEN = 8, 300
 
@@ -102,7 +102,7 @@ def test_compiled_prefill_equals_token_by_token(tiny, serial, monkeypatch, chunk
 
 def test_prefill_indexer_scores_in_blocks(tiny, serial, monkeypatch) -> None:
     """Long contexts score the indexer's queries in blocks (bounded memory): same ids, same logits."""
-    import kernels.indexer_scores as scores
+    import dsv4_serve.kernels.indexer_scores as scores
 
     model, args = tiny
     prompt, _, _, ref_last = serial
@@ -119,7 +119,7 @@ def test_prefill_attends_in_query_blocks(tiny, serial, monkeypatch, block) -> No
     token-by-token decoding, blocks that split the window's ring reach and CSA / HCA entries included."""
     import importlib
 
-    pa = importlib.import_module("kernels.prefill_attention")  # the module (the package's attribute is the op)
+    pa = importlib.import_module("dsv4_serve.kernels.prefill_attention")  # the module (the package's attribute: the op)
 
     model, args = tiny
     prompt, ref_pools, ref_h, ref_last = serial

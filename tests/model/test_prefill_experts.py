@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import experts_grouped as eg
-from model.loader import tiny_model
-from model.quant import quantize_model
-from model.state import StatePools
+from dsv4_serve.kernels import experts_grouped as eg
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.quant import quantize_model
+from dsv4_serve.model.state import StatePools
 
 LEN = 40
 

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.layers import Experts
-from model.quant import (
+from dsv4_serve.model.layers import Experts
+from dsv4_serve.model.quant import (
     QuantizedExperts,
     dequant_fp4,
     dequant_fp8,
@@ -124,7 +124,7 @@ def test_encoders_round_trip_and_bound_the_error(rng) -> None:
 
 
 def test_quantized_experts_match_dequantized(rng) -> None:
-    from model.config import ModelArgs
+    from dsv4_serve.model.config import ModelArgs
 
     args = ModelArgs.tiny()
     e, inter, h = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size

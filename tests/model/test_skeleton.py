@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from model.config import ModelArgs
-from model.skeleton import flash_args, parameter_counts, pro_args
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.skeleton import flash_args, parameter_counts, pro_args
 
 
 def test_flash_counts_without_allocating() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kernels import backend
-from model.config import ModelArgs
-from model.layers import inv_freq, reset_compiled, rope_angles, step_angles
+from dsv4_serve.kernels import backend
+from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.layers import inv_freq, reset_compiled, rope_angles, step_angles
 
 POSITIONS = ([0], [1, 2, 3, 4, 5, 6, 7, 8], [4095, 70000, 131071, 1000000, 5, 127, 128, 129], [2**20 + 17],
              [2**31 - 1], [3, 2**24 + 1], list(range(4090, 4098)))  # fmt: skip

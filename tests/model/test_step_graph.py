@@ -9,9 +9,9 @@ import re
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from kernels.matmul import weights_as_stored
-from model.checkpoint import is_f32_compute, is_f32_resident
-from model.loader import tiny_model
+from dsv4_serve.kernels.matmul import weights_as_stored
+from dsv4_serve.model.checkpoint import is_f32_compute, is_f32_resident
+from dsv4_serve.model.loader import tiny_model
 
 
 def graph_nodes(tmp_path, *outs: mx.array) -> collections.Counter:
@@ -67,7 +67,7 @@ def test_routed_experts_build_no_index_arrays(tmp_path) -> None:
 def test_rope_is_one_fused_kernel(tmp_path) -> None:
     """The interleaved RoPE, compiled as the model runs it: one fused elementwise kernel and few views
     (it was 18 nodes with the pairs unstacked and restacked; a CSA layer applies it 4 times)."""
-    from kernels.rope import rope
+    from dsv4_serve.kernels.rope import rope
 
     q = mx.random.normal((8, 64, 512)).astype(mx.bfloat16)
     ang = mx.random.uniform(-3, 3, (8, 32))
@@ -84,7 +84,7 @@ def test_rope_tables_form_is_one_fused_kernel_and_few_views(tmp_path) -> None:
     """The model applies RoPE 3-4 times per layer with tables made once per step (`rope_angles`): each
     application is the pair swap's views and one fused kernel (13 nodes with the op's own angle layout,
     slice and concatenate)."""
-    from kernels.rope import rope_apply, rope_tables
+    from dsv4_serve.kernels.rope import rope_apply, rope_tables
 
     q = mx.random.normal((8, 64, 512)).astype(mx.bfloat16)
     ang = mx.random.uniform(-3, 3, (8, 32))

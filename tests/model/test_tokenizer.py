@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from model.tokenizer import BOS, EOS, SPECIAL_TOKENS, build_tiny_tokenizer, load_tokenizer, tokenizer_config
+from dsv4_serve.model.tokenizer import BOS, EOS, SPECIAL_TOKENS, build_tiny_tokenizer, load_tokenizer, tokenizer_config
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from service.api.chat import IncrementalDetokenizer, ReasoningSplit, StopStrings, TextStream
-from service.api.encoding import encode_messages
+from dsv4_serve.service.api.chat import IncrementalDetokenizer, ReasoningSplit, StopStrings, TextStream
+from dsv4_serve.service.api.encoding import encode_messages
 
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import deepseek_recipe as recipe
 import pytest
 
-from service.api.encoding import REASONING_EFFORT_MAX, encode_messages
-from service.api.tools import ToolStream, parse_completion
+from dsv4_serve.service.api.encoding import REASONING_EFFORT_MAX, encode_messages
+from dsv4_serve.service.api.tools import ToolStream, parse_completion
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"

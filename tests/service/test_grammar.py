@@ -8,10 +8,10 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from model.tokenizer import build_tiny_tokenizer
-from service.engine import grammar
-from service.engine.request import Request, SamplingParams
-from service.engine.sampler import apply_masks, sample
+from dsv4_serve.model.tokenizer import build_tiny_tokenizer
+from dsv4_serve.service.engine import grammar
+from dsv4_serve.service.engine.request import Request, SamplingParams
+from dsv4_serve.service.engine.sampler import apply_masks, sample
 
 V = 512
 

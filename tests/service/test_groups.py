@@ -3,8 +3,8 @@ max_tokens = 0 (prompt logprobs only); driven with test_scheduler's admission le
 
 from __future__ import annotations
 
-from service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus
-from service.engine.scheduler import needs_sample
+from dsv4_serve.service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus
+from dsv4_serve.service.engine.scheduler import needs_sample
 from tests.service.test_scheduler import Ledger, make, req
 
 

@@ -11,16 +11,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from model.tokenizer import build_tiny_tokenizer
-from service.__main__ import build_parser, serve
-from service.api import limits
-from service.api.auth import KeySet
-from service.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from service.engine.request import LOGPROB_FLOOR, FinishReason, SamplingParams, finite_logprob
-from service.engine.sampler import sample
-from service.engine.worker import EngineWorker
-from service.settings import Settings
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.tokenizer import build_tiny_tokenizer
+from dsv4_serve.service.__main__ import build_parser, serve
+from dsv4_serve.service.api import limits
+from dsv4_serve.service.api.auth import KeySet
+from dsv4_serve.service.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from dsv4_serve.service.engine.request import LOGPROB_FLOOR, FinishReason, SamplingParams, finite_logprob
+from dsv4_serve.service.engine.sampler import sample
+from dsv4_serve.service.engine.worker import EngineWorker
+from dsv4_serve.service.settings import Settings
 from tests.service.test_worker import ControlledEngine
 
 

@@ -15,7 +15,7 @@ import gc
 import mlx.core as mx
 import numpy as np
 
-from service.engine.request import FinishReason, SamplingParams, TokenEvent
+from dsv4_serve.service.engine.request import FinishReason, SamplingParams, TokenEvent
 from tests.service.test_worker import GREEDY, ControlledEngine, collect, make_engine, reference, run, tokens
 from tests.service.test_worker import tiny as tiny  # noqa: F401 - the module-scoped model fixture
 
@@ -175,9 +175,9 @@ def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:
     a step writes a big entry to), and the synced one stays below the largest pool array (the step's own
     temporaries, the reference's gathers over the table width, are ~6.5 MiB on the CPU, a little more
     on CUDA). The tokens are those of reading back every step. The model directly, on big pools."""
-    from model.config import ModelArgs
-    from model.deepseek_v4 import DeepseekV4
-    from model.state import StatePools
+    from dsv4_serve.model.config import ModelArgs
+    from dsv4_serve.model.deepseek_v4 import DeepseekV4
+    from dsv4_serve.model.state import StatePools
 
     a = ModelArgs.tiny()
     model = DeepseekV4(a)

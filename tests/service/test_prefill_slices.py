@@ -15,9 +15,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from service.engine.engine import Engine
-from service.engine.request import FinishReason, SamplingParams
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.service.engine.engine import Engine
+from dsv4_serve.service.engine.request import FinishReason, SamplingParams
 from tests.service.test_worker import MAX_LEN, PAGE, reference, run, tokens, wait_for
 
 STREAM = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from model.state import StatePools
-from service.engine.prefix_cache import PrefixCache
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.state import StatePools
+from dsv4_serve.service.engine.prefix_cache import PrefixCache
 
 PAGE, LEN = 8, 262
 CAP = LEN + 6
@@ -161,7 +161,7 @@ def _reseal(data: bytes, change) -> bytes:
     import json
     import struct
 
-    from service.engine.state_io import MAGIC
+    from dsv4_serve.service.engine.state_io import MAGIC
 
     (n,) = struct.unpack_from("<I", data, len(MAGIC))
     start = len(MAGIC) + 4
@@ -172,8 +172,8 @@ def _reseal(data: bytes, change) -> bytes:
 
 
 def test_export_import_moves_a_state_between_page_sizes_and_refuses_others(tiny, prompt) -> None:
-    from service.engine.request import StateError
-    from service.engine.state_io import export_state, import_state, model_identity
+    from dsv4_serve.service.engine.request import StateError
+    from dsv4_serve.service.engine.state_io import export_state, import_state, model_identity
 
     model, args = tiny
     ident = model_identity(model)

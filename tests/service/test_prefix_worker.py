@@ -12,10 +12,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from service.engine.engine import Engine
-from service.engine.request import SamplingParams
-from service.engine.worker import EngineWorker
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.service.engine.engine import Engine
+from dsv4_serve.service.engine.request import SamplingParams
+from dsv4_serve.service.engine.worker import EngineWorker
 
 PARAMS = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
 

@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from service.__main__ import build_parser
-from service.api.app import create_app
-from service.api.protocol import ChatCompletionRequest, CompletionRequest
-from service.engine.request import FinishReason, SamplingParams, TokenEvent
-from service.engine.scheduler import QueueFull
-from service.settings import Settings
+from dsv4_serve.service.__main__ import build_parser
+from dsv4_serve.service.api.app import create_app
+from dsv4_serve.service.api.protocol import ChatCompletionRequest, CompletionRequest
+from dsv4_serve.service.engine.request import FinishReason, SamplingParams, TokenEvent
+from dsv4_serve.service.engine.scheduler import QueueFull
+from dsv4_serve.service.settings import Settings
 
 ANSWER = "Hello wörld 😀 STOP tail"
 

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from service.engine.request import SamplingParams as SP
-from service.engine.sampler import apply_penalties, sample
+from dsv4_serve.service.engine.request import SamplingParams as SP
+from dsv4_serve.service.engine.sampler import apply_penalties, sample
 
 V = 32
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from service.engine.scheduler import QueueFull, Scheduler, needs_sample
+from dsv4_serve.service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler, needs_sample
 
 EOS = 2
 
@@ -247,7 +247,7 @@ class PipelinedEngine:
 
 
 def test_can_pipeline_only_while_nobody_waiting_could_be_admitted() -> None:
-    from service.engine.stepping import can_pipeline
+    from dsv4_serve.service.engine.stepping import can_pipeline
 
     sched, _ = make(max_rows=2)
     reqs = [Request(f"r{i}", [5, 6], SamplingParams(max_tokens=4)) for i in range(3)]
@@ -346,7 +346,7 @@ def test_a_system_prompt_gets_its_own_snapshot() -> None:
     """A prompt whose first user turn starts at SYSTEM_SNAPSHOT_MIN or later: its first piece ends right before it
     (the engine snapshots that state); a later prompt with the same system prompt, arriving together, waits for
     that snapshot. A shorter system prompt, or none, goes as usual."""
-    from service.engine.prompt_plan import SYSTEM_SNAPSHOT_MIN
+    from dsv4_serve.service.engine.prompt_plan import SYSTEM_SNAPSHOT_MIN
 
     n = SYSTEM_SNAPSHOT_MIN + 3
     system = [5 + i % 90 for i in range(n)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model.tokenizer import build_tiny_tokenizer
-from service.api.chat import TextStream, Utf8Offsets, special_tokens, text_offsets, token_bytes, token_text
+from dsv4_serve.model.tokenizer import build_tiny_tokenizer
+from dsv4_serve.service.api.chat import TextStream, Utf8Offsets, special_tokens, text_offsets, token_bytes, token_text
 
 
 @pytest.fixture(scope="module")

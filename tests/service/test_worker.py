@@ -24,13 +24,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.loader import tiny_model
-from model.state import StatePools
-from service.engine.engine import Engine
-from service.engine.request import FinishReason, SamplingParams, TokenEvent
-from service.engine.sampler import sample
-from service.engine.sizing import pools_for_budget
-from service.engine.worker import EngineNotReady, EngineWorker, QueueFull
+from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.state import StatePools
+from dsv4_serve.service.engine.engine import Engine
+from dsv4_serve.service.engine.request import FinishReason, SamplingParams, TokenEvent
+from dsv4_serve.service.engine.sampler import sample
+from dsv4_serve.service.engine.sizing import pools_for_budget
+from dsv4_serve.service.engine.worker import EngineNotReady, EngineWorker, QueueFull
 
 MAX_LEN = 128
 PAGE = 64
@@ -425,7 +425,7 @@ def test_default_prefill_chunk_is_the_models() -> None:
     """The worker's default prefill budget a step is the model's (a distributed leader sizes its followers' plan
     messages by model.deepseek_v4.PREFILL_CHUNK): the two constants, kept apart so that the worker imports no
     mlx, must agree."""
-    from model.deepseek_v4 import PREFILL_CHUNK
-    from service.engine.worker import DEFAULT_PREFILL_CHUNK
+    from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
+    from dsv4_serve.service.engine.worker import DEFAULT_PREFILL_CHUNK
 
     assert DEFAULT_PREFILL_CHUNK == PREFILL_CHUNK
