@@ -1,4 +1,4 @@
-"""A NumPy model of kernels/cuda/matmul.py's per-lane layout, run on the CPU: the 16 bytes a lane loads a
+"""A NumPy model of kernels/cuda/matmul_src.py's per-lane layout, run on the CPU: the 16 bytes a lane loads a
 row a chunk, the bit moves that decode e4m3 / e2m1 into bf16 (times the e8m0 scale with the exponent
 shortfall folded in), the `prmt` permutation of the x fragment, and mma.sync m16n8k16's fragment places.
 Their product must be x @ dequantize(W).T: a wrong mapping in the design shows here without a GPU (the
