@@ -1,4 +1,4 @@
-"""The three row-batched DeepSeek-V4 decode ops and the mHC pre-mix (see ARCHITECTURE.md "Kernel API").
+"""The three row-batched DeepSeek-V4 decode ops and the mHC pre-mix (see docs/kernels.md).
 
 Each public op dispatches through `kernels.backend`: a registered fast path on a CUDA device,
 else the plain-MLX reference (`DSV4_KERNELS=reference` forces it). Both validate the row

@@ -2,7 +2,7 @@
 
 Allocated once; a request gets a slot and, per compression ratio, the pages its positions can reach
 (prompt + max_tokens) at admission. Nothing is reallocated or copied while it grows; freeing makes the
-slot and pages reusable at once. Page 0 of every page pool is the trash page (see ARCHITECTURE.md).
+slot and pages reusable at once. Page 0 of every page pool is the trash page (see docs/state.md).
 
 Pages are reference-counted: the prefix cache (service/engine/prefix_cache.py) holds pages of finished
 or running requests and maps full ones read-only into other requests' tables; a page returns to the free

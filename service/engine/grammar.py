@@ -4,7 +4,7 @@ the batched sampler applies (`sampler.apply_masks`).
 
 Why xgrammar: at 8 rows on this 2-core CPU its accept + mask step costs ~37 us at the tiny model's
 512 ids and ~110 us at 32K ids, against llguidance's ~210 us and ~2.2-3.4 ms (`tools/grammar_mask.py`;
-ARCHITECTURE.md has the figures), and its structural tags compose the DSML tool-call grammar
+docs/http.md has the figures), and its structural tags compose the DSML tool-call grammar
 (service/api/tools.py) from JSON-schema, regex and literal pieces.
 
 A guided request's matcher lives on its Request (`guide_state`, engine thread only) and is advanced
