@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,10 @@ from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
 from dsv4_serve.model.distributed import broadcast_ints
 from dsv4_serve.service.engine.engine import Engine, Handle
+
+if TYPE_CHECKING:
+    from dsv4_serve.kernels.rows import RowBatch
+    from dsv4_serve.model.deepseek_v4 import DeepseekV4
 
 log = logging.getLogger("dsv4.follower")
 
@@ -50,7 +54,8 @@ def plan_size(max_rows: int, prefill_cap: int) -> int:
 class LeaderEngine(Engine):
     """Engine on rank 0: the same API, every state change mirrored to the followers."""
 
-    def __init__(self, model: Any, group: Any, *, prefill_cap: int = PREFILL_CHUNK, **kw: Any):
+    def __init__(self, model: DeepseekV4, group: mx.distributed.Group, *, prefill_cap: int = PREFILL_CHUNK,
+                 **kw: int | None):
         super().__init__(model, **kw)
         if prefill_cap < 1:
             raise ValueError(f"prefill_cap must be >= 1, got {prefill_cap}")
@@ -115,7 +120,7 @@ class LeaderEngine(Engine):
         mx.async_eval(logits, self.pools.arrays())
         return logits
 
-    def _build(self, batch: Any, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None):
+    def _build(self, batch: RowBatch, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None):
         if tokens is None:
             tokens = upload([int(f[1]) for f in feeds])  # type: ignore[arg-type]
         else:  # rank 0's sampled tokens to every rank, inside the step (the followers add zeros)
@@ -174,7 +179,7 @@ class LeaderEngine(Engine):
             self._message(STOP, self._events[:MAX_EVENTS], [], [], False)
 
 
-def follow(engine: Engine, group: Any, prefill_cap: int = PREFILL_CHUNK) -> int:
+def follow(engine: Engine, group: mx.distributed.Group, prefill_cap: int = PREFILL_CHUNK) -> int:
     """A follower rank's loop: replay rank 0's messages until STOP. Returns the number of steps run."""
     handles: dict[int, Handle] = {}
     rows_cap, steps = engine.max_rows, 0

@@ -13,11 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dsv4_serve.service.engine.prompt_plan import Piece
 from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
 from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
+
+if TYPE_CHECKING:
+    from dsv4_serve.service.engine.engine import Engine, Handle
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ class InFlight:
         return any(p[0] is r for p in self.pieces)
 
 
-def _finished(engine: Any, sched: Scheduler, r: Request, handle: Any, n: int) -> None:
+def _finished(engine: Engine, sched: Scheduler, r: Request, handle: Handle, n: int) -> None:
     """`n` prompt tokens of `r` are fed; a prefix cache snapshot of its state follows."""
     sched.prefilled(r, n)
     snapshot = getattr(engine, "prefilled", None)
@@ -45,7 +48,7 @@ def _finished(engine: Any, sched: Scheduler, r: Request, handle: Any, n: int) ->
             log.exception("prefix snapshot failed")
 
 
-def _built(engine: Any, sched: Scheduler, pieces: list[Piece]) -> int:
+def _built(engine: Engine, sched: Scheduler, pieces: list[Piece]) -> int:
     """The forward of `pieces` is built: account its requests' tokens (those still running); tokens fed."""
     done = 0
     for r, handle, tokens, _ in pieces:
@@ -60,7 +63,7 @@ def _fail(sched: Scheduler, pieces: list[Piece], e: Exception) -> list[TokenEven
     return sched.fail([p[0].request_id for p in pieces], f"prefill failed: {type(e).__name__}: {e}")
 
 
-def prefill(engine: Any, sched: Scheduler, plan: list[Request], budget: int, slice_seconds: float | None = None,
+def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, slice_seconds: float | None = None,
             ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
     """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
     tokens prefilled, seconds, the forward left in flight or None). The prefix cache goes first (a hit
@@ -113,7 +116,7 @@ def prefill(engine: Any, sched: Scheduler, plan: list[Request], budget: int, sli
     return events, done, dt if done else 0.0, inflight
 
 
-def advance(engine: Any, sched: Scheduler, inflight: InFlight, plan: list[Request], slice_seconds: float | None,
+def advance(engine: Engine, sched: Scheduler, inflight: InFlight, plan: list[Request], slice_seconds: float | None,
             ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
     """The next slice of the forward in flight (all of it if no row of `plan` outside it samples this step);
     (events, tokens prefilled, seconds, the forward if still in flight)."""

@@ -5,11 +5,14 @@ chat's system prompt, a prefix shared with another piece of the same forward). P
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4_serve.service.engine.request import Request, RequestStatus
 
-Piece = tuple[Request, Any, list[int], int]  # (request, state handle, prompt tokens, start position)
+if TYPE_CHECKING:
+    from dsv4_serve.model.state import StateHandle
+
+Piece = tuple[Request, "StateHandle", list[int], int]  # (request, state handle, prompt tokens, start position)
 
 # A chat's system prompt (the positions before its first user turn) is snapshotted on its own, at the cost of one
 # more prefill forward for the first conversation, from this many positions on (a shorter one costs less to
@@ -32,7 +35,7 @@ class PromptPlanning:
     reuse) and `handles` (request id -> state handle), as Scheduler has them."""
 
     admission: Any
-    handles: dict[str, Any]
+    handles: dict[str, StateHandle]
 
     def reuse_prefix(self, r: Request) -> None:
         """A prefilling request adopts the longest cached prefix of its prompt beyond what it has fed

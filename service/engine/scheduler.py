@@ -16,11 +16,14 @@ state of the tokens it fed to the cache (`retire`) instead of just freeing it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from dsv4_serve.service.engine.prompt_plan import PromptPlanning
 from dsv4_serve.service.engine.request import FinishReason, PromptLogprob, Request, RequestStatus, TokenEvent
+
+if TYPE_CHECKING:
+    from dsv4_serve.model.state import StateHandle
 
 # (token_id, logprob or None, top alternatives) for one row, as sampler.sample returns it.
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
@@ -34,8 +37,8 @@ class Admission(Protocol):
     """The slice of Engine the scheduler needs (Engine itself satisfies it)."""
 
     def can_admit(self, n_tokens: int) -> bool: ...
-    def admit(self, n_tokens: int) -> Any: ...
-    def release(self, handle: Any) -> None: ...
+    def admit(self, n_tokens: int) -> StateHandle: ...
+    def release(self, handle: StateHandle) -> None: ...
     # Optional (a prefix cache; service/engine/engine.py): prefix_enabled, snapshot_interval,
     # prefix_version(), reuse(handle, prompt_ids, fed), retire(handle, tokens, request_id).
 
@@ -73,7 +76,7 @@ class Scheduler(PromptPlanning):
         self.max_prefill_rows = max_prefill_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[str, StateHandle] = {}
         self._last_plan: list[Request] = []
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -204,7 +207,8 @@ class Scheduler(PromptPlanning):
             self.running.append(r)
         return True
 
-    def fork(self, plan: list[Request], copy: Any) -> tuple[list[Request], list[TokenEvent]]:
+    def fork(self, plan: list[Request], copy: Callable[[StateHandle, StateHandle, int], None],
+             ) -> tuple[list[Request], list[TokenEvent]]:  # fmt: skip
         """n > 1: a planned leader whose prompt is fed but for its last token gives each follower a copy of its
         state (`copy(src_handle, dst_handle, positions)`); they join this step's plan (they feed the last
         prompt token beside it) and get the prompt logprobs scored so far. (plan, events)"""
@@ -261,7 +265,7 @@ class Scheduler(PromptPlanning):
         stops is wasted, not wrong: its state is freed)."""
         return not self._at_length(r, ahead=1)
 
-    def feeds(self, plan: list[Request]) -> list[tuple[Any, int, int]]:
+    def feeds(self, plan: list[Request]) -> list[tuple[StateHandle, int, int]]:
         """(handle, token_id, position) per planned request, in plan order."""
         out = []
         for r in plan:

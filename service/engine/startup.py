@@ -3,12 +3,17 @@ grammar masks, and the longest request its state pools can ever hold. Imports no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from dsv4_serve.service.engine.engine import Engine
 
 USER_TURN = "<｜User｜>"  # the chat format's user-turn marker (service/api/encoding.py's USER)
 
 
-def prepare(engine: Any, tokenizer: Any) -> None:
+def prepare(engine: Engine, tokenizer: Tokenizer | None) -> None:
     """The tokenizer's user-turn id on the engine (a system prompt's prefix snapshot ends before it:
     Scheduler.prefill_work) and the guided rows' token masks (stepping.decode_step), where it has none."""
     user = getattr(tokenizer, "token_to_id", lambda _: None)(USER_TURN)
@@ -20,7 +25,7 @@ def prepare(engine: Any, tokenizer: Any) -> None:
         engine.guides = Guides(engine.vocab_size, engine.eos_token_id)
 
 
-def max_fit_tokens(engine: Any) -> int:
+def max_fit_tokens(engine: Engine) -> int:
     """The most positions one request's decode state can ever have (empty pools): a binary search over
     `fits_ever` (or the state's bytes against the pools' budget)."""
     budget = engine.bytes_budget()

@@ -10,11 +10,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4_serve.service.engine.prefilling import InFlight, advance, prefill
 from dsv4_serve.service.engine.request import Request, RequestStatus, SamplingParams, TokenEvent
 from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from dsv4_serve.service.engine.engine import Engine
+    from dsv4_serve.service.engine.sampler import Pending
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +40,11 @@ class Ahead:
     in place, by step N + 1 (tests/service/test_pipeline.py's in-place test checks it where it runs)."""
 
     rows: list[Request]
-    logits: Any
+    logits: mx.array
     since: float
 
 
-def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request], held: int = 0) -> bool:
+def can_pipeline(engine: Engine, sched: Scheduler, plan: list[Request], held: int = 0) -> bool:
     """Queue the next step before reading this one back? Only in pure decode (every running row samples,
     all of them in the plan, none its first token: a first token goes out before the host builds
     another step, or the time to first token grows by that build), and while nobody waiting could be
@@ -52,8 +58,8 @@ def can_pipeline(engine: Any, sched: Scheduler, plan: list[Request], held: int =
     return not sched.num_waiting or (sched.num_running >= sched.max_rows and all(map(sched.will_continue, plan)))
 
 
-def decode_step(engine: Any, sched: Scheduler, plan: list[Request], sample: Callable[..., Any],
-                ahead: tuple[Any, float] | None = None, pipeline: bool = False, held: int = 0,
+def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: Callable[..., Pending],
+                ahead: tuple[mx.array, float] | None = None, pipeline: bool = False, held: int = 0,
                 ) -> tuple[list[TokenEvent], int, float | None, Ahead | None]:  # fmt: skip
     """The batched step for `plan` (or `ahead`: its logits, already queued, and `since`) and its sampling;
     (events, tokens sampled, step seconds or None if the step failed, the next step if one was queued
@@ -144,7 +150,7 @@ def held(inflight: InFlight | None) -> int:
     return 0 if inflight is None else sum(p[0].status is RequestStatus.RUNNING for p in inflight.pieces)
 
 
-def iterate(engine: Any, sched: Scheduler, sample: Callable[..., Any], budget: int,
+def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], budget: int,
             admitted: Callable[[], None], ahead: Ahead | None = None, pipeline: bool = False,
             inflight: InFlight | None = None, slice_seconds: float | None = None,
             ) -> tuple[Outcome, Ahead | None, InFlight | None]:  # fmt: skip

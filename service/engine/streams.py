@@ -8,9 +8,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from dsv4_serve.service.engine.request import TokenEvent
+
+if TYPE_CHECKING:
+    from dsv4_serve.service.engine.engine import Engine
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ def deliver(items: list[tuple[Stream, TokenEvent]], abort: Callable[[str], None]
         s.queue.put_nowait(ev)
 
 
-def settle(fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], engine: Any) -> None:
+def settle(fn: Callable[[Engine], T], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[T], engine: Engine) -> None:
     """On the engine thread: run fn(engine), hand its result or exception to `fut` on its loop."""
     try:
         result, err = fn(engine), None

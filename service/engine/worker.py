@@ -16,13 +16,21 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsv4_serve.service.engine import startup
 from dsv4_serve.service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
 from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler
 from dsv4_serve.service.engine.stepping import Counters, iterate
 from dsv4_serve.service.engine.streams import Stream, deliver, settle
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from dsv4_serve.service.engine.engine import Engine
+    from dsv4_serve.service.engine.sampler import Pending
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +48,7 @@ class EngineNotReady(RuntimeError):
 class EngineWorker:
     def __init__(
         self,
-        engine_factory: Callable[[], tuple[Any, Any]],
+        engine_factory: Callable[[], tuple[Engine, Tokenizer | None]],
         *,
         max_rows: int = 8,
         max_queue: int = 64,
@@ -193,7 +201,7 @@ class EngineWorker:
         """Thread-safe; the engine frees the row before its next step. Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread between steps (state export / import); its result, or
         its exception raised here."""
         if not self.ready:
@@ -227,7 +235,7 @@ class EngineWorker:
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
 
-    def _start_engine(self) -> tuple[Any, Scheduler]:
+    def _start_engine(self) -> tuple[Engine, Scheduler]:
         engine, self.tokenizer = self._factory()
         self._engine = engine  # for close() at thread exit
         startup.prepare(engine, self.tokenizer)
@@ -340,7 +348,7 @@ class EngineWorker:
             elif kind == "stop":
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
-    def _step(self, engine: Any, sched: Scheduler, sample: Callable[..., Any]) -> list[TokenEvent]:
+    def _step(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> list[TokenEvent]:
         out, self._ahead, self._inflight = iterate(
             engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched), self._ahead,
             self.pipeline, self._inflight, self.prefill_slice_ms / 1e3,
