@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -25,6 +26,15 @@ def server_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "dsv4_serve.service"]
 
 
+def installed() -> bool:
+    """dsv4-serve is installed (editable or not): `dsv4_serve` imports without the checkout's root on the path."""
+    try:
+        importlib.metadata.distribution("dsv4-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,7 +47,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="dsv4-e2e-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_") or k == "DSV4_KERNELS"}
-        full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+        if not installed():  # else the checkout's root must stay off the path: its kernels/ would shadow PyPI's
+            full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
         full_env.update(env or {})
         cmd = [*(command or server_command()), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
