@@ -1,0 +1,158 @@
+"""Recording a decode step's launches into a `plan.StepPlan`.
+
+`Recorder.install()` puts a recording factory in place of `mx.fast.cuda_kernel` (before `kernels.cuda` makes
+its kernel objects): every launch of the CUDA path is then kept with its kernel (name, source, header,
+argument names: what NVRTC needs to build it again outside MLX), its launch values and the arrays it reads
+and writes. `Recorder.plan()` evaluates them and sorts each argument into the buffer kinds of
+`kernels/graph/plan.py` by address, so a reshape or a slice of a buffer is that buffer (MLX views share it).
+
+Addresses come from the CPU buffer protocol: the plan is made on the CPU twin of the step (`tools/graph_plan.py`
+stands a zero-filling launch in for each kernel), whose launch list is the GPU's for the same shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4_serve.kernels.graph.plan import Buffer, Launch, Ref, StepPlan, build
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """What `mx.fast.cuda_kernel` was given: enough to build the same kernel with NVRTC."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    source: str
+    header: str
+    shared_memory: int
+
+
+@dataclass
+class RawLaunch:
+    kernel: KernelSource
+    template: tuple[tuple[str, str], ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    inputs: list[mx.array]
+    outputs: list[mx.array]
+
+
+def _template(t: Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, str], ...]:
+    return tuple((str(n), str(v)) for n, v in (t or ()))
+
+
+class Recorder:
+    """Keeps every launch made while `recording` is true."""
+
+    def __init__(self, base: Callable[..., Any] | None = None) -> None:
+        self.base = base
+        self.launches: list[RawLaunch] = []
+        self.kernels: dict[str, KernelSource] = {}
+        self.recording = False
+
+    def install(self) -> None:
+        """Replace `mx.fast.cuda_kernel` (the stand-in or MLX's own as `base`) with the recording factory."""
+        if self.base is None:
+            self.base = mx.fast.cuda_kernel
+        mx.fast.cuda_kernel = self.factory
+
+    def factory(self, *, name: str, input_names: list[str], output_names: list[str], source: str,
+                header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0,
+                **kw: Any) -> Callable[..., Any]:  # fmt: skip
+        assert self.base is not None
+        obj = self.base(name=name, input_names=input_names, output_names=output_names, source=source, header=header,
+                        ensure_row_contiguous=ensure_row_contiguous, shared_memory=shared_memory, **kw)  # fmt: skip
+        ks = KernelSource(name, tuple(input_names), tuple(output_names), source, header, shared_memory)
+        self.kernels[name] = ks
+
+        def launch(*, inputs: list[Any], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                   template: list[tuple[str, Any]] | None = None, **lkw: Any) -> list[mx.array]:  # fmt: skip
+            outs = obj(inputs=inputs, grid=grid, threadgroup=threadgroup, template=template, **lkw)
+            if self.recording:
+                ins = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+                self.launches.append(RawLaunch(ks, _template(template), tuple(grid), tuple(threadgroup), ins,
+                                               list(outs)))  # fmt: skip
+            return outs
+
+        return launch
+
+    def plan(self, rows: int, named: Mapping[str, Mapping[str, mx.array]],
+             rewritten: Iterable[str] = ()) -> StepPlan:  # fmt: skip
+        """The recorded launches as a plan. `named[kind][label]`: the arrays of each persistent or step kind
+        (`weight`, `pool`, `const`, `step`); every other argument is an earlier launch's output (`arena`) or,
+        failing that, a `gap`. `rewritten`: the state arrays an MLX op wrote during the step (`moved`)."""
+        mx.eval([a for ln in self.launches for a in (*ln.inputs, *ln.outputs)],
+                [list(m.values()) for m in named.values()])  # fmt: skip
+        spans: list[tuple[int, int, int]] = []  # (start, end, buffer id): persistent, step and arena buffers
+        buffers: dict[int, Buffer] = {}
+
+        def add(a: mx.array, kind: str, label: str) -> None:
+            start = address(a)
+            if start is None or any(s <= start < e for s, e, _ in spans):
+                return  # a view of a buffer already known (or a scalar without a buffer)
+            bid = len(buffers)
+            buffers[bid] = Buffer(bid, kind, a.nbytes, label)
+            spans.append((start, start + a.nbytes, bid))
+
+        for kind, arrays in named.items():
+            for label, a in arrays.items():
+                add(a, kind, label)
+        launches = []
+        for ln in self.launches:
+            ins = tuple(self._ref(a, spans, buffers, f"{ln.kernel.name}.{n}")
+                        for a, n in zip(ln.inputs, ln.kernel.input_names, strict=True))  # fmt: skip
+            for a, n in zip(ln.outputs, ln.kernel.output_names, strict=True):
+                add(a, "arena", f"{ln.kernel.name}.{n}")
+            outs = tuple(self._ref(a, spans, buffers, f"{ln.kernel.name}.{n}")
+                         for a, n in zip(ln.outputs, ln.kernel.output_names, strict=True))  # fmt: skip
+            launches.append(Launch(ln.kernel.name, ln.grid, ln.threadgroup, ln.template, ins, outs))
+        return build(rows, launches, buffers, list(rewritten))
+
+    @staticmethod
+    def _ref(a: mx.array, spans: list[tuple[int, int, int]], buffers: dict[int, Buffer], label: str) -> Ref:
+        start = address(a)
+        if start is not None and contiguous(a):
+            for s, e, bid in spans:
+                if s <= start and start + a.nbytes <= e:
+                    return Ref(bid, start - s, a.nbytes)
+        bid = len(buffers)  # made by an MLX op (or a strided view MLX would copy): a gap
+        buffers[bid] = Buffer(bid, "gap", a.nbytes, label)
+        return Ref(bid, 0, a.nbytes)
+
+
+def hold(arrays: Mapping[str, mx.array]) -> dict[str, tuple[mx.array, int | None]]:
+    """Each state array's buffer held by a view of its own, with its address: call before the step. An MLX op
+    that writes the array (`a[idx] = v` turns the same Python array into a scatter's output) can then not
+    write in place (MLX donates only a buffer nothing else holds), so `moved` sees it."""
+    views = {k: a.reshape(-1) for k, a in arrays.items()}
+    mx.eval(list(views.values()))
+    return {k: (v, address(v)) for k, v in views.items()}
+
+
+def moved(held: Mapping[str, tuple[mx.array, int | None]], after: Mapping[str, mx.array]) -> list[str]:
+    """The state arrays an MLX op wrote during the step (now in another buffer than `hold` saw); a launch
+    writes in place."""
+    mx.eval(list(after.values()))
+    return [k for k, a in after.items() if k in held and address(a) != held[k][1]]
+
+
+def address(a: mx.array) -> int | None:
+    """The first byte of an evaluated, row-contiguous CPU array (None: empty or strided)."""
+    if a.nbytes == 0:
+        return None
+    m = memoryview(a)
+    if not m.c_contiguous:
+        return None
+    return int(np.frombuffer(m.cast("B"), np.uint8).__array_interface__["data"][0])
+
+
+def contiguous(a: mx.array) -> bool:
+    """Row-contiguous as the launch reads it (`ensure_row_contiguous`: MLX copies anything else first)."""
+    return a.nbytes == 0 or memoryview(a).c_contiguous
