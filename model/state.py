@@ -289,8 +289,11 @@ class StatePools:
                     pools[layer] = mx.contiguous(pools[layer])
 
     def _reset_slot(self, slot: int) -> None:
-        # Compressor scores back to -inf: window 0's "previous half" must weigh nothing. The window ring and
-        # pages need no reset: only rows/entries written by this request are ever read. With one slot the
+        # A new occupant starts from a clean slot: compressor scores back to -inf (window 0's "previous half"
+        # must weigh nothing), and the window ring and compressor values back to 0. Rows a request has not
+        # written are read with weight 0 (masked window rows, the previous half), and 0 x NaN is NaN: a
+        # predecessor's non-finite or merely old values must never reach it. Pages need no reset: entries
+        # a request has not written are masked and their keys zeroed before use. With one slot the
         # update covers the whole array and MLX returns the broadcast scalar itself (strides 0, one
         # element): mx.contiguous gives it a buffer again (a no-op otherwise), since the in-place
         # compressor writes through the buffer and MLX would hand a custom kernel a copy of a broadcast.
@@ -298,6 +301,13 @@ class StatePools:
             for layer in scores:
                 scores[layer][slot] = -mx.inf
                 scores[layer] = mx.contiguous(scores[layer])
+        for values in (self.comp_kv, self.idx_kv):
+            for layer in values:
+                values[layer][slot] = 0
+                values[layer] = mx.contiguous(values[layer])
+        for i in range(len(self.window)):
+            self.window[i][slot] = 0
+            self.window[i] = mx.contiguous(self.window[i])
 
     def arrays(self) -> list[mx.array]:
         return [

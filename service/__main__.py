@@ -94,6 +94,10 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
                    help="a Bearer key for /v1/* (repeatable; default: no auth)  [DSV4_API_KEY, comma list]")
     p.add_argument("--api-key-file", help="a file of API keys, one a line  [DSV4_API_KEY_FILE]")
     p.add_argument("--metrics-key", help="a Bearer key for /metrics (default: open)  [DSV4_METRICS_KEY]")
+    p.add_argument("--state-secret-file",
+                   help="a file of >= 32 bytes keying the HMAC of exported states (GET /v1/state); servers that "
+                   "share it import each other's exports (default: a random key at start: exports do not "
+                   "outlive the process)  [DSV4_STATE_SECRET_FILE]")  # fmt: skip
     p.add_argument("--stream-queue", type=int,
                    help="token events held for one slow stream before it is aborted (default 1024)  "
                    "[DSV4_STREAM_QUEUE]")  # fmt: skip
@@ -187,6 +191,11 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         settings.api_keys()  # an unreadable or empty key file stops start-up here
     except (OSError, ValueError) as e:
         print(f"dsv4-serve: --api-key-file: {e}", file=sys.stderr)
+        return 2
+    try:
+        settings.state_secret()  # an unreadable or short secret file stops start-up here
+    except (OSError, ValueError) as e:
+        print(f"dsv4-serve: --state-secret-file: {e}", file=sys.stderr)
         return 2
     bad = check_dummy(settings)
     if bad:

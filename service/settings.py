@@ -46,6 +46,8 @@ class Settings(BaseModel):
     api_key: tuple[str, ...] = ()  # Bearer keys for /v1/*; env DSV4_API_KEY: one key or a comma list
     api_key_file: str | None = None  # a file of keys, one a line ('#' comments); read at start-up
     metrics_key: str | None = None  # Bearer key for /metrics; None: /metrics is open
+    # The HMAC key of exported states (>= 32 bytes); None: 32 random bytes at start (exports die with the process)
+    state_secret_file: str | None = None
     stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
     stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
 
@@ -65,7 +67,7 @@ class Settings(BaseModel):
             raise ValueError("API keys must be strings")
         return tuple(k.strip() for k in items if k.strip())
 
-    @field_validator("model", "served_model_name", "api_key_file", "metrics_key")
+    @field_validator("model", "served_model_name", "api_key_file", "metrics_key", "state_secret_file")
     @classmethod
     def _blank_is_none(cls, v: str | None) -> str | None:
         return v or None
@@ -118,6 +120,17 @@ class Settings(BaseModel):
                 raise ValueError(f"the API key file {self.api_key_file} holds no key")
             keys += found
         return tuple(dict.fromkeys(keys))
+
+    def state_secret(self) -> bytes | None:
+        """The state secret file's bytes (surrounding whitespace dropped), or None without one. OSError /
+        ValueError: unreadable, or shorter than 32 bytes (a weak secret would let states be forged)."""
+        if not self.state_secret_file:
+            return None
+        secret = Path(self.state_secret_file).expanduser().read_bytes().strip()
+        if len(secret) < 32:
+            raise ValueError(f"the state secret file {self.state_secret_file} holds {len(secret)} bytes; "
+                             "at least 32 are needed")  # fmt: skip
+        return secret
 
     @classmethod
     def env_names(cls) -> dict[str, str]:

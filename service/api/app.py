@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -74,6 +75,8 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
 
     app = FastAPI(title="dsv4-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctl = ctl
+    # The HMAC key of exported states: the operator's file, else random (exports then die with the process).
+    app.state.state_secret = settings.state_secret() or secrets.token_bytes(32)
     guard(app, ctl)  # API keys and the body cap, before routing
 
     @app.exception_handler(APIError)

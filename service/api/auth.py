@@ -1,7 +1,8 @@
 """API keys: `Authorization: Bearer KEY` on /v1/* (and /metrics with --metrics-key), checked in
 constant time before routing; 401 with an OpenAI error body otherwise. /health and /ready stay open
 (probes). Also installs the body cap (limits.BodyLimit) inside the key check, so a request without
-a key is turned away before its body is read."""
+a key is turned away before its body is read. A request with a key carries its tenant id in the ASGI scope
+(`tenant_of`): a digest of the key, never the key, which scopes its prefix cache and its states."""
 
 from __future__ import annotations
 
@@ -13,9 +14,21 @@ from typing import Any
 from dsv4_serve.service.api.limits import BodyLimit, body_limit_bytes, send_error
 from dsv4_serve.service.api.protocol import error_body
 
+TENANT = "dsv4.tenant"  # ASGI scope key of the request's tenant id
+
 
 def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+def tenant_id(digest: bytes) -> str:
+    """The tenant id of the key with this digest: stable across servers, and no way back to the key."""
+    return hashlib.sha256(b"dsv4-serve tenant\0" + digest).hexdigest()[:32]
+
+
+def tenant_of(request: Any) -> str:
+    """The request's tenant id; "" (one namespace for all) when the server runs without API keys."""
+    return str(request.scope.get(TENANT, ""))
 
 
 class KeySet:
@@ -29,12 +42,16 @@ class KeySet:
         return bool(self._digests)
 
     def accepts(self, header: bytes | None) -> bool:
+        return self.match(header) is not None
+
+    def match(self, header: bytes | None) -> bytes | None:
+        """The digest of the header's key when it is one of these keys, else None."""
         scheme, _, token = (header or b"").partition(b" ")
         given = _digest(token.strip() if scheme.lower() == b"bearer" else b"\0not-a-bearer-token")
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(d, given)
-        return ok
+        return given if ok else None
 
 
 def _unauthorized(what: str) -> dict[str, Any]:
@@ -54,15 +71,21 @@ class APIKeys:
             need = self.keys if path.startswith("/v1/") or path == "/v1" else None
             if path == "/metrics":
                 need = self.metrics
-            if need and not need.accepts(dict(scope["headers"]).get(b"authorization")):
-                await send_error(send, 401, _unauthorized(path), {"WWW-Authenticate": "Bearer"})
-                return
+            if need:
+                given = need.match(dict(scope["headers"]).get(b"authorization"))
+                if given is None:
+                    await send_error(send, 401, _unauthorized(path), {"WWW-Authenticate": "Bearer"})
+                    return
+                if need is self.keys:
+                    scope[TENANT] = tenant_id(given)
         await self.app(scope, receive, send)
 
 
 def guard(app: Any, ctl: Any) -> None:
     """Install the body cap and, outside it, the key check on `app` (a FastAPI / Starlette app)."""
     s = ctl.settings
-    app.add_middleware(BodyLimit, limit=lambda: body_limit_bytes(s.max_body_mb, ctl.max_model_len))
+    # POST /v1/state reads its body under a cap of its own (state_routes.py: sized from the model's state)
+    app.add_middleware(BodyLimit, limit=lambda: body_limit_bytes(s.max_body_mb, ctl.max_model_len),
+                       exempt=("/v1/state",))  # fmt: skip
     metrics = KeySet([s.metrics_key] if s.metrics_key else [])
     app.add_middleware(APIKeys, keys=KeySet(s.api_keys()), metrics=metrics)

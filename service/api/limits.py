@@ -56,11 +56,11 @@ class BodyLimit:
     uvicorn, which drops what arrives after a finished response and keeps the connection: closing it
     while the client still writes would reset the connection, and the client would miss the 413."""
 
-    def __init__(self, app: Any, limit: Callable[[], int]) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: Callable[[], int], exempt: tuple[str, ...] = ()) -> None:
+        self.app, self.limit, self.exempt = app, limit, exempt  # exempt: paths that cap their own bodies
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or scope["path"] in self.exempt:
             await self.app(scope, receive, send)
             return
         limit = self.limit()

@@ -111,6 +111,8 @@ class _Sampling(Body, Guided):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: accepted, carries no behaviour
+    # vLLM: the prefix cache is shared only by requests of one API key sending the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("stop")
     @classmethod

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from dsv4_serve.service.api import structured
+from dsv4_serve.service.api.auth import tenant_of
 from dsv4_serve.service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
 from dsv4_serve.service.api.controller import Controller
 from dsv4_serve.service.api.encoding import encode_messages
@@ -153,7 +154,8 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
         for pi, p in enumerate(prompts):
             seeds = [p.params.seed if p.params.seed is None else (p.params.seed + j) % 2**63 for j in range(n)]
             rids = [rid] if len(prompts) * n == 1 else [f"{rid}-{pi * n + j}" for j in range(n)]
-            streams = await ctl.worker.submit_n(p.ids, [replace(p.params, seed=sd) for sd in seeds], rids)
+            streams = await ctl.worker.submit_n(p.ids, [replace(p.params, seed=sd) for sd in seeds], rids,
+                                                (tenant_of(request), req.cache_salt or ""))  # fmt: skip
             ctl.metrics.prompt_tokens.inc(len(p.ids))
             for j, (r, events) in enumerate(zip(rids, streams, strict=True)):
                 ctl.active[r] = None

@@ -16,7 +16,7 @@ from dsv4_serve.model.state import StateHandle
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.prompt_logprobs import score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
-from dsv4_serve.service.engine.request import PromptLogprob
+from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
 from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
@@ -143,11 +143,12 @@ class Engine:
     def prefix_version(self) -> int:
         return self.prefix_cache.version if self.prefix_cache is not None else 0
 
-    def reuse(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> tuple[Handle, int] | None:
-        """Adopt the longest cached prefix of the prompt (never its last token: the step feeds that one)
-        longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
+    def reuse(self, handle: Handle, prompt_ids: Sequence[int], fed: int,
+              namespace: Namespace = SHARED) -> tuple[Handle, int] | None:  # fmt: skip
+        """Adopt the longest cached prefix of the prompt in its namespace (never its last token: the step feeds
+        that one) longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
         cache = self.prefix_cache
-        entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed)
+        entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed, ns=namespace)
         new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
         return None if new is None else (new, entry.length)  # type: ignore[union-attr]
 
@@ -155,22 +156,22 @@ class Engine:
     # right before it (Scheduler.prefill_work), and the state there is snapshotted like an interval boundary's.
     snapshot_token: int | None = None
 
-    def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int) -> None:
+    def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int, namespace: Namespace = SHARED) -> None:
         """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary and before the
         first user turn if it fits the budget as it is (those never evict another entry)."""
         cache = self.prefix_cache
         if cache is None or not fed:
             return
         if fed == len(prompt_ids) - 1:
-            cache.store(handle, prompt_ids[:fed])
+            cache.store(handle, prompt_ids[:fed], ns=namespace)
         elif cache.interval and (fed % cache.interval == 0 or fed == first_turn(prompt_ids, self.snapshot_token)):
-            cache.store(handle, prompt_ids[:fed], optional=True)
+            cache.store(handle, prompt_ids[:fed], optional=True, ns=namespace)
 
-    def retire(self, handle: Handle, tokens: Sequence[int], request_id: str) -> None:
+    def retire(self, handle: Handle, tokens: Sequence[int], request_id: str, namespace: Namespace = SHARED) -> None:
         """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""
         try:
             if self.prefix_cache is not None and tokens:
-                self.prefix_cache.store(handle, tokens, request_id)
+                self.prefix_cache.store(handle, tokens, request_id, ns=namespace)
         except Exception:  # noqa: BLE001 - a failed snapshot must not keep the state
             log.exception("prefix cache store failed")
         self.release(handle)

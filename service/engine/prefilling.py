@@ -43,7 +43,7 @@ def _finished(engine: Engine, sched: Scheduler, r: Request, handle: Handle, n: i
     snapshot = getattr(engine, "prefilled", None)
     if snapshot is not None:
         try:
-            snapshot(handle, r.prompt_ids, r.fed)
+            snapshot(handle, r.prompt_ids, r.fed, r.namespace)
         except Exception:  # noqa: BLE001 - a snapshot is an optimization: the request goes on
             log.exception("prefix snapshot failed")
 

@@ -8,8 +8,12 @@ to the pages holding those entries (`StatePools.ref_pages`: shared, read-only, r
 Adopting an entry copies the slot copy into the request's slot, maps the entry's full pages into its
 tables in place of its own, and copies the last, partial page into the request's own page (the
 request writes its next entries there: copy-before-write). Entries are exact (bytes keys, no hash
-collisions) and live under a byte budget with LRU eviction; evicting drops only the cache's page
-references, so a page a running request maps stays. Engine thread only.
+collisions) and live in namespaces, (tenant, cache_salt) of the requests that made them: a lookup sees
+its own namespace only, so neither a hit nor its timing tells one tenant what another sent (and pages are
+shared only inside a namespace). The byte budget is shared fairly: past it, the namespace holding the
+most bytes loses its least recently used entry first, so one tenant's stores and imports evict its own
+entries before anyone else's. Evicting drops only the cache's page references, so a page a running
+request maps stays. Engine thread only.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4_serve.model.state import StateHandle, StatePools
+from dsv4_serve.service.engine.request import SHARED, Namespace
 
 
 def token_key(tokens: Sequence[int]) -> bytes:
@@ -33,6 +38,7 @@ class Entry:
     key: bytes  # the prefix's token ids, int32
     slot: dict[str, mx.array]  # StatePools.slot_state
     pages: dict[int, tuple[int, ...]]  # ratio -> the pages of the prefix's entries (held by the cache)
+    ns: Namespace = SHARED  # the (tenant, cache_salt) of the requests that made it: only they find it
     request_ids: set[str] = field(default_factory=set)  # finished requests whose end state this is
 
     @property
@@ -50,10 +56,13 @@ class PrefixCache:
         if interval < 0:
             raise ValueError(f"PrefixCache: interval must be >= 0, got {interval}")
         self.pools, self.budget, self.interval = pools, budget_bytes, interval
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
-        self._lengths: Counter[int] = Counter()
+        self._entries: dict[Namespace, OrderedDict[bytes, Entry]] = {}  # per namespace, LRU first
+        self._lengths: dict[Namespace, Counter[int]] = {}
+        self._ns_bytes: Counter[Namespace] = Counter()  # each namespace's slot copies + pages
         self._page_holds: Counter[tuple[int, int]] = Counter()  # (ratio, page) -> entries holding it
-        self._by_request: dict[str, bytes] = {}
+        self._page_ns: dict[tuple[int, int], Namespace] = {}  # (ratio, page) -> the namespace it counts to
+        self._by_request: dict[str, tuple[Namespace, bytes]] = {}
+        self._count = 0
         self.version = 0  # bumped by every store: a request re-looks up only when something new is there
         self.bytes = 0  # slot copies + distinct pages held
         self.page_bytes = 0  # of which pages (read by /metrics scrapes on another thread: plain ints only)
@@ -73,25 +82,31 @@ class PrefixCache:
             "prefix_evictions_total": self.evictions,
             "prefix_cache_bytes": self.bytes,
             "prefix_cache_page_bytes": self.page_bytes,
-            "prefix_cache_entries": len(self._entries),
+            "prefix_cache_entries": self._count,
         }
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def namespace_bytes(self, ns: Namespace) -> int:
+        return self._ns_bytes.get(ns, 0)
 
-    def __contains__(self, tokens: Sequence[int]) -> bool:
-        return token_key(tokens) in self._entries
+    def __len__(self) -> int:
+        return self._count
+
+    def has(self, tokens: Sequence[int], ns: Namespace = SHARED) -> bool:
+        return token_key(tokens) in self._entries.get(ns, {})
 
     # ---- lookup / adopt ------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], longer_than: int = 0) -> Entry | None:
-        """The longest entry that is a prefix of `tokens` and longer than `longer_than` tokens; it becomes
-        the most recently used."""
+    def lookup(self, tokens: Sequence[int], longer_than: int = 0, ns: Namespace = SHARED) -> Entry | None:
+        """The longest entry of namespace `ns` that is a prefix of `tokens` and longer than `longer_than`
+        tokens; it becomes the most recently used."""
         self.lookups += 1
+        entries = self._entries.get(ns)
+        if not entries:
+            return None
         buf = token_key(tokens)
-        for n in sorted((n for n in self._lengths if longer_than < n <= len(tokens)), reverse=True):
-            entry = self._entries.get(buf[: 4 * n])
+        for n in sorted((n for n in self._lengths[ns] if longer_than < n <= len(tokens)), reverse=True):
+            entry = entries.get(buf[: 4 * n])
             if entry is not None:
-                self._entries.move_to_end(entry.key)
+                entries.move_to_end(entry.key)
                 return entry
         return None
 
@@ -127,57 +142,66 @@ class PrefixCache:
 
     # ---- store / evict -------------------------------------------------------------------------
     def store(self, handle: StateHandle, tokens: Sequence[int], request_id: str | None = None,
-              optional: bool = False) -> Entry | None:  # fmt: skip
-        """Cache the state `handle` holds after `tokens` (its first len(tokens) positions). None when the
-        entry alone would not fit the budget, or, `optional` (a snapshot inside a prompt), when it would
-        not fit without evicting another."""
+              optional: bool = False, ns: Namespace = SHARED) -> Entry | None:  # fmt: skip
+        """Cache the state `handle` holds after `tokens` (its first len(tokens) positions) in namespace `ns`.
+        None when the entry alone would not fit the budget, or, `optional` (a snapshot inside a prompt), when
+        it would not fit without evicting another."""
         key = token_key(tokens)
-        entry = self._entries.get(key)
+        entry = self._entries.get(ns, {}).get(key)
         if entry is None:
             pages = {r: handle.tables[r][:k] for r, k in self.pages_of(len(tokens)).items()}
             if self._cost(pages) > (self.budget - self.bytes if optional else self.budget):
                 return None
-            entry = self._add(Entry(key, self.pools.slot_state(handle.slot), pages))
-        self._entries.move_to_end(key)
+            entry = self._add(Entry(key, self.pools.slot_state(handle.slot), pages, ns))
+        self._entries[ns].move_to_end(key)
         if request_id is not None:
-            self._by_request[request_id] = key
+            self._by_request[request_id] = (ns, key)
             entry.request_ids.add(request_id)
-        self._shrink()
-        return entry if key in self._entries else None
+        self._shrink(entry)
+        return entry if self._entries.get(ns, {}).get(key) is entry else None
 
     def insert(self, tokens: Sequence[int], slot: dict[str, mx.array], pages: dict[int, tuple[int, ...]],
-               request_id: str) -> Entry:  # fmt: skip
-        """An entry built elsewhere (an imported state): its pages' one reference passes to the cache."""
+               request_id: str, ns: Namespace = SHARED) -> Entry:  # fmt: skip
+        """An entry built elsewhere (an imported state): its pages' one reference passes to the cache. It never
+        replaces an entry (ValueError: the caller checks `has` first)."""
         key = token_key(tokens)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._drop(old)
-        entry = self._add(Entry(key, slot, pages), fresh=True)
-        self._by_request[request_id] = key
+        if key in self._entries.get(ns, {}):
+            raise ValueError("PrefixCache.insert: an entry for these tokens exists in this namespace")
+        entry = self._add(Entry(key, slot, pages, ns), fresh=True)
+        self._by_request[request_id] = (ns, key)
         entry.request_ids.add(request_id)
-        self._shrink()
+        self._shrink(entry)
         return entry
 
     def by_request(self, request_id: str) -> Entry | None:
-        key = self._by_request.get(request_id)
-        return None if key is None else self._entries.get(key)
+        where = self._by_request.get(request_id)
+        return None if where is None else self._entries.get(where[0], {}).get(where[1])
 
     def reclaimable(self, ratio: int) -> int:
         """Pages of `ratio` that evicting every entry would free (held by the cache alone)."""
         return sum(1 for (r, p), n in self._page_holds.items() if r == ratio and self.pools.page_refs(r, p) == n)
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry; False when the cache is empty."""
-        if not self._entries:
+        """Drop the least recently used entry of the namespace holding the most bytes; False when empty."""
+        victim = self._victim(None)
+        if victim is None:
             return False
-        _, entry = self._entries.popitem(last=False)
-        self._drop(entry)
+        self._remove(victim)
         self.evictions += 1
         return True
 
     def clear(self) -> None:
-        while self._entries:
-            self._drop(self._entries.popitem(last=False)[1])
+        for entries in list(self._entries.values()):
+            for entry in list(entries.values()):
+                self._remove(entry)
+
+    def _victim(self, keep: Entry | None) -> Entry | None:
+        """The next entry to evict: the LRU one of the namespace holding the most bytes (never `keep`)."""
+        for ns in sorted(self._entries, key=lambda n: self._ns_bytes[n], reverse=True):
+            for entry in self._entries[ns].values():
+                if entry is not keep:
+                    return entry
+        return None
 
     def _cost(self, pages: dict[int, tuple[int, ...]]) -> int:
         new = sum(self.pools.page_bytes(r) for r, ps in pages.items() for p in ps if (r, p) not in self._page_holds)
@@ -187,23 +211,36 @@ class PrefixCache:
         cost = self._cost(entry.pages)
         self.bytes += cost
         self.page_bytes += cost - self.pools.slot_bytes()
+        self._ns_bytes[entry.ns] += cost
         for r, ps in entry.pages.items():
             if not fresh:
                 self.pools.ref_pages(r, ps)
+            for p in ps:
+                self._page_ns.setdefault((r, p), entry.ns)
             self._page_holds.update((r, p) for p in ps)
-        self._entries[entry.key] = entry
-        self._lengths[entry.length] += 1
+        self._entries.setdefault(entry.ns, OrderedDict())[entry.key] = entry
+        self._lengths.setdefault(entry.ns, Counter())[entry.length] += 1
+        self._count += 1
         self.version += 1
         return entry
 
-    def _drop(self, entry: Entry) -> None:
-        self._lengths[entry.length] -= 1
-        if not self._lengths[entry.length]:
-            del self._lengths[entry.length]
+    def _remove(self, entry: Entry) -> None:
+        entries = self._entries[entry.ns]
+        del entries[entry.key]
+        if not entries:
+            del self._entries[entry.ns]
+        self._count -= 1
+        lengths = self._lengths[entry.ns]
+        lengths[entry.length] -= 1
+        if not lengths[entry.length]:
+            del lengths[entry.length]
+        if not lengths:
+            del self._lengths[entry.ns]
         for rid in entry.request_ids:
-            if self._by_request.get(rid) == entry.key:
+            if self._by_request.get(rid) == (entry.ns, entry.key):
                 del self._by_request[rid]
         self.bytes -= self.pools.slot_bytes()
+        self._ns_bytes[entry.ns] -= self.pools.slot_bytes()
         for r, ps in entry.pages.items():
             for p in ps:
                 self._page_holds[(r, p)] -= 1
@@ -211,8 +248,14 @@ class PrefixCache:
                     del self._page_holds[(r, p)]
                     self.bytes -= self.pools.page_bytes(r)
                     self.page_bytes -= self.pools.page_bytes(r)
+                    self._ns_bytes[self._page_ns.pop((r, p))] -= self.pools.page_bytes(r)
             self.pools.unref_pages(r, ps)
+        self._ns_bytes = +self._ns_bytes  # drop namespaces down to 0 bytes
 
-    def _shrink(self) -> None:
-        while self.bytes > self.budget and self.evict_one():
-            pass
+    def _shrink(self, keep: Entry | None = None) -> None:
+        while self.bytes > self.budget:
+            victim = self._victim(keep)
+            if victim is None:
+                return
+            self._remove(victim)
+            self.evictions += 1

@@ -50,7 +50,7 @@ class PromptPlanning:
         if r.prefix_seen == version:
             return
         r.prefix_seen = version
-        got = reuse(self.handles[r.request_id], r.prompt_ids, r.fed)
+        got = reuse(self.handles[r.request_id], r.prompt_ids, r.fed, r.namespace)
         if got is not None:
             self.handles[r.request_id], r.fed = got
             r.cached = r.fed

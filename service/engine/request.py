@@ -23,6 +23,12 @@ class PromptLogprob(NamedTuple):
     rank: int
     top: tuple[tuple[int, float], ...] = ()
 
+# A request's prefix cache namespace: (tenant, cache_salt). The tenant is a digest of its API key
+# (service/api/auth.py; "" when the server runs without keys), the salt vLLM's `cache_salt` ("" when none):
+# cached state is found, stored, exported and imported only within one namespace.
+Namespace = tuple[str, str]
+SHARED: Namespace = ("", "")
+
 SAMPLING_EPS = 1e-5
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for a -inf logprob: every number on the wire is finite
 
@@ -108,6 +114,7 @@ class Request:
     guide_state: Any = None  # the grammar matcher of a guided request (engine thread only)
     cached: int | None = None  # prompt tokens adopted from the prefix cache (None: the cache is off)
     prefix_seen: int = -1  # the prefix cache's version at this request's last lookup
+    namespace: Namespace = SHARED  # where its prefix cache lookups and stores go
 
     @property
     def total_len(self) -> int:
@@ -136,4 +143,9 @@ class StateError(ValueError):
 
 
 class StateNotFound(LookupError):
-    """No cached decode state under this id (never finished here, or evicted)."""
+    """No cached decode state under this id for this API key (never finished here, evicted, or another key's)."""
+
+
+class StateConflict(StateError):
+    """An import that would change nothing or replace something: its tokens are cached in its namespace already,
+    or this export was imported here before (a replay)."""

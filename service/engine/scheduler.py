@@ -40,7 +40,8 @@ class Admission(Protocol):
     def admit(self, n_tokens: int) -> StateHandle: ...
     def release(self, handle: StateHandle) -> None: ...
     # Optional (a prefix cache; service/engine/engine.py): prefix_enabled, snapshot_interval,
-    # prefix_version(), reuse(handle, prompt_ids, fed), retire(handle, tokens, request_id).
+    # prefix_version(), reuse(handle, prompt_ids, fed, namespace), retire(handle, tokens, request_id, namespace),
+    # prefilled(handle, prompt_ids, fed, namespace): the request's namespace (tenant, cache_salt) scopes the cache.
 
 
 def reserve_tokens(request: Request) -> int:
@@ -130,7 +131,7 @@ class Scheduler(PromptPlanning):
         handle = self.handles.pop(request.request_id, None)
         retire = getattr(self.admission, "retire", None)
         if handle is not None and fed and retire is not None:
-            retire(handle, fed, request.request_id)
+            retire(handle, fed, request.request_id, request.namespace)
         elif handle is not None:
             self.admission.release(handle)
         return orphans

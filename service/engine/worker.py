@@ -19,7 +19,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsv4_serve.service.engine import startup
-from dsv4_serve.service.engine.request import FinishReason, Request, SamplingParams, TokenEvent, check_admissible
+from dsv4_serve.service.engine.request import (
+    SHARED,
+    FinishReason,
+    Namespace,
+    Request,
+    SamplingParams,
+    TokenEvent,
+    check_admissible,
+)
 from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler
 from dsv4_serve.service.engine.stepping import Counters, iterate
 from dsv4_serve.service.engine.streams import Stream, deliver, settle
@@ -137,18 +145,20 @@ class EngineWorker:
 
     # -- the event-loop side -----------------------------------------------------------------------
     async def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        namespace: Namespace = SHARED,
     ) -> AsyncIterator[TokenEvent]:
         """Queue a request; returns its event stream. Raises before any iteration: QueueFull,
         ValueError (never fits), EngineNotReady. The stream ends after an event with
         finish_reason or error set; closing it early aborts the request."""
-        return (await self.submit_n(prompt_ids, [params], [request_id or uuid.uuid4().hex]))[0]
+        return (await self.submit_n(prompt_ids, [params], [request_id or uuid.uuid4().hex], namespace))[0]
 
     async def submit_n(
-        self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]
+        self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str],
+        namespace: Namespace = SHARED,
     ) -> list[AsyncIterator[TokenEvent]]:
         """`submit` for n rows of one prompt (n > 1 sampling): admitted together, one prefill, the state
-        copied to the other rows; one event stream per row."""
+        copied to the other rows; one event stream per row. `namespace`: the prefix cache's (tenant, salt)."""
         if not self._ready.is_set():
             raise EngineNotReady(
                 f"engine failed to start: {self.start_error!r}" if self.start_error else "engine is not ready"
@@ -162,7 +172,8 @@ class EngineWorker:
             raise ValueError(f"n = {len(params)} rows of {n_pos} positions each never fit the decode state together")
         loop = asyncio.get_running_loop()
         streams = [Stream(loop, asyncio.Queue(), cap=self.stream_queue) for _ in request_ids]
-        reqs = [Request(rid, list(prompt_ids), p) for rid, p in zip(request_ids, params, strict=True)]
+        reqs = [Request(rid, list(prompt_ids), p, namespace=namespace)
+                for rid, p in zip(request_ids, params, strict=True)]
         reqs[0].followers = reqs[1:]
         with self._lock:
             if not self._accepting:

@@ -38,6 +38,7 @@ class FakeWorker:
         self.ready, self.queue_full = False, queue_full
         self.submitted: list[tuple[list[int], SamplingParams]] = []
         self.aborted: list[str] = []
+        self.namespaces: list[tuple[str, str]] = []  # (tenant, cache_salt) of each submit_n
 
     def start(self) -> None:
         self.ready = True
@@ -48,7 +49,9 @@ class FakeWorker:
         self.submitted.append((prompt_ids, params))
         return self._events(request_id or "x", params)
 
-    async def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]):
+    async def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str],
+                       namespace: tuple[str, str] = ("", "")):  # fmt: skip
+        self.namespaces.append(namespace)
         return [await self.submit(prompt_ids, p, r) for p, r in zip(params, request_ids, strict=True)]
 
     async def _events(self, rid: str, params: SamplingParams) -> AsyncIterator[TokenEvent]:

@@ -282,7 +282,7 @@ class SnapshotLedger(Ledger):
         super().__init__()
         self.retired: list[tuple[int, list[int], str]] = []
 
-    def retire(self, h: int, tokens: list[int], request_id: str) -> None:
+    def retire(self, h: int, tokens: list[int], request_id: str, namespace: tuple[str, str]) -> None:
         self.retired.append((h, list(tokens), request_id))
         self.release(h)
 
