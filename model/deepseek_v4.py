@@ -7,7 +7,6 @@ the same state and last-token logits as token-by-token decoding, up to f32 summa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -16,10 +15,11 @@ import mlx.nn as nn
 from dsv4_serve.kernels import Row, RowBatch
 from dsv4_serve.kernels.matmul import f32_linear_rows
 from dsv4_serve.kernels.upload import upload
-from dsv4_serve.model.attention import Attention
+from dsv4_serve.model.block import Block
 from dsv4_serve.model.config import ModelArgs
-from dsv4_serve.model.layers import MoE, RMSNorm, hc_head, hc_post, hc_pre_norm, inv_freq, step_angles
+from dsv4_serve.model.layers import RMSNorm, hc_head, inv_freq
 from dsv4_serve.model.layers import reset_compiled as forget_hc_pre
+from dsv4_serve.model.mtp import MTPBlock
 from dsv4_serve.model.prefill import prefill_batch, prefill_chunk
 from dsv4_serve.model.state import StateHandle, StatePools
 
@@ -28,64 +28,6 @@ from dsv4_serve.model.state import StateHandle, StatePools
 # tokens/s, bench/prefill.py, b5096d6, 2026-12-02). Running streams no longer wait a whole forward: the engine
 # builds it in slices with a decode step after each (service/engine/prefilling.py).
 PREFILL_CHUNK = 2048
-
-
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        nc, h = args.hc_mult, args.hidden_size
-        self.attn_norm = RMSNorm(h, args.rms_norm_eps)
-        self.ffn_norm = RMSNorm(h, args.rms_norm_eps)
-        self.attn = Attention(args, layer)
-        self.ffn = MoE(args, layer)
-        for unit in ("attn", "ffn"):
-            setattr(self, f"hc_{unit}_fn", mx.zeros(((2 + nc) * nc, nc * h)))
-            setattr(self, f"hc_{unit}_base", mx.zeros(((2 + nc) * nc,)))
-            setattr(self, f"hc_{unit}_scale", mx.zeros((3,)))
-        self.args = args
-
-    def before(self, h: mx.array, *angles: mx.array) -> tuple[mx.array, ...]:
-        """Pure: attention mHC-pre + norm + every projection the kernels need (angles: rope_angles)."""
-        x, post, comb = hc_pre_norm(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
-                                    self.args)  # fmt: skip
-        return (post, comb, *self.attn.project(x, *angles))
-
-    def after(self, o, h, post, comb, c, s_back, token_ids) -> mx.array:
-        """Pure: attention output + mHC-post, then the whole MoE half of the block."""
-        a = self.args
-        h = hc_post(self.attn.output(o, c, s_back, h.dtype), h, post, comb)
-        # The ffn unit's weights come from the post-attention streams.
-        x, post, comb = hc_pre_norm(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm, a)
-        return self.ffn.post_mixed(x, token_ids, h, post, comb)
-
-    def __call__(self, h, token_ids, batch, pools, freqs):
-        before, after = self._segments()
-        attn = self["attn"]  # nn.Module's children are dict items: [] skips its __getattr__
-        r = attn.ratio
-        # the layer kind's RoPE inputs, then the de-rotation's table (-S): once a step per layer kind, compiled
-        *angles, back = batch.once(("rope_angles", r, id(freqs)),
-                                   lambda: step_angles(freqs, batch.positions, r, self.args))  # fmt: skip
-        post, comb, *proj = before(h, *angles)
-        o = attn.attend(tuple(proj), batch, pools)
-        return after(o, h, post, comb, proj[2], back, token_ids)
-
-    def _segments(self):
-        """The pure parts around the kernels, compiled: a layer is then ~2 fused graphs + its kernel calls
-        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size.
-        Not compiled when sharded (all_sum inside) or with DSV4_COMPILE=0."""
-        seg = self.__dict__.get("_compiled")
-        if seg is None:
-            sharded = self.attn.group is not None or getattr(self.ffn, "group", None) is not None
-            if sharded or os.environ.get("DSV4_COMPILE", "1") == "0":
-                seg = (self.before, self.after)
-            else:
-                seg = (mx.compile(self.before), mx.compile(self.after))
-            self.__dict__["_compiled"] = seg
-        return seg
-
-    def reset_compiled(self) -> None:
-        """Forget traced segments (they captured the weights): call after replacing modules or weights."""
-        self.__dict__.pop("_compiled", None)
 
 
 class DeepseekV4(nn.Module):
@@ -103,9 +45,20 @@ class DeepseekV4(nn.Module):
         self.args = args
         # RoPE tables are config, not weights: keep them out of parameters().
         self._freqs = {False: inv_freq(args, False), True: inv_freq(args, True)}
+        # The MTP block (`mtp.0.*`, after every other parameter: the tiny model's draws keep their order). It
+        # shares embed and head; nothing in step / prefill runs it (model/mtp.py: draft_step).
+        self.mtp = [MTPBlock(args, args.num_hidden_layers + k) for k in range(args.num_nextn_predict_layers)]
+
+    def freqs(self, compressed: bool) -> mx.array:
+        """The RoPE frequencies of a layer kind: sliding (False) or CSA / HCA (True)."""
+        return self._freqs[compressed]
+
+    def blocks(self) -> list[Block]:
+        """The decoder layers, then the MTP blocks."""
+        return [*self.layers, *self.mtp]
 
     def reset_compiled(self) -> None:
-        for block in self.layers:
+        for block in self.blocks():
             block.reset_compiled()
         forget_hc_pre()
 
@@ -122,13 +75,21 @@ class DeepseekV4(nn.Module):
 
     def hidden(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
         """The step up to the final norm [B, H] (follower ranks of a distributed model skip the head)."""
+        return self.collapse(self.streams(batch, token_ids, pools))
+
+    def streams(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
+        """The step's mHC streams after the last layer [B, nc, H]: the MTP block's input (model/mtp.py)."""
         a = self.args
         x = self.embed(token_ids)
         # laid out once: the first layer's pre- and post-mix kernels would each copy the strided broadcast
         hs = mx.contiguous(mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1])))
         for i, block in enumerate(self.layers):
             hs = block(hs, token_ids, batch, pools, self._freqs[a.layer_ratio(i) != 0])
-        return self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a))
+        return hs
+
+    def collapse(self, hs: mx.array) -> mx.array:
+        """Streams [B, nc, H] -> HyperHead -> final norm [B, H] (the head's input)."""
+        return self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args))
 
     def make_batch(self, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int]) -> RowBatch:
         rows = [
@@ -166,7 +127,8 @@ class DeepseekV4(nn.Module):
         out, rows = None, []
         for i in range(0, len(token_ids), chunk):
             last = logits and (every or i + chunk >= len(token_ids))
-            out = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i, logits=last, every=every)
+            out = prefill_chunk(self, pools, handle, token_ids[i : i + chunk], start + i, logits=last,
+                                every=every and logits)  # fmt: skip
             mx.async_eval(pools.arrays() if out is None else [out, *pools.arrays()])
             rows.append(out)
         if every and logits:

@@ -189,7 +189,7 @@ def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
 
 
 def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool,
-            every: bool) -> Generator[mx.array, None, list[mx.array] | None]:  # fmt: skip
+            every: list[bool]) -> Generator[mx.array, None, list[mx.array | None] | None]:  # fmt: skip
     """`prefill_batch`'s forward, yielding the residual stream after each layer (the driver decides when to
     evaluate); returns what `prefill_batch` returns."""
     a = model.args
@@ -219,14 +219,18 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
             ])  # fmt: skip
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
-    if not logits:
+    if not logits and not any(every):
         return None
-    rows = hs if every else hs[mx.array([b - 1 for b in bounds[1:]], dtype=mx.int32)]
+    # the head's rows: a request's every row (`every`), else its last one (`logits`), else none
+    sel = [range(b0, b1) if e else [b1 - 1] if logits else []
+           for e, b0, b1 in zip(every, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    idx = [i for s in sel for i in s]
+    rows = hs if len(idx) == t else hs[mx.array(idx, dtype=mx.int32)]
     y = model.norm(hc_head(rows, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
-    out = kmatmul.f32_linear_rows(y, model.head.weight)  # [T or requests, vocab] f32, as the decode step's head
-    if every:
-        return [out[b0:b1] for b0, b1 in zip(bounds[:-1], bounds[1:], strict=True)]
-    return [out[j] for j in range(len(work))]
+    out = kmatmul.f32_linear_rows(y, model.head.weight)  # [rows, vocab] f32, as the decode step's head
+    cuts = np.cumsum([0, *map(len, sel)]).tolist()
+    return [out[c0:c1] if e else out[c0] if logits else None
+            for e, c0, c1 in zip(every, cuts[:-1], cuts[1:], strict=True)]  # fmt: skip
 
 
 class Forward:
@@ -238,14 +242,17 @@ class Forward:
     (it reads and writes the same pools, each layer's arrays taken when that layer is built)."""
 
     def __init__(self, model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
-                 logits: bool = True, every: bool = False) -> None:  # fmt: skip
+                 logits: bool = True, every: bool | Sequence[bool] = False) -> None:  # fmt: skip
         check_work(work)
+        every = [every] * len(work) if isinstance(every, bool) else [bool(e) for e in every]
+        if len(every) != len(work):
+            raise ValueError(f"prefill: every has {len(every)} entries for {len(work)} chunks")
         self.work = list(work)
         self.layers = len(model.layers)
         self.rows = sum(len(t) for _, t, _ in work)
         self.built = 0  # layers built so far
         self.done = False
-        self.out: list[mx.array] | None = None
+        self.out: list[mx.array | None] | None = None
         self._gen = _layers(model, pools, work, logits, every)
 
     def advance(self, seconds: float | None = None, rows_layers: int = 0) -> bool:
@@ -273,12 +280,13 @@ class Forward:
         return self.done
 
 
-def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
-                  logits: bool = True, every: bool = False) -> list[mx.array] | None:  # fmt: skip
+def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool = True,
+                  every: bool | Sequence[bool] = False) -> list[mx.array | None] | None:  # fmt: skip
     """Feed several requests' chunks in ONE forward: work[i] = (handle, token_ids, start), request i's
     tokens at positions start.. . Returns each request's last-token logits [vocab] f32 (None with
-    `logits=False`: the head is skipped; `every=True`: every token's, [len_i, vocab], for prompt
-    logprobs: the head then costs T rows instead of one a request, paid only by requests that ask).
+    `logits=False`: the head is skipped); `every` (for all requests, or one flag a request): every token's,
+    [len_i, vocab], for prompt logprobs: the head then costs those rows, paid only by requests that ask
+    (with `logits=False` the others get None, or the whole result is None when none asks).
 
     The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
     row-wise, each row at its own position and token id) run once over the T rows; the attention with

@@ -14,7 +14,7 @@ from dsv4_serve.model.deepseek_v4 import DeepseekV4
 from dsv4_serve.model.prefill import Forward
 from dsv4_serve.model.state import StateHandle
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
-from dsv4_serve.service.engine.prompt_logprobs import score_lazy
+from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
 from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
@@ -84,6 +84,9 @@ class Engine:
         # the handles released while it was in flight: their slots are still written by its later layers.
         self._forward: Forward | None = None
         self._deferred: list[Handle] = []
+        # Its chunks' prompt logprobs: what to score (k, next_ids; None: nothing), then scored once it is built.
+        self._scoring: list[tuple[int, Sequence[int]] | None] = []
+        self._scores: list[PendingPrompt | None] = []
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
             log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
@@ -211,17 +214,9 @@ class Engine:
     # worker then feeds prompts token by token (the distributed leader queues its chunks into the next plan).
     parallel_prefill = True
 
-    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int, logprobs: int | None = None,
-                next_ids: Sequence[int] = ()) -> list[PromptLogprob] | None:  # fmt: skip
-        """Feed prompt tokens of one request at positions start.. in one parallel pass. No logits kept, or with
-        `logprobs` (the alternatives per position): every token's, scoring `next_ids` (the prompt tokens
-        after each one), read back as one PromptLogprob per token."""
-        every = logprobs is not None
-        out = self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)),
-                                 logits=every, every=every)  # fmt: skip
-        if out is None:
-            return None
-        return score_lazy(out, next_ids, logprobs or 0).result()
+    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
+        """Feed prompt tokens of one request at positions start.. in one parallel pass (no logits kept)."""
+        self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)), logits=False)
 
     def copy_state(self, src: Handle, dst: Handle, positions: int) -> None:
         """`dst` takes `src`'s state after `positions` positions (n > 1: the rows share one prefill)."""
@@ -231,15 +226,21 @@ class Engine:
     # plan on every rank: not).
     sliced_prefill = True
 
-    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]],
-                      slice_seconds: float | None = None) -> bool:  # fmt: skip
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]], slice_seconds: float | None = None,
+                      scores: Sequence[tuple[int, Sequence[int]] | None] | None = None) -> bool:  # fmt: skip
         """Several requests' prompt chunks, (handle, token_ids, start) each, in ONE parallel forward (no
         logits kept); the worker's per-step budget bounds their total. With `slice_seconds`, only the
         forward's first slice of layers (`model.prefill.Forward`): `prefill_advance` builds the rest, decode
-        steps of other rows in between. True when the whole forward is built."""
+        steps of other rows in between. True when the whole forward is built. `scores`, one entry a chunk:
+        None, or (k, next_ids) for prompt logprobs: the head over every token of that chunk at the forward's
+        end, scoring the prompt token after each (k alternatives), read by `prefill_scores()` once built."""
         if self._forward is not None:
             raise RuntimeError("prefill_batch: a prefill forward is already in flight")
-        self._forward = Forward(self.model, self.pools, work, logits=False)
+        scores = list(scores) if scores is not None else [None] * len(work)
+        if len(scores) != len(work) or any(s and len(s[1]) != len(w[1]) for s, w in zip(scores, work, strict=False)):
+            raise ValueError("prefill_batch: scores needs one entry a chunk, next_ids one a token")
+        self._forward = Forward(self.model, self.pools, work, logits=False, every=[s is not None for s in scores])
+        self._scoring, self._scores = scores, []
         return self.prefill_advance(slice_seconds)
 
     def prefill_advance(self, slice_seconds: float | None = None) -> bool:
@@ -250,6 +251,9 @@ class Engine:
             raise RuntimeError("prefill_advance: no prefill forward in flight")
         try:
             built = fwd.advance(slice_seconds, SLICE_ROWS_LAYERS)
+            if built and fwd.out is not None:  # the scored chunks' rows (async_eval'd with the state)
+                self._scores = [None if s is None else score_lazy(o, s[1], s[0])
+                                for s, o in zip(self._scoring, fwd.out, strict=True)]  # fmt: skip
             if built:
                 (mx.eval if slice_seconds is None else mx.async_eval)(self.pools.arrays())
         except BaseException:
@@ -258,6 +262,11 @@ class Engine:
         if built:
             self.prefill_abandon()
         return built
+
+    def prefill_scores(self) -> list[list[PromptLogprob] | None]:
+        """The prompt logprobs of the forward just built, one entry a chunk (None: not scored), read back."""
+        pending, self._scores = self._scores, []
+        return [None if p is None else p.result() for p in pending]
 
     def prefill_abandon(self) -> None:
         """No forward in flight any more (built, or failed: its requests fail); the slots released meanwhile

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -79,12 +79,8 @@ class LeaderEngine(Engine):
         super().copy_state(src, dst, positions)
         self._events.append((COPY, src.slot << 8 | dst.slot, positions))
 
-    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int, logprobs: int | None = None,
-                next_ids: Sequence[int] = ()) -> None:  # fmt: skip
-        """Queued: it runs, on every rank, right after the next plan is broadcast (before its step). Prompt
-        logprobs need the scored forward on rank 0 alone: not with --distributed."""
-        if logprobs is not None:
-            raise ValueError("prompt logprobs are not served with --distributed")
+    def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
+        """Queued: it runs, on every rank, right after the next plan is broadcast (before its step)."""
         if not token_ids:
             raise ValueError("prefill: token_ids must not be empty")
         if start < 0 or start + len(token_ids) > handle.capacity:
@@ -94,8 +90,11 @@ class LeaderEngine(Engine):
 
     sliced_prefill = False  # a forward runs with the next plan on every rank, whole
 
-    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]]) -> None:
-        """Each request's chunk queued as `prefill` queues it (the plan then packs them into shared forwards)."""
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]], scores: Any = None) -> None:
+        """Each request's chunk queued as `prefill` queues it (the plan then packs them into shared forwards).
+        Prompt logprobs (`scores`) need the scored forward on rank 0 alone: not with --distributed."""
+        if scores is not None and any(s is not None for s in scores):
+            raise ValueError("prompt logprobs are not served with --distributed")
         for handle, token_ids, start in work:
             self.prefill(handle, token_ids, start)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsv4_serve.service.engine.prompt_plan import Piece
 from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
@@ -48,14 +48,30 @@ def _finished(engine: Engine, sched: Scheduler, r: Request, handle: Handle, n: i
             log.exception("prefix snapshot failed")
 
 
-def _built(engine: Engine, sched: Scheduler, pieces: list[Piece]) -> int:
-    """The forward of `pieces` is built: account its requests' tokens (those still running); tokens fed."""
-    done = 0
-    for r, handle, tokens, _ in pieces:
+def _scores(pieces: list[Piece]) -> list[tuple[int, list[int]] | None]:
+    """What `engine.prefill_batch` scores of each piece: (k, the prompt token after each of its tokens) for a
+    request asking for prompt logprobs, else None."""
+    return [None if r.params.prompt_logprobs is None else (r.params.prompt_logprobs,
+            r.prompt_ids[start + 1 : start + 1 + len(tokens)]) for r, _, tokens, start in pieces]  # fmt: skip
+
+
+def _built(engine: Engine, sched: Scheduler, pieces: list[Piece]) -> tuple[list[TokenEvent], int]:
+    """The forward of `pieces` is built: its prompt logprobs (read back) and its requests' tokens accounted
+    (those still running); (events, tokens fed)."""
+    scored = [None] * len(pieces)
+    if any(s is not None for s in _scores(pieces)):
+        try:
+            scored = engine.prefill_scores()
+        except Exception as e:  # noqa: BLE001 - the forward failed: its requests fail, the others keep going
+            return _fail(sched, [p for p in pieces if p[0].status is RequestStatus.RUNNING], e), 0
+    events, done = [], 0
+    for (r, handle, tokens, _), lps in zip(pieces, scored, strict=True):
         if r.status is RequestStatus.RUNNING:
+            if lps is not None:
+                events.append(sched.scored(r, lps))
             _finished(engine, sched, r, handle, len(tokens))
             done += len(tokens)
-    return done
+    return events, done
 
 
 def _fail(sched: Scheduler, pieces: list[Piece], e: Exception) -> list[TokenEvent]:
@@ -69,8 +85,8 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
     tokens prefilled, seconds, the forward left in flight or None). The prefix cache goes first (a hit
     moves `fed` on). The pieces (one a request; with a cache, a piece short of its prompt's end ends on
     the snapshot interval, and the state is snapshotted after it) go through one shared forward
-    (`engine.prefill_batch`), in slices of `slice_seconds` when another planned row samples this step;
-    requests asking for prompt logprobs go one each through `engine.prefill` (the head over every token).
+    (`engine.prefill_batch`), in slices of `slice_seconds` when another planned row samples this step; a
+    request asking for prompt logprobs has the head over every token of its piece at the forward's end.
     A failed forward fails the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
     done, t0 = 0, time.perf_counter()
@@ -81,35 +97,23 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
             log.exception("prefix reuse failed")
             events += sched.fail([r.request_id], f"prefix reuse failed: {type(e).__name__}: {e}")
     work = sched.prefill_work([r for r in plan if r.status is RequestStatus.RUNNING], budget)
-    shared = [w for w in work if w[0].params.prompt_logprobs is None]  # one piece a request: one forward
-    scored = [w for w in work if w[0].params.prompt_logprobs is not None]
     inflight = None
-    if shared:
-        streams = any(needs_sample(r) for r in plan if not any(w[0] is r for w in shared))
+    if work:
+        streams = any(needs_sample(r) for r in plan if not any(w[0] is r for w in work))
         sliced = streams and bool(slice_seconds) and getattr(engine, "sliced_prefill", False)
+        kw: dict[str, Any] = {"slice_seconds": slice_seconds} if sliced else {}
+        if any(r.params.prompt_logprobs is not None for r, *_ in work):
+            kw["scores"] = _scores(work)
         try:
-            kw = {"slice_seconds": slice_seconds} if sliced else {}
-            built = engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in shared], **kw)
+            built = engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in work], **kw)
         except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going
-            events += _fail(sched, shared, e)
+            events += _fail(sched, work, e)
         else:
             if built is False:
-                inflight = InFlight(shared)
+                inflight = InFlight(work)
             else:
-                done += _built(engine, sched, shared)
-    for r, handle, tokens, start in scored:
-        if r.status is not RequestStatus.RUNNING:
-            continue
-        try:  # the head over every token, scoring the prompt token after each
-            nxt = r.prompt_ids[start + 1 : start + 1 + len(tokens)]
-            events.append(sched.scored(r, engine.prefill(handle, tokens, start, logprobs=r.params.prompt_logprobs,
-                                                         next_ids=nxt)))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - this request fails, the others keep going
-            log.exception("prefill failed (%d tokens)", len(tokens))
-            events += sched.fail([r.request_id], f"prefill failed: {type(e).__name__}: {e}")
-            continue
-        _finished(engine, sched, r, handle, len(tokens))
-        done += len(tokens)
+                ev, done = _built(engine, sched, work)
+                events += ev
     dt = time.perf_counter() - t0
     if inflight is not None:
         inflight.seconds = dt
@@ -131,4 +135,5 @@ def advance(engine: Engine, sched: Scheduler, inflight: InFlight, plan: list[Req
     inflight.seconds += time.perf_counter() - t0
     if not built:
         return [], 0, 0.0, inflight
-    return [], _built(engine, sched, inflight.pieces), inflight.seconds, None
+    events, done = _built(engine, sched, inflight.pieces)
+    return events, done, inflight.seconds, None

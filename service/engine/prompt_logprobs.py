@@ -2,8 +2,9 @@
 
 Row t of `logits` [T, V] is the distribution after prompt token t; it scores the prompt's next token. These
 are the raw logprobs (no temperature, penalties or bias: what lm-eval's loglikelihood and vLLM report). The
-rows come from the parallel prefill's every-position head (`Engine.prefill(..., logprobs=k)`) or, for a
-prompt token that went through the batched step, from that step's logits row.
+rows come from the parallel prefill's every-position head over the request's chunk (`Engine.prefill_batch(...,
+scores=)`, in the forward it shares with other prompts, sliced or whole) or, for a prompt token that went
+through the batched step, from that step's logits row.
 """
 
 from __future__ import annotations

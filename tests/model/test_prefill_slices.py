@@ -92,3 +92,36 @@ def test_a_slice_stops_at_its_rows_by_layers(tiny) -> None:
     while not fwd.advance(1e9, rows_layers=25):
         built.append(fwd.built)
     assert built == list(range(2, args.num_hidden_layers, 2)) and fwd.built == args.num_hidden_layers
+
+
+def test_a_scored_chunk_in_a_sliced_shared_forward_equals_its_whole_forward(tiny) -> None:
+    """`every` one flag a chunk (prompt logprobs through the shared, sliced forward): the scored chunk gets
+    every token's logits, the same as its own whole forward `every=True` (the path before), the other chunk
+    none; decode steps of a third slot between the slices change neither, and both states are their own."""
+    model, args = tiny
+    rng = np.random.default_rng(5)
+    a, b = ([int(t) for t in rng.integers(0, args.vocab_size, n)] for n in (40, 57))
+    alone = StatePools(args, max_slots=2, max_positions=LEN + 8, page_size=PAGE)
+    ha, hb = alone.alloc(LEN), alone.alloc(LEN)
+    Forward(model, alone, [(ha, a, 0)], logits=False).advance(None)
+    whole = Forward(model, alone, [(hb, b, 0)], every=True)
+    whole.advance(None)
+    want = np.array(whole.out[0])
+    mx.eval(alone.arrays())
+
+    pools = StatePools(args, max_slots=3, max_positions=LEN + 8, page_size=PAGE)
+    s = pools.alloc(64)
+    pa, pb = pools.alloc(LEN), pools.alloc(LEN)
+    fwd = Forward(model, pools, [(pa, a, 0), (pb, b, 0)], logits=False, every=[False, True])
+    tok, steps = 7, 0
+    while not fwd.advance(0.0):  # a layer a slice, a decode step of slot s after each
+        tok = int(mx.argmax(model.decode(pools, [s], [tok], [steps])[0]).item())
+        steps += 1
+    assert steps == args.num_hidden_layers - 1
+    assert fwd.out[0] is None and fwd.out[1].shape == (len(b), args.vocab_size)
+    np.testing.assert_allclose(np.array(fwd.out[1]), want, atol=1e-5, rtol=0)
+    mx.eval(pools.arrays())
+    for h, g, n in ((pa, ha, len(a)), (pb, hb, len(b))):
+        assert_same_state(slot_state(pools, h, args, n), slot_state(alone, g, args, n))
+    with pytest.raises(ValueError, match="every has 1 entries for 2 chunks"):
+        Forward(model, pools, [(pa, a, 0), (pb, b, 0)], every=[True])

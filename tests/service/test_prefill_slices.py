@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.state import StatePools
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.request import FinishReason, SamplingParams
 from tests.service.test_worker import MAX_LEN, PAGE, reference, run, tokens, wait_for
@@ -57,7 +58,7 @@ def long_prompt(tiny) -> list[int]:
     return [int(t) for t in np.random.default_rng(9).integers(3, tiny[1].vocab_size, 70)]
 
 
-async def stream_then_long(w, eng, long, request_id="long", on_advance=None):
+async def stream_then_long(w, eng, long, request_id="long", on_advance=None, params=LONG):
     """A stream starts; once it has 2 tokens the long prompt arrives (`on_advance` set from then on).
     (stream events, long events)"""
     s = asyncio.ensure_future(_collect(await w.submit([5, 6], STREAM)))
@@ -65,7 +66,7 @@ async def stream_then_long(w, eng, long, request_id="long", on_advance=None):
     eng.calls.clear()
     if on_advance is not None:
         eng.on_advance = on_advance
-    lg = await w.submit(long, LONG, request_id)
+    lg = await w.submit(long, params, request_id)
     return await s, await _collect(lg)
 
 
@@ -149,3 +150,50 @@ def test_a_failing_slice_fails_its_request_only(tiny) -> None:
     assert tokens(s) == want_s
     assert lg[-1].error is not None and "slice failed" in lg[-1].error
     assert not eng.prefilling and eng.bytes_in_use() == 0
+
+
+def prompt_logprobs_alone(tiny, prompt: list[int]) -> np.ndarray:
+    """[len - 1, V] float64 log-softmax after each prompt token but the last, the prompt fed token by token
+    through the decode step (independent of the parallel prefill)."""
+    model, args = tiny
+    pools = StatePools(args, max_slots=1, max_positions=MAX_LEN, page_size=PAGE, dtype=model.dtype)
+    h = pools.alloc(len(prompt))
+    rows = [np.array(model.decode(pools, [h], [t], [i])[0], dtype=np.float64) for i, t in enumerate(prompt[:-1])]
+    x = np.stack(rows)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_go_through_the_slices_and_a_stream_steps_between(tiny) -> None:
+    """A request with prompt logprobs joins the sliced forward (no whole forward of its own): the stream steps
+    after every slice, and its prompt logprobs are the model's own, fed token by token."""
+    long = long_prompt(tiny)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    want_s, want_l = reference(tiny, [5, 6], STREAM)[0], reference(tiny, long, LONG)[0]
+    want_lp = prompt_logprobs_alone(tiny, long)
+    eng = Recording(tiny[0])
+    s, lg = run(lambda w, e: stream_then_long(w, e, long, params=scored), eng, prefill_chunk=32,
+                prefill_slice_ms=1e-6)  # fmt: skip
+    assert tokens(s) == want_s and tokens(lg) == want_l
+    layers = tiny[1].num_hidden_layers
+    pieces = [n for k, n in eng.calls if k == "prefill"]
+    assert pieces[:2] == [32, 32] and len(pieces) == 3
+    assert eng.calls.count(("advance", 1)) == 3 * layers and ("advance", 0) not in eng.calls
+    idx = [i for i, (k, _) in enumerate(eng.calls) if k in ("advance", "prefill")]
+    for i, j in zip(idx, idx[1:], strict=False):
+        if eng.calls[i][0] == eng.calls[j][0] == "advance":
+            assert [k for k, _ in eng.calls[i + 1 : j]].count("step") >= 1, eng.calls
+    last = max(i for i, (k, _) in enumerate(eng.calls) if k == "advance")
+    assert {n for k, n in eng.calls[:last] if k == "step"} == {1}  # the stream's row alone meanwhile
+    # every prompt position but the first scored once, in order, before the first generated token
+    got = [p for e in lg for p in e.prompt_logprobs]
+    first = next(i for i, e in enumerate(lg) if e.token_id is not None)
+    assert all(not e.prompt_logprobs for e in lg[first:])
+    assert len(got) == len(long) - 1
+    for t, p in enumerate(got):
+        row, v = want_lp[t], want_lp[t][long[t + 1]]
+        assert abs(p.logprob - v) < 1e-4, t
+        assert 1 + (row > v + 1e-4).sum() <= p.rank <= 1 + (row > v - 1e-4).sum(), t  # ties within f32 tolerance
+        assert [i for i, _ in p.top] == np.argsort(-row, kind="stable")[:3].tolist(), t
+        np.testing.assert_allclose([v for _, v in p.top], np.sort(row)[::-1][:3], atol=1e-4, rtol=0)
+    assert eng.bytes_in_use() == 0
