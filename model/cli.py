@@ -104,6 +104,6 @@ def generate_main(argv: Sequence[str]) -> int:
     ids = generate(model, args, prompt, a.max_tokens, a.temperature, a.seed)
     result: dict[str, object] = {"ids": ids}
     if tok is not None:
-        result["text"] = tok.decode(ids, skip_special_tokens=False)
+        result["text"] = tok.decode(ids, skip_special_tokens=True)  # as the server: no EOS text (it is in ids)
     print(json.dumps(result, ensure_ascii=False), flush=True)
     return 0

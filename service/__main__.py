@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # Subcommands owned by model/cli.py: their argv passes through untouched.
 _PASSTHROUGH = {
     "make-tiny": ("make_tiny_main", "write the embedded tiny model + tokenizer to DIR (HF layout)"),
-    "generate": ("generate_main", "greedy/sampled generation from prompt ids, no server"),
+    "generate": ("generate_main", "greedy/sampled generation from --prompt text or --prompt-ids, no server"),
 }
 
 
@@ -104,6 +104,9 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-stall-timeout", type=float,
                    help="seconds one stream write may block before the request is aborted (default 60)  "
                    "[DSV4_STREAM_STALL_TIMEOUT]")  # fmt: skip
+    p.add_argument("--grammar-timeout", type=float,
+                   help="seconds one grammar compile (response_format, guided_*, tool_choice) may take before it "
+                   "is killed and the request gets a 400 (default 10)  [DSV4_GRAMMAR_TIMEOUT]")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,7 +240,15 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     # were there before it: make those no-ops so a drained SIGTERM exits 0, not 143.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    _Server(config).run(sockets=[sock] if sock is not None else None)
+    server = _Server(config)
+    ctl = app.state.ctl
+    ctl.on_fatal = lambda: setattr(server, "should_exit", True)  # an engine that cannot serve ends the process
+    server.run(sockets=[sock] if sock is not None else None)
+    if ctl.failure is not None:
+        from dsv4_serve.service.api.controller import describe_failure
+
+        print(f"dsv4-serve: the engine cannot serve: {describe_failure(ctl.failure)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,11 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_serve.service.api.auth import guard
 from dsv4_serve.service.api.controller import Controller, call
+from dsv4_serve.service.api.grammar_pool import GrammarPool
 from dsv4_serve.service.api.metrics import Metrics
 from dsv4_serve.service.api.protocol import APIError, error_body
 from dsv4_serve.service.api.responses import router as responses_router
 from dsv4_serve.service.api.routes import router
 from dsv4_serve.service.api.state_routes import router as state_router
+from dsv4_serve.service.api.tokenize_routes import router as tokenize_router
 from dsv4_serve.service.settings import Settings
 
 log = logging.getLogger("dsv4.api")
@@ -55,11 +57,13 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         pipeline=not settings.no_pipeline,
         stream_queue=settings.stream_queue,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
+        on_failure=ctl.fail_threadsafe,  # engine thread: an engine that cannot serve stops the server
     )
 
 
 def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = None) -> FastAPI:
     ctl = Controller(settings, Metrics(lambda: ctl.stats(), settings.max_rows))
+    ctl.grammars = GrammarPool(settings.grammar_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -71,6 +75,7 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
             yield
         finally:
             await ctl.wait_drained()
+            await ctl.grammars.close()
             await call(getattr(ctl.worker, "stop", None))
 
     app = FastAPI(title="dsv4-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -107,4 +112,5 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(state_router)
+    app.include_router(tokenize_router)
     return app

@@ -1,6 +1,6 @@
-"""API keys: `Authorization: Bearer KEY` on /v1/* (and /metrics with --metrics-key), checked in
-constant time before routing; 401 with an OpenAI error body otherwise. /health and /ready stay open
-(probes). Also installs the body cap (limits.BodyLimit) inside the key check, so a request without
+"""API keys: `Authorization: Bearer KEY` on /v1/*, the tokenizer routes and /openapi.json (and /metrics with
+--metrics-key), checked in constant time before routing; 401 with an OpenAI error body otherwise. /health and
+/ready stay open (probes). Also installs the body cap (limits.BodyLimit) inside the key check, so a request without
 a key is turned away before its body is read. A request with a key carries its tenant id in the ASGI scope
 (`tenant_of`): a digest of the key, never the key, which scopes its prefix cache and its states."""
 
@@ -13,6 +13,10 @@ from typing import Any
 
 from dsv4_serve.service.api.limits import BodyLimit, body_limit_bytes, send_error
 from dsv4_serve.service.api.protocol import error_body
+
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM serves them at the root
+DOC_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # the API's description: as /v1/*
+
 
 TENANT = "dsv4.tenant"  # ASGI scope key of the request's tenant id
 
@@ -60,7 +64,8 @@ def _unauthorized(what: str) -> dict[str, Any]:
 
 
 class APIKeys:
-    """ASGI middleware: /v1/* needs one of `keys`, /metrics `metrics` (when either set is non-empty)."""
+    """ASGI middleware: /v1/* and TOKENIZER_PATHS need one of `keys`, /metrics `metrics` (when either set is
+    non-empty)."""
 
     def __init__(self, app: Any, keys: KeySet, metrics: KeySet) -> None:
         self.app, self.keys, self.metrics = app, keys, metrics
@@ -68,7 +73,8 @@ class APIKeys:
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "http":
             path: str = scope["path"]
-            need = self.keys if path.startswith("/v1/") or path == "/v1" else None
+            keyed = path.startswith("/v1/") or path == "/v1" or path in TOKENIZER_PATHS or path in DOC_PATHS
+            need = self.keys if keyed else None
             if path == "/metrics":
                 need = self.metrics
             if need:

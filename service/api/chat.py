@@ -60,19 +60,22 @@ def _held_tail(text: str, patterns: Iterable[str]) -> int:
 class StopStrings:
     """Applies stop strings to a stream of text deltas; a stop string (or its start) never leaks."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the text ends with the stop string
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     def push(self, delta: str) -> str:
         if self.stopped or not self.stops:
             return "" if self.stopped else delta
         buf = self.pending + delta
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.stopped, self.pending = True, ""
-            return buf[: min(hits)]
+            return buf[: at + len(self.matched) if self.include else at]
         keep = _held_tail(buf, self.stops)
         self.pending = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
@@ -124,6 +127,7 @@ class TextStream:
         tokenizer: Decoder,
         *,
         stop: Sequence[str] = (),
+        include_stop: bool = False,
         thinking: bool = False,
         skip_ids: Iterable[int] = (),
         hidden: dict[int, str] | None = None,
@@ -133,7 +137,7 @@ class TextStream:
         self.offsets = Utf8Offsets() if token_bytes is not None else None
         self.token_bytes = token_bytes
         self.last_offset = 0  # text_offset of the token pushed last
-        self.stop = StopStrings(stop)
+        self.stop = StopStrings(stop, include_stop)
         self.split = ReasoningSplit(thinking)
         self.skip_ids = set(skip_ids)
         self.hidden = hidden or {}

@@ -160,10 +160,13 @@ def _last_user(messages: list[dict[str, Any]]) -> int:
 
 def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False,
                     tools: list[dict[str, Any]] | None = None, reasoning_effort: str | None = None,
-                    drop_thinking: bool = True) -> str:  # fmt: skip
+                    drop_thinking: bool = True, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> str:  # fmt: skip
     """The V4 prompt of an OpenAI message list, ending in the generation prompt (<Assistant></think>, or
     <Assistant><think> in thinking mode). reasoning_effort (thinking mode only): None, "low", "high", "xhigh"
-    or "max", each with its paragraph after BOS (EFFORT_TEXT)."""
+    or "max", each with its paragraph after BOS (EFFORT_TEXT). vLLM's prompt shaping: add_generation_prompt
+    false ends the prompt after a final user turn; continue_final leaves the final assistant message open (no
+    EOS; in thinking mode without content, its reasoning too: no </think>)."""
     if reasoning_effort not in EFFORT_TEXT:
         raise ValueError(f"reasoning_effort must be one of low, high, xhigh, max, not {reasoning_effort!r}")
     msgs = copy.deepcopy(list(messages))
@@ -204,16 +207,19 @@ def encode_messages(messages: list[dict[str, Any]], *, thinking: bool = False,
             parts = [_text(c) if kind == "text" else _tool_result(c) for kind, _, c in m["blocks"]]
             out.append(USER + "\n\n".join(parts))
         elif role == "assistant":
+            open_end = continue_final and i == len(msgs) - 1
             if thinking and (not drop_thinking or i > last):
-                out.append((m.get("reasoning_content") or "") + END_THINK)
+                still_thinking = open_end and not _text(m.get("content")) and not m.get("tool_calls")
+                out.append((m.get("reasoning_content") or "") + ("" if still_thinking else END_THINK))
             out.append(_text(m.get("content")))
             if m.get("tool_calls"):
                 out.append(dsml_tool_calls(m["tool_calls"]))
-            out.append(EOS)
+            if not open_end:
+                out.append(EOS)
         else:
             raise ValueError(f"unknown role {role!r}")
         nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
-        if role in ("user", "developer") and nxt in (None, "assistant"):
+        if role in ("user", "developer") and (nxt == "assistant" or (nxt is None and add_generation_prompt)):
             opens = thinking and (not drop_thinking or i >= last)
             out.append(ASSISTANT + (THINK if opens else END_THINK))
     return "".join(out)

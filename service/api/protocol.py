@@ -5,17 +5,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from dsv4_serve.service.api.tool_protocol import Guided, ToolCall, ToolFields
+from dsv4_serve.service.api.chat_protocol import ChatExtras, ChatMessage
+from dsv4_serve.service.api.tool_protocol import Guided, ToolFields
 
 _REQ = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # nested objects: clients echo extra keys
 # A request body: a field the server does not know is rejected by name (`validation_to_api_error`), never
 # silently dropped; one sent as null is absent.
 _BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # every float field finite
 MAX_N = 8  # choices per request (rows of one step)
+# List caps, counted on the parsed JSON before any field is validated (Body) and before any tokenizing; OpenAI's
+# where its API reference states one (prompt list: 2,048; tools: 128 functions; stop: up to 4 sequences).
+MAX_PROMPTS = 2048  # a completion's prompt list
+MAX_MESSAGES = 2048  # chat messages, Responses input items (OpenAI and vLLM state no limit: a generous one)
+MAX_TOOLS = 128
+MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_CHOICES = 1024  # guided_choice entries (structured.py caps their bytes)
 
 
 class APIError(Exception):
@@ -73,15 +84,29 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+def check_counts(data: Mapping[str, Any], caps: Mapping[str, int]) -> None:
+    """400 naming the first list field over its cap: len() of the parsed JSON, no element looked at."""
+    for name, cap in caps.items():
+        v = data.get(name)
+        if not isinstance(v, list | dict) or len(v) <= cap:
+            continue
+        if name == "prompt" and not isinstance(v[0], str | list):
+            continue  # one prompt of token ids: the context length bounds it
+        raise APIError(400, f"'{name}' has {len(v)} entries; the limit is {cap}", param=name, code="invalid_value")
+
+
 class Body(BaseModel):
-    """A request body: unknown fields are rejected by name; an unknown field sent as null is absent."""
+    """A request body: unknown fields are rejected by name; an unknown field sent as null is absent. The
+    list fields of LIST_CAPS are counted before any field is validated."""
 
     model_config = _BODY
+    LIST_CAPS: ClassVar[dict[str, int]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _drop_null_unknowns(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            check_counts(data, cls.LIST_CAPS)
             return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
         return data
 
@@ -90,6 +115,8 @@ class _Sampling(Body, Guided):
     """Fields shared by chat and completions (OpenAI + vLLM extras; structured output: tool_protocol)."""
 
     model_config = _BODY
+    LIST_CAPS: ClassVar[dict[str, int]] = {"stop": MAX_STOP, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                                           "logit_bias": MAX_LOGIT_BIAS, "guided_choice": MAX_CHOICES}  # fmt: skip
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -108,6 +135,7 @@ class _Sampling(Body, Guided):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: logprobs of every prompt token
     skip_special_tokens: bool | None = None  # vLLM: default true, special tokens never reach the text
+    include_stop_str_in_output: bool | None = None  # vLLM: the text ends with the stop string (or stop token)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: accepted, carries no behaviour
@@ -120,8 +148,8 @@ class _Sampling(Body, Guided):
         if v is None:
             return None
         items = [v] if isinstance(v, str) else v
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         if any(s == "" for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return items or None
@@ -133,12 +161,21 @@ class _Sampling(Body, Guided):
             raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _penalty_f32(cls, v: float | None) -> float | None:
+        # the sampler divides / multiplies logits by it in float32: 1e-300 would be 0 there, 1e39 infinite
+        if v is not None and not 1.2e-38 <= v <= 3.4e38:
+            raise ValueError(f"repetition_penalty must be a positive float32 (in [1.2e-38, 3.4e38]), got {v}")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # ASCII digits only: str.isdigit() also passes "²" (int() fails) and fullwidth "１２" (int() reads 12)
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids (decimal ASCII digits), got {key!r:.40}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return v
@@ -160,44 +197,22 @@ class _Sampling(Body, Guided):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(BaseModel):
-    model_config = _REQ
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = _REQ
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    reasoning_content: str | None = None  # accepted in history, dropped by the encoder
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @property
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-    @model_validator(mode="after")
-    def _content_required(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a '{self.role}' message needs content")
-        return self
-
-
-class ChatCompletionRequest(_Sampling, ToolFields):
+class ChatCompletionRequest(_Sampling, ToolFields, ChatExtras):
     model_config = _BODY
+    LIST_CAPS: ClassVar[dict[str, int]] = {**_Sampling.LIST_CAPS, "messages": MAX_MESSAGES, "tools": MAX_TOOLS}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):  # as vLLM: a 400, not alternatives of nothing
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
 
     @property
     def limit_tokens(self) -> int | None:
@@ -220,6 +235,7 @@ class ChatCompletionRequest(_Sampling, ToolFields):
 
 
 class CompletionRequest(_Sampling):
+    LIST_CAPS: ClassVar[dict[str, int]] = {**_Sampling.LIST_CAPS, "prompt": MAX_PROMPTS}
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (echo / prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)

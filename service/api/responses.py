@@ -1,124 +1,32 @@
 """POST /v1/responses (OpenAI's Responses API) on top of the chat path: the request is translated into a chat
-completion request (instructions -> system, input items -> messages, max_output_tokens, reasoning.effort ->
-thinking) and validated as one, so every chat feature and check applies; the one choice's steps become
-output items (a reasoning item in thinking mode, then the assistant message) or the streamed events.
+completion request (responses_request.py) and validated as one, so every chat feature and check applies; the one
+choice's steps become output items (a reasoning item in thinking mode, then the assistant message) or the
+streamed events.
 
 Tools: `tools`, `tool_choice` and function_call / function_call_output input items translate into the chat
 request's `tools` / `tool_choice` / tool messages (the DSML tool-call parser lives with the chat path); the
-chat choice's tool calls come back as function_call output items after the message item (empty when the turn
-is only tool calls: the streamed events and the final body list the same items)."""
+chat choice's tool calls come back as function_call output items after the message item (no message item when
+the turn is only tool calls; the streamed events and the final body list the same items). A message cut by
+max_output_tokens is "incomplete", as the response; a cut tool call is dropped, complete ones kept."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
 from dsv4_serve.service.api import routes
 from dsv4_serve.service.api.limits import StallGuardedStream
-from dsv4_serve.service.api.protocol import (
-    _REQ,
-    APIError,
-    Body,
-    ChatCompletionRequest,
-    new_id,
-    now,
-    validation_to_api_error,
-)
+from dsv4_serve.service.api.protocol import APIError, ChatCompletionRequest, new_id, now, validation_to_api_error
+from dsv4_serve.service.api.responses_request import ResponsesRequest, to_chat
 from dsv4_serve.service.api.streaming import Generation
 
 router = APIRouter()
-
-
-class Reasoning(BaseModel):
-    model_config = _REQ
-    effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted: reasoning comes back in full
-
-
-class ResponsesRequest(Body):
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool | None = None
-    reasoning: Reasoning | None = None
-    text: dict[str, Any] | None = None  # {"format": {"type": "text"}}; other formats go to response_format
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None  # nothing is stored: only false is accepted
-    metadata: dict[str, str] | None = None  # returned as given
-    user: str | None = None
-
-
-def _has(field: str) -> bool:
-    return field in ChatCompletionRequest.model_fields
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                raise APIError(400, f"{where}: only text content parts are supported", param="input")
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
-    raise APIError(400, f"{where}: content must be a string or a list of text parts", param="input")
-
-
-def to_chat(req: ResponsesRequest) -> dict[str, Any]:
-    """The chat completion request body this Responses request means."""
-    if req.store:
-        raise APIError(400, "store=true is not supported: this server keeps no responses", param="store")
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            msgs.append({"role": item.get("role"), "content": _content(item.get("content"), f"input[{i}]")})
-        elif kind == "function_call" and _has("tools"):
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}  # fmt: skip
-            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output" and _has("tools"):
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output", "")})
-        else:
-            raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported", param="input")
-    body: dict[str, Any] = {"messages": msgs, "model": req.model, "stream": req.stream, "user": req.user,
-                            "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-                            "top_p": req.top_p}  # fmt: skip
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        body["reasoning_effort"] = req.reasoning.effort
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
-        if not _has("response_format"):
-            raise APIError(400, f"text.format of type {fmt.get('type')!r} is not supported", param="text")
-        body["response_format"] = fmt
-    for field in ("tools", "tool_choice", "parallel_tool_calls"):
-        value = getattr(req, field)
-        if value is None:
-            continue
-        if not _has(field):
-            raise APIError(400, f"'{field}' is not supported on /v1/responses yet", param=field)
-        body[field] = [_chat_tool(t) for t in value] if field == "tools" else value
-    return {k: v for k, v in body.items() if v is not None}
-
-
-def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """Responses' flat function tool -> chat completions' {"type": "function", "function": {...}}."""
-    if tool.get("type") != "function":
-        raise APIError(400, f"tools of type {tool.get('type')!r} are not supported", param="tools")
-    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
 class ResponseBuilder:
@@ -138,9 +46,22 @@ class ResponseBuilder:
         items: list[dict[str, Any]] = []
         if self.chat.thinking:
             items.append(self.reasoning_item(self.reasoning))
-        items.append(self.message_item(self.text, "completed" if self.finish else "in_progress"))
+        if self.text or not self.calls:  # a turn of tool calls only has no (empty) message item before them
+            items.append(self.message_item(self.text, self.message_status()))
         items += [self.call_item(c, "completed") for c in self.calls]
         return items
+
+    def message_status(self) -> str:
+        """OpenAI's: a message cut by max_output_tokens is "incomplete" (its complete calls stay "completed")."""
+        return "incomplete" if self.finish == "length" else "completed" if self.finish else "in_progress"
+
+    def close_reasoning(self, ev: Any) -> list[str]:
+        """The reasoning item's closing events (thinking mode), once its text is whole."""
+        if not self.chat.thinking:
+            return []
+        return [ev("response.reasoning_text.done", item_id=self.rs_id, output_index=0, content_index=0,
+                   text=self.reasoning),
+                ev("response.output_item.done", output_index=0, item=self.reasoning_item(self.reasoning))]
 
     @staticmethod
     def call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -218,19 +139,18 @@ class ResponseBuilder:
                     self.reasoning += s.delta.reasoning
                     yield ev("response.reasoning_text.delta", item_id=self.rs_id, output_index=0, content_index=0,
                              delta=s.delta.reasoning)  # fmt: skip
-                if (s.delta.content or s.finish_reason) and not in_message:
+                self.calls += s.tool_calls
+                # The message item opens with its first text, or at the end of a turn with no text and no calls.
+                if (s.delta.content or (s.finish_reason and not self.calls)) and not in_message:
                     in_message = True
-                    if self.chat.thinking:
-                        yield ev("response.reasoning_text.done", item_id=self.rs_id, output_index=0,
-                                 content_index=0, text=self.reasoning)  # fmt: skip
-                        yield ev("response.output_item.done", output_index=0, item=self.reasoning_item(self.reasoning))
+                    for e in self.close_reasoning(ev):
+                        yield e
                     item = self.message_item(None, "in_progress")
                     yield ev("response.output_item.added", output_index=out, item=item)
                     yield ev("response.content_part.added", **ids, part=self.part(""))
                 if s.delta.content:
                     self.text += s.delta.content
                     yield ev("response.output_text.delta", **ids, delta=s.delta.content, logprobs=[])
-                self.calls += s.tool_calls
                 self.finish = s.finish_reason or self.finish
         except APIError as e:
             yield ev("error", code=e.code, message=e.message, param=e.param)
@@ -238,11 +158,16 @@ class ResponseBuilder:
         finally:
             await steps.aclose()
         self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
-        yield ev("response.output_text.done", **ids, text=self.text, logprobs=[])
-        yield ev("response.content_part.done", **ids, part=self.part(self.text))
-        yield ev("response.output_item.done", output_index=out, item=self.message_item(self.text, "completed"))
+        if in_message:
+            yield ev("response.output_text.done", **ids, text=self.text, logprobs=[])
+            yield ev("response.content_part.done", **ids, part=self.part(self.text))
+            yield ev("response.output_item.done", output_index=out,
+                     item=self.message_item(self.text, self.message_status()))  # fmt: skip
+        else:  # tool calls only: no message item
+            for e in self.close_reasoning(ev):
+                yield e
         for i, call in enumerate(self.calls):  # each whole when its closing tag arrived: one delta each
-            at = {"output_index": out + 1 + i, "item_id": self.call_item(call, "")["id"]}
+            at = {"output_index": out + in_message + i, "item_id": self.call_item(call, "")["id"]}
             yield ev("response.output_item.added", output_index=at["output_index"],
                      item=self.call_item(call, "in_progress") | {"arguments": ""})  # fmt: skip
             yield ev("response.function_call_arguments.delta", **at, delta=call["function"]["arguments"])
@@ -254,7 +179,8 @@ class ResponseBuilder:
 
 
 # A chat field's error names the Responses field it came from.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning",
+           "response_format": "text"}
 
 
 @router.post("/v1/responses")
@@ -262,6 +188,7 @@ async def responses(request: Request) -> Response:
     t0, ctl = time.perf_counter(), routes._ctl(request)
     try:
         await ctl.wait_ready()
+        ctl.check_room()  # a full queue: 429 before the body is read
         req: ResponsesRequest = await routes._parse(request, ResponsesRequest)
         try:
             chat = ChatCompletionRequest.model_validate(to_chat(req))

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from dsv4_serve.service.api import structured
 from dsv4_serve.service.api.auth import tenant_of
 from dsv4_serve.service.api.chat import TextStream, special_tokens, text_offsets, token_bytes, token_text
-from dsv4_serve.service.api.controller import Controller
-from dsv4_serve.service.api.encoding import encode_messages
+from dsv4_serve.service.api.chat_prompt import render
+from dsv4_serve.service.api.controller import Controller, describe_failure
 from dsv4_serve.service.api.fanout import Reply
 from dsv4_serve.service.api.limits import StallGuardedStream, check_content_type, check_text_fits, encode, parse_body
 from dsv4_serve.service.api.protocol import (
@@ -62,10 +62,6 @@ def _check_model(ctl: Controller, name: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-# OpenAI reasoning_effort -> the encoder's level ("none" turns thinking off: ChatCompletionRequest.thinking).
-EFFORT = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
 
 
 async def _encode(ctl: Controller, text: str, param: str) -> list[int]:
@@ -150,6 +146,8 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
     skip = set(prompts[0].params.stop_token_ids)
     if ctl.eos_token_id is not None and not prompts[0].params.ignore_eos:
         skip.add(ctl.eos_token_id)
+    stop_ids = frozenset(skip - {ctl.eos_token_id})  # vLLM's stop_reason: a stop token id, never EOS
+    include_stop = bool(req.include_stop_str_in_output)  # the stop token's text too (hidden if special)
     try:
         for pi, p in enumerate(prompts):
             seeds = [p.params.seed if p.params.seed is None else (p.params.seed + j) % 2**63 for j in range(n)]
@@ -161,8 +159,10 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
                 ctl.active[r] = None
                 gens.append(Generation(
                     request_id=r, kind=kind, events=events,
-                    text=TextStream(tok, stop=req.stop_list, thinking=thinking, skip_ids=skip, hidden=hidden,
+                    text=TextStream(tok, stop=req.stop_list, include_stop=include_stop, thinking=thinking,
+                                    skip_ids=() if include_stop else skip, hidden=hidden,
                                     token_bytes=lambda i: token_bytes(tok, i)),
+                    stop_ids=stop_ids, include_stop=include_stop,
                     abort=ctl.abort, metrics=ctl.metrics, on_done=lambda x: ctl.active.pop(x, None), t0=t0,
                     index=pi * n + j, logprobs=p.params.logprobs is not None, thinking=thinking,
                     token_str=lambda i: token_text(tok, i), token_bytes=lambda i: token_bytes(tok, i),
@@ -203,17 +203,13 @@ async def _respond(request: Request, req: Any, reply: Reply) -> Response:
 async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequest, t0: float) -> Reply:
     """Encode a validated chat request and queue its choices (also the Responses API's path)."""
     tools = structured.prompt_tools(req)
-    effort = EFFORT.get(req.reasoning_effort or "")  # the encoder's levels
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    try:
-        text = encode_messages(messages, thinking=req.thinking, tools=tools, reasoning_effort=effort)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
-    ids = await _encode(ctl, text, "messages")
+    prompt = render(req, tools)
+    ids = await _encode(ctl, prompt.text, "messages")
     params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
-    params = replace(params, guide=await structured.guide(ctl, req, thinking=req.thinking))
-    return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params)],
-                         thinking=req.thinking, tools=tools is not None, t0=t0)  # fmt: skip
+    params = replace(params, guide=await structured.guide(ctl, req, thinking=prompt.reasoning))
+    echo = None if prompt.echo is None else Echo(prompt.echo, [], [], logprobs=False)
+    return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params, echo)],
+                         thinking=prompt.reasoning, tools=tools is not None, t0=t0)  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -221,6 +217,7 @@ async def chat_completions(request: Request) -> Response:
     t0, ctl = time.perf_counter(), _ctl(request)
     try:
         await ctl.wait_ready()
+        ctl.check_room()  # a full queue: 429 before the body is read
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(ctl, req.model)
         return await _respond(request, req, await submit_chat(request, ctl, req, t0))
@@ -246,13 +243,15 @@ async def completions(request: Request) -> Response:
     t0, ctl = time.perf_counter(), _ctl(request)
     try:
         await ctl.wait_ready()
+        ctl.check_room()  # a full queue: 429 before the body is read
         req: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(ctl, req.model)
-        prompts = []
+        ctl.check_room(len(req.prompts))  # each prompt is a request of the queue: 429 before any is tokenized
+        prompts, guide = [], await structured.guide(ctl, req)
         for prompt in req.prompts:  # all validated before any is queued
             ids = await _prompt_ids(ctl, prompt)
             params = _params(ctl, req, len(ids), "prompt", req.logprobs, req.prompt_logprobs_k)
-            params = replace(params, guide=await structured.guide(ctl, req))
+            params = replace(params, guide=guide)
             echo = None
             if req.echo:
                 text, offsets = text_offsets(ctl.tokenizer or _NoTokenizer(), ids)
@@ -286,12 +285,16 @@ async def model(request: Request, model_id: str) -> dict[str, Any]:
     return model_card(ctl.settings.served_name, ctl.settings.model, ctl.max_model_len or None)
 
 
-@router.get("/health")
-async def health() -> Response:
+@router.api_route("/health", methods=["GET", "HEAD"])
+async def health(request: Request) -> Response:
+    """200 while the server loads or serves; 503 once the engine can never serve (the process is exiting)."""
+    failure = _ctl(request).failure
+    if failure is not None:
+        return JSONResponse({"status": "failed", "error": describe_failure(failure)}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
     ctl = _ctl(request)
     try:

@@ -63,6 +63,9 @@ class Generation:
     prompt_logprobs: bool = False  # report vLLM's `prompt_logprobs`
     scored: list[PromptLogprob] = field(default_factory=list)  # the prompt's, as the engine sends them
     tools: ToolStream | None = None  # chat with tools: DSML tool calls are parsed out of the content
+    stop_ids: frozenset[int] = frozenset()  # the request's stop token ids (EOS aside): vLLM's stop_reason
+    include_stop: bool = False  # include_stop_str_in_output: a stop token's text goes into the text
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop token id that ended the text
     created: int = field(default_factory=now)
     completion_tokens: int = 0
     cached_tokens: int | None = None  # from the engine's events (None: no prefix cache)
@@ -94,11 +97,14 @@ class Generation:
                     last = t
                     self.completion_tokens += 1
                     self.metrics.generation_tokens.inc()
-                    if ev.token_id is not None:  # a stop token adds no text
-                        delta = self.text.push(ev.token_id)
+                    if ev.token_id is not None or self.include_stop:  # a stop token adds no text, unless asked
+                        delta = self.text.push(tid)
                         offset = base + self.text.last_offset
                 engine_done = ev.finish_reason is not None
                 finish = "stop" if delta.stopped else (ev.finish_reason.value if ev.finish_reason else None)
+                if finish == "stop":
+                    self.stop_reason = self.text.stop.matched if delta.stopped else (
+                        ev.stop_token if ev.stop_token in self.stop_ids else None)
                 if finish and not delta.stopped:
                     tail = self.text.finish()
                     delta = Delta(delta.reasoning + tail.reasoning, delta.content + tail.content)
@@ -106,7 +112,7 @@ class Generation:
                 if self.tools is not None:
                     content, calls = self.tools.push(delta.content)
                     if finish:
-                        content += self.tools.finish()
+                        content += self.tools.finish(truncated=finish == "length")
                     delta = Delta(delta.reasoning, content, delta.stopped)
                     if finish == "stop" and self.tools.calls:
                         finish = "tool_calls"
@@ -187,6 +193,10 @@ class Generation:
         first = True
         gen = self.steps()
         try:
+            if self.kind == "chat" and self.echo is not None:  # vLLM: the echoed content in a chunk of its own
+                yield {"index": self.index, "delta": {"role": "assistant", "content": self.echo.text},
+                       "logprobs": None, "finish_reason": None}  # fmt: skip
+                first = False
             async for s in gen:
                 choice: dict[str, Any] = {"index": self.index}
                 if self.kind == "chat":
@@ -194,11 +204,16 @@ class Generation:
                     if s.delta.reasoning:
                         delta["reasoning_content"] = s.delta.reasoning
                     if s.token_id is not None or s.delta.content:
-                        delta["content"] = s.delta.content  # every token chunk carries content, maybe ""
+                        delta["content"] = s.delta.content
                     if s.tool_calls:
                         delta["tool_calls"] = s.tool_calls
                     choice["delta"] = delta
                     choice["logprobs"] = self._chat_lp(s)
+                    # A token whose text is held back (a stop string's or a tool call's possible start, a
+                    # character's first bytes) sends nothing, unless the chunk carries its logprobs.
+                    if not (s.delta.content or s.delta.reasoning or s.tool_calls or s.finish_reason
+                            or choice["logprobs"]):  # fmt: skip
+                        continue
                 else:
                     echo = self.echo.text if first and self.echo else ""
                     choice["text"] = echo + s.delta.reasoning + s.delta.content
@@ -206,6 +221,8 @@ class Generation:
                     if first and self.prompt_logprobs:
                         choice["prompt_logprobs"] = self.prompt_logprobs_field()
                 choice["finish_reason"] = s.finish_reason
+                if s.finish_reason:
+                    choice["stop_reason"] = self.stop_reason
                 first = False
                 yield choice
         finally:
@@ -228,7 +245,8 @@ class Generation:
         finally:
             await gen.aclose()  # a client gone before the end: steps() aborts the request
         if self.kind == "chat":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+            echo = self.echo.text if self.echo else ""
+            msg: dict[str, Any] = {"role": "assistant", "content": echo + "".join(content)}
             calls = [{k: v for k, v in c.items() if k != "index"} for s in steps for c in s.tool_calls]
             if calls:
                 msg["tool_calls"] = calls
@@ -238,13 +256,15 @@ class Generation:
             lp = None
             if self.logprobs:
                 lp = {"content": [c for s in steps if (x := self._chat_lp(s)) for c in x["content"]]}
-            return {"index": self.index, "message": msg, "logprobs": lp, "finish_reason": self.finish_reason}
+            return {"index": self.index, "message": msg, "logprobs": lp, "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason}  # fmt: skip
         text = "".join(r + c for r, c in zip(reasoning, content, strict=True))
         choice = {
             "index": self.index,
             "text": (self.echo.text if self.echo else "") + text,
             "logprobs": self._comp_lp(steps, with_prompt=True),
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
         if self.prompt_logprobs:
             choice["prompt_logprobs"] = self.prompt_logprobs_field()

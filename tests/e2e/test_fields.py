@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from dsv4_serve.service.api.protocol import ChatCompletionRequest, CompletionRequest
-from dsv4_serve.service.api.responses import ResponsesRequest
+from dsv4_serve.service.api.responses_request import ResponsesRequest
 from tests.e2e.conftest import MODEL, Server
 
 OK, REJECTED = "ok", "rejected"
@@ -36,6 +36,7 @@ SHARED: dict[str, tuple[Any, str]] = {
     "logit_bias": ({"5": 1.5}, OK),
     "prompt_logprobs": (1, OK),
     "skip_special_tokens": (False, OK),
+    "include_stop_str_in_output": (True, OK),
     "stream": (True, OK),
     "stream_options": ({"include_usage": True}, OK),
     "user": ("someone", OK),
@@ -52,12 +53,23 @@ CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
         "messages": ([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], OK),
         "max_completion_tokens": (2, OK),
         "logprobs": (True, OK),
-        "top_logprobs": (2, OK),
+        "top_logprobs": (0, OK),  # > 0 needs logprobs: test_compat.py
         "reasoning_effort": ("high", OK),
         "chat_template_kwargs": ({"thinking": True}, OK),
         "tools": ([CHAT_FN], OK),
         "tool_choice": ("none", OK),
         "parallel_tool_calls": (True, OK),
+        "store": (True, OK),
+        "metadata": ({"k": "v"}, OK),
+        "service_tier": ("auto", OK),
+        "prompt_cache_key": ("k", OK),
+        "safety_identifier": ("someone", OK),
+        "modalities": (["text"], OK),
+        "prediction": ({"type": "content", "content": "hi"}, OK),
+        "verbosity": ("low", REJECTED),  # "medium" only: test_compat.py
+        "add_generation_prompt": (False, OK),
+        "continue_final_message": (True, REJECTED),  # the last message is a user's: test_compat.py continues one
+        "echo": (True, OK),
     }),
     "/v1/completions": (CompletionRequest, {"prompt": "hi", "max_tokens": 2}, {
         **SHARED,
@@ -81,6 +93,12 @@ CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
         "store": (False, OK),
         "metadata": ({"k": "v"}, OK),
         "user": ("someone", OK),
+        "service_tier": ("default", OK),
+        "prompt_cache_key": ("k", OK),
+        "safety_identifier": ("someone", OK),
+        "include": (["reasoning.encrypted_content"], OK),
+        "truncation": ("auto", OK),
+        "previous_response_id": ("resp_1", REJECTED),  # nothing is stored: OpenAI's 400 for an unknown id
     }),
 }  # fmt: skip
 ROWS = [(path, field) for path, (_, _, table) in CASES.items() for field in table]

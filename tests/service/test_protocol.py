@@ -111,7 +111,7 @@ BAD: list[tuple[str, dict[str, Any] | str, int, str | None]] = [
     ("chat", {**CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("chat", {**CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("chat", {**CHAT, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
-    ("chat", {**CHAT, "echo": True}, 400, "echo"),
+    ("chat", {**CHAT, "modalities": ["audio"]}, 400, "modalities"),  # chat echo is vLLM's (tests/e2e/test_compat.py)
     ("chat", {**CHAT, "stream": "yes"}, 400, "stream"),
     ("chat", {**CHAT, "model": "gpt-4"}, 404, "model"),
     ("comp", {"prompt": ["a", ""]}, 400, "prompt"),
@@ -225,6 +225,20 @@ def test_requests_wait_for_readiness() -> None:
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 503 and "no weights" in r.json()["error"]["message"]
         assert time.monotonic() - t < 10
+
+
+def test_health_is_503_once_the_engine_cannot_serve() -> None:
+    """/health is 200 while the model loads, 503 with the reason once start-up failed or the engine thread
+    died (a liveness probe then restarts the server, which exits on its own: tests/e2e/test_failed_start.py)."""
+    for attr in ("start_error", "died"):
+        w = FakeWorker()
+        w.start = lambda: None  # type: ignore[method-assign]  # stays loading
+        with make_client(w) as c:
+            assert c.get("/health").status_code == 200
+            setattr(w, attr, MemoryError("out of memory"))
+            r = c.get("/health")
+            assert r.status_code == 503
+            assert r.json() == {"status": "failed", "error": "MemoryError: out of memory"}
 
 
 def test_request_models() -> None:
