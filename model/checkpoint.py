@@ -28,11 +28,12 @@ FLOAT_DTYPES = {"F32", "BF16", "F16"}
 INT_DTYPES = {"I32", "I64"}
 _DTYPE_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4,
                "I64": 8, "I16": 2, "U16": 2, "U32": 4, "F64": 8, "BOOL": 1}
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(w[123])$")  # a layer's or the MTP block's
 # Release F32 tensors (kept f32 in the model whatever its dtype; spec section 4 / MLX-PR cast_predicate).
 _F32 = re.compile(r"(^|\.)(hc_\w+|attn_sink|ape|gate\.bias)$")
-# Dense projections the release stores as FP8 e4m3 + UE8M0 per 128x128 block.
-_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$")
+# Dense projections the release stores as FP8 e4m3 + UE8M0 per 128x128 block (the MTP block's e_proj / h_proj too).
+_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|e_proj|h_proj)"
+                  r"\.weight$")
 
 
 # Weights the model multiplies in f32 (REF upcasts them: the compressors' kv / gate projections, the
@@ -63,7 +64,8 @@ def is_fp8_weight(name: str) -> bool:
 
 
 def expert_param(name: str) -> tuple[str, str] | None:
-    """'layers.1.ffn.experts.w1' -> ('layers.1.ffn.experts', 'w1') for the stacked model parameter."""
+    """'layers.1.ffn.experts.w1' -> ('layers.1.ffn.experts', 'w1') for the stacked model parameter (also
+    'mtp.0.ffn.experts.w1')."""
     m = _EXPERT.match(name)
     return (m.group(1), m.group(2)) if m else None
 

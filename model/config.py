@@ -58,12 +58,16 @@ class ModelArgs:
     eos_token_id: int = 1
     tie_word_embeddings: bool = False
     quantization_config: dict[str, Any] | None = None
+    # MTP blocks (`mtp.0.*`, model/mtp.py): every V4 release ships one; 0 or 1 here (the loader sets 0 for a
+    # checkpoint without them).
+    num_nextn_predict_layers: int = 1
     # Not in config.json: the reference leaves the shared expert unclamped, transformers clamps it.
     clamp_shared_expert: bool = False
 
     # ---- derived ----------------------------------------------------------------------------
     def layer_ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
+        """Layers past num_hidden_layers are the MTP blocks': sliding only (their compress_ratios entries are 0)."""
+        return self.compress_ratios[layer] if layer < self.num_hidden_layers else 0
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
@@ -85,6 +89,10 @@ class ModelArgs:
             if len(ratios) < n:
                 raise ValueError(f"config key 'compress_ratios' has {len(ratios)} entries, need {n}")
             cfg["compress_ratios"] = [int(r) for r in ratios[:n]]  # trailing entries: MTP layers
+            mtp = ratios[n : n + int(cfg.get("num_nextn_predict_layers", cls.num_nextn_predict_layers) or 0)]
+            if any(int(r) for r in mtp):  # REF builds the MTP block's attention from its entry
+                raise ValueError(f"config key 'compress_ratios': the MTP layers' entries {mtp} must be 0 "
+                                 "(sliding window only; a compressed MTP layer is not supported)")
         elif "layer_types" in cfg:
             try:
                 cfg["compress_ratios"] = [_TYPE_TO_RATIO[t] for t in cfg["layer_types"]]
@@ -123,10 +131,10 @@ class ModelArgs:
         d.pop("clamp_shared_expert")
         if d["quantization_config"] is None:
             d.pop("quantization_config")
-        d["compress_ratios"] = list(self.compress_ratios) + [0]  # trailing MTP slot, as released
+        # trailing MTP slots, as released (one even without the block, as this writer always wrote)
+        d["compress_ratios"] = list(self.compress_ratios) + [0] * max(1, self.num_nextn_predict_layers)
         d["model_type"] = "deepseek_v4"
         d["architectures"] = ["DeepseekV4ForCausalLM"]
-        d["num_nextn_predict_layers"] = 1
         d["torch_dtype"] = "float32"
         return d
 
@@ -200,6 +208,8 @@ class ModelArgs:
             raise bad("sliding_window", f"must be >= 2, got {self.sliding_window}")
         if self.scoring_func != "sqrtsoftplus":
             raise bad("scoring_func", f"must be 'sqrtsoftplus', got {self.scoring_func!r}")
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise bad("num_nextn_predict_layers", f"must be 0 or 1, got {self.num_nextn_predict_layers!r}")
         if not 0 <= self.num_hash_layers <= self.num_hidden_layers:
             raise bad("num_hash_layers", f"must be in 0..num_hidden_layers, got {self.num_hash_layers}")
         for key in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "routed_scaling_factor"):

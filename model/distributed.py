@@ -81,7 +81,7 @@ def shard_slices(args: ModelArgs, rank: int, n: int) -> Callable[[str], Slice | 
     ]
 
     def rule(name: str) -> Slice | None:
-        if not name.startswith("layers.") or ".indexer." in name:
+        if not name.startswith(("layers.", "mtp.")) or ".indexer." in name:  # the MTP block: as a layer
             return None
         for pat, sl in rules:
             if pat.search(name):
@@ -108,7 +108,7 @@ def mark_sharded(model: DeepseekV4, group: Any) -> None:
     """Set the local counts and the group on the (already sliced) modules."""
     a, n, rank = model.args, group.size(), group.rank()
     e = a.n_routed_experts // n
-    for block in model.layers:
+    for block in model.blocks():
         block.attn.n_heads = a.num_attention_heads // n
         block.attn.n_groups = a.o_groups // n
         block.attn.group = group

@@ -11,6 +11,8 @@ and evaluated before the next, and each expert projection of a layer is drawn ex
 peak is the final model plus one layer's float draw of one expert projection (no float copy of the
 model ever exists).
 
+The MTP block (`mtp.0.*`, model/mtp.py) is drawn too, quantized as the layers are, where the config has one.
+
 Every tensor (every expert of a stacked tensor) has a key of its own from (seed, name[, expert]), so a
 rank's shard (`group`) holds exactly the slices of the full model that `shard_model` would cut: ranks
 build only their own experts and heads, and agree on everything replicated.
@@ -127,7 +129,7 @@ def dummy_model(
     what `load_model(quantize=False)` keeps (`serve --dequantize`). group: an mx.distributed group (or any
     object with rank() / size()) of > 1 ranks: build only this rank's shard (model/distributed.py)."""
     from dsv4_serve.model.distributed import mark_sharded, shard_slices
-    from dsv4_serve.model.loader import _set_module, take
+    from dsv4_serve.model.loader import _module, _set_module, take
 
     args = cut(args, experts=experts, layers=layers)
     if dtype is None:
@@ -153,7 +155,7 @@ def dummy_model(
             elif ex:
                 lo, hi = (sl[1], sl[2]) if sl else (0, shape[0])
                 parts = _experts(name, shape, lo, hi, pdt, seed, quantize)
-                ffn = model.layers[layer].ffn
+                ffn = _module(model, name.rsplit(".", 2)[0])  # a layer's or the MTP block's (mtp.0.ffn)
                 if quantize:
                     if not isinstance(ffn.experts, QuantizedExperts):
                         ffn.experts = QuantizedExperts({}, args.swiglu_limit)

@@ -176,17 +176,22 @@ def _tid2eid(r: _Reader, name: str, want: tuple[int, ...]) -> mx.array:
     return t
 
 
-def _set_module(model: DeepseekV4, path: str, module) -> None:
-    *parents, last = path.split(".")
+def _module(model: DeepseekV4, path: str):
+    """The module at a dotted parameter path ('layers.1.ffn', 'mtp.0.ffn')."""
     obj = model
-    for p in parents:
+    for p in path.split("."):
         obj = obj[int(p)] if p.isdigit() else getattr(obj, p)
-    setattr(obj, last, module)
+    return obj
+
+
+def _set_module(model: DeepseekV4, path: str, module) -> None:
+    parent, _, last = path.rpartition(".")
+    setattr(_module(model, parent) if parent else model, last, module)
 
 
 def load_model(
     model_dir: str | Path, *, dtype: mx.Dtype | None = None, clamp_shared_expert: bool = False,
-    quantize: bool = False, shard: Callable[[str], tuple[int, int, int] | None] | None = None,
+    quantize: bool = False, shard: Callable[[str], tuple[int, int, int] | None] | None = None, mtp: bool = True,
 ) -> tuple[DeepseekV4, ModelArgs]:
     """config.json + release-named safetensors -> (model, args).
 
@@ -194,11 +199,16 @@ def load_model(
     bias stay f32 as released. quantize: keep FP8 projections as mxfp8 and FP4 experts as mxfp4 MLX
     quantized weights instead of decoding them.
     shard: parameter name -> (axis, lo, hi) of its full shape to keep (model/distributed.py); routed experts
-    outside [lo, hi) are never read, other slices are cut before evaluation. The caller marks the modules."""
+    outside [lo, hi) are never read, other slices are cut before evaluation. The caller marks the modules.
+    mtp: load the MTP block (`mtp.0.*`, model/mtp.py) where config.json and the checkpoint have it; without it
+    (or with mtp=False) the model has none and args.num_nextn_predict_layers is 0."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_file(model_dir / "config.json")
     args.clamp_shared_expert = clamp_shared_expert
     r = _Reader(model_dir, args)
+    if args.num_nextn_predict_layers and not (mtp and any(n.startswith("mtp.") for n in r.layout)):
+        log.info("no MTP block: %s", "not asked for" if not mtp else "no mtp.* tensors in the checkpoint")
+        args.num_nextn_predict_layers = 0
     if dtype is None:
         # MLX's CPU gather_mm (the routed experts) is float32-only, so a CPU model is f32 whatever the storage.
         embed = r.layout.get("embed.weight")
@@ -261,7 +271,7 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
                         r.skip(n)
             parts = [r.matrix(f"{stem}.{e}.{w}.weight", want[1:], pdt, quantize) for e in range(lo, hi)]
             if all(isinstance(x, tuple) and x[0] == "mxfp4" for x in parts):
-                mods = model.layers[int(stem.split(".")[1])].ffn
+                mods = _module(model, stem.removesuffix(".experts"))
                 if not isinstance(mods.experts, QuantizedExperts):
                     mods.experts = QuantizedExperts({}, args.swiglu_limit)
                 setattr(mods.experts, w, mx.stack([x[1] for x in parts]))
@@ -296,16 +306,16 @@ def _fill(model: DeepseekV4, args: ModelArgs, r: _Reader, dtype: mx.Dtype, quant
         mx.eval(arr)
         weights.append((name, arr))
     r.progress.finish()
-    mtp = [n for n in r.layout if n.startswith("mtp.")]
+    mtp = [n for n in r.layout if n.startswith("mtp.")] if not model.mtp else []
     if mtp:
-        log.info("skipping %d mtp.* tensors (the MTP block is not used)", len(mtp))
+        log.info("skipping %d mtp.* tensors (the MTP block is not loaded)", len(mtp))
     extra = sorted(set(r.layout) - r.used - set(mtp))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"unexpected tensors in the checkpoint (not in the model for config.json with "
                          f"num_hidden_layers={args.num_hidden_layers}): {', '.join(extra[:5])}{more}")
     model.load_weights(weights, strict=False)
-    for mods in (m.ffn for m in model.layers):
+    for mods in (m.ffn for m in model.blocks()):
         if isinstance(mods.experts, QuantizedExperts) and len(mods.experts.parameters()) != 6:
             raise ValueError("experts: some projections are FP4 and others not; cannot mix in one layer")
     mx.eval(model.parameters())

@@ -31,6 +31,8 @@ FP8_LINEAR = (
     "ffn.shared_experts.w1",
     "ffn.shared_experts.w2",
     "ffn.shared_experts.w3",
+    "e_proj",  # the MTP block's input projections (model/mtp.py)
+    "h_proj",
 )
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
@@ -239,7 +241,7 @@ def quantize_model(model: nn.Module, mode: str = "mxfp") -> nn.Module:
     keeps a release checkpoint's FP8 / FP4 bytes as they are)."""
     if mode != "mxfp":
         raise ValueError(f"quantize_model: mode must be 'mxfp', got {mode!r}")
-    for block in model.layers:
+    for block in model.blocks():
         quantize_block(block)
         mx.eval(block.parameters())
     model.reset_compiled()  # compiled segments captured the float modules

@@ -9,14 +9,17 @@ from dsv4_serve.model.deepseek_v4 import DeepseekV4
 
 
 def parameter_counts(args: ModelArgs) -> dict[str, int]:
-    """total: every weight (tid2eid tables are integer lookups, not parameters); active: what one token
-    touches, i.e. all but the unselected routed experts and all but one embedding row."""
-    params = [(k, v.size) for k, v in tree_flatten(DeepseekV4(args).parameters()) if "tid2eid" not in k]
+    """total: every weight of the main model (tid2eid tables are integer lookups, not parameters; the MTP
+    block is counted apart, as the published totals leave it out); active: what one token touches, i.e. all
+    but the unselected routed experts and all but one embedding row; mtp: the MTP block's weights."""
+    every = [(k, v.size) for k, v in tree_flatten(DeepseekV4(args).parameters()) if "tid2eid" not in k]
+    params = [(k, n) for k, n in every if not k.startswith("mtp.")]
     total = sum(n for _, n in params)
     experts = sum(n for k, n in params if ".ffn.experts." in k)
     embed = args.vocab_size * args.hidden_size
     active = total - experts + experts * args.num_experts_per_tok // args.n_routed_experts - embed + args.hidden_size
-    return {"total": total, "active": active, "routed_experts": experts, "embedding": embed}
+    mtp = sum(n for k, n in every if k.startswith("mtp."))
+    return {"total": total, "active": active, "routed_experts": experts, "embedding": embed, "mtp": mtp}
 
 
 def flash_args() -> ModelArgs:

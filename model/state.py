@@ -41,6 +41,7 @@ class StatePools:
         page_size: int = 64,
         pages: dict[int, int] | None = None,
         dtype: mx.Dtype = mx.float32,
+        mtp: bool = False,
     ):
         if max_slots < 1:
             raise ValueError(f"StatePools: max_slots must be >= 1, got {max_slots}")
@@ -55,7 +56,12 @@ class StatePools:
         # Default: every slot can reach max_positions (+1 for the trash page).
         self.pages = {r: (pages or {}).get(r, max_slots * self.pages_for(max_positions, r)) + 1 for r in ratios}
         D, Di, W = args.head_dim, args.index_head_dim, args.sliding_window
-        self.window: list[mx.array] = [mx.zeros((max_slots, W, D), dtype) for _ in args.compress_ratios]
+        # mtp: one more window ring, the MTP block's (model/mtp.py; its layer index is num_hidden_layers)
+        if mtp and not args.num_nextn_predict_layers:
+            raise ValueError("StatePools: mtp=True, but the model has no MTP block (num_nextn_predict_layers 0)")
+        self.mtp = mtp
+        n_windows = len(args.compress_ratios) + (args.num_nextn_predict_layers if mtp else 0)
+        self.window: list[mx.array] = [mx.zeros((max_slots, W, D), dtype) for _ in range(n_windows)]
         self.comp_kv: dict[int, mx.array] = {}
         self.comp_score: dict[int, mx.array] = {}
         self.idx_kv: dict[int, mx.array] = {}
@@ -96,7 +102,7 @@ class StatePools:
 
     def slot_bytes(self) -> int:
         a, isz = self.args, self.dtype.size
-        n = sum(a.sliding_window * a.head_dim * isz for _ in a.compress_ratios)
+        n = len(self.window) * a.sliding_window * a.head_dim * isz
         for r in a.compress_ratios:
             if r == 4:
                 n += 2 * 4 * (8 * 2 * a.head_dim) + 2 * 4 * (8 * 2 * a.index_head_dim)

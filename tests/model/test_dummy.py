@@ -74,9 +74,10 @@ def test_resident_bytes_is_what_is_built() -> None:
 def test_flash_fits_one_h200() -> None:
     """The arithmetic the issue asks for: V4-Flash, 43 layers, 32 routed experts at mxfp4 (bf16 model dtype)."""
     flash = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=False)
-    assert 27 * 2**30 < flash < 28 * 2**30  # ~27.0 GiB of the H200's 139 (f32 copies of the f32-multiplied)
+    # the MTP block (model/mtp.py) included: 0.56 GiB of it
+    assert 27 * 2**30 < flash < 28 * 2**30  # ~27.6 GiB of the H200's 139 (f32 copies of the f32-multiplied)
     stored = resident_bytes(cut(preset_args("flash"), experts=32), as_stored=True)
-    assert 25 * 2**30 < stored < 26 * 2**30  # ~25.5 GiB as stored (the skinny kernels on CUDA)
+    assert 25.5 * 2**30 < stored < 26.5 * 2**30  # ~26.0 GiB as stored (the skinny kernels on CUDA)
     assert resident_bytes(preset_args("flash"), as_stored=True) > 139 * 2**30  # all 256 experts do not fit one
     assert resident_bytes(preset_args("flash"), ranks=2, as_stored=False) < 80 * 2**30  # a rank's shard of two
 

@@ -106,18 +106,21 @@ def test_quantized_load_matches_dequantized(tiny, tmp_path) -> None:
     np.testing.assert_allclose(_logits(qnt, args, prompt), _logits(deq, args, prompt), atol=1e-4)
 
 
-def test_scale_inv_spelling_and_mtp_are_accepted(tiny, tmp_path, caplog) -> None:
+def test_scale_inv_spelling_is_accepted_and_mtp_skipped_on_request(tiny, tmp_path, caplog) -> None:
+    # The MTP block is loaded now (tests/model/test_mtp.py): mtp.* is skipped, with a log line, only on request.
     model, args, _ = tiny
     write_checkpoint(model, args, tmp_path, dtype="release")
     ref = params(load_model(tmp_path, dtype=mx.float32)[0])
-    t = [(n.replace(".scale", ".weight_scale_inv") if n.endswith("attn.wkv.scale") else n, d, a)
+    t = [(n.replace(".scale", ".weight_scale_inv") if n.endswith(("attn.wkv.scale", "e_proj.scale")) else n, d, a)
          for n, d, a in release_tensors(model, args, "release")]
-    t.append(("mtp.0.attn.wq_a.weight", "BF16", np.zeros((4, 4), np.uint16)))
     write_safetensors(tmp_path / SINGLE, t)
-    with caplog.at_level(logging.INFO, logger="dsv4.loader"):
-        got = params(load_model(tmp_path, dtype=mx.float32)[0])
-    assert any("mtp" in r.message for r in caplog.records)
+    got = params(load_model(tmp_path, dtype=mx.float32)[0])
+    assert "mtp.0.e_proj.weight" in got and set(got) == set(ref)
     assert all(np.array_equal(ref[k], got[k], equal_nan=True) for k in ref)
+    with caplog.at_level(logging.INFO, logger="dsv4.loader"):
+        bare = params(load_model(tmp_path, dtype=mx.float32, mtp=False)[0])
+    assert any("skipping" in r.message and "mtp" in r.message for r in caplog.records)
+    assert set(bare) == {k for k in ref if not k.startswith("mtp.")}
 
 
 # ---- malformed checkpoints: (id, mutation, text that must be in the error) ------------------------
@@ -167,7 +170,7 @@ MALFORMED = [
     ("tid2eid out of range", _edit(_replace("layers.1.ffn.gate.tid2eid", lambda d, a: (d, a + 8))),
      "layers.1.ffn.gate.tid2eid"),
     ("int weight", _edit(_replace("head.weight", lambda d, a: ("I32", a.astype(np.int32)))), "head.weight"),
-    ("truncated shard", _truncated, "tensor hc_head_fn"),  # the last 100 bytes: inside hc_head_fn
+    ("truncated shard", _truncated, "tensor mtp.0.hc_head_fn"),  # the last 100 bytes: the MTP block's hc_head_fn
     ("scale grid mismatch", _edit(_replace("layers.1.attn.wq_a.scale", lambda d, a: (d, np.zeros((2, 2), a.dtype))),
                                   "release"), "layers.1.attn.wq_a.scale"),
     ("missing scale", _edit(lambda ts: [t for t in ts if t[0] != "layers.3.ffn.experts.0.w2.scale"], "release"),
