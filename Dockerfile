@@ -29,7 +29,7 @@ RUN touch README.md \
  && pip install ".${EXTRAS:+[$EXTRAS]}" \
  && case "$MLX_BACKEND" in \
       cpu) pip install "mlx[cpu]>=0.32.4" ;; \
-      cuda13) pip install "mlx[cuda13]>=0.32.4" && pip uninstall -y mlx-cpu ;; \
+      cuda13) pip install "mlx[cuda13]>=0.32.4" ".[cuda]" && pip uninstall -y mlx-cpu ;; \
       *) echo "MLX_BACKEND must be cpu or cuda13, got $MLX_BACKEND" >&2; exit 1 ;; \
     esac
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -54,8 +55,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--gaps", type=int, default=12, help="gaps to list (by argument)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--emit", type=Path, help="write each distinct kernel's translation unit (kernels.graph.codegen) "
+                    "here, for nvcc")  # fmt: skip
     opt = ap.parse_args()
 
+    from dsv4_serve.kernels.graph.codegen import translation_unit
     from dsv4_serve.kernels.graph.plan import gaps, same_launches
     from dsv4_serve.kernels.graph.record import Recorder, hold, moved
 
@@ -95,6 +99,11 @@ def main() -> None:
             rec.recording = False
             mx.eval(logits, pools.arrays())
             rewritten = moved(held, pool_arrays(pools))
+            if opt.emit:
+                opt.emit.mkdir(parents=True, exist_ok=True)
+                for ln in rec.launches:
+                    src = translation_unit(ln.kernel, ln.template, ln.inputs, [o.dtype for o in ln.outputs])
+                    (opt.emit / f"{ln.kernel.name}_{zlib.crc32(src.encode()):08x}.cu").write_text(src)
             del held
             plans.append(rec.plan(rows, named_arrays(model, pools, batch, tokens), rewritten))
         p = plans[0]

@@ -37,11 +37,12 @@ class KernelSource:
 @dataclass
 class RawLaunch:
     kernel: KernelSource
-    template: tuple[tuple[str, str], ...]
+    template: tuple[tuple[str, Any], ...]  # as given: ints, bools, mx.Dtype
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     inputs: list[mx.array]
     outputs: list[mx.array]
+    init_value: float | None = None  # MLX fills the outputs with it before the launch
 
 
 def _template(t: Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, str], ...]:
@@ -77,8 +78,8 @@ class Recorder:
             outs = obj(inputs=inputs, grid=grid, threadgroup=threadgroup, template=template, **lkw)
             if self.recording:
                 ins = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
-                self.launches.append(RawLaunch(ks, _template(template), tuple(grid), tuple(threadgroup), ins,
-                                               list(outs)))  # fmt: skip
+                self.launches.append(RawLaunch(ks, tuple(template or ()), tuple(grid), tuple(threadgroup), ins,
+                                               list(outs), lkw.get("init_value")))  # fmt: skip
             return outs
 
         return launch
@@ -112,7 +113,7 @@ class Recorder:
                 add(a, "arena", f"{ln.kernel.name}.{n}")
             outs = tuple(self._ref(a, spans, buffers, f"{ln.kernel.name}.{n}")
                          for a, n in zip(ln.outputs, ln.kernel.output_names, strict=True))  # fmt: skip
-            launches.append(Launch(ln.kernel.name, ln.grid, ln.threadgroup, ln.template, ins, outs))
+            launches.append(Launch(ln.kernel.name, ln.grid, ln.threadgroup, _template(ln.template), ins, outs))
         return build(rows, launches, buffers, list(rewritten))
 
     @staticmethod
