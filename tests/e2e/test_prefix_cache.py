@@ -24,8 +24,16 @@ HCA_PAGE = 1 * 64 * 32 * 4
 
 
 @pytest.fixture(scope="module")
-def on(start_server) -> Server:
-    return start_server()
+def secret(tmp_path_factory) -> str:
+    """A state secret file: servers started with it import each other's exports."""
+    path = tmp_path_factory.mktemp("secret") / "state.key"
+    path.write_bytes(b"e2e-state-secret-" + b"x" * 32)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def on(start_server, secret: str) -> Server:
+    return start_server("--state-secret-file", secret)
 
 
 @pytest.fixture(scope="module")
@@ -122,51 +130,53 @@ def test_eviction_past_the_budget_spares_a_running_request(start_server, off: Se
     assert same([got], [complete(off, long_prompt, 200)])
 
 
-def _header(state: bytes) -> tuple[dict[str, Any], int]:
+def _header(state: bytes) -> tuple[dict[str, Any], list[int], int]:
+    """The header, the token ids (the payload's first array) and where the payload starts (format 2)."""
     magic = b"DSV4-STATE\n"
     assert state.startswith(magic)
-    (n,) = struct.unpack_from("<I", state, len(magic))
-    return json.loads(state[len(magic) + 4 : len(magic) + 4 + n]), len(magic) + 4 + n
+    version, n = struct.unpack_from("<II", state, len(magic))
+    assert version == 2
+    head = json.loads(state[len(magic) + 8 : len(magic) + 8 + n])
+    start = len(magic) + 8 + n
+    return head, list(struct.unpack_from(f"<{head['tokens']}i", state, start)), start
 
 
-def _reseal(head: dict[str, Any], payload: bytes) -> bytes:
-    raw = json.dumps(head).encode()
-    body = b"DSV4-STATE\n" + struct.pack("<I", len(raw)) + raw + payload
-    return body + hashlib.sha256(body).digest()
-
-
-def test_export_then_import_on_a_fresh_server_continues_the_same(on: Server, off: Server, start_server) -> None:
+def test_export_then_import_on_a_fresh_server_continues_the_same(on: Server, off: Server, start_server,
+                                                                 secret: str) -> None:  # fmt: skip
     first = [(11 * i) % 480 + 5 for i in range(200)]
     r1 = complete(on, first, 8)
     state = httpx.get(f"{on.url}/v1/state/{r1['id']}", timeout=60)
     assert state.status_code == 200 and state.headers["content-type"] == "application/octet-stream"
-    head, start = _header(state.content)
-    assert head["version"] == 1 and head["tokens"][:200] == first and len(head["tokens"]) == 207
-    fresh = start_server()
+    head, tokens, start = _header(state.content)
+    assert tokens[:200] == first and len(tokens) == 207
+    fresh = start_server("--state-secret-file", secret)
     imported = httpx.post(f"{fresh.url}/v1/state", content=state.content,
                           headers={"content-type": "application/octet-stream"}, timeout=60)  # fmt: skip
     assert imported.status_code == 200, imported.text
     assert imported.json()["tokens"] == 207
     # The next turn: the state's tokens (the prompt + what was generated) + a new message.
-    second = head["tokens"] + [9, 8, 7, 6]
+    second = tokens + [9, 8, 7, 6]
     on2, fresh2, cold2 = complete(on, second, 12), complete(fresh, second, 12), complete(off, second, 12)
     assert same([fresh2, on2], [on2, cold2])
     assert fresh2["usage"]["prompt_tokens_details"]["cached_tokens"] == 207
     # A moved state can move on again: export it from the fresh server, under its new id.
     again = httpx.get(f"{fresh.url}/v1/state/{imported.json()['id']}", timeout=60)
-    assert again.status_code == 200 and _header(again.content)[0]["tokens"] == head["tokens"]
+    assert again.status_code == 200 and _header(again.content)[1] == tokens
 
     def post(data: bytes) -> httpx.Response:
         return httpx.post(f"{fresh.url}/v1/state", content=data, timeout=60)
 
+    # Anything altered is refused by its signature, including a header resealed with a plain SHA-256 (the
+    # format-1 trailer, which anyone could recompute).
     payload = state.content[start:-32]
     corrupt = bytearray(state.content)
     corrupt[start + 10] ^= 0xFF
-    foreign = _reseal({**head, "model": "0" * 64}, payload)
-    future = _reseal({**head, "version": 2}, payload)
-    short = _reseal(head, payload[:-4])
-    for data, why in ((bytes(corrupt), "checksum"), (foreign, "another model"), (future, "version"),
-                      (short, "truncated"), (b"hello", "magic"), (b"", "body")):  # fmt: skip
+    raw = json.dumps({**head, "model": "0" * 64}).encode()
+    body = b"DSV4-STATE\n" + struct.pack("<II", 2, len(raw)) + raw + payload
+    foreign = body + hashlib.sha256(body).digest()
+    future = state.content[:11] + struct.pack("<I", 3) + state.content[15:]
+    for data, why in ((bytes(corrupt), "signature"), (foreign, "signature"), (future, "version"),
+                      (state.content[:-4], "signature"), (b"hello", "magic"), (b"", "body")):  # fmt: skip
         r = post(data)
         assert r.status_code == 400, (why, r.text)
         assert why in r.json()["error"]["message"], (why, r.text)
