@@ -103,3 +103,98 @@ def test_tool_calls_become_function_call_items(client: openai.OpenAI) -> None:
     done = events[-1].response
     assert [o.type for o in done.output] == [o.type for o in whole.output]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer",
+        "minimum": 0, "maximum": 99}}, "required": ["city", "n"], "additionalProperties": False}  # fmt: skip
+
+
+def test_json_schema_text_format(client: openai.OpenAI) -> None:
+    """Responses' flat json_schema format (name, schema, strict at the top) constrains the output like chat's."""
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
+    r = client.responses.create(model=MODEL, input="Name a city.", text={"format": fmt}, max_output_tokens=60,
+                                temperature=0)  # fmt: skip
+    assert r.status == "completed", r.output
+    jsonschema.validate(json.loads(r.output_text), CITY)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "city"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a city."}],
+                                          max_tokens=60, temperature=0, response_format={
+                                              "type": "json_schema", "json_schema": {"name": "city", "schema": CITY,
+                                                                                     "strict": True}})  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content
+
+
+def test_parse_into_a_model(client: openai.OpenAI) -> None:
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=8)
+        n: int = Field(ge=0, le=99)
+
+    r = client.responses.parse(model=MODEL, input="Name a city.", text_format=City, max_output_tokens=60,
+                               temperature=0)  # fmt: skip
+    assert isinstance(r.output_parsed, City), r.output_text
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ({"format": {"type": "json_schema", "name": "x"}}, "schema"),
+    ({"format": {"type": "json_schema", "name": "x", "schema": "object"}}, "schema"),
+])  # fmt: skip
+def test_json_schema_format_needs_a_schema(server: Server, text: dict, says: str) -> None:
+    r = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "text": text})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text" and says in r.json()["error"]["message"]
+
+
+def test_harmless_fields_change_nothing(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "input": "Hello there", "max_output_tokens": 8, "temperature": 0}
+    plain = client.responses.create(**kw).output_text
+    r = client.responses.create(**kw, include=["reasoning.encrypted_content", "file_search_call.results"],
+                                truncation="auto", service_tier="auto", prompt_cache_key="k", safety_identifier="u",
+                                store=False, metadata={"a": "b"})  # fmt: skip
+    assert r.output_text == plain and r.metadata == {"a": "b"}
+    assert client.responses.create(**kw, truncation="disabled").output_text == plain
+
+
+def test_unsupported_include_and_previous_response(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", include=["message.output_text.logprobs"])
+    assert e.value.body["param"] == "include" and "logprobs" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_abc")
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+
+
+def test_reasoning_item_is_the_next_turns_reasoning(client: openai.OpenAI) -> None:
+    """A reasoning input item (sent back, as stateless clients do) is the reasoning_content of the assistant turn
+    after it: the prompt is the chat request's with that reasoning."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "I should call f."}]}  # fmt: skip
+    kw = {"model": MODEL, "tools": [tool], "max_output_tokens": 1, "reasoning": {"effort": "high"}}
+    with_item = client.responses.create(input=[{"role": "user", "content": "hi"}, thought, call, out], **kw)
+    without = client.responses.create(input=[{"role": "user", "content": "hi"}, call, out], **kw)
+    chat_call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [chat_call], "reasoning_content": "I should call f."},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, reasoning_effort="high",
+                                          tools=[{"type": "function", "function": {k: v for k, v in tool.items()
+                                                                                   if k != "type"}}])  # fmt: skip
+    assert with_item.usage.input_tokens == chat.usage.prompt_tokens > without.usage.input_tokens
+
+
+def test_named_tool_choice(client: openai.OpenAI) -> None:
+    """Responses' named tool_choice is flat ({"type": "function", "name"}); chat's nests the name."""
+    params = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["k"]}
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}},
+             {"type": "function", "name": "g", "parameters": params}]  # fmt: skip
+    r = client.responses.create(model=MODEL, input="hi", tools=tools, tool_choice={"type": "function", "name": "g"},
+                                parallel_tool_calls=False, max_output_tokens=240, temperature=0)  # fmt: skip
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and all(c.name == "g" for c in calls), r.output
