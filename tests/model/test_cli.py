@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 from dsv4_serve.model.cli import generate_main, make_tiny_main
+from dsv4_serve.model.tokenizer import SPECIAL_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,13 @@ def test_generate_embedded_default_within_10s() -> None:
     out = json.loads(r.stdout)
     assert len(out["ids"]) == 16 or out["ids"][-1] == 1
     assert all(0 <= i < 512 for i in out["ids"]) and isinstance(out["text"], str)
+    assert not any(t in out["text"] for t in SPECIAL_TOKENS)  # EOS ends the ids, never the text (as the server)
     assert elapsed < 10, f"generate took {elapsed:.1f} s"
+
+
+def test_help_names_both_prompt_forms() -> None:
+    r = run("--help")
+    assert r.returncode == 0 and "--prompt text or --prompt-ids" in " ".join(r.stdout.split()), r.stdout
 
 
 @pytest.mark.parametrize("dtype", ["float32", "release"])
