@@ -162,3 +162,25 @@ def test_skip_ids_count_but_add_no_text(tok: Tokenizer) -> None:
     ts = TextStream(tok, skip_ids=[eos])
     got = "".join(ts.push(i).content for i in [*ids(tok, "ok"), eos])
     assert got + ts.finish().content == "ok"
+
+
+def test_prompt_shaping_as_vllm() -> None:
+    """add_generation_prompt=False: no assistant opener after the last user turn; continue_final: the last assistant
+    message open (no EOS), in thinking mode without content its reasoning open too (no </think>)."""
+    bos, user, asst = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+    hi = [{"role": "user", "content": "Hi"}]
+    assert encode_messages(hi, add_generation_prompt=False) == f"{bos}{user}Hi"
+    part = [*hi, {"role": "assistant", "content": "Hel"}]
+    assert encode_messages(part, continue_final=True) == f"{bos}{user}Hi{asst}</think>Hel"
+    assert encode_messages(part) == f"{bos}{user}Hi{asst}</think>Hel<｜end▁of▁sentence｜>"
+    thought = [*hi, {"role": "assistant", "content": "", "reasoning_content": "Hmm"}]
+    assert encode_messages(thought, thinking=True, continue_final=True) == f"{bos}{user}Hi{asst}<think>Hmm"
+    both = [*hi, {"role": "assistant", "content": "Hel", "reasoning_content": "Hmm"}]
+    assert encode_messages(both, thinking=True, continue_final=True) == f"{bos}{user}Hi{asst}<think>Hmm</think>Hel"
+
+
+def test_stop_string_kept_and_named() -> None:
+    s = StopStrings(["END", "</s>"], include=True)
+    assert s.push("abc</") == "abc" and s.push("s>tail") == "</s>" and s.matched == "</s>" and s.stopped
+    plain = StopStrings(["END"])
+    assert plain.push("xENDy") == "x" and plain.matched == "END"
