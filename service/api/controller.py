@@ -30,6 +30,8 @@ class Controller:
     held: int = 0  # requests waiting for the model to be ready
     _drain_task: asyncio.Task[None] | None = None
     _after_drain: list[Callable[[], None]] = field(default_factory=list)
+    # Set by `dsv4-serve serve`: stop the server, which then exits non-zero (an engine that cannot serve).
+    on_fatal: Callable[[], None] | None = None
 
     # Engine facts the worker publishes before `ready` (plain ints / the tokenizer).
     @property
@@ -51,6 +53,21 @@ class Controller:
     @property
     def ready(self) -> bool:
         return bool(self.worker is not None and getattr(self.worker, "ready", False)) and not self.draining
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can never serve (its start-up failed or its thread died); None while it loads or serves."""
+        return getattr(self.worker, "start_error", None) or getattr(self.worker, "died", None)
+
+    def fail(self, e: BaseException) -> None:
+        """On the event loop, once the engine can never serve: say why and stop the server (`on_fatal`)."""
+        log.error("the engine cannot serve: %s", describe_failure(e))
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def fail_threadsafe(self, e: BaseException) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.fail, e)
 
     def check_ready(self) -> None:
         if self.draining:
@@ -140,6 +157,11 @@ class Controller:
         self.begin_drain()
         assert self._drain_task is not None
         await self._drain_task
+
+
+def describe_failure(e: BaseException) -> str:
+    """`Type: message`, the form a log line or stderr names a failure in (a bare message may be empty)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 async def call(fn: Callable[..., Any] | None, *args: Any) -> None:

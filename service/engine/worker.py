@@ -66,8 +66,11 @@ class EngineWorker:
         pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
         stream_queue: int = 1024,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._factory = engine_factory
+        # Called on the engine thread when the engine can never serve: start-up failed or the thread died.
+        self.on_failure = on_failure
         self.stream_queue = stream_queue  # the most token events one stream may have waiting
         self.max_rows = max_rows
         self.max_queue = max_queue
@@ -99,6 +102,7 @@ class EngineWorker:
         self._accepting = True
         self._stop_deadline: float | None = None
         self.start_error: BaseException | None = None
+        self.died: BaseException | None = None  # what killed the engine thread after start-up
         # Engine facts, set on the engine thread before `ready`; plain ints, safe to read anywhere.
         self.tokenizer: Any = None
         self.max_model_len = 0
@@ -274,10 +278,12 @@ class EngineWorker:
             self._serve()
         except BaseException as e:  # the thread is dying: no stream may hang on it
             log.exception("engine thread died")
+            self.died = e
             with self._lock:
                 self._accepting = False
                 ids = list(self._streams)
             self._publish([TokenEvent(rid, error=f"engine thread died: {e!r}") for rid in ids])
+            self._report(e)
             raise
         finally:
             # A distributed LeaderEngine tells its follower ranks to exit (they wait on every step).
@@ -304,6 +310,7 @@ class EngineWorker:
             with self._lock:
                 self._accepting = False
             self._started.set()
+            self._report(e)
             return
         self._ready.set()
         self._started.set()
@@ -330,6 +337,13 @@ class EngineWorker:
         with self._lock:
             self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
+
+    def _report(self, e: BaseException) -> None:
+        if self.on_failure is not None:
+            try:
+                self.on_failure(e)
+            except Exception:  # noqa: BLE001 - the failure itself is logged already
+                log.exception("on_failure failed")
 
     def _sync_counts(self, sched: Scheduler) -> None:
         with self._lock:

@@ -340,7 +340,9 @@ def test_drain_aborts_what_outlives_the_timeout(tiny) -> None:
 
 def test_start_failure_is_reported(tiny) -> None:
     # A real start-up failure: a state budget too small for one request of max_model_len.
-    w = EngineWorker(lambda: (Engine(tiny[0], max_model_len=MAX_LEN, state_budget_bytes=1024), None))
+    reported: list[BaseException] = []
+    w = EngineWorker(lambda: (Engine(tiny[0], max_model_len=MAX_LEN, state_budget_bytes=1024), None),
+                     on_failure=reported.append)  # fmt: skip
     w.start()
 
     async def main():
@@ -350,6 +352,7 @@ def test_start_failure_is_reported(tiny) -> None:
 
     asyncio.run(main())
     assert isinstance(w.start_error, ValueError) and not w.ready
+    assert reported == [w.start_error] and w.died is None  # the server's cue to exit (service/__main__.py)
 
 
 def test_batched_equals_alone(tiny) -> None:
