@@ -50,6 +50,7 @@ class Settings(BaseModel):
     state_secret_file: str | None = None
     stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
     stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
+    grammar_timeout: float = Field(10.0, gt=0)  # seconds one grammar compile may take (then killed: 400)
 
     @field_validator("log_level")
     @classmethod

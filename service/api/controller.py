@@ -28,6 +28,7 @@ class Controller:
     active: dict[str, None] = field(default_factory=dict)  # live request ids (insertion order)
     loop: asyncio.AbstractEventLoop | None = None
     held: int = 0  # requests waiting for the model to be ready
+    grammars: Any = None  # grammar_pool.GrammarPool: the bounded grammar compiles (create_app sets it)
     _drain_task: asyncio.Task[None] | None = None
     _after_drain: list[Callable[[], None]] = field(default_factory=list)
     # Set by `dsv4-serve serve`: stop the server, which then exits non-zero (an engine that cannot serve).
@@ -76,6 +77,14 @@ class Controller:
             err = getattr(self.worker, "start_error", None)
             msg = f"The engine failed to start: {err!r}" if err else "The model is still loading"
             raise APIError(503, msg, code="not_ready", headers={"Retry-After": "1"})
+
+    def check_room(self, requests: int = 1) -> None:
+        """429 + Retry-After before any work when the waiting queue cannot take `requests` more now."""
+        room = getattr(self.worker, "queue_room", None)
+        if room is not None and room() < requests:
+            self.metrics.outcome("queue_full")
+            raise APIError(429, "The server's waiting queue is full; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"})  # fmt: skip
 
     async def wait_ready(self) -> None:
         """Hold a generation request while the model loads or warms up, up to `ready_timeout` seconds, then

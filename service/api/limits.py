@@ -14,16 +14,20 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.responses import StreamingResponse
 
-from dsv4_serve.service.api.protocol import APIError, error_body, validation_to_api_error
+from dsv4_serve.service.api.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    APIError,
+    error_body,
+    validation_to_api_error,
+)
 
 log = logging.getLogger("dsv4.api")
 MiB = 2**20
 MIN_BODY_BYTES = 4 * MiB  # the default body cap never goes below this
 BODY_BYTES_PER_TOKEN = 32  # default cap: 32 bytes of body per context token (JSON escapes, chat framing)
 MAX_STOP_CHARS = 1024  # one stop string (matching costs its length per generated token)
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024  # logit_bias entries
-MAX_TOOLS = 128  # OpenAI's own limit
 MAX_TOOLS_BYTES = 256 * 1024  # the tools list as JSON
 INLINE_ENCODE_CHARS = 4096  # shorter text is tokenized on the event loop (a thread hop costs more)
 

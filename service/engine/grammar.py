@@ -1,6 +1,6 @@
 """Constrained decoding with xgrammar: structural-tag formats for JSON schemas, regexes, choices and
-DeepSeek-V4 tool calls, compiled once per request off the engine thread, and the per-row token masks
-the batched sampler applies (`sampler.apply_masks`).
+DeepSeek-V4 tool calls (the API compiles them in a process of its own, service/api/grammar_pool.py), and the
+per-row token masks the batched sampler applies (`sampler.apply_masks`).
 
 Why xgrammar: at 8 rows on this 2-core CPU its accept + mask step costs ~37 us at the tiny model's
 512 ids and ~110 us at 32K ids, against llguidance's ~210 us and ~2.2-3.4 ms (`tools/grammar_mask.py`;
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _compilers: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, xgrammar.GrammarCompiler)
+_infos: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, xgrammar.TokenizerInfo)
 
 
 # A JSON string's characters (RFC 8259): no raw control characters, which xgrammar's string rule lets
@@ -70,13 +71,14 @@ def after_reasoning(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "sequence", "elements": [think, fmt]}
 
 
-# ---- compiling (API side, in a worker thread) ------------------------------------------------------
-def _compiler(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
-    """One GrammarCompiler (with its cache) per tokenizer: the vocabulary scan runs once."""
+# ---- compiling (the API compiles in a process of its own: service/api/grammar_pool.py) -------------
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """xgrammar's TokenizerInfo of `tokenizer` at the model's logit width, built once per tokenizer (the
+    vocabulary scan)."""
     import xgrammar as xgr
 
     with _lock:
-        hit = _compilers.get(id(tokenizer))
+        hit = _infos.get(id(tokenizer))
         if hit is not None and hit[0] is tokenizer:
             return hit[1]
         n = tokenizer.get_vocab_size()
@@ -84,6 +86,19 @@ def _compiler(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
         vocab += [""] * (vocab_size - len(vocab))  # logit ids the tokenizer lacks: never allowed
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
                                  stop_token_ids=[] if eos_token_id is None else [eos_token_id])  # fmt: skip
+        _infos[id(tokenizer)] = (tokenizer, info)
+        return info
+
+
+def _compiler(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """One GrammarCompiler (with its cache) per tokenizer, in this process (tests, tools)."""
+    import xgrammar as xgr
+
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_id)
+    with _lock:
+        hit = _compilers.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
         comp = xgr.GrammarCompiler(info, max_threads=2)
         _compilers[id(tokenizer)] = (tokenizer, comp)
         return comp

@@ -226,6 +226,12 @@ class EngineWorker:
         self._inbox.put(("call", (fn, loop, fut)))
         return await fut
 
+    def queue_room(self) -> int:
+        """How many more requests the waiting queue takes now (the API's 429 before any work; submit_n checks
+        again under the same lock)."""
+        with self._lock:
+            return self.max_queue - self._c.undrained - self._c.waiting
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s = self._c.snapshot(self.ready)

@@ -94,6 +94,16 @@ for ep, base in BASES.items():
         big = {str(i): 1.0 for i in range(limits.MAX_LOGIT_BIAS + 1)}
         add(f"{ep}-logit_bias-oversize", ep, {**base, "logit_bias": big}, param="logit_bias")
         add(f"{ep}-logit_bias-nan", ep, with_literal(base, "logit_bias", '{"5": NaN}'), param=None)
+        # "²" passes str.isdigit() and fails int(); fullwidth "１２" would read as token 12; 5,000 digits fail int()
+        for key in ("²", "１２", "9" * 5000, "-1", " 1"):
+            add(f"{ep}-logit_bias-key-{key[:6]}", ep, {**base, "logit_bias": {key: 1.0}}, param="logit_bias")
+    for lit in ("1e-300", "1e-45", "1e39"):  # float32 (the sampler's): 0, a subnormal (1 / it: inf), inf
+        add(f"{ep}-repetition_penalty-f32-{lit}", ep, with_literal(base, "repetition_penalty", lit),
+            param="repetition_penalty")  # fmt: skip
+    add(f"{ep}-json-deep", ep, json.dumps(base)[:-1] + ', "user": ' + "[" * 100_000 + "]" * 100_000 + "}", param=None)
+    add(f"{ep}-json-bigint", ep, with_literal(base, "seed", "9" * 5000), param=None)
+    add(f"{ep}-guided_json-bigint", ep, json.dumps(base)[:-1] + ', "guided_json": {"maximum": ' + "9" * 5000 + "}}",
+        param=None)  # fmt: skip
 
 # chat only
 for v in ([], "hi", [{"role": "wizard", "content": "x"}], [{"content": "x"}], [{"role": "user"}],
