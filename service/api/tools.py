@@ -95,7 +95,9 @@ def parse_completion(text: str) -> tuple[str, list[dict[str, str]]]:
 class ToolStream:
     """Content deltas in -> (content delta, finished tool calls) out. Text that may start the tool-calls
     block is held back; inside the block each invoke is emitted once its closing tag arrives. On text that
-    breaks the markup, everything held is released as content and parsing stops."""
+    breaks the markup before any call came out of it, everything held is released as content and parsing
+    stops; after a call, the block's unreadable rest is dropped (as the reference parser drops it): raw
+    markup never goes out beside parsed calls."""
 
     pending: str = ""
     inside: bool = False
@@ -104,7 +106,7 @@ class ToolStream:
 
     def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         if self.broken:
-            return delta, []
+            return ("" if self.calls else delta), []
         buf, content = self.pending + delta, ""
         if not self.inside:
             i = buf.find(CALLS_START)
@@ -116,8 +118,9 @@ class ToolStream:
             content, buf, self.inside = buf[:i], buf[i:], True
         self.pending = buf
         calls = self._invokes()
-        if self.broken:  # not DSML after all: what was held is content
-            content, self.pending = content + self.pending, ""
+        if self.broken:  # not DSML after all: what was held is content, unless calls came out of it
+            held, self.pending = self.pending, ""
+            content += "" if self.calls else held
         return content, calls
 
     def _invokes(self) -> list[dict[str, Any]]:
@@ -127,14 +130,14 @@ class ToolStream:
             self.broken = True
             return []
         body, out = self.pending[head:], []
-        while (end := body.find(f"</{DSML}invoke>")) >= 0:
+        while not self.broken and (end := body.find(f"</{DSML}invoke>")) >= 0:
             cut = end + len(f"</{DSML}invoke>")
             parsed = parse_invokes(body[:cut])
-            if not parsed:
+            if parsed:
+                out += openai_calls(parsed, len(self.calls) + len(out))
+                body = body[cut:]
+            else:
                 self.broken = True
-                return out
-            out += openai_calls(parsed, len(self.calls) + len(out))
-            body = body[cut:]
         if body.strip() and not CALLS_END.startswith(body.strip()[: len(CALLS_END)]) \
                 and not f"<{DSML}invoke".startswith(body.strip()[: len(DSML) + 7]):  # fmt: skip
             self.broken = True
@@ -142,11 +145,12 @@ class ToolStream:
         self.calls += out
         return out
 
-    def finish(self) -> str:
-        """The end of the answer: the text still held is content, unless calls came out of it (then it
-        is the block's closing tag, or a call cut short by max_tokens, and is dropped)."""
+    def finish(self, truncated: bool = False) -> str:
+        """The end of the answer: the text still held is content, unless it is inside the block and calls
+        came out of it (the block's closing tag, or a call cut short) or the answer was `truncated` by
+        max_tokens (a call cut short): complete calls are kept, a cut one dropped."""
         left, self.pending = self.pending, ""
-        return "" if self.inside and not self.broken and self.calls else left
+        return "" if self.inside and not self.broken and (self.calls or truncated) else left
 
 
 # ---- the grammar for tool_choice "required" / a named function ------------------------------------

@@ -192,3 +192,43 @@ def test_broken_markup_is_content() -> None:
     st = ToolStream()
     out = "".join(st.push(text[i : i + 5])[0] for i in range(0, len(text), 5)) + st.finish()
     assert out == text and not st.calls
+
+
+def _stream(text: str, truncated: bool = False, step: int = 4) -> tuple[str, list[dict[str, Any]]]:
+    st, content, calls = ToolStream(), "", []
+    for i in range(0, len(text), step):
+        c, cs = st.push(text[i : i + step])
+        content, calls = content + c, calls + cs
+    return content + st.finish(truncated=truncated), calls
+
+
+INVOKE_F = ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>')
+
+
+def test_cut_call_is_dropped_complete_ones_kept() -> None:
+    """max_tokens cuts the answer inside the block (finish "length"): the complete calls are kept, the cut one
+    is dropped, and no raw markup reaches the content (issue 48: a parsed call and raw DSML together)."""
+    block = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F + "\n" + INVOKE_F
+    for cut in (len(block) - 20, len(block) - len(INVOKE_F) + 10, len(block) - len(INVOKE_F) - 1):
+        content, calls = _stream(block[:cut], truncated=True)
+        assert content == "Hi" and [c["function"]["name"] for c in calls] == ["f"], (cut, content)
+    # Cut inside the first call: nothing parsed, nothing raw.
+    assert _stream("Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:30], truncated=True) == ("Hi", [])
+    # Not truncated (the model stopped mid-markup, before any call): the text is content, as broken markup.
+    cut = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:30]
+    assert _stream(cut) == (cut, [])
+
+
+def test_markup_broken_after_a_call_is_dropped() -> None:
+    """Text that breaks the block after a complete call: the call is kept and the rest dropped (as the reference
+    parser does), streamed in any piece size; no call is emitted twice or lost from `calls`."""
+    text = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F + "\nnot markup at all\n</｜DSML｜tool_calls> and more"
+    for step in (1, 3, 7, len(text)):
+        st, content, calls = ToolStream(), "", []
+        for i in range(0, len(text), step):
+            c, cs = st.push(text[i : i + step])
+            content, calls = content + c, calls + cs
+        content += st.finish()
+        assert content == "Hi" and [c["index"] for c in calls] == [0] and st.calls == calls, step
+    assert ref_parse(text)[1] == [("f", {"k": "v"})]  # the reference keeps the call too

@@ -1,0 +1,158 @@
+"""Tool calls on the wire, through a real server on the default tiny model and the openai SDK (issue 48): the
+built-in model's context takes a tools prompt and a long answer; a streamed call sends no empty content deltas
+while its markup is held back; a call cut by max_tokens is dropped (complete ones kept), never returned as raw
+DSML beside parsed calls; Responses lists no empty message item before function_call items and marks a cut
+message "incomplete"."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL, Server
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"]}  # fmt: skip
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                         "parameters": PARAMS}}  # fmt: skip
+MSGS = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+REQUIRED = {"model": MODEL, "messages": MSGS, "tools": [TOOL], "tool_choice": "required", "temperature": 1.0}
+# A short call (the tiny tokenizer spends a token on nearly every DSML character): the truncation tests below.
+SHORT = {"type": "function", "function": {"name": "w", "parameters": {
+    "type": "object", "properties": {"d": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["d"]}}}
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _args(call: Any) -> dict[str, Any]:
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"} and 1 <= args["days"] <= 9, args
+    return args
+
+
+def test_default_model_takes_a_tools_request(server: Server, client: openai.OpenAI) -> None:
+    """tool_choice "required" with max_tokens 400 on the default model: answered with a call (was a 400: its
+    1,024 positions could not hold the tools prompt and 400 tokens)."""
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert card["max_model_len"] >= 8192
+    r = client.chat.completions.create(**REQUIRED, max_tokens=400, seed=0, parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and r.usage.prompt_tokens > 700, r
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    _args(choice.message.tool_calls[0])
+    assert not choice.message.content
+
+
+def test_streamed_call_sends_no_empty_deltas(client: openai.OpenAI) -> None:
+    """While the markup is held back nothing is sent: every chunk carries text, a call or the finish reason."""
+    kw = {**REQUIRED, "max_tokens": 400, "seed": 0, "parallel_tool_calls": False}
+    with cf.ThreadPoolExecutor(2) as ex:  # one batch of two rows
+        whole_f = ex.submit(client.chat.completions.create, **kw)
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        whole = whole_f.result()
+    choices = [c.choices[0] for c in chunks if c.choices]
+    empty = [ch for ch in choices if not (ch.delta.content or ch.delta.tool_calls or ch.finish_reason)]
+    assert not empty, empty[:3]
+    calls = [tc for ch in choices for tc in ch.delta.tool_calls or ()]
+    assert [c.function.name for c in calls] == ["get_weather"] and choices[-1].finish_reason == "tool_calls"
+    assert choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens > len(choices)  # tokens were generated with nothing to send
+    assert calls[0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+
+
+def greedy(question: str) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "tools": [SHORT],
+            "tool_choice": "required", "temperature": 0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_calls(client: openai.OpenAI) -> tuple[str, int, Any]:
+    """A question whose greedy answer holds two or more calls, the number of tokens up to the end of its first
+    call (with logprobs every token has its chunk), and that first call. Eight questions a batch (8 rows)."""
+
+    def first_two(question: str) -> tuple[int, Any] | None:
+        chunks = client.chat.completions.create(**greedy(question), max_tokens=500, logprobs=True, stream=True)
+        choices = [c.choices[0] for c in chunks if c.choices]
+        at = [i for i, ch in enumerate(choices) if ch.delta.tool_calls]
+        return (at[0] + 1, choices[at[0]].delta.tool_calls[0]) if len(at) >= 2 else None
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        for batch in range(3):
+            questions = [f"Weather in Paris and Rome? ({batch * 8 + i})" for i in range(8)]
+            for q, found in zip(questions, ex.map(first_two, questions), strict=True):
+                if found:
+                    return q, *found
+    pytest.fail("no question of 24 gave two calls")
+
+
+def test_cut_call_is_dropped_complete_one_kept(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
+    """max_tokens a few tokens past the first call: finish "length", the first call whole, the cut second one
+    dropped, and no DSML in the content (whole and streamed)."""
+    question, n, first = two_calls
+    kw = {**greedy(question), "max_tokens": n + 3}
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == n + 3
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        (first.function.name, first.function.arguments)]
+    assert not choice.message.content, choice.message.content
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [tc for ch in chunks for tc in ch.delta.tool_calls or ()]
+    assert [c.function.arguments for c in calls] == [first.function.arguments]
+    assert "".join(ch.delta.content or "" for ch in chunks) == "" and chunks[-1].finish_reason == "length"
+    # Cut inside the first call: nothing parsed and nothing raw.
+    r = client.chat.completions.create(**{**kw, "max_tokens": n - 5})
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert not r.choices[0].message.content
+
+
+def _respond(client: openai.OpenAI, question: str, max_output_tokens: int, stream: bool, **kw: Any) -> Any:
+    """The Responses twin of `greedy(question)`: the final response object, and the events when streamed."""
+    tool = {"type": "function", **SHORT["function"]}
+    kw = {"model": MODEL, "input": question, "tools": [tool], "tool_choice": "required", "temperature": 0,
+          "max_output_tokens": max_output_tokens, **kw}  # fmt: skip
+    if not stream:
+        return client.responses.create(**kw), []
+    events = list(client.responses.create(**kw, stream=True))
+    return events[-1].response, events
+
+
+def test_responses_calls_without_an_empty_message(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
+    """A turn of tool calls only: a function_call item and no message item before it, whole and streamed."""
+    question, _, first = two_calls
+    with cf.ThreadPoolExecutor(2) as ex:
+        whole_f = ex.submit(_respond, client, question, 400, False, parallel_tool_calls=False)
+        streamed, events = _respond(client, question, 400, True, parallel_tool_calls=False)
+        whole, _ = whole_f.result()
+    assert whole.status == "completed"
+    assert [(o.type, o.status, o.arguments) for o in whole.output] == [
+        ("function_call", "completed", first.function.arguments)]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.item.type, e.output_index) for e in added] == [("function_call", 0)]
+    assert [(o.type, o.status, o.name, o.arguments) for o in streamed.output] == [
+        ("function_call", "completed", "w", first.function.arguments)]
+
+
+def test_responses_cut_message_is_incomplete(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
+    """max_output_tokens inside the first call: an "incomplete" response whose one message item is "incomplete"
+    and holds no markup; a few tokens past the first call: that call alone, the response "incomplete"."""
+    question, n, first = two_calls
+    with cf.ThreadPoolExecutor(4) as ex:  # one batch
+        cut = [ex.submit(_respond, client, question, n - 5, stream) for stream in (False, True)]
+        after = [ex.submit(_respond, client, question, n + 3, stream) for stream in (False, True)]
+        for r, _ in (f.result() for f in cut):
+            assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+            assert [(o.type, o.status) for o in r.output] == [("message", "incomplete")], r.output
+            assert r.output_text == ""
+        for r, _ in (f.result() for f in after):
+            assert r.status == "incomplete"
+            assert [(o.type, o.arguments) for o in r.output] == [("function_call", first.function.arguments)]
