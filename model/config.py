@@ -161,7 +161,9 @@ class ModelArgs:
                 "beta_fast": 32,
                 "beta_slow": 1,
             },
-            max_position_embeddings=1024,
+            # 8,192 positions: room for a tools prompt (~830 tiny tokens) and a long answer, so every API feature
+            # can be tried on it. YaRN's factor stays 16 (the tiny model's numerics below 1,024 as before).
+            max_position_embeddings=8192,
             index_n_heads=32,
             index_head_dim=16,
             index_topk=4,

@@ -24,8 +24,8 @@ SCHEMA = {
     "required": ["city", "n", "ok"],
     "additionalProperties": False,
 }
-# The tiny tokenizer spends a token on nearly every DSML character and the tools section fills ~800 of the
-# tiny model's 1024 positions (~840 with the rendered "description": ""): one tool of one short parameter fits.
+# The tiny tokenizer spends a token on nearly every DSML character: the tools section takes ~800 of the tiny
+# model's 8,192 positions; a short parameter keeps a call within a few hundred tokens.
 TOOL_PARAMS = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 3}}, "required": ["c"]}
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": TOOL_PARAMS}},
