@@ -37,6 +37,7 @@ SHARED: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (1, OK),
     "skip_special_tokens": (False, OK),
     "include_stop_str_in_output": (True, OK),
+    "cache_salt": ("salt-1", OK),
     "stream": (True, OK),
     "stream_options": ({"include_usage": True}, OK),
     "user": ("someone", OK),
@@ -99,6 +100,7 @@ CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
         "include": (["reasoning.encrypted_content"], OK),
         "truncation": ("auto", OK),
         "previous_response_id": ("resp_1", REJECTED),  # nothing is stored: OpenAI's 400 for an unknown id
+        "cache_salt": ("salt-1", OK),
     }),
 }  # fmt: skip
 ROWS = [(path, field) for path, (_, _, table) in CASES.items() for field in table]
