@@ -212,3 +212,17 @@ def test_namespaces_see_only_their_entries_and_the_largest_one_is_evicted_first(
     assert cache.lookup([1] * 151, ns=a) is not None and cache.lookup([2] * 151, ns=a) is not None
     assert cache.namespace_bytes(a) == 2 * one and cache.namespace_bytes(b) == 2 * one
     assert cache.evictions == 4 and cache.lookup([15] * 151, ns=b) is not None
+
+
+def test_a_short_or_unreadable_state_secret_file_is_refused(tmp_path) -> None:
+    from dsv4_serve.service.settings import Settings
+
+    short, good = tmp_path / "short.key", tmp_path / "good.key"
+    short.write_bytes(b"x" * 31 + b"\n")
+    good.write_bytes(b"y" * 32 + b"\n")
+    with pytest.raises(ValueError, match="at least 32"):
+        Settings(state_secret_file=str(short)).state_secret()
+    with pytest.raises(OSError):
+        Settings(state_secret_file=str(tmp_path / "missing.key")).state_secret()
+    assert Settings(state_secret_file=str(good)).state_secret() == b"y" * 32
+    assert Settings().state_secret() is None
