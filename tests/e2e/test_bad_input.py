@@ -130,7 +130,7 @@ if "tools" in ChatCompletionRequest.model_fields:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     add("chat-tools-oversize", "chat", {**CHAT, "tools": [tool] * (limits.MAX_TOOLS + 1)}, param="tools")
 # completions only
-for v in ([], "", [-1], [10**6], [1.5], {"a": 1}, ["a", [1]], [[1], []], True, None, [3] * 2000,
+for v in ([], "", [-1], [10**6], [1.5], {"a": 1}, ["a", [1]], [[1], []], True, None, [3] * 9000,
           "word " * 10000, [True]):  # fmt: skip
     add(f"comp-prompt-{str(v)[:16]}", "comp", {**COMP, "prompt": v}, param="prompt")
 add("comp-prompt-missing", "comp", {"model": MODEL}, param="prompt")
