@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -90,7 +90,8 @@ class LeaderEngine(Engine):
 
     sliced_prefill = False  # a forward runs with the next plan on every rank, whole
 
-    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]], scores: Any = None) -> None:
+    def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]],
+                      scores: Sequence[tuple[int, Sequence[int]] | None] | None = None) -> None:  # fmt: skip
         """Each request's chunk queued as `prefill` queues it (the plan then packs them into shared forwards).
         Prompt logprobs (`scores`) need the scored forward on rank 0 alone: not with --distributed."""
         if scores is not None and any(s is not None for s in scores):

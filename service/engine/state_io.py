@@ -15,7 +15,7 @@ import json
 import secrets
 from collections import OrderedDict
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +24,9 @@ from mlx.utils import tree_flatten
 from dsv4_serve.service.engine.prefix_cache import Entry, PrefixCache
 from dsv4_serve.service.engine.request import StateConflict, StateError, StateNotFound
 from dsv4_serve.service.engine.state_format import Layout, Opened
+
+if TYPE_CHECKING:
+    from dsv4_serve.service.engine.engine import Engine
 
 MAX_NONCES = 1 << 16  # imported exports remembered (replays refused); past it the oldest are forgotten
 
@@ -51,7 +54,7 @@ def _dtype_name(d: mx.Dtype) -> str:
     return str(d).removeprefix("mlx.core.")
 
 
-def layout(engine: Any) -> Layout:
+def layout(engine: Engine) -> Layout:
     """The state layout of this engine's model and pools (computed once)."""
     got = getattr(engine, "_state_layout", None)
     if got is None:
@@ -63,7 +66,7 @@ def layout(engine: Any) -> Layout:
     return got
 
 
-def export_for(engine: Any, state_id: str, tenant: str) -> tuple[dict[str, Any], list[bytes]]:
+def export_for(engine: Engine, state_id: str, tenant: str) -> tuple[dict[str, Any], list[bytes]]:
     """GET /v1/state/{id} on the engine thread: the header and raw arrays of the end state of finished request
     `state_id`, when API key `tenant` made it (for `state_format.seal`, off this thread)."""
     cache, lay = _cache(engine), layout(engine)
@@ -130,21 +133,21 @@ def _from_raw(raw: np.ndarray, dtype: mx.Dtype, shape: list[int]) -> mx.array:
     return mx.array(raw.reshape(-1, dtype.size)).view(dtype).reshape(shape)
 
 
-def _identity(engine: Any) -> str:
+def _identity(engine: Engine) -> str:
     ident = getattr(engine, "_state_identity", None)
     if ident is None:
         ident = engine._state_identity = model_identity(engine.model)
     return ident
 
 
-def _cache(engine: Any) -> PrefixCache:
+def _cache(engine: Engine) -> PrefixCache:
     cache = getattr(engine, "prefix_cache", None)
     if cache is None:
         raise StateError("this server runs without a prefix cache (--prefix-cache-gib 0): no states to move")
     return cache
 
 
-def import_for(engine: Any, state: Opened) -> tuple[str, int]:
+def import_for(engine: Engine, state: Opened) -> tuple[str, int]:
     """POST /v1/state on the engine thread, after `state_format.open_state` (off it)."""
     nonces = getattr(engine, "_state_nonces", None)
     if nonces is None:
