@@ -253,6 +253,8 @@ class Forward:
         self.built = 0  # layers built so far
         self.done = False
         self.out: list[mx.array | None] | None = None
+        self._head_alone = any(every)  # an every-row head ([T, V]: a layer's GPU time or more) is a slice alone
+        self._pools = pools
         self._gen = _layers(model, pools, work, logits, every)
 
     def advance(self, seconds: float | None = None, rows_layers: int = 0) -> bool:
@@ -273,10 +275,10 @@ class Forward:
             if EVAL_EVERY > 0 and self.built % EVAL_EVERY == 0 and self.built < self.layers:
                 mx.async_eval(hs)
             full = built >= cap or time.perf_counter() - t0 >= seconds if seconds is not None else False
-            if full and self.built < self.layers:
-                break  # (the last layer's slice goes on to the head: no empty slice at the end)
-        if hs is not None and seconds is not None:
-            mx.async_eval(hs)
+            if full and (self.built < self.layers or self._head_alone):
+                break  # (the last layer's slice goes on to a one-row head: no empty slice at the end)
+        if hs is not None and seconds is not None:  # after the last layer (an every-row head next, alone): its
+            mx.async_eval(hs if self.built < self.layers else self._pools.arrays())  # state; the MoE half: the head's
         return self.done
 
 

@@ -114,10 +114,10 @@ def test_a_scored_chunk_in_a_sliced_shared_forward_equals_its_whole_forward(tiny
     pa, pb = pools.alloc(LEN), pools.alloc(LEN)
     fwd = Forward(model, pools, [(pa, a, 0), (pb, b, 0)], logits=False, every=[False, True])
     tok, steps = 7, 0
-    while not fwd.advance(0.0):  # a layer a slice, a decode step of slot s after each
+    while not fwd.advance(0.0):  # a layer a slice, then the every-row head alone; a decode step of slot s after each
         tok = int(mx.argmax(model.decode(pools, [s], [tok], [steps])[0]).item())
         steps += 1
-    assert steps == args.num_hidden_layers - 1
+    assert steps == args.num_hidden_layers and fwd.built == args.num_hidden_layers
     assert fwd.out[0] is None and fwd.out[1].shape == (len(b), args.vocab_size)
     np.testing.assert_allclose(np.array(fwd.out[1]), want, atol=1e-5, rtol=0)
     mx.eval(pools.arrays())
