@@ -83,6 +83,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="run as one rank of `mlx.launch -n N -- dsv4-serve serve --distributed`: rank 0 serves HTTP, "
         "the others follow its steps  [DSV4_DISTRIBUTED]",
     )
+    p.add_argument(
+        "--speculative-config",
+        help='speculative decoding, vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 1}\' drafts with '
+        "the model's MTP block, verified each step (default: off; the MTP block is not loaded)  "
+        "[DSV4_SPECULATIVE_CONFIG]",
+    )
     _hardening_flags(p)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_PREFIX = "DSV4_"
 EMBEDDED_MODEL_NAME = "deepseek-v4-tiny"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SPEC_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names of a model's own MTP layers
+SPEC_KEYS = {"method", "num_speculative_tokens"}
 
 
 class Settings(BaseModel):
@@ -51,6 +54,32 @@ class Settings(BaseModel):
     stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
     stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
     grammar_timeout: float = Field(10.0, gt=0)  # seconds one grammar compile may take (then killed: 400)
+    # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1} drafts with the MTP block
+    # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
+    speculative_config: dict[str, Any] | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _spec(cls, v: Any) -> dict[str, Any] | None:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else None
+            except ValueError as e:
+                raise ValueError(f"must be a JSON object: {e}") from None
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("must be a JSON object")
+        extra = sorted(set(v) - SPEC_KEYS)
+        if extra:
+            raise ValueError(f"unsupported key(s) {', '.join(extra)}: only method and num_speculative_tokens")
+        if v.get("method") not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {', '.join(SPEC_METHODS)} (V4's own MTP block), got "
+                             f"{v.get('method')!r}")  # fmt: skip
+        k = v.get("num_speculative_tokens", 1)
+        if type(k) is not int or k != 1:
+            raise ValueError(f"num_speculative_tokens must be 1 (one MTP draft a step), got {k!r}")
+        return {"method": v["method"], "num_speculative_tokens": k}
 
     @field_validator("log_level")
     @classmethod
@@ -78,6 +107,9 @@ class Settings(BaseModel):
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("--load-format dummy needs --model / DSV4_MODEL: a preset (flash, pro, tiny) or a "
                              "config.json path")
+        if self.speculative_config and self.distributed:
+            raise ValueError("--speculative-config / DSV4_SPECULATIVE_CONFIG: not with --distributed (its followers "
+                             "replay decode steps only)")  # fmt: skip
         for name in ("experts", "layers"):
             if getattr(self, name) is not None and self.load_format != "dummy":
                 raise ValueError(f"--{name} / {ENV_PREFIX}{name.upper()} applies to --load-format dummy only")
@@ -100,7 +132,11 @@ class Settings(BaseModel):
                 "state_budget_bytes": self.state_budget_bytes, "dequantize": self.dequantize,
                 "load_format": self.load_format, "experts": self.experts, "layers": self.layers,
                 "prefill_chunk": self.prefill_chunk, "prefix_cache_bytes": self.prefix_cache_bytes,
-                "prefix_interval": self.prefix_cache_interval}
+                "prefix_interval": self.prefix_cache_interval, "speculative": self.num_speculative_tokens}
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(self.speculative_config["num_speculative_tokens"]) if self.speculative_config else 0
 
     @property
     def state_budget_bytes(self) -> int | None:

@@ -10,8 +10,10 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   steps_ahead_total: int            decode steps queued before the previous one was read back (pipelined)
   host_seconds_total, engine_loop_seconds_total   the engine thread's host time by phase (Engine.host_seconds)
   prefix_*                          the prefix cache's lookups, hits, cached tokens, evictions, bytes, entries
+  spec_*                            speculative decoding: drafted / accepted tokens, verify steps (mean accept length)
   stream_events_queued: int         token events waiting for their readers (each stream capped)
-Step durations come through the worker's on_step_metrics hook (observe_step).
+Step durations come through the worker's on_step_metrics hook (observe_step), each iteration's host seconds by
+phase through on_phase_metrics (observe_phases: dsv4_engine_phase_seconds, a histogram per phase).
 Missing keys are simply not exported."""
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ OUTCOMES = (
     "error",
 )
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# An engine phase's share of one iteration: 0.1 ms (the sampler's host work) .. 100 ms (a slow step's encode).
+_PHASE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -74,10 +78,19 @@ class _EngineCollector(Collector):
             ("prefix_hits_total", "prefix_hits", "Prefix cache hits (a cached prefix adopted)"),
             ("prefix_cached_tokens_total", "prefix_cached_tokens", "Prompt tokens taken from the prefix cache"),
             ("prefix_evictions_total", "prefix_evictions", "Prefix cache entries evicted (LRU)"),
+            ("spec_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens (MTP) verified by the target model"),
+            ("spec_accepted_tokens_total", "spec_accepted_tokens", "Draft tokens accepted"),
+            ("spec_verify_steps_total", "spec_verify_steps", "Request-steps that verified drafts"),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))
             yield c
+        if "spec_verify_steps_total" in s:  # tokens a verifying request-step emits: 1 + its accepted drafts
+            g = GaugeMetricFamily(f"{PREFIX}_spec_mean_accept_length", "Mean tokens emitted by a request-step "
+                                  "that verified drafts (1 + accepted / verify steps; 0 before any)")  # fmt: skip
+            n = float(s["spec_verify_steps_total"])
+            g.add_metric([], 1 + float(s["spec_accepted_tokens_total"]) / n if n else 0.0)
+            yield g
         host = dict(s.get("host_seconds_total") or {})
         if "engine_loop_seconds_total" in s:
             host["loop"] = s["engine_loop_seconds_total"]
@@ -123,10 +136,20 @@ class Metrics:
         self.step_seconds = Histogram(
             f"{PREFIX}_engine_step_seconds", "Duration of one engine step", buckets=_LAT, registry=r
         )
+        self.phase_seconds = Histogram(
+            f"{PREFIX}_engine_phase_seconds", "Engine thread host seconds of one iteration by phase: build, encode, "
+            "sample, wait (as dsv4_engine_host_seconds), prefill, schedule (the rest: inbox, admission, events), "
+            "loop (the whole iteration)", ["phase"], buckets=_PHASE, registry=r)  # fmt: skip
         r.register(_EngineCollector(stats, max_rows))
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
+
+    def observe_phases(self, phases: dict[str, float]) -> None:
+        """On the engine thread (prometheus objects are thread-safe): one iteration's phases
+        (service/engine/phases.py)."""
+        for phase, seconds in phases.items():
+            self.phase_seconds.labels(phase).observe(seconds)
 
     def outcome(self, name: str) -> None:
         self.requests.labels(name).inc()

@@ -33,6 +33,7 @@ def build_engine(
     prefill_chunk: int | None = None,
     prefix_cache_bytes: int | None = None,
     prefix_interval: int = 128,
+    speculative: int = 0,
 ):
     """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer. load_format
     'dummy': random weights for model_dir, a preset or a config.json (model/dummy.py), cut to
@@ -41,7 +42,8 @@ def build_engine(
 
     group: an mx.distributed group of > 1 ranks: this rank's shard of the model (model/distributed.py);
     rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`;
-    prefill_chunk (the worker's prompt tokens a step) sizes the leader's plan messages."""
+    prefill_chunk (the worker's prompt tokens a step) sizes the leader's plan messages. speculative: drafts a step
+    with the MTP block (0: off, and a checkpoint's MTP block is not loaded)."""
     from dsv4_serve.model.loader import load_model, tiny_model
     from dsv4_serve.model.tokenizer import load_tokenizer
 
@@ -61,10 +63,12 @@ def build_engine(
             model, _args = load_sharded(model_dir, group, quantize=not dequantize)
         else:
             # Release FP8/FP4 weights stay quantized (mxfp8 / mxfp4) unless asked to decode them.
-            model, _args = load_model(model_dir, quantize=not dequantize)
+            model, _args = load_model(model_dir, quantize=not dequantize, mtp=bool(speculative))
         tokenizer = load_tokenizer(model_dir)
     kw = {"max_rows": max_rows, "max_model_len": max_model_len, "state_budget_bytes": state_budget_bytes,
           "prefix_cache_bytes": 0 if sharded else prefix_cache_bytes, "prefix_interval": prefix_interval}
+    if speculative:
+        kw["speculative"] = speculative
     if sharded and group.rank() == 0:  # type: ignore[attr-defined]
         from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
 

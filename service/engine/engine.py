@@ -18,6 +18,7 @@ from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
 from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
+from dsv4_serve.service.engine.speculation import Speculator
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.
@@ -43,8 +44,13 @@ class Engine:
         page_size: int = 64,
         prefix_cache_bytes: int | None = None,
         prefix_interval: int = 128,
+        speculative: int = 0,
     ):
         args = model.args
+        if speculative and not model.mtp:  # speculative decoding with the MTP block (service/engine/speculation.py)
+            raise ValueError("speculative decoding needs the model's MTP block (mtp.0.*), and this model has none")
+        if not 0 <= speculative <= 1:
+            raise ValueError(f"num_speculative_tokens must be 0 or 1, got {speculative}")
         if not 1 <= max_rows <= 8:
             raise ValueError(f"max_rows must be in 1..8, got {max_rows}")
         limit = args.max_position_embeddings
@@ -58,7 +64,7 @@ class Engine:
         if state_budget_bytes is None:
             # Default: what every row reaching max_model_len needs, but never more than 90% of free memory.
             full = pools_for_budget(args, max_rows=max_rows, max_model_len=1, budget_bytes=None,
-                                    dtype=model.dtype, page_size=page_size)
+                                    dtype=model.dtype, page_size=page_size, mtp=bool(speculative))
             need = max_rows * full.bytes_for(self.max_model_len)
             spare = int(0.9 * free_device_bytes())
             if prefix_cache_bytes != 0 and self.parallel_prefill:  # the cache's slot copies: outside the pools
@@ -67,8 +73,9 @@ class Engine:
             del full
         self.pools = pools_for_budget(
             args, max_rows=max_rows, max_model_len=self.max_model_len, budget_bytes=state_budget_bytes,
-            dtype=model.dtype, page_size=page_size,
+            dtype=model.dtype, page_size=page_size, mtp=bool(speculative),
         )
+        self.speculator = Speculator(speculative, max_rows) if speculative else None
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its

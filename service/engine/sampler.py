@@ -172,7 +172,7 @@ class Pending:
         return result
 
 
-def sample_lazy(
+def process(
     logits: mx.array,
     params: Sequence[SamplingParams],
     histories: Sequence[Sequence[int]],
@@ -180,16 +180,11 @@ def sample_lazy(
     *,
     eos_token_id: int | None = None,
     masks: np.ndarray | None = None,
-) -> Pending:
-    """Sample one token per row of `logits` [B, V]: the sampling graph, built and queued (async_eval);
-    `Pending.result()` reads back (token, logprob, top) per row.
-
-    histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
-    otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
-    logprob is None unless params[b].logprobs is not None. masks: the guided rows' grammar masks
-    (grammar.Guides.masks), applied after penalties and min_tokens, before everything else; None: no row
-    is guided (nothing is done).
-    """
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A row's logits as sampling sees them: (x: logit_bias, penalties, min_tokens bans and grammar masks applied,
+    greedy rows take its argmax; s: x / temperature with min-p / top-k / top-p's cut entries -inf, the
+    distribution random rows draw from, softmax(s); lp: the reported logprobs, log_softmax(x / temperature)).
+    Speculative decoding's draft and target rows go through the same (service/engine/spec_sampler.py)."""
     b, v = logits.shape
     if not (len(params) == len(histories) == len(generated_counts) == b):
         raise ValueError(f"sample: {b} logit rows but {len(params)} params / {len(histories)} histories")
@@ -210,11 +205,8 @@ def sample_lazy(
         x = mx.where(_row_mask(banned, (b, v)) > 0, -mx.inf, x)
     if masks is not None:
         x = apply_masks(x, masks)
-
-    greedy_tok = mx.argmax(x, axis=-1)  # first max: lowest index on ties
     s = x / _col([1.0 if p.greedy else p.temperature for p in params])
     lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
-
     random_rows = [not p.greedy for p in params]
     if any(random_rows):
         # min-p: keep p >= min_p * p_max, i.e. s >= s_max + log(min_p).
@@ -222,6 +214,32 @@ def sample_lazy(
         s = mx.where(s < mx.max(s, axis=-1, keepdims=True) + log_minp, -mx.inf, s)
         if any(r and (0 < p.top_k < v or p.top_p < 1.0) for r, p in zip(random_rows, params, strict=True)):
             s = _top_k_top_p(s, params)
+    return x, s, lp
+
+
+def sample_lazy(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generated_counts: Sequence[int],
+    *,
+    eos_token_id: int | None = None,
+    masks: np.ndarray | None = None,
+) -> Pending:
+    """Sample one token per row of `logits` [B, V]: the sampling graph, built and queued (async_eval);
+    `Pending.result()` reads back (token, logprob, top) per row.
+
+    histories[b]: prompt + generated ids of row b (read only for rows with penalties; pass []
+    otherwise). generated_counts[b]: tokens row b has generated so far (seeds, min_tokens).
+    logprob is None unless params[b].logprobs is not None. masks: the guided rows' grammar masks
+    (grammar.Guides.masks), applied after penalties and min_tokens, before everything else; None: no row
+    is guided (nothing is done).
+    """
+    x, s, lp = process(logits, params, histories, generated_counts, eos_token_id=eos_token_id, masks=masks)
+    v = x.shape[-1]
+    greedy_tok = mx.argmax(x, axis=-1)  # first max: lowest index on ties
+    random_rows = [not p.greedy for p in params]
+    if any(random_rows):
         keys = [row_key(p.seed, n) for p, n in zip(params, generated_counts, strict=True)]
         drawn = mx.argmax(s + gumbel_noise(keys, v), axis=-1)
         token = mx.where(upload(random_rows), drawn, greedy_tok)  # int32: nonzero picks `drawn`

@@ -301,9 +301,17 @@ class Scheduler(PromptPlanning):
         self._last_plan = []
         return events
 
-    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+    def takes(self, r: Request, tokens: list[int]) -> tuple[int, bool]:
+        """How many of `tokens`, generated one after another, `on_step` would take (one a call) before `r` ends,
+        and whether it ends with the last of those (speculative decoding keeps the state of those only)."""
+        for i, t in enumerate(tokens):
+            if self._stop_reason(r, t, ahead=i) is not None or self._at_length(r, ahead=i + 1):
+                return i + 1, True
+        return len(tokens), False
+
+    def _stop_reason(self, r: Request, token: int, ahead: int = 0) -> FinishReason | None:
         p = r.params
-        if len(r.output_ids) < p.min_tokens:  # stop tokens don't count before min_tokens
+        if len(r.output_ids) + ahead < p.min_tokens:  # stop tokens don't count before min_tokens
             return None
         if not p.ignore_eos and token == self.eos_token_id:
             return FinishReason.STOP

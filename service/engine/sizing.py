@@ -9,12 +9,14 @@ from dsv4_serve.model.state import StatePools
 
 
 def pools_for_budget(
-    args: ModelArgs, *, max_rows: int, max_model_len: int, budget_bytes: int | None, dtype: mx.Dtype, page_size: int
+    args: ModelArgs, *, max_rows: int, max_model_len: int, budget_bytes: int | None, dtype: mx.Dtype, page_size: int,
+    mtp: bool = False,
 ) -> StatePools:
     """Size the page pools: by default every row can reach max_model_len. A byte budget buys whole
     max_model_len requests' worth of pages (admission then waits for pages instead of failing; shorter
-    requests fit more); what is left over goes to more CSA pages."""
-    probe = StatePools(args, max_slots=1, max_positions=1, page_size=page_size, dtype=dtype, pages={4: 0, 128: 0})
+    requests fit more); what is left over goes to more CSA pages. mtp: the MTP block's window ring a slot too."""
+    probe = StatePools(args, max_slots=1, max_positions=1, page_size=page_size, dtype=dtype, pages={4: 0, 128: 0},
+                       mtp=mtp)
     pages = None
     if budget_bytes is not None:
         left = budget_bytes - max_rows * probe.slot_bytes()
@@ -31,7 +33,7 @@ def pools_for_budget(
         if 4 in pages:
             pages[4] += (left - k * req_bytes) // probe.page_bytes(4)
     return StatePools(
-        args, max_slots=max_rows, max_positions=max_model_len, page_size=page_size, dtype=dtype, pages=pages
+        args, max_slots=max_rows, max_positions=max_model_len, page_size=page_size, dtype=dtype, pages=pages, mtp=mtp
     )
 
 

@@ -204,7 +204,12 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
         out.events += sched.on_step({})
         return out, None, inflight
     prompt_steps = sum(r.fed < len(r.prompt_ids) for r in plan)
-    step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline, held(inflight))
+    if getattr(engine, "speculator", None) is not None:  # a verify step instead (speculation.py), never ahead
+        from dsv4_serve.service.engine.speculation import spec_step
+
+        step_events, sampled, dt, nxt = spec_step(engine, sched, plan)
+    else:
+        step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline, held(inflight))
     out.events += step_events
     if dt is not None:  # None: the step failed and its rows were failed
         out.rows, out.sampled, out.seconds, out.prompt_steps = len(plan), sampled, dt, prompt_steps

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsv4_serve.service.engine import startup
+from dsv4_serve.service.engine.phases import PhaseClock
 from dsv4_serve.service.engine.request import (
     SHARED,
     FinishReason,
@@ -65,6 +66,7 @@ class EngineWorker:
         serial_prefill: bool = False,
         pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
+        on_phase_metrics: Callable[[dict[str, float]], None] | None = None,
         stream_queue: int = 1024,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
@@ -93,6 +95,8 @@ class EngineWorker:
         self._prefill_budget = 0
         # Called on the engine thread after every step: (rows in the step, step seconds).
         self.on_step_metrics = on_step_metrics
+        # Called on the engine thread after every iteration that stepped or prefilled: its seconds by phase.
+        self.on_phase_metrics = on_phase_metrics
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._streams: dict[str, Stream] = {}
@@ -240,6 +244,9 @@ class EngineWorker:
         host = getattr(getattr(self, "_engine", None), "host_seconds", None)  # Engine.host_seconds
         if host:
             s["host_seconds_total"] = dict(host)
+        spec = getattr(getattr(self, "_engine", None), "speculator", None)  # speculation.Speculator: plain ints
+        if spec is not None:
+            s.update(spec.stats())
         return s
 
     # -- the engine thread ----------------------------------------------------------------------
@@ -320,6 +327,7 @@ class EngineWorker:
             return
         self._ready.set()
         self._started.set()
+        clock = PhaseClock(getattr(engine, "host_seconds", None), self._c)
         while True:
             idle = not sched.has_work() and self._inflight is None and self._stop_deadline is None
             events = self._drain_inbox(sched, block=idle)  # blocks only when idle: no busy spin
@@ -327,6 +335,7 @@ class EngineWorker:
             if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
                 break
             t0 = time.perf_counter()
+            clock.start()
             try:
                 events += self._step(engine, sched, sample)
             except Exception as e:  # noqa: BLE001 - never let one step kill the thread
@@ -336,6 +345,7 @@ class EngineWorker:
             self._publish(events)
             with self._lock:
                 self._c.loop_seconds += time.perf_counter() - t0
+            self._observe(clock.stop())
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
         for rid in sched.ids():
@@ -350,6 +360,13 @@ class EngineWorker:
                 self.on_failure(e)
             except Exception:  # noqa: BLE001 - the failure itself is logged already
                 log.exception("on_failure failed")
+
+    def _observe(self, phases: dict[str, float] | None) -> None:
+        if phases is not None and self.on_phase_metrics is not None:
+            try:
+                self.on_phase_metrics(phases)
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                log.exception("on_phase_metrics failed")
 
     def _sync_counts(self, sched: Scheduler) -> None:
         with self._lock:

@@ -1,0 +1,128 @@
+"""Speculative decoding's model side (issue 53; docs/mtp.md): the verify forward, the rollback of rejected draft
+positions, and the MTP block over accepted positions.
+
+- `verify`: every request's [last token, drafts...] chunk through ONE forward of the parallel prefill
+  (model/prefill.py: causal order within a chunk, the same state as token-by-token decoding), every position's
+  logits and the final mHC streams (the MTP block's input) kept.
+- `snapshot` / `rollback`: what the draft positions q = first..last can write, copied before the forward, and
+  written back for the positions a rejection undoes. A position q writes its window ring row q % W, its
+  compressors' state row (coff - 1) m + q % m, at a window's end (q + 1) % m == 0 the entry q // m of its pages
+  and (CSA, coff 2) the roll of the current half into the previous one (rows 0..m-1). With k + 1 <= 4 positions
+  (k <= 3 drafts; m >= 4, W >= 4) no two positions of a chunk share a ring row or a state row, at most one ends
+  a window, and a kept position never needs a row an undone one wrote: so the state after the kept positions
+  is the forward's with those rows put back (the first half only when an undone position rolled it).
+- `draft_rows`: one MTP step (model/mtp.py's draft_step) for pairs (streams at q, the token at q + 1) of
+  distinct requests; a request's accepted positions go through it in order, one call each (rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from dsv4_serve.kernels.upload import upload
+from dsv4_serve.model.mtp import draft_step
+from dsv4_serve.model.prefill import _layers, check_work
+from dsv4_serve.model.state import StateHandle, StatePools
+
+MAX_DRAFTS = 3  # k + 1 positions must fit the smallest compress ratio (4): see the module docstring
+
+
+def verify(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+           ) -> tuple[list[mx.array], mx.array]:  # fmt: skip
+    """work[i] = (handle, token_ids, start): every chunk in ONE forward, causal within each; -> each chunk's logits
+    [len_i, vocab] f32 (row t predicts the token after token t) and the streams after the last layer [T, nc, H]
+    (the chunks' rows in work order). Writes every position's state; lazy (evaluate with pools.arrays())."""
+    check_work(work)
+    gen = _layers(model, pools, work, True, [True] * len(work))
+    hs = None
+    while True:
+        try:
+            hs = next(gen)
+        except StopIteration as stop:
+            return list(stop.value), hs  # type: ignore[arg-type]
+
+
+def _compressors(pools: StatePools) -> list[tuple[str, dict[int, mx.array], int, int]]:
+    """(name, pools, layer, ratio) of every compressor state array: comp_* at the layer's ratio, idx_* at 4."""
+    ratios = pools.args.compress_ratios
+    out = [(n, getattr(pools, n), layer, ratios[layer]) for n in ("comp_kv", "comp_score") for layer in pools.comp_kv]
+    return out + [(n, getattr(pools, n), layer, 4) for n in ("idx_kv", "idx_score") for layer in pools.idx_kv]
+
+
+@dataclass
+class Snapshot:
+    """What positions first..last of one request can write, as it was before they ran."""
+
+    handle: StateHandle
+    first: int
+    last: int
+    ring: dict[int, mx.array] = field(default_factory=dict)  # main layer -> its ring rows [n, D]
+    comp: dict[tuple[str, int], mx.array] = field(default_factory=dict)  # (array, layer) -> the slot's rows
+    entries: list[tuple[dict[int, mx.array], int, int, int, int, mx.array]] = field(default_factory=list)
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.ring.values(), *self.comp.values(), *(e[-1] for e in self.entries)]
+
+
+def snapshot(pools: StatePools, handle: StateHandle, first: int, last: int) -> Snapshot:
+    """Copy what positions first..last (the drafts) can write, before the forward that writes them (queued now:
+    the forward's writes run after it)."""
+    n = last - first + 1
+    w = pools.args.sliding_window
+    if not 1 <= n <= MAX_DRAFTS or n > w:
+        raise ValueError(f"snapshot: {n} draft positions; 1..{min(MAX_DRAFTS, w)} can be rolled back")
+    snap, slot, ratios = Snapshot(handle, first, last), handle.slot, pools.args.compress_ratios
+    rows = mx.array([q % w for q in range(first, last + 1)], dtype=mx.int32)
+    for layer in range(len(ratios)):
+        snap.ring[layer] = pools.window[layer][slot][rows]
+    for name, arrays, layer, _ in _compressors(pools):
+        snap.comp[(name, layer)] = arrays[layer][slot] * 1  # a buffer of its own, not a view
+    page = pools.page_size
+    for layer, r in enumerate(ratios):
+        for q in range(first, last + 1) if r else ():
+            e = q // r
+            if (q + 1) % r or e // page >= len(handle.tables[r]):
+                continue
+            pg, off = handle.tables[r][e // page], e % page
+            for arrays in (pools.ckv, pools.ikeys):
+                if layer in arrays:
+                    snap.entries.append((arrays, layer, q, pg, off, arrays[layer][pg, off] * 1))
+    mx.async_eval(snap.arrays())
+    return snap
+
+
+def rollback(pools: StatePools, snap: Snapshot, kept: int) -> None:
+    """Undo positions first + kept..last of `snap` (the rejected drafts): the state is as if only the positions
+    before them had run. Lazy, like a step's updates (pools stay row-major buffers: mx.contiguous)."""
+    undone = list(range(snap.first + kept, snap.last + 1))
+    if not undone:
+        return
+    slot, w = snap.handle.slot, pools.args.sliding_window
+    sel = mx.array([q - snap.first for q in undone], dtype=mx.int32)
+    ring_rows = mx.array([q % w for q in undone], dtype=mx.int32)
+    for layer, saved in snap.ring.items():
+        pools.window[layer][slot, ring_rows] = saved[sel]
+        pools.window[layer] = mx.contiguous(pools.window[layer])
+    for name, arrays, layer, m in _compressors(pools):
+        coff = 2 if m == 4 else 1
+        rows = sorted({(coff - 1) * m + q % m for q in undone}
+                      | (set(range(m)) if coff == 2 and any((q + 1) % m == 0 for q in undone) else set()))  # fmt: skip
+        ix = mx.array(rows, dtype=mx.int32)
+        arrays[layer][slot, ix] = snap.comp[(name, layer)][ix]
+        arrays[layer] = mx.contiguous(arrays[layer])
+    for arrays, layer, q, pg, off, value in snap.entries:
+        if q in undone:
+            arrays[layer][pg, off] = value
+            arrays[layer] = mx.contiguous(arrays[layer])
+
+
+def draft_rows(model, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int],
+               streams: mx.array, token_ids: Sequence[int]) -> mx.array:  # fmt: skip
+    """One MTP step for distinct requests: row i pairs streams[i] (the main model's at positions[i]) with
+    token_ids[i] (the token at positions[i] + 1); -> draft logits [B, vocab] f32 for the token after it. Writes
+    each row's MTP window ring at its position; lazy."""
+    batch = model.make_batch(pools, handles, positions)
+    return draft_step(model, batch, streams, upload([int(t) for t in token_ids]), pools)

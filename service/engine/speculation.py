@@ -1,0 +1,216 @@
+"""Speculative decoding with the MTP block on the engine thread (issue 53; docs/mtp.md).
+
+With `--speculative-config` an iteration's step is `spec_step`: every planned row's chunk, [its fed token] or
+[its last token, its draft], goes through ONE verify forward (model/speculative.py: the parallel prefill's, causal
+within a chunk; every position's logits and final streams kept). The target rows are sampled with the drafts
+checked (spec_sampler.py), the accepted tokens go through `Scheduler.on_step` one round a token, the rejected
+draft positions are rolled back before anything reads or caches the state, and the MTP block runs on every
+accepted position's streams (its window ring never holds a rejected position) and drafts the next token of each
+row that may speculate next time. Speculation backs off (no draft verified) while requests wait for a row and
+every row is taken; at most max_rows // (k + 1) requests verify drafts a step; guided rows never draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4_serve.model.speculative import Snapshot, draft_rows, rollback, snapshot, verify
+from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
+from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
+from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
+
+if TYPE_CHECKING:
+    from dsv4_serve.service.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    """A request's drafted tokens for positions position + 1.., and the distribution each was drawn from."""
+
+    position: int
+    tokens: list[int]
+    q: mx.array  # [k, V] f32 (unused for greedy rows)
+
+
+@dataclass
+class Speculator:
+    """The engine's speculation: k drafts a request, the drafts waiting for their verify, the counters."""
+
+    k: int
+    max_rows: int
+    drafts: dict[str, Draft] = field(default_factory=dict)
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # ... and accepted
+    verifies: int = 0  # request-steps that verified a draft
+
+    @property
+    def max_spec(self) -> int:
+        """Requests that verify drafts in one step: their k + 1 positions each fit the kernels' 8 rows."""
+        return max(1, self.max_rows // (self.k + 1))
+
+    def propose(self, request: Request, tokens: list[int]) -> list[int]:
+        """The drafts `request` verifies next step, given the MTP block's (a test's subclass forces accept / reject
+        patterns of greedy rows through it)."""
+        return tokens
+
+    def stats(self) -> dict[str, float]:
+        return {"spec_drafted_tokens_total": self.drafted, "spec_accepted_tokens_total": self.accepted,
+                "spec_verify_steps_total": self.verifies}  # fmt: skip
+
+
+def _history(r: Request, extra: list[int]) -> list[int]:
+    p = r.params
+    return r.prompt_ids + r.output_ids + extra if p.repetition_penalty != 1.0 or p.presence_penalty or \
+        p.frequency_penalty else []  # fmt: skip
+
+
+def spec_step(engine: Engine, sched: Scheduler, plan: list[Request],
+              ) -> tuple[list[TokenEvent], int, float | None, None]:  # fmt: skip
+    """The verify step for `plan` and its sampling; (events, tokens emitted, seconds or None if it failed, None)."""
+    from dsv4_serve.service.engine.prompt_logprobs import score_lazy
+
+    spec: Speculator = engine.speculator  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    host = engine.host_seconds
+    backoff = sched.num_waiting > 0 and sched.num_running >= sched.max_rows
+    chunks: list[list[int]] = []
+    drafts: list[Draft | None] = []
+    snaps: dict[int, Snapshot] = {}
+    feeds = sched.feeds(plan)
+    live = {r.request_id for r in sched.running}
+    for rid in [rid for rid in spec.drafts if rid not in live]:  # ended since they drafted
+        del spec.drafts[rid]
+    try:
+        for i, (r, (h, tok, pos)) in enumerate(zip(plan, feeds, strict=True)):
+            d = spec.drafts.pop(r.request_id, None)
+            use = (d is not None and d.position == pos and not backoff and len(snaps) < spec.max_spec
+                   and pos + len(d.tokens) < h.capacity and needs_sample(r) and r.params.guide is None)  # fmt: skip
+            chunks.append([tok] + (d.tokens if use else []))  # type: ignore[union-attr]
+            drafts.append(d if use else None)
+            if use:
+                snaps[i] = snapshot(engine.pools, h, pos + 1, pos + len(d.tokens))  # type: ignore[union-attr]
+        logits, streams = verify(engine.model, engine.pools, [(f[0], c, f[2]) for f, c in zip(feeds, chunks,
+                                                                                              strict=True)])
+        mx.async_eval(logits, streams, engine.pools.arrays())
+        t1 = time.perf_counter()
+        host["build"] += t1 - t0
+        scoring = [i for i, r in enumerate(plan) if r.params.prompt_logprobs is not None and not needs_sample(r)]
+        prompt_lps = [(plan[i], score_lazy(logits[i][:1], [plan[i].prompt_ids[plan[i].fed + 1]],
+                                           plan[i].params.prompt_logprobs or 0)) for i in scoring]  # fmt: skip
+        idx = [i for i, r in enumerate(plan) if needs_sample(r)]
+        emitted: dict[int, list] = {}
+        accepted_n: dict[int, int] = {}
+        if idx:
+            emitted, accepted_n = _sample(engine, plan, idx, chunks, drafts, logits)
+        host["sample"] += time.perf_counter() - t1
+        scored = [sched.scored(r, p.result()) for r, p in prompt_lps]
+        kept: dict[int, int] = {}
+        for i in idx:
+            r, toks = plan[i], [e[0] for e in emitted[i]]
+            c, ends = sched.takes(r, toks)
+            emitted[i] = emitted[i][:c]
+            kept[i] = min(accepted_n[i], c - 1 if ends else c)
+            if i in snaps:
+                rollback(engine.pools, snaps[i], kept[i])
+                spec.drafted += len(chunks[i]) - 1
+                spec.accepted += accepted_n[i]
+                spec.verifies += 1
+    except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
+        log.exception("speculative step failed (%d rows)", len(plan))
+        events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
+        return events + sched.on_step({}), 0, None, None
+    events = scored
+    # One on_step round a token: round 0 feeds every planned row, round j the rows with a j-th token.
+    rounds = max((len(v) for v in emitted.values()), default=1)
+    for j in range(rounds):
+        rows = [r for i, r in enumerate(plan) if (j == 0 or len(emitted.get(i, ())) > j)
+                and r.status is RequestStatus.RUNNING]  # fmt: skip
+        sched.resume(rows)
+        events += sched.on_step({plan[i].request_id: emitted[i][j] for i in emitted if len(emitted[i]) > j
+                                 and plan[i].status is RequestStatus.RUNNING})  # fmt: skip
+    try:
+        _draft_next(engine, sched, spec, plan, feeds, chunks, kept, emitted, streams)
+    except Exception:  # noqa: BLE001 - no drafts next step: the rows go on without speculating
+        log.exception("MTP draft failed (%d rows)", len(plan))
+        spec.drafts.clear()
+    return events, sum(len(v) for v in emitted.values()), time.perf_counter() - t0, None
+
+
+def _sample(engine: Engine, plan: list[Request], idx: list[int], chunks: list[list[int]],
+            drafts: list[Draft | None], logits: list[mx.array]) -> tuple[dict[int, list], dict[int, int]]:  # fmt: skip
+    """Every sampled row's target rows (one a chunk position) checked against its drafts: (row -> the tokens
+    it emits as (token, logprob, top), row -> drafts accepted)."""
+    rows, params, hist, counts, want, qs, owner = [], [], [], [], [], [], []
+    v = engine.vocab_size
+    for i in idx:
+        r, toks, d = plan[i], chunks[i], drafts[i]
+        for j in range(len(toks)):
+            rows.append(logits[i][j : j + 1])
+            params.append(r.params)
+            hist.append(_history(r, toks[1 : j + 1]))
+            counts.append(len(r.output_ids) + j)
+            want.append(toks[j + 1] if j + 1 < len(toks) else -1)
+            qs.append(d.q[j : j + 1] if d is not None and j + 1 < len(toks) else None)
+            owner.append(i)
+    q = None
+    if any(x is not None for x in qs) and not all(p.greedy for p in params):
+        q = mx.concatenate([x if x is not None else mx.zeros((1, v), mx.float32) for x in qs])
+    guides = getattr(engine, "guides", None)
+    masks = guides.masks([plan[i] for i in idx]) if guides is not None else None
+    if masks is not None:
+        masks = np.repeat(masks, [len(chunks[i]) for i in idx], axis=0)
+    pending, accept = verify_lazy(mx.concatenate(rows), params, hist, counts, want, q,
+                                  eos_token_id=engine.eos_token_id, masks=masks)  # fmt: skip
+    tw = time.perf_counter()
+    res, acc = pending.result(), np.array(accept).tolist()
+    engine.host_seconds["wait"] += time.perf_counter() - tw
+    emitted: dict[int, list] = {}
+    accepted: dict[int, int] = {}
+    for i, s, a in zip(owner, res, acc, strict=True):
+        if i in emitted and (accepted[i] < len(emitted[i])):
+            continue  # after a rejection: the rest of this row's target rows are discarded
+        emitted.setdefault(i, []).append(s)
+        accepted[i] = accepted.get(i, 0) + bool(a)
+    return emitted, accepted
+
+
+def _draft_next(engine: Engine, sched: Scheduler, spec: Speculator, plan: list[Request], feeds: list,
+                chunks: list[list[int]], kept: dict[int, int], emitted: dict[int, list],
+                streams: mx.array) -> None:  # fmt: skip
+    """The MTP block over each row's positions that are now final (the fed one and the accepted drafts), a round
+    a position; the last round's logits draft the next token of each row that may speculate next step."""
+    offsets = np.cumsum([0, *map(len, chunks)]).tolist()
+    pairs: dict[int, list[tuple[int, int, int]]] = {}  # row -> (streams row, position, the token after it)
+    for i, (r, (_, _, pos)) in enumerate(zip(plan, feeds, strict=True)):
+        if r.status is not RequestStatus.RUNNING:
+            continue
+        n = kept.get(i, 0)
+        after = [*chunks[i][1 : n + 1], emitted[i][n][0]] if i in emitted else [r.prompt_ids[pos + 1]]
+        pairs[i] = [(offsets[i] + j, pos + j, after[j]) for j in range(n + 1)]
+    last: dict[int, mx.array] = {}
+    for j in range(max((len(p) for p in pairs.values()), default=0)):
+        rows = [i for i, p in pairs.items() if len(p) > j]
+        out = draft_rows(engine.model, engine.pools, [sched.handles[plan[i].request_id] for i in rows],
+                         [pairs[i][j][1] for i in rows], streams[mx.array([pairs[i][j][0] for i in rows])],
+                         [pairs[i][j][2] for i in rows])  # fmt: skip
+        for b, i in enumerate(rows):
+            last[i] = out[b : b + 1]
+    mx.async_eval(engine.pools.arrays())
+    go = [i for i in last if plan[i].output_ids and needs_sample(plan[i]) and plan[i].params.guide is None
+          and sched.will_continue(plan[i]) and plan[i].fed + spec.k < sched.handles[plan[i].request_id].capacity]
+    if not go:
+        return
+    reqs = [plan[i] for i in go]
+    tokens, q = draft_lazy(mx.concatenate([last[i] for i in go]), [r.params for r in reqs],
+                           [_history(r, []) for r in reqs], [len(r.output_ids) for r in reqs],
+                           eos_token_id=engine.eos_token_id)  # fmt: skip
+    for b, (r, t) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
+        spec.drafts[r.request_id] = Draft(r.fed, spec.propose(r, [int(t)]), q[b : b + 1])
