@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -25,9 +25,9 @@ from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
 from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
 from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
 
-if TYPE_CHECKING:
-    from dsv4_serve.service.engine.engine import Engine
-
+# The Engine (service/engine/engine.py) is typed Any here: it builds the Speculator, so importing it back would
+# make an import cycle.
+Engine = Any
 log = logging.getLogger(__name__)
 
 
