@@ -57,6 +57,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         pipeline=not settings.no_pipeline,
         stream_queue=settings.stream_queue,
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
+        on_phase_metrics=ctl.metrics.observe_phases,  # engine thread, once an iteration that did work
         on_failure=ctl.fail_threadsafe,  # engine thread: an engine that cannot serve stops the server
     )
 

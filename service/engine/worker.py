@@ -327,7 +327,8 @@ class EngineWorker:
             return
         self._ready.set()
         self._started.set()
-        clock = PhaseClock(getattr(engine, "host_seconds", None), self._c)
+        clock = PhaseClock(getattr(engine, "host_seconds", None), self._c,
+                           lambda: self._inflight.seconds if self._inflight is not None else 0.0)
         while True:
             idle = not sched.has_work() and self._inflight is None and self._stop_deadline is None
             events = self._drain_inbox(sched, block=idle)  # blocks only when idle: no busy spin
