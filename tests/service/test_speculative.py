@@ -170,3 +170,28 @@ def test_rejection_sampling_follows_the_target_distribution(small, temperature, 
     assert 0.5 * np.abs(draft_freq - p).sum() > 5 * bound  # the drafts alone would fail it
     assert 0.5 * np.abs(draft_freq - qd).sum() < 0.5 * np.sum(4 * np.sqrt(qd * (1 - qd) / n))
     assert np.array(accept).mean() == pytest.approx(np.minimum(p, qd).sum(), abs=0.02)
+
+
+def test_speculation_backs_off_while_requests_wait_for_a_full_batch(tiny) -> None:
+    """max_rows 2, four requests: no draft is verified while two wait for the taken rows; once nobody waits the
+    rows speculate (always-right drafts: each verify accepts)."""
+    reqs = [(p, GREEDY) for p in PROMPTS]
+    want = {rid: tokens_of(ev) for rid, ev in drive(Engine(tiny[0], max_rows=8, max_model_len=64, page_size=4),
+                                                    reqs).items()}  # fmt: skip
+    eng = Engine(tiny[0], max_rows=2, max_model_len=64, page_size=4, speculative=1)
+    eng.speculator = Forced({f"r{i}": [] for i in range(4)}, want)
+    sched = Scheduler(eng, max_rows=2, max_queue=64, eos_token_id=eng.eos_token_id, max_model_len=64)
+    for i, (p, params) in enumerate(reqs):
+        sched.add(Request(f"r{i}", list(p), params))
+    got: dict[str, list[int]] = {}
+    verified = {True: 0, False: 0}  # by "requests waited for a full batch"
+    while sched.has_work():
+        full = bool(sched.num_waiting) and sched.num_running >= 2
+        before = eng.speculator.verifies
+        out, _, _ = iterate(eng, sched, sample_lazy, 2048, lambda: None)
+        verified[full] += eng.speculator.verifies - before
+        for e in out.events:
+            if e.token_id is not None:
+                got.setdefault(e.request_id, []).append(e.token_id)
+    assert got == want
+    assert verified[True] == 0 and verified[False] > 0 and eng.speculator.accepted == eng.speculator.verifies
