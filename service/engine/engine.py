@@ -18,7 +18,7 @@ from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
 from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
-from dsv4_serve.service.engine.speculation import Speculator
+from dsv4_serve.service.engine.speculator import Speculator
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -24,46 +23,12 @@ from dsv4_serve.model.speculative import Snapshot, draft_rows, rollback, snapsho
 from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
 from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
 from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
+from dsv4_serve.service.engine.speculator import Draft, Speculator
 
-# The Engine (service/engine/engine.py) is typed Any here: it builds the Speculator, so importing it back would
-# make an import cycle.
-Engine = Any
+if TYPE_CHECKING:  # engine.py builds the Speculator: a type-checking import only, no import cycle
+    from dsv4_serve.service.engine.engine import Engine
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Draft:
-    """A request's drafted tokens for positions position + 1.., and the distribution each was drawn from."""
-
-    position: int
-    tokens: list[int]
-    q: mx.array  # [k, V] f32 (unused for greedy rows)
-
-
-@dataclass
-class Speculator:
-    """The engine's speculation: k drafts a request, the drafts waiting for their verify, the counters."""
-
-    k: int
-    max_rows: int
-    drafts: dict[str, Draft] = field(default_factory=dict)
-    drafted: int = 0  # draft tokens verified
-    accepted: int = 0  # ... and accepted
-    verifies: int = 0  # request-steps that verified a draft
-
-    @property
-    def max_spec(self) -> int:
-        """Requests that verify drafts in one step: their k + 1 positions each fit the kernels' 8 rows."""
-        return max(1, self.max_rows // (self.k + 1))
-
-    def propose(self, request: Request, tokens: list[int]) -> list[int]:
-        """The drafts `request` verifies next step, given the MTP block's (a test's subclass forces accept / reject
-        patterns of greedy rows through it)."""
-        return tokens
-
-    def stats(self) -> dict[str, float]:
-        return {"spec_drafted_tokens_total": self.drafted, "spec_accepted_tokens_total": self.accepted,
-                "spec_verify_steps_total": self.verifies}  # fmt: skip
 
 
 def _history(r: Request, extra: list[int]) -> list[int]:

@@ -25,7 +25,7 @@ from dsv4_serve.service.engine.request import Request, SamplingParams
 from dsv4_serve.service.engine.sampler import sample_lazy
 from dsv4_serve.service.engine.scheduler import Scheduler
 from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
-from dsv4_serve.service.engine.speculation import Speculator
+from dsv4_serve.service.engine.speculator import Speculator
 from dsv4_serve.service.engine.stepping import iterate
 
 TOL = 1e-4
