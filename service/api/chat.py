@@ -185,6 +185,16 @@ def special_tokens(tokenizer: Any) -> dict[int, str]:
 
 
 _BYTE_CHARS: dict[str, int] | None = None
+# id(tokenizer) -> (the tokenizer, its special ids): get_added_tokens_decoder builds a dict of every added token
+# a call (~13 us), and a completion's text offsets ask once a token. The tokenizer is kept so its id stays its own.
+_SPECIAL_IDS: dict[int, tuple[Any, frozenset[int]]] = {}
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    hit = _SPECIAL_IDS.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _SPECIAL_IDS[id(tokenizer)] = (tokenizer, frozenset(special_tokens(tokenizer)))
+    return hit[1]
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
@@ -198,7 +208,7 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     piece = tokenizer.id_to_token(token_id) if hasattr(tokenizer, "id_to_token") else None
     if piece is None:
         return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
-    if token_id in special_tokens(tokenizer) or not all(c in _BYTE_CHARS for c in piece):
+    if token_id in _special_ids(tokenizer) or not all(c in _BYTE_CHARS for c in piece):
         return piece.encode("utf-8")
     return bytes(_BYTE_CHARS[c] for c in piece)
 
