@@ -38,8 +38,8 @@ from bench.step import flash_args, gpu_profile, most_experts, random_model  # no
 from dsv4_serve.kernels import backend, experts_grouped  # noqa: E402
 from dsv4_serve.model import prefill as mprefill  # noqa: E402
 from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
-from dsv4_serve.model.loader import tiny_model  # noqa: E402
 from dsv4_serve.model.state import StatePools  # noqa: E402
+from dsv4_serve.model.tiny import tiny_model  # noqa: E402
 
 
 def gemm_rate(n: int, reps: int = 5) -> float:

@@ -11,8 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4_serve.model.checkpoint import write_checkpoint
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.model.tokenizer import load_tokenizer
 
 

@@ -91,7 +91,7 @@ def _key(seed: int, name: str) -> mx.array:
 
 
 def _draw(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array) -> mx.array:
-    """One tensor, scaled so that activations stay O(1) (the rules of loader.randomize)."""
+    """One tensor, scaled so that activations stay O(1) (the rules of model.tiny.randomize)."""
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * mx.random.normal(shape, key=key)).astype(dtype)
     if name.endswith(("_scale", "hc_head_scale")):

@@ -105,7 +105,7 @@ def main() -> None:
     from dsv4_serve.model.state import StatePools
 
     if opt.tiny:
-        from dsv4_serve.model.loader import tiny_model
+        from dsv4_serve.model.tiny import tiny_model
 
         model, args, _ = tiny_model(seed=0)
         opt.layers = args.num_hidden_layers

@@ -44,7 +44,8 @@ def build_engine(
     rank 0 gets a LeaderEngine (service/engine/follower.py), the others a plain Engine for `follow()`;
     prefill_chunk (the worker's prompt tokens a step) sizes the leader's plan messages. speculative: drafts a step
     with the MTP block (0: off, and a checkpoint's MTP block is not loaded)."""
-    from dsv4_serve.model.loader import load_model, tiny_model
+    from dsv4_serve.model.loader import load_model
+    from dsv4_serve.model.tiny import tiny_model
     from dsv4_serve.model.tokenizer import load_tokenizer
 
     sharded = group is not None and group.size() > 1  # type: ignore[attr-defined]

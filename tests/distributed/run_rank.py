@@ -69,7 +69,7 @@ def engine_greedy(engine) -> list[list[int]]:
 
 def main() -> None:
     from dsv4_serve.model.distributed import shard_model
-    from dsv4_serve.model.loader import tiny_model
+    from dsv4_serve.model.tiny import tiny_model
 
     group = mx.distributed.init(strict=True)
     if sys.argv[2:] == ["--engine"]:

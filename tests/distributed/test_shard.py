@@ -14,7 +14,8 @@ import dsv4_serve.model.loader as loader
 from dsv4_serve.model.checkpoint import write_checkpoint
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.distributed import ShardedMoE, check_shardable, load_sharded, shard_model
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
+from dsv4_serve.model.tiny import tiny_model
 
 
 @dataclass

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from dsv4_serve.model.checkpoint import write_checkpoint
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
+from dsv4_serve.model.tiny import tiny_model
 from tests.distributed.run_rank import greedy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx  # noqa: E402
 
 from dsv4_serve.kernels import backend  # noqa: E402
-from dsv4_serve.model.loader import tiny_model  # noqa: E402
 from dsv4_serve.model.state import StatePools  # noqa: E402
+from dsv4_serve.model.tiny import tiny_model  # noqa: E402
 
 
 def run(model, args, prompt: list[int], prefill: bool, n: int = 6, settle: bool = False) -> list[int]:

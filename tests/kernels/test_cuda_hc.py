@@ -50,8 +50,8 @@ def test_hc_pre_mix_bad_arguments_are_named() -> None:
 
 def test_tiny_model_decode_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy decode of the tiny f32 model: the same logits with the kernel as with the reference."""
-    from dsv4_serve.model.loader import tiny_model
     from dsv4_serve.model.state import StatePools
+    from dsv4_serve.model.tiny import tiny_model
 
     def run() -> np.ndarray:
         model, args, _ = tiny_model(seed=0)  # fresh: compiled segments trace the current op choice

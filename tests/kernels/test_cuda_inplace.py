@@ -154,7 +154,7 @@ def test_tiny_model_decode_in_place_equals_functional(prefill: bool, monkeypatch
     of a broadcast: the divergence found and fixed in 79b27c3; model/state.py keeps every state array a
     full buffer)."""
     import dsv4_serve.model.attention as att
-    from dsv4_serve.model.loader import tiny_model
+    from dsv4_serve.model.tiny import tiny_model
     from tests.kernels.inplace_model import run
 
     model, args, _ = tiny_model(seed=0)

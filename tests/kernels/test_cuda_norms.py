@@ -72,8 +72,8 @@ def test_tiny_model_decode_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch
     post-mix, router, MoE combine) as with the references."""
     from dsv4_serve.kernels.cuda.hc_fused import hc_pre_rows_cuda
     from dsv4_serve.kernels.cuda.router import moe_combine_rows_cuda, router_topk_cuda
-    from dsv4_serve.model.loader import tiny_model
     from dsv4_serve.model.state import StatePools
+    from dsv4_serve.model.tiny import tiny_model
 
     def run() -> np.ndarray:
         model, args, _ = tiny_model(seed=0)  # fresh: compiled segments trace the current op choice

@@ -15,9 +15,10 @@ from dsv4_serve.model.checkpoint import write_checkpoint
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.distributed import ShardedMoE, shard_model
 from dsv4_serve.model.dummy import cut, dummy_model, preset_args, resident_bytes, resolve_args
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
 from dsv4_serve.model.quant import QuantizedExperts
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from tests.distributed.test_shard import FakeGroup
 
 

@@ -13,7 +13,8 @@ import pytest
 
 import dsv4_serve.model.load_progress as load_progress
 from dsv4_serve.model.checkpoint import write_checkpoint
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
+from dsv4_serve.model.tiny import tiny_model
 
 
 def header_bytes(path: Path) -> int:

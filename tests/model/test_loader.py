@@ -21,9 +21,10 @@ from dsv4_serve.model.checkpoint import (
     write_safetensors,
 )
 from dsv4_serve.model.config import ModelArgs
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
 from dsv4_serve.model.quant import dequant_fp4, dequant_fp8
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 
 Tensors = list[tuple[str, str, np.ndarray]]
 

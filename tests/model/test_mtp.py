@@ -16,10 +16,11 @@ from dsv4_serve.model.checkpoint import SINGLE, release_tensors, write_checkpoin
 from dsv4_serve.model.cli import make_tiny_main
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.dummy import dummy_model
-from dsv4_serve.model.loader import load_model, tiny_model
+from dsv4_serve.model.loader import load_model
 from dsv4_serve.model.mtp import draft_step
 from dsv4_serve.model.quant import QuantizedExperts
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from tests.model.mtp_twin import MTPTwin, read_safetensors
 
 # Row r joins at step STARTS[r] (position 0 then): a step has 1..8 rows at ragged positions, row 0 reaches

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from tests.model.test_prefill import assert_same_state
 
 PAGE, LENS, GEN = 8, (300, 77, 141), 32

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dsv4_serve.kernels import experts_grouped as eg
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.quant import quantize_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 
 LEN = 40
 

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.prefill import Forward
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from tests.model.test_prefill import assert_same_state
 from tests.model.test_prefill_batch import slot_state
 

@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.speculative import MAX_DRAFTS, rollback, snapshot, verify
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 
 CAP, PAGE = 160, 4
 TOL = 1e-4  # f32 summation order (seen: 3e-6); a rejected draft left in place is off by 1e-2 or more

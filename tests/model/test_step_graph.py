@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 from dsv4_serve.kernels.matmul import weights_as_stored
 from dsv4_serve.model.checkpoint import is_f32_compute, is_f32_resident
-from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.tiny import tiny_model
 
 
 def graph_nodes(tmp_path, *outs: mx.array) -> collections.Counter:

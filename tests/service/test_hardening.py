@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.model.tokenizer import build_tiny_tokenizer
 from dsv4_serve.service.__main__ import build_parser, serve
 from dsv4_serve.service.api import limits

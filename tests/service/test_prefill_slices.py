@@ -15,8 +15,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.request import FinishReason, SamplingParams
 from tests.service.test_worker import MAX_LEN, PAGE, reference, run, tokens, wait_for

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.request import SamplingParams
 from dsv4_serve.service.engine.worker import EngineWorker

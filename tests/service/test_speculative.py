@@ -17,9 +17,9 @@ import pytest
 
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.deepseek_v4 import DeepseekV4
-from dsv4_serve.model.loader import randomize, tiny_model
 from dsv4_serve.model.speculative import draft_rows
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import randomize, tiny_model
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.request import Request, SamplingParams
 from dsv4_serve.service.engine.sampler import sample_lazy

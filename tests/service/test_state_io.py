@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.request import StateConflict, StateError, StateNotFound
 from dsv4_serve.service.engine.state_format import MAGIC, Layout, open_state, seal

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.model.loader import tiny_model
 from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.request import FinishReason, SamplingParams, TokenEvent
 from dsv4_serve.service.engine.sampler import sample
