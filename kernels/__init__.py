@@ -19,6 +19,14 @@ from dsv4_serve.kernels.compressor import (
     compressor_rows_inplace_reference,
     compressor_rows_reference,
 )
+from dsv4_serve.kernels.glue import (
+    embed_streams_reference,
+    hc_head_rows_reference,
+    index_weights_rows_reference,
+    rms_rope_ring_rows_reference,
+    rope_step_tables_reference,
+    router_hash_reference,
+)
 from dsv4_serve.kernels.hc import hc_pre_composed, hc_pre_mix_reference, hc_pre_norm_composed
 from dsv4_serve.kernels.indexer import indexer_rows_reference
 from dsv4_serve.kernels.norms import hc_post_rows_reference, rms_norm_rows_reference
@@ -40,6 +48,12 @@ __all__ = [
     "compressor_pair_rows_inplace",
     "compressor_rows",
     "compressor_rows_inplace",
+    "embed_streams",
+    "hc_head_rows",
+    "index_weights_rows",
+    "rms_rope_ring_rows",
+    "rope_step_tables",
+    "router_hash",
     "hc_pre_mix",
     "hc_post_rows",
     "hc_pre_composed",
@@ -232,3 +246,46 @@ def prefill_attention(q: mx.array, ring: mx.array, kv: mx.array, start: int, poo
     CUDA (kernels/cuda/prefill_attention.py)."""
     fn = backend.pick("prefill_attention", prefill_attention_reference)
     return fn(q, ring, kv, start, pool, table, indices, sinks, scale=scale, ratio=ratio)
+
+
+# The step's glue between launches (kernels/glue.py): its former MLX ops as references, own kernels on CUDA with
+# DSV4_GRAPH_GLUE=1 (kernels/cuda/glue.py, glue_rope.py), so that a step is launches only (docs/cuda_graphs.md).
+def rope_step_tables(freqs: mx.array, positions: mx.array, *, ratio: int, head_dim: int, index_dim: int
+                     ) -> tuple[mx.array, ...]:  # fmt: skip
+    """A layer kind's RoPE tables at the step's positions: (C, S[, ccos, csin][, Ci, Si], -S)."""
+    fn = backend.pick("rope_step_tables", rope_step_tables_reference)
+    return fn(freqs, positions, ratio=ratio, head_dim=head_dim, index_dim=index_dim)
+
+
+def rms_rope_ring_rows(x: mx.array, c: mx.array, s: mx.array, window: mx.array, slots: mx.array,
+                       positions: mx.array, ring: mx.array | None = None, *, weight: mx.array | None = None,
+                       eps: float | None = None) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """rms_rope_rows of the window kv [B, D] written into `window[slots, positions % ring length]` -> (window,
+    token). The CUDA kernel writes the ring in place and returns a token its readers take (`after=`, as
+    compressor_rows_inplace's); the reference scatters (`ring`: the step's positions % length, if made) and
+    returns None."""
+    fn = backend.pick("rms_rope_ring_rows", rms_rope_ring_rows_reference)
+    return fn(x, c, s, window, slots, positions, ring, weight=weight, eps=eps)
+
+
+def router_hash(logits: mx.array, tid2eid: mx.array, token_ids: mx.array, *, route_scale: float
+                ) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """A hash layer's experts: (tid2eid[token] as uint32 [B, k], their normalised sqrt(softplus) weights)."""
+    return backend.pick("router_hash", router_hash_reference)(logits, tid2eid, token_ids, route_scale=route_scale)
+
+
+def index_weights_rows(x: mx.array, weight: mx.array, *, scale: float) -> mx.array:
+    """The indexer's head weights: (x @ weight.T) in x's dtype, then f32 * scale -> [B, heads]."""
+    return backend.pick("index_weights_rows", index_weights_rows_reference)(x, weight, scale=scale)
+
+
+def embed_streams(table: mx.array, token_ids: mx.array, nc: int) -> mx.array:
+    """The tokens' embedding rows as the nc mHC streams [B, nc, H], contiguous."""
+    return backend.pick("embed_streams", embed_streams_reference)(table, token_ids, nc)
+
+
+def hc_head_rows(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, norm_eps: float,
+                 hc_eps: float) -> mx.array:  # fmt: skip
+    """The HyperHead's collapse of the streams h [B, nc, H] -> [B, H] in h's dtype (before the final norm)."""
+    return backend.pick("hc_head_rows", hc_head_rows_reference)(h, fn, scale, base, norm_eps=norm_eps,
+                                                                hc_eps=hc_eps)  # fmt: skip

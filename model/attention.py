@@ -45,15 +45,16 @@ class Compressor(nn.Module):
         return kernels.CompressorArgs(proj[0], proj[1], self["ape"].astype(mx.float32), self["norm"]["weight"],
                                       kv_state, score_state, pool, self.dim)  # fmt: skip
 
-    def apply(self, batch, proj, kv_state, score_state, pool, eps, workspace=None):
+    def apply(self, batch, proj, kv_state, score_state, pool, eps, workspace=None, after=None):
         """-> (kv_state, score_state, pool, token): kernels.compressor_rows_inplace (on CUDA written in
-        place; the pool's readers take `after=token`); with INPLACE_COMPRESSOR off, the functional
-        update and token None."""
+        place; the pool's readers take `after=token`; `after`: the window ring write's token, passed on so
+        that the attention after this token reads the ring written); with INPLACE_COMPRESSOR off, the
+        functional update and `after` as the token."""
         a = self.inputs(proj, kv_state, score_state, pool)
         kw = dict(ratio=self.ratio, head_dim=self.dim, eps=eps, cos=proj[2], sin=proj[3])
         if INPLACE_COMPRESSOR:
-            return kernels.compressor_rows_inplace(batch, *a[:7], **kw, workspace=workspace)
-        return (*kernels.compressor_rows(batch, *a[:7], **kw), None)
+            return kernels.compressor_rows_inplace(batch, *a[:7], **kw, after=after, workspace=workspace)
+        return (*kernels.compressor_rows(batch, *a[:7], **kw), after)
 
 
 class Indexer(nn.Module):
@@ -99,29 +100,36 @@ class Attention(nn.Module):
         qa, kva = linear_cat(x, self.wq_a, self.wkv)  # the two projections of x: one launch on CUDA
         qr = self.q_norm(qa)
         qb, qib = linear_cat(qr, self.wq_b, self.indexer.wq_b) if r == 4 else (self.wq_b(qr), None)
-        # each q head's unweighted RMS and the window kv's kv_norm, then RoPE: one op (one launch on CUDA) each
+        # each q head's unweighted RMS, then RoPE: one op (one launch on CUDA); the window kv's (kv_norm) goes with
+        # its ring write in `attend` (kernels.rms_rope_ring_rows), so kva is passed on as projected
         q = kernels.rms_rope_rows(qb.reshape(b, nh, d), c, s, eps=eps)
-        kv = kernels.rms_rope_rows(kva, c, s, weight=self.kv_norm.weight, eps=self.kv_norm.eps)
-        out = (q, kv, c, s)
+        out = (q, kva, c, s)
         if r:
             out += self.compressor.project(x, ccos, csin)
         if r == 4:
             ix = self.indexer
             q_i = kernels.rms_rope_rows(qib.reshape(b, ix.n_heads, ix.head_dim), ci, si)
-            w = ix.weights_proj(x).astype(mx.float32) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)
+            scale = ix.head_dim**-0.5 * ix.n_heads**-0.5
+            wp = ix.weights_proj
+            w = (wp(x).astype(mx.float32) * scale if isinstance(wp, nn.QuantizedLinear)
+                 else kernels.index_weights_rows(x, wp.weight, scale=scale))  # fmt: skip
             out += (q_i, w, *ix.compressor.project(x, ccos, csin))
         return out
 
     def attend(self, proj: tuple[mx.array, ...], batch: kernels.RowBatch, pools: StatePools) -> mx.array:
         """The kernel part: window write, compressor(s), indexer, sparse attention; o [B, nh, D]."""
         a, layer, r = self.args, self.layer, self.ratio
-        q, kv = proj[0], proj[1]
-        # Window ring: row p % W, written before attention (the current token is one of the W keys);
-        # p % W once per step (batch.once), not once per layer.
+        q = proj[0]
+        # Window ring: row p % W, written before attention (the current token is one of the W keys), the kv's
+        # norm + RoPE with it; p % W once per step (batch.once), not once per layer. On CUDA with
+        # DSV4_GRAPH_GLUE=1 one kernel writes the ring in place: its token orders the ring's readers.
         w = a.sliding_window
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
-        pools.window[layer][batch.slots, ring] = kv.astype(pools.dtype)
-        pool, indices, after, ik_after = None, None, None, None
+        pools.window[layer], wtok = kernels.rms_rope_ring_rows(
+            proj[1], proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
+            weight=self.kv_norm.weight, eps=self.kv_norm.eps,
+        )  # fmt: skip
+        pool, indices, after, ik_after = None, None, wtok, None
         if r:
             comp = self["compressor"]  # nn.Module's children are dict items: [] skips its __getattr__ (~0.5 us)
             main = (pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer])
@@ -131,11 +139,11 @@ class Attention(nn.Module):
         if r == 4 and INPLACE_COMPRESSOR:  # the main and the indexer's compressor: one dispatch
             main, idx, after = kernels.compressor_pair_rows_inplace(
                 batch, comp.inputs(proj[4:8], *main), ix["compressor"].inputs(proj[10:14], *idx),
-                ratio=4, eps=a.rms_norm_eps, cos=proj[6], sin=proj[7],
+                ratio=4, eps=a.rms_norm_eps, cos=proj[6], sin=proj[7], after=wtok,
             )  # fmt: skip
             ik_after = after
         elif r:
-            *main, after = comp.apply(batch, proj[4:8], *main, a.rms_norm_eps, pools.comp_ws.get(layer))
+            *main, after = comp.apply(batch, proj[4:8], *main, a.rms_norm_eps, pools.comp_ws.get(layer), wtok)
             if r == 4:
                 *idx, ik_after = ix["compressor"].apply(batch, proj[10:14], *idx, a.rms_norm_eps)
         if r:

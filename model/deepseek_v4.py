@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from dsv4_serve import kernels
 from dsv4_serve.kernels import Row, RowBatch
 from dsv4_serve.kernels.matmul import f32_linear_rows
 from dsv4_serve.kernels.upload import upload
@@ -80,9 +81,12 @@ class DeepseekV4(nn.Module):
     def streams(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
         """The step's mHC streams after the last layer [B, nc, H]: the MTP block's input (model/mtp.py)."""
         a = self.args
-        x = self.embed(token_ids)
-        # laid out once: the first layer's pre- and post-mix kernels would each copy the strided broadcast
-        hs = mx.contiguous(mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1])))
+        if isinstance(self.embed, nn.QuantizedEmbedding):
+            x = self.embed(token_ids)
+            # laid out once: the first layer's pre- and post-mix kernels would each copy the strided broadcast
+            hs = mx.contiguous(mx.broadcast_to(x[:, None, :], (x.shape[0], a.hc_mult, x.shape[1])))
+        else:  # the same gather and layout (one kernel on CUDA with DSV4_GRAPH_GLUE=1)
+            hs = kernels.embed_streams(self.embed["weight"], token_ids, a.hc_mult)
         for i, block in enumerate(self.layers):
             hs = block(hs, token_ids, batch, pools, self._freqs[a.layer_ratio(i) != 0])
         return hs

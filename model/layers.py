@@ -89,23 +89,15 @@ def rope_angles(freqs: mx.array, positions: mx.array, ratio: int, args: ModelArg
     return out
 
 
-_compiled_angles: dict[int, tuple[ModelArgs, object]] = {}
-
-
 def step_angles(freqs: mx.array, positions: mx.array, ratio: int, args: ModelArgs) -> tuple[mx.array, ...]:
-    """The decode step's `rope_angles` and, last, -S (the output's de-rotation), under mx.compile (one function a
-    layer kind, traced once a batch size): their ~20-45 small ops (products, cos / sin, sign flips, layout) are
-    a few fused kernels and one replay of Python's. The same values bit for bit (checked on the CPU; on CUDA the
-    fused kernel calls the same cosf / sinf, MLX compiles neither with fast math, and no product meets a sum to
-    contract). Prefill's T-row positions call rope_angles itself: a trace a T would cost more than it saves."""
-    entry = _compiled_angles.get(ratio)
-    if entry is None or entry[0] is not args:
-        def angles(freqs: mx.array, positions: mx.array) -> tuple[mx.array, ...]:
-            out = rope_angles(freqs, positions, ratio, args)
-            return (*out, -out[1])
-
-        entry = _compiled_angles[ratio] = (args, mx.compile(angles))
-    return entry[1](freqs, positions)
+    """The decode step's `rope_angles` and, last, -S (the output's de-rotation): `kernels.rope_step_tables`, the
+    same ops under mx.compile (one function a layer kind, traced once a batch size: their ~20-45 small ops are a
+    few fused kernels; the same values bit for bit, checked on the CPU; on CUDA the fused kernel calls the same
+    cosf / sinf, MLX compiles neither with fast math, and no product meets a sum to contract), one kernel with
+    DSV4_GRAPH_GLUE=1 on CUDA. Prefill's T-row positions call rope_angles itself: a trace a T would cost more
+    than it saves."""
+    return kernels.rope_step_tables(freqs, positions, ratio=ratio, head_dim=args.head_dim,
+                                    index_dim=args.index_head_dim)  # fmt: skip
 
 
 _compiled_pre: dict[object, object] = {}
@@ -115,7 +107,6 @@ def reset_compiled() -> None:
     """Forget the compiled pre-mix functions (they traced the kernel choice of their first call; a call
     inside a compiled segment retraces anyway, a direct call, as in prefill, does not) and the RoPE tables'."""
     _compiled_pre.clear()
-    _compiled_angles.clear()
 
 
 def _hc_pre(
@@ -152,11 +143,8 @@ def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.arra
 
 
 def hc_head(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, args: ModelArgs) -> mx.array:
-    """HyperHead: sigmoid weights only, no Sinkhorn and no post."""
-    b = h.shape[0]
-    f = kernels.rms_norm_rows(h.reshape(b, -1), None, eps=args.rms_norm_eps, out_dtype=mx.float32)
-    pre = mx.sigmoid((f @ fn.astype(mx.float32).T) * scale + base) + args.hc_eps
-    return mx.sum(pre[:, :, None] * h.astype(mx.float32), axis=1).astype(h.dtype)
+    """HyperHead: sigmoid weights only, no Sinkhorn and no post (kernels.hc_head_rows)."""
+    return kernels.hc_head_rows(h, fn, scale, base, norm_eps=args.rms_norm_eps, hc_eps=args.hc_eps)
 
 
 def swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
@@ -184,12 +172,8 @@ class Gate(nn.Module):
         logits = kmatmul.f32_linear_rows(x, self.weight)  # REF: f32 product, the weight upcast
         if not self.hashed:  # scores, biased top-k, normalised weights: kernels.router_topk (1 kernel on CUDA)
             return kernels.router_topk(logits, self.bias, k=self.k, route_scale=self.route_scale)
-        scores = mx.sqrt(nn.softplus(logits))
-        # uint32 expert ids, the dtype gather_mm takes: no cast per MoE
-        idx = self.tid2eid[token_ids].astype(mx.uint32)
-        w = mx.take_along_axis(scores, idx, axis=-1)
-        w = w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20) * self.route_scale
-        return idx, w
+        # uint32 expert ids (the dtype gather_mm takes) and their normalised weights: kernels.router_hash
+        return kernels.router_hash(logits, self.tid2eid, token_ids, route_scale=self.route_scale)
 
 
 _lhs_cache: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}

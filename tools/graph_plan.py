@@ -6,7 +6,7 @@ The CUDA path runs with each kernel stood in for (a launch returns zero buffers 
 launch list, grids and argument sizes are the GPU's for the same shapes and dtypes), MLX's compile off so every
 launch is seen, and `kernels.graph.record.Recorder` keeping them.
 
-    python tools/graph_plan.py [--tiny] [--layers 4] [--experts 8] [--rows 1,8] [--json out.json] [--gaps 12]
+    python tools/graph_plan.py [--tiny] [--glue] [--layers 4] [--experts 8] [--rows 1,8] [--json out.json] [--gaps 12]
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def pool_arrays(pools) -> dict[str, mx.array]:  # noqa: ANN001
     pool = {f"pool{i}": a for i, a in enumerate(pools.arrays())}
     pool.update({f"comp_ws{k}": v for k, v in pools.comp_ws.items()})
     pool.update({f"idx_ws{k}": v for k, v in pools.idx_ws.items()})
+    from dsv4_serve.kernels.cuda import hc_fused
+
+    if hc_fused.WORKSPACE is not None:  # the split pre-mix's tickets and partials: made once, reset by its launches
+        pool["hc_ws"] = hc_fused.WORKSPACE
     return pool
 
 
@@ -42,6 +46,7 @@ def named_arrays(model, pools, batch, tokens) -> dict[str, dict[str, mx.array]]:
     weights = {k: v for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
     pool = pool_arrays(pools)
     consts = {str(k): v for k, v in common._consts.items() if isinstance(v, mx.array)}
+    consts.update({f"freqs_{k}": f for k, f in model._freqs.items()})  # the RoPE frequencies, made at load
     step = {"tokens": tokens, "slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
             **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
     return {"step": step, "weight": weights, "pool": pool, "const": consts}
@@ -55,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--gaps", type=int, default=12, help="gaps to list (by argument)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--glue", action="store_true", help="the step's glue as own kernels (DSV4_GRAPH_GLUE=1)")
     ap.add_argument("--emit", type=Path, help="write each distinct kernel's translation unit (kernels.graph.codegen) "
                     "here, for nvcc")  # fmt: skip
     opt = ap.parse_args()
@@ -67,6 +73,10 @@ def main() -> None:
     rec.install()
     import dsv4_serve.kernels.cuda  # noqa: F401  (registers the fast ops, their kernels through the recorder)
     from dsv4_serve.kernels import backend
+    from dsv4_serve.kernels.cuda import set_graph_glue
+
+    if opt.glue:
+        set_graph_glue(True)
 
     backend._use_fast = lambda: True
     mx.disable_compile()  # every launch seen: no traced segment hides them

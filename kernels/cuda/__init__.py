@@ -50,6 +50,13 @@ from dsv4_serve.kernels.cuda.compressor_inplace import compressor_rows_inplace_c
 from dsv4_serve.kernels.cuda.compressor_pair import compressor_pair_rows_inplace_cuda
 from dsv4_serve.kernels.cuda.dequant import dequantize_mxfp8_cuda
 from dsv4_serve.kernels.cuda.experts_grouped import grouped_experts_cuda
+from dsv4_serve.kernels.cuda.glue import (
+    embed_streams_cuda,
+    hc_head_rows_cuda,
+    index_weights_rows_cuda,
+    router_hash_cuda,
+)
+from dsv4_serve.kernels.cuda.glue_rope import rms_rope_ring_rows_cuda, rope_step_tables_cuda
 from dsv4_serve.kernels.cuda.hc import hc_pre_mix_cuda
 from dsv4_serve.kernels.cuda.hc_fused import hc_pre_norm_rows_cuda, hc_pre_rows_cuda
 from dsv4_serve.kernels.cuda.indexer import indexer_rows_cuda
@@ -165,7 +172,26 @@ if GLUE_KERNELS:
     backend.register("moe_combine_rows", moe_combine_rows_cuda)
     backend.register("moe_combine_post_rows", moe_combine_post_rows_cuda)
     backend.register("rms_rope_rows", rms_rope_rows_cuda)
+# The step's remaining MLX glue between launches as own kernels (kernels/cuda/glue.py, glue_rope.py: the RoPE
+# tables of the step's positions, the window ring's write inside the kv's norm + RoPE, the hashed router, the
+# indexer's head weights, the embedding as the mHC streams, the HyperHead's collapse), so that a step is launches
+# only and can be captured as a CUDA graph (docs/cuda_graphs.md). Off unless DSV4_GRAPH_GLUE=1 until its gpu
+# tests (tests/kernels/test_cuda_glue.py) have run and the step has been timed with it on the H200.
+GRAPH_GLUE = os.environ.get("DSV4_GRAPH_GLUE", "0").strip() not in ("0", "")
+_GLUE_OPS = {"rope_step_tables": rope_step_tables_cuda, "rms_rope_ring_rows": rms_rope_ring_rows_cuda,
+             "router_hash": router_hash_cuda, "index_weights_rows": index_weights_rows_cuda,
+             "embed_streams": embed_streams_cuda, "hc_head_rows": hc_head_rows_cuda}  # fmt: skip
 
+
+def set_graph_glue(on: bool) -> None:
+    """Register (or drop) the glue kernels: DSV4_GRAPH_GLUE at import; tools/graph_plan.py --glue, tests."""
+    global GRAPH_GLUE
+    GRAPH_GLUE = on
+    for op, fn in _GLUE_OPS.items():
+        backend.register(op, fn) if on else backend.unregister(op)
+
+
+set_graph_glue(GRAPH_GLUE)
 
 def _batch(page_size: int, ratios: Iterable[int]) -> RowBatch:
     # position 511: emits for ratio 4 and 128, 128 ratio-4 entries, 4 ratio-128 entries
