@@ -183,3 +183,26 @@ def test_tool_plans_the_tiny_step(tmp_path: Path) -> None:
         assert row["buffers"]["step"] == 6  # tokens, slots, positions, q_rows and the two ratios' tables
         assert row["buffers"]["weight"] > 0 and row["buffers"]["arena"] > 0
     assert f"rows 3: {rep['rows3']['launches']} launches" in r.stdout
+
+
+@pytest.mark.parametrize("experts", [16, 8])
+def test_tool_plans_the_flash_step_without_gaps_with_the_glue_kernels(tmp_path: Path, experts: int) -> None:
+    """V4-Flash dims, 4 layers (hashed, CSA, HCA, sliding), DSV4_GRAPH_GLUE's kernels: every argument of every
+    launch is a weight, a pool, a constant, a step input or an earlier launch's output, and no MLX op writes
+    a pool. At 8 experts the router's logits stay MLX's: f32_linear_rows' kernel takes 16 outputs at a time
+    (kernels/cuda/matmul.py geometry: n % 16), which 16 and the release's 256 experts are."""
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "tools/graph_plan.py", "--glue", "--layers", "4", "--experts", str(experts),
+                        "--rows", "1,8", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    for rows in (1, 8):
+        row = rep[f"rows{rows}"]
+        assert row["one_graph"] is True, row["differs"]
+        gap_args = {name.rsplit("_", 1)[0]: n for name, n in row["gap_args"]}
+        if experts == 16:
+            assert row["gaps"] == 0 and row["buffers"]["gap"] == 0, row["gap_args"]
+        else:  # the 3 hash layers' logits (router_hash) and the top-k layer's (router_topk)
+            assert gap_args == {"dsv4_router_hash": 3, "dsv4_router_topk": 1}, row["gap_args"]
+            assert all(name.endswith(".logits") for name, _ in row["gap_args"])

@@ -65,17 +65,25 @@ def test_replayed_chain_equals_mlx() -> None:
         common._plans.update(saved[1])
 
 
+GLUE_KERNELS = ("rope_tables0", "rope_tables4", "rope_tables128", "rms_rope_ring", "router_hash", "index_weights",
+                "embed_streams", "hc_head")  # fmt: skip
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-def test_every_step_kernel_compiles_as_generated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("glue", [False, True], ids=["plain", "glue"])
+def test_every_step_kernel_compiles_as_generated(tmp_path: Path, glue: bool) -> None:
     """The translation units the runtime hands NVRTC, for every distinct kernel of a V4-Flash step (4 layers:
-    sliding, CSA, HCA; 8 rows), compile for sm_90 with nvcc."""
+    sliding, CSA, HCA; 8 rows), compile for sm_90 with nvcc; with the glue kernels (DSV4_GRAPH_GLUE) too."""
     r = subprocess.run([sys.executable, "tools/graph_plan.py", "--layers", "4", "--experts", "8", "--rows", "8",
-                        "--emit", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--emit", str(tmp_path), *(["--glue"] if glue else [])], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     units = {}
     for f in sorted(tmp_path.glob("*.cu")):
         units.setdefault(f.name.rsplit("_", 1)[0], f)  # one unit a kernel source (its variants differ in values)
     assert len(units) >= 10
+    names = {n.removeprefix("dsv4_").rsplit("_", 1)[0] for n in units}
+    assert all((k in names) == glue for k in GLUE_KERNELS), names
 
     def nvcc(f: Path) -> tuple[str, int, str]:
         p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "--ptx", "-o", str(f.with_suffix(".ptx")), str(f)],
