@@ -22,6 +22,8 @@ must go through `draft_step` once for its drafts to be the trained ones (docs/mt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -29,8 +31,8 @@ from dsv4_serve.kernels import RowBatch
 from dsv4_serve.kernels.matmul import f32_linear_rows
 from dsv4_serve.model.block import Block
 from dsv4_serve.model.config import ModelArgs
-from dsv4_serve.model.layers import RMSNorm, hc_head
-from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.layers import RMSNorm, hc_head, rope_angles
+from dsv4_serve.model.state import StateHandle, StatePools
 
 
 class MTPBlock(Block):
@@ -56,11 +58,12 @@ class MTPBlock(Block):
         return x + e[:, None, :]
 
     def draft(self, streams: mx.array, token_ids: mx.array, batch: RowBatch, pools: StatePools, embed: nn.Module,
-              head: mx.array, freqs: mx.array) -> mx.array:  # fmt: skip
-        """Draft logits [B, vocab] f32; writes the rows' MTP window ring (lazily, as a decode step)."""
+              head: mx.array, freqs: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+        """(draft logits [B, vocab] f32, the block's output streams [B, nc, H]: a chained step's input); writes
+        the rows' MTP window ring (lazily, as a decode step)."""
         hs = self(self.mix_in(streams, embed(token_ids)), token_ids, batch, pools, freqs)
         y = self.norm(hc_head(hs, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args))
-        return f32_linear_rows(y, head)  # REF: the shared head, in f32
+        return f32_linear_rows(y, head), hs  # REF: the shared head, in f32
 
 
 def draft_step(model, batch: RowBatch, streams: mx.array, token_ids: mx.array, pools: StatePools) -> mx.array:
@@ -68,6 +71,13 @@ def draft_step(model, batch: RowBatch, streams: mx.array, token_ids: mx.array, p
     (`DeepseekV4.streams` of the step on the same batch), token_ids [B] the tokens sampled from them (t_{p+1}).
     Returns the draft logits [B, vocab] f32 for t_{p+2} and writes each row's MTP ring at p; lazy (the caller
     evaluates the logits with `pools.arrays()`). Touches no state of the main model's layers."""
+    return draft_streams(model, batch, streams, token_ids, pools)[0]
+
+
+def draft_streams(model, batch: RowBatch, streams: mx.array, token_ids: mx.array,
+                  pools: StatePools) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """`draft_step`, and the block's output streams [B, nc, H]: chained drafting (k > 1) feeds them back as the
+    next position's `streams` with the draft as its token, as vLLM's MTP proposer chains the layer."""
     if not model.mtp:
         raise ValueError("draft_step: the model has no MTP block (num_nextn_predict_layers is 0)")
     if not pools.mtp:
@@ -77,3 +87,33 @@ def draft_step(model, batch: RowBatch, streams: mx.array, token_ids: mx.array, p
         raise ValueError(f"draft_step: streams {tuple(streams.shape)} / token_ids {tuple(token_ids.shape)} for "
                          f"{b} rows: expected ({b}, {a.hc_mult}, {a.hidden_size}) / ({b},)")  # fmt: skip
     return model.mtp[0].draft(streams, token_ids, batch, pools, model.embed, model.head.weight, model.freqs(False))
+
+
+def prompt_ring(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], streams: mx.array,
+                next_ids: Sequence[int], positions: mx.array) -> None:  # fmt: skip
+    """The MTP block over a parallel prefill's positions (model/prefill.py, at its forward's end): row q of the
+    chunks pairs the forward's final streams h_q with t_{q+1} (the chunk's next token; next_ids[i]: the one after
+    chunk i's last) and writes the MTP ring row q % W, as `draft_step` at every position would. Only the ring is
+    kept (a prompt position drafts nothing), so of the block only its attention's projection runs: the window kv
+    is a function of the block's input at q alone. Lazy."""
+    if not model.mtp or not pools.mtp:
+        raise ValueError("prompt_ring: needs the model's MTP block and the pools' MTP ring")
+    block, a = model.mtp[0], model.args
+    if len(next_ids) != len(work) or block.attn.ratio:
+        raise ValueError(f"prompt_ring: {len(next_ids)} next tokens for {len(work)} chunks (one a chunk)")
+    ids = mx.array([int(t) for (_, toks, _), n in zip(work, next_ids, strict=True) for t in [*toks[1:], n]],
+                   dtype=mx.int32)  # fmt: skip
+    _, _, _, kv, *_ = block.before(block.mix_in(streams, model.embed(ids)), *rope_angles(model.freqs(False),
+                                                                                         positions, 0, a))
+    w, slots, rows, src, off = a.sliding_window, [], [], [], 0
+    for handle, toks, start in work:
+        t = len(toks)
+        for j in range(max(0, t - w), t):  # a ring row once: the chunk's last W positions
+            slots.append(handle.slot)
+            rows.append((start + j) % w)
+            src.append(off + j)
+        off += t
+    ring = pools.window[block.attn.layer]
+    ring[mx.array(slots, dtype=mx.int32), mx.array(rows, dtype=mx.int32)] = kv[mx.array(src, dtype=mx.int32)].astype(
+        pools.dtype)
+    pools.window[block.attn.layer] = mx.contiguous(ring)

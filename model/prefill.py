@@ -27,6 +27,7 @@ from dsv4_serve.kernels.indexer import topk_ids
 from dsv4_serve.kernels.indexer_scores import indexer_scores
 from dsv4_serve.model.attention import Attention, Compressor
 from dsv4_serve.model.layers import hc_head, rope_angles
+from dsv4_serve.model.mtp import prompt_ring
 from dsv4_serve.model.state import StateHandle, StatePools
 
 KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
@@ -189,9 +190,11 @@ def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
 
 
 def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool,
-            every: list[bool]) -> Generator[mx.array, None, list[mx.array | None] | None]:  # fmt: skip
+            every: list[bool], mtp_next: Sequence[int] | None = None,
+            ) -> Generator[mx.array, None, list[mx.array | None] | None]:  # fmt: skip
     """`prefill_batch`'s forward, yielding the residual stream after each layer (the driver decides when to
-    evaluate); returns what `prefill_batch` returns."""
+    evaluate); returns what `prefill_batch` returns. With `mtp_next` (speculative decoding: the token after each
+    chunk), the MTP block's ring over every position from the final streams (model/mtp.py: prompt_ring)."""
     a = model.args
     ids = mx.array([int(x) for _, toks, _ in work for x in toks], dtype=mx.int32)
     lens = [len(toks) for _, toks, _ in work]
@@ -219,6 +222,8 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
             ])  # fmt: skip
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
+    if mtp_next is not None:
+        prompt_ring(model, pools, work, hs, mtp_next, pos)
     if not logits and not any(every):
         return None
     # the head's rows: a request's every row (`every`), else its last one (`logits`), else none
@@ -242,7 +247,8 @@ class Forward:
     (it reads and writes the same pools, each layer's arrays taken when that layer is built)."""
 
     def __init__(self, model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
-                 logits: bool = True, every: bool | Sequence[bool] = False) -> None:  # fmt: skip
+                 logits: bool = True, every: bool | Sequence[bool] = False,
+                 mtp_next: Sequence[int] | None = None) -> None:  # fmt: skip
         check_work(work)
         every = [every] * len(work) if isinstance(every, bool) else [bool(e) for e in every]
         if len(every) != len(work):
@@ -255,7 +261,7 @@ class Forward:
         self.out: list[mx.array | None] | None = None
         self._head_alone = any(every)  # an every-row head ([T, V]: a layer's GPU time or more) is a slice alone
         self._pools = pools
-        self._gen = _layers(model, pools, work, logits, every)
+        self._gen = _layers(model, pools, work, logits, every, mtp_next)
 
     def advance(self, seconds: float | None = None, rows_layers: int = 0) -> bool:
         """Build the next slice: layers until `seconds` of host time (None: to the end) or, with `rows_layers`,
@@ -283,7 +289,8 @@ class Forward:
 
 
 def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool = True,
-                  every: bool | Sequence[bool] = False) -> list[mx.array | None] | None:  # fmt: skip
+                  every: bool | Sequence[bool] = False,
+                  mtp_next: Sequence[int] | None = None) -> list[mx.array | None] | None:  # fmt: skip
     """Feed several requests' chunks in ONE forward: work[i] = (handle, token_ids, start), request i's
     tokens at positions start.. . Returns each request's last-token logits [vocab] f32 (None with
     `logits=False`: the head is skipped); `every` (for all requests, or one flag a request): every token's,
@@ -296,8 +303,9 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
     the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
     prompt; the entries' views grow with the context (n = context / ratio). `Forward` builds it in slices.
+    `mtp_next` (one token a chunk: the prompt's next one) runs the MTP block's ring over the chunks' positions.
     The state update is lazy: evaluate the logits and `pools.arrays()` together."""
-    fwd = Forward(model, pools, work, logits, every)
+    fwd = Forward(model, pools, work, logits, every, mtp_next)
     fwd.advance(None)
     return fwd.out
 

@@ -12,7 +12,9 @@ positions, and the MTP block over accepted positions.
   a window, and a kept position never needs a row an undone one wrote: so the state after the kept positions
   is the forward's with those rows put back (the first half only when an undone position rolled it).
 - `draft_rows`: one MTP step (model/mtp.py's draft_step) for pairs (streams at q, the token at q + 1) of
-  distinct requests; a request's accepted positions go through it in order, one call each (rounds).
+  distinct requests; a request's accepted positions go through it in order, one call each (rounds). Chained
+  drafts (k > 1) feed it the block's own output streams and draft; the ring rows they write are taken before
+  (`mtp_rows`) and put back after (`restore_mtp_rows`), so the ring never holds a draft's position.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from dsv4_serve.kernels.upload import upload
-from dsv4_serve.model.mtp import draft_step
+from dsv4_serve.model.mtp import draft_streams
 from dsv4_serve.model.prefill import _layers, check_work
 from dsv4_serve.model.state import StateHandle, StatePools
 
@@ -120,9 +122,28 @@ def rollback(pools: StatePools, snap: Snapshot, kept: int) -> None:
 
 
 def draft_rows(model, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int],
-               streams: mx.array, token_ids: Sequence[int]) -> mx.array:  # fmt: skip
-    """One MTP step for distinct requests: row i pairs streams[i] (the main model's at positions[i]) with
-    token_ids[i] (the token at positions[i] + 1); -> draft logits [B, vocab] f32 for the token after it. Writes
-    each row's MTP window ring at its position; lazy."""
+               streams: mx.array, token_ids: Sequence[int] | mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """One MTP step for distinct requests: row i pairs streams[i] (the main model's at positions[i], or the
+    block's own for a chained draft) with token_ids[i] (the token at positions[i] + 1; a device array stays on
+    the device); -> (draft logits [B, vocab] f32 for the token after it, the block's output streams [B, nc, H]).
+    Writes each row's MTP window ring at its position; lazy."""
     batch = model.make_batch(pools, handles, positions)
-    return draft_step(model, batch, streams, upload([int(t) for t in token_ids]), pools)
+    ids = token_ids if isinstance(token_ids, mx.array) else upload([int(t) for t in token_ids])
+    return draft_streams(model, batch, streams, ids, pools)
+
+
+def mtp_rows(pools: StatePools, slots: Sequence[int], positions: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+    """The MTP ring rows of (slot, position) pairs as they are now (queued): what chained drafts overwrite."""
+    w, layer = pools.args.sliding_window, pools.args.num_hidden_layers
+    s, r = mx.array(list(slots), dtype=mx.int32), mx.array([p % w for p in positions], dtype=mx.int32)
+    saved = pools.window[layer][s, r]
+    mx.async_eval(saved)
+    return s, r, saved
+
+
+def restore_mtp_rows(pools: StatePools, saved: tuple[mx.array, mx.array, mx.array]) -> None:
+    """Put back rows `mtp_rows` took (after the chained drafts read the ring): the ring again holds final
+    positions only. Lazy."""
+    layer = pools.args.num_hidden_layers
+    pools.window[layer][saved[0], saved[1]] = saved[2]
+    pools.window[layer] = mx.contiguous(pools.window[layer])

@@ -86,7 +86,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speculative-config",
         help='speculative decoding, vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 1}\' drafts with '
-        "the model's MTP block, verified each step (default: off; the MTP block is not loaded)  "
+        "the model's MTP block (k = 1..3 tokens a step, chained), verified each step (default: off; the MTP block "
+        "is not loaded)  "
         "[DSV4_SPECULATIVE_CONFIG]",
     )
     _hardening_flags(p)

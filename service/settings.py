@@ -54,7 +54,7 @@ class Settings(BaseModel):
     stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
     stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
     grammar_timeout: float = Field(10.0, gt=0)  # seconds one grammar compile may take (then killed: 400)
-    # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1} drafts with the MTP block
+    # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1..3} drafts with the MTP block
     # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
     speculative_config: dict[str, Any] | None = None
 
@@ -77,8 +77,8 @@ class Settings(BaseModel):
             raise ValueError(f"method must be one of {', '.join(SPEC_METHODS)} (V4's own MTP block), got "
                              f"{v.get('method')!r}")  # fmt: skip
         k = v.get("num_speculative_tokens", 1)
-        if type(k) is not int or k != 1:
-            raise ValueError(f"num_speculative_tokens must be 1 (one MTP draft a step), got {k!r}")
+        if type(k) is not int or not 1 <= k <= 3:  # k + 1 positions fit the smallest compress ratio (rollback)
+            raise ValueError(f"num_speculative_tokens must be 1, 2 or 3 (MTP drafts a step), got {k!r}")
         return {"method": v["method"], "num_speculative_tokens": k}
 
     @field_validator("log_level")

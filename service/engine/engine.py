@@ -12,6 +12,7 @@ import mlx.core as mx
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.deepseek_v4 import DeepseekV4
 from dsv4_serve.model.prefill import Forward
+from dsv4_serve.model.speculative import MAX_DRAFTS
 from dsv4_serve.model.state import StateHandle
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
@@ -49,8 +50,8 @@ class Engine:
         args = model.args
         if speculative and not model.mtp:  # speculative decoding with the MTP block (service/engine/speculation.py)
             raise ValueError("speculative decoding needs the model's MTP block (mtp.0.*), and this model has none")
-        if not 0 <= speculative <= 1:
-            raise ValueError(f"num_speculative_tokens must be 0 or 1, got {speculative}")
+        if not 0 <= speculative <= MAX_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{MAX_DRAFTS}, got {speculative}")
         if not 1 <= max_rows <= 8:
             raise ValueError(f"max_rows must be in 1..8, got {max_rows}")
         limit = args.max_position_embeddings
@@ -234,19 +235,23 @@ class Engine:
     sliced_prefill = True
 
     def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]], slice_seconds: float | None = None,
-                      scores: Sequence[tuple[int, Sequence[int]] | None] | None = None) -> bool:  # fmt: skip
+                      scores: Sequence[tuple[int, Sequence[int]] | None] | None = None,
+                      next_ids: Sequence[int] | None = None) -> bool:  # fmt: skip
         """Several requests' prompt chunks, (handle, token_ids, start) each, in ONE parallel forward (no
         logits kept); the worker's per-step budget bounds their total. With `slice_seconds`, only the
         forward's first slice of layers (`model.prefill.Forward`): `prefill_advance` builds the rest, decode
         steps of other rows in between. True when the whole forward is built. `scores`, one entry a chunk:
         None, or (k, next_ids) for prompt logprobs: the head over every token of that chunk at the forward's
-        end, scoring the prompt token after each (k alternatives), read by `prefill_scores()` once built."""
+        end, scoring the prompt token after each (k alternatives), read by `prefill_scores()` once built.
+        `next_ids` (speculative decoding: the prompt token after each chunk) runs the MTP block's ring over the
+        chunks' positions at the forward's end (docs/mtp.md)."""
         if self._forward is not None:
             raise RuntimeError("prefill_batch: a prefill forward is already in flight")
         scores = list(scores) if scores is not None else [None] * len(work)
         if len(scores) != len(work) or any(s and len(s[1]) != len(w[1]) for s, w in zip(scores, work, strict=False)):
             raise ValueError("prefill_batch: scores needs one entry a chunk, next_ids one a token")
-        self._forward = Forward(self.model, self.pools, work, logits=False, every=[s is not None for s in scores])
+        self._forward = Forward(self.model, self.pools, work, logits=False, every=[s is not None for s in scores],
+                                mtp_next=next_ids)  # fmt: skip
         self._scoring, self._scores = scores, []
         return self.prefill_advance(slice_seconds)
 

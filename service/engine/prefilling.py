@@ -104,6 +104,8 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
         kw: dict[str, Any] = {"slice_seconds": slice_seconds} if sliced else {}
         if any(r.params.prompt_logprobs is not None for r, *_ in work):
             kw["scores"] = _scores(work)
+        if getattr(engine, "speculator", None) is not None:  # the MTP ring over the prompt (a piece never ends it)
+            kw["next_ids"] = [r.prompt_ids[start + len(tokens)] for r, _, tokens, start in work]
         try:
             built = engine.prefill_batch([(handle, tokens, start) for _, handle, tokens, start in work], **kw)
         except Exception as e:  # noqa: BLE001 - these requests fail, the others keep going

@@ -1,13 +1,14 @@
 """Speculative decoding with the MTP block on the engine thread (issue 53; docs/mtp.md).
 
 With `--speculative-config` an iteration's step is `spec_step`: every planned row's chunk, [its fed token] or
-[its last token, its draft], goes through ONE verify forward (model/speculative.py: the parallel prefill's, causal
+[its last token, its k drafts], goes through ONE verify forward (model/speculative.py: the parallel prefill's, causal
 within a chunk; every position's logits and final streams kept). The target rows are sampled with the drafts
 checked (spec_sampler.py), the accepted tokens go through `Scheduler.on_step` one round a token, the rejected
 draft positions are rolled back before anything reads or caches the state, and the MTP block runs on every
-accepted position's streams (its window ring never holds a rejected position) and drafts the next token of each
-row that may speculate next time. Speculation backs off (no draft verified) while requests wait for a row and
-every row is taken; at most max_rows // (k + 1) requests verify drafts a step; guided rows never draft.
+accepted position's streams (its window ring never holds a rejected position) and drafts the next k tokens of
+each row that may speculate next time (chained on its own streams; the ring rows the chain writes are put back).
+Speculation backs off (no draft verified) while requests wait for a row and every row is taken; at most
+max_rows // (k + 1) requests verify drafts a step; guided rows never draft.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from dsv4_serve.model.speculative import Snapshot, draft_rows, rollback, snapshot, verify
+from dsv4_serve.model.speculative import Snapshot, draft_rows, mtp_rows, restore_mtp_rows, rollback, snapshot, verify
 from dsv4_serve.service.engine.request import Request, RequestStatus, TokenEvent
 from dsv4_serve.service.engine.scheduler import Scheduler, needs_sample
 from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
@@ -93,6 +94,11 @@ def spec_step(engine: Engine, sched: Scheduler, plan: list[Request],
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")
         return events + sched.on_step({}), 0, None, None
     events = scored
+    try:  # before on_step: a request that ends now caches its state with its last pairs' MTP rows too
+        last = _mtp_final(engine, sched, plan, feeds, chunks, kept, emitted, streams)
+    except Exception:  # noqa: BLE001 - no drafts next step: the rows go on without speculating
+        log.exception("MTP block failed (%d rows)", len(plan))
+        last = {}
     # One on_step round a token: round 0 feeds every planned row, round j the rows with a j-th token.
     rounds = max((len(v) for v in emitted.values()), default=1)
     for j in range(rounds):
@@ -102,7 +108,7 @@ def spec_step(engine: Engine, sched: Scheduler, plan: list[Request],
         events += sched.on_step({plan[i].request_id: emitted[i][j] for i in emitted if len(emitted[i]) > j
                                  and plan[i].status is RequestStatus.RUNNING})  # fmt: skip
     try:
-        _draft_next(engine, sched, spec, plan, feeds, chunks, kept, emitted, streams)
+        _draft_next(engine, sched, spec, plan, last)
     except Exception:  # noqa: BLE001 - no drafts next step: the rows go on without speculating
         log.exception("MTP draft failed (%d rows)", len(plan))
         spec.drafts.clear()
@@ -147,11 +153,11 @@ def _sample(engine: Engine, plan: list[Request], idx: list[int], chunks: list[li
     return emitted, accepted
 
 
-def _draft_next(engine: Engine, sched: Scheduler, spec: Speculator, plan: list[Request], feeds: list,
-                chunks: list[list[int]], kept: dict[int, int], emitted: dict[int, list],
-                streams: mx.array) -> None:  # fmt: skip
-    """The MTP block over each row's positions that are now final (the fed one and the accepted drafts), a round
-    a position; the last round's logits draft the next token of each row that may speculate next step."""
+def _mtp_final(engine: Engine, sched: Scheduler, plan: list[Request], feeds: list, chunks: list[list[int]],
+               kept: dict[int, int], emitted: dict[int, list],
+               streams: mx.array) -> dict[int, tuple[mx.array, mx.array]]:  # fmt: skip
+    """The MTP block over each row's positions that are now final (the fed one and the kept drafts), a round a
+    position; -> row -> its last pair's (draft logits, the block's output streams)."""
     offsets = np.cumsum([0, *map(len, chunks)]).tolist()
     pairs: dict[int, list[tuple[int, int, int]]] = {}  # row -> (streams row, position, the token after it)
     for i, (r, (_, _, pos)) in enumerate(zip(plan, feeds, strict=True)):
@@ -160,22 +166,47 @@ def _draft_next(engine: Engine, sched: Scheduler, spec: Speculator, plan: list[R
         n = kept.get(i, 0)
         after = [*chunks[i][1 : n + 1], emitted[i][n][0]] if i in emitted else [r.prompt_ids[pos + 1]]
         pairs[i] = [(offsets[i] + j, pos + j, after[j]) for j in range(n + 1)]
-    last: dict[int, mx.array] = {}
+    last: dict[int, tuple[mx.array, mx.array]] = {}  # row -> its last pair's (draft logits, block streams)
     for j in range(max((len(p) for p in pairs.values()), default=0)):
         rows = [i for i, p in pairs.items() if len(p) > j]
-        out = draft_rows(engine.model, engine.pools, [sched.handles[plan[i].request_id] for i in rows],
-                         [pairs[i][j][1] for i in rows], streams[mx.array([pairs[i][j][0] for i in rows])],
-                         [pairs[i][j][2] for i in rows])  # fmt: skip
+        out, hs = draft_rows(engine.model, engine.pools, [sched.handles[plan[i].request_id] for i in rows],
+                             [pairs[i][j][1] for i in rows], streams[mx.array([pairs[i][j][0] for i in rows])],
+                             [pairs[i][j][2] for i in rows])  # fmt: skip
         for b, i in enumerate(rows):
-            last[i] = out[b : b + 1]
+            last[i] = (out[b : b + 1], hs[b : b + 1])
     mx.async_eval(engine.pools.arrays())
+    return last
+
+
+def _draft_next(engine: Engine, sched: Scheduler, spec: Speculator, plan: list[Request],
+                last: dict[int, tuple[mx.array, mx.array]]) -> None:  # fmt: skip
+    """The next k tokens of each row that may speculate next step: the first from its last pair's logits, each
+    further one chained (the block on its own streams and draft, at the next position)."""
     go = [i for i in last if plan[i].output_ids and needs_sample(plan[i]) and plan[i].params.guide is None
           and sched.will_continue(plan[i]) and plan[i].fed + spec.k < sched.handles[plan[i].request_id].capacity]
     if not go:
         return
     reqs = [plan[i] for i in go]
-    tokens, q = draft_lazy(mx.concatenate([last[i] for i in go]), [r.params for r in reqs],
-                           [_history(r, []) for r in reqs], [len(r.output_ids) for r in reqs],
+    params, counts = [r.params for r in reqs], [len(r.output_ids) for r in reqs]
+    hist = [_history(r, []) for r in reqs]
+    tokens, q = draft_lazy(mx.concatenate([last[i][0] for i in go]), params, hist, counts,
                            eos_token_id=engine.eos_token_id)  # fmt: skip
-    for b, (r, t) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
-        spec.drafts[r.request_id] = Draft(r.fed, spec.propose(r, [int(t)]), q[b : b + 1])
+    toks, qs = [tokens], [q]
+    if spec.k > 1:  # chained: draft j + 1 from the block's streams after draft j, at the position after it
+        handles = [sched.handles[r.request_id] for r in reqs]
+        at = [r.fed - 1 for r in reqs]  # each row's last pair's position (the one `last` holds)
+        chain = [(h.slot, p + j) for h, p in zip(handles, at, strict=True) for j in range(1, spec.k)]
+        saved = mtp_rows(engine.pools, [c[0] for c in chain], [c[1] for c in chain])
+        hs = mx.concatenate([last[i][1] for i in go])
+        for j in range(1, spec.k):
+            if any(hist):  # penalties: the drafts join the history (on the host)
+                hist = [h + [int(t)] if h else h for h, t in zip(hist, tokens.tolist(), strict=True)]
+            out, hs = draft_rows(engine.model, engine.pools, handles, [p + j for p in at], hs, tokens)
+            tokens, q = draft_lazy(out, params, hist, [n + j for n in counts], eos_token_id=engine.eos_token_id)
+            toks.append(tokens)
+            qs.append(q)
+        restore_mtp_rows(engine.pools, saved)
+        mx.async_eval(engine.pools.arrays())
+    drafted, dist = mx.stack(toks, axis=1).tolist(), mx.stack(qs, axis=1)  # [B, k], [B, k, V]
+    for b, r in enumerate(reqs):
+        spec.drafts[r.request_id] = Draft(r.fed, spec.propose(r, [int(t) for t in drafted[b]]), dist[b])

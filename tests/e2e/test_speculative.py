@@ -1,6 +1,7 @@
 """Speculative decoding over HTTP (issue 53, docs/mtp.md): a real server on the built-in tiny model with
-`--speculative-config` answers greedy requests with the text a server without it gives, alone and with 6
-concurrent requests; /metrics counts the drafts; a bad config ends the server with the reason."""
+`--speculative-config` (k = 1, and k = 3 chained drafts) answers greedy requests with the text a server without it
+gives, alone and with 6 concurrent requests; /metrics counts the drafts; a bad config ends the server with the
+reason."""
 
 from __future__ import annotations
 
@@ -13,16 +14,21 @@ import pytest
 
 from tests.e2e.conftest import MODEL, server_command
 
-SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
 PROMPTS = ["The tiny model", "Once upon a time", "1 2 3 4", "Speculative decoding drafts", "a", "Hello, world",
            "What comes next?"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def servers(start_server):
-    plain, spec = start_server(), start_server("--speculative-config", SPEC)
-    yield plain, spec
+def plain_server(start_server):
+    plain = start_server()
+    yield plain
     plain.stop()
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def servers(start_server, plain_server, request):
+    spec = start_server("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": request.param}))
+    yield plain_server, spec
     spec.stop()
 
 
@@ -59,7 +65,8 @@ def test_greedy_text_equals_the_plain_servers_alone_and_with_6_concurrent(server
 
 @pytest.mark.parametrize("config, why", [
     ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of mtp"),
-    ('{"method": "mtp", "num_speculative_tokens": 3}', "num_speculative_tokens must be 1"),
+    ('{"method": "mtp", "num_speculative_tokens": 4}', "num_speculative_tokens must be 1, 2 or 3"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be 1, 2 or 3"),
     ('{"method": "mtp", "model": "x"}', "unsupported key(s) model"),
     ("mtp", "must be a JSON object"),
 ])  # fmt: skip

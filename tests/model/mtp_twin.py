@@ -86,6 +86,7 @@ class MTPTwin:
         for p in ("w1", "w2", "w3"):
             self.w[f"ffn.experts.{p}"] = np.stack([self.w.pop(f"ffn.experts.{i}.{p}.weight") for i in range(e)])
         self.rings: dict[int, dict[int, np.ndarray]] = {}  # row -> position -> window kv
+        self.out: dict[int, np.ndarray] = {}  # row -> the block's output streams [nc, H] of its last step
 
     # ---- pieces (spec section 2) --------------------------------------------------------------------
     def _hc_pre(self, h: np.ndarray, unit: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,6 +161,7 @@ class MTPTwin:
                           h, post, comb)  # fmt: skip
         x, post, comb = self._hc_pre(h, "ffn")
         h = self._hc_post(self._moe(_rms(x, eps) * w["ffn_norm.weight"]), h, post, comb)
+        self.out[row] = h  # a chained draft's streams (k > 1: the next position's input with this draft)
         f = h.reshape(-1)
         m = w["hc_head_fn"] @ f / np.sqrt(np.mean(f * f) + eps)
         pre = _sigmoid(m * w["hc_head_scale"] + w["hc_head_base"]) + self.c["hc_eps"]  # HyperHead: no Sinkhorn

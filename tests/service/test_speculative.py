@@ -1,15 +1,21 @@
 """Speculative decoding on the engine (service/engine/speculation.py, spec_sampler.py; issue 53 items 2-4).
 
-- Forced accept / reject patterns (every pattern of 4 verify steps, k = 1) through the real Engine and
-  Scheduler: the greedy tokens are the plain engine's, and the state each request leaves in the prefix cache
-  (every pool array, its pages, the MTP ring) is the plain engine's, f32 summation order apart.
+- Forced accept / reject patterns (every pattern of 4 verify steps for k = 1, of 3 for k = 2, of 2 for k = 3)
+  through the real Engine and Scheduler: the greedy tokens are the plain engine's, the state each request leaves
+  in the prefix cache (every pool array, its pages) is the plain engine's, f32 summation order apart, and its MTP
+  ring is the one token-by-token drafting over every position writes (prompt included: chained drafts and
+  rejections leave no trace in it).
 - The rejection sampler against the target distribution on a 32-token tiny model: the emitted token's
   frequencies over 40,000 seeded draws within a 4-sigma total-variation bound of p, computed directly from the
-  target logits (the drafts alone are far off: the test can tell), and the acceptance rate sum(min(p, q)).
+  target logits (the drafts alone are far off: the test can tell), and the acceptance rate sum(min(p, q));
+  for k = 2 with chained drafts, the first position's token follows p1 and, where the first draft was accepted,
+  the second's follows p2 given it.
 - Seeds: the same seed gives the same sampled output with speculation on.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +33,7 @@ from dsv4_serve.service.engine.scheduler import Scheduler
 from dsv4_serve.service.engine.spec_sampler import draft_lazy, verify_lazy
 from dsv4_serve.service.engine.speculator import Speculator
 from dsv4_serve.service.engine.stepping import iterate
+from tests.model.test_speculative import mtp_by_token
 
 TOL = 1e-4
 PROMPTS = [[3, 4, 5], [9, 10, 11, 12, 13, 14], [7, 8], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
@@ -39,25 +46,28 @@ def tiny():
 
 
 class Forced(Speculator):
-    """Drafts the right next token (accept) or a wrong one (reject) as each request's pattern says."""
+    """Drafts, a verify step at a time, the number of right next tokens each request's pattern says (then wrong
+    ones: the first is rejected); `after` right ones once the pattern is used up."""
 
-    def __init__(self, patterns: dict[str, list[bool]], want: dict[str, list[int]]) -> None:
-        super().__init__(1, 8)
-        self.patterns, self.want = patterns, want
+    def __init__(self, k: int, patterns: dict[str, list[int]], want: dict[str, list[int]], after: int) -> None:
+        super().__init__(k, 8)
+        self.patterns, self.want, self.after = patterns, want, after
 
     def propose(self, request: Request, tokens: list[int]) -> list[int]:
         pat, want = self.patterns[request.request_id], self.want[request.request_id]
-        n = len(request.output_ids)
-        right = want[n] if n < len(want) else 0
-        return [right if (pat.pop(0) if pat else True) else (right + 1) % 512]
+        n, a = len(request.output_ids), (pat.pop(0) if pat else self.after)
+        right = [want[n + j] if n + j < len(want) else 0 for j in range(self.k)]
+        return [t if j < a else (t + 1) % 512 for j, t in enumerate(right)]
 
 
-def drive(engine: Engine, reqs: list[tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    """Every request through the real scheduler and iterations, read back each step -> request id -> events."""
+def drive(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], ids: list[str] | None = None,
+          ) -> dict[str, list]:  # fmt: skip
+    """Every request (ids: r0, r1, ... unless given) through the real scheduler and iterations, read back each
+    step -> request id -> events."""
     sched = Scheduler(engine, max_rows=8, max_queue=64, eos_token_id=engine.eos_token_id,
                       max_model_len=engine.max_model_len)  # fmt: skip
     for i, (p, params) in enumerate(reqs):
-        sched.add(Request(f"r{i}", list(p), params))
+        sched.add(Request(ids[i] if ids else f"r{i}", list(p), params))
     events: dict[str, list] = {}
     while sched.has_work():
         out, _, _ = iterate(engine, sched, sample_lazy, 2048, lambda: None)
@@ -84,34 +94,51 @@ def close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((fin == np.isfinite(b)).all() and (not fin.any() or np.abs(a[fin] - b[fin]).max() < TOL))
 
 
-def test_every_accept_pattern_gives_the_plain_tokens_and_state(tiny) -> None:
+@pytest.mark.parametrize("k, steps", [(1, 4), (2, 3), (3, 2)])
+def test_every_accept_pattern_gives_the_plain_tokens_and_state(tiny, k, steps) -> None:
+    """Each request's first `steps` verify steps accept 0..k drafts as the pattern says; a run holds as many
+    requests as verify a step (max_rows // (k + 1)), so every drafted pattern entry is verified."""
     model, args = tiny[0], tiny[1]
     reqs = [(p, GREEDY) for p in PROMPTS]
     plain = Engine(model, max_rows=8, max_model_len=64, page_size=4)
-    want_ev = drive(plain, reqs)
-    want = {rid: tokens_of(ev) for rid, ev in want_ev.items()}
-    w = args.sliding_window
-    rings: dict[str, list[np.ndarray]] = {}
-    for code in range(4):  # 16 patterns of 4 verify steps: 4 runs of 4 requests
-        spec = Engine(model, max_rows=8, max_model_len=64, page_size=4, speculative=1)
-        pats = {f"r{i}": [bool((4 * code + i) >> b & 1) for b in range(4)] for i in range(4)}
-        spec.speculator = Forced({k: list(v) for k, v in pats.items()}, want)
-        got = drive(spec, reqs)
-        assert spec.speculator.verifies >= 12 and spec.speculator.accepted > 0
-        for rid in want:
+    want = {rid: tokens_of(ev) for rid, ev in drive(plain, reqs).items()}
+    rings = {}
+    for rid, toks in ((f"r{i}", p + want[f"r{i}"]) for i, p in enumerate(PROMPTS)):  # every pair (h_q, t_q+1)
+        rings[rid] = mtp_by_token(model, args, toks, len(toks) - 1)[0]
+    patterns = list(itertools.product(range(k + 1), repeat=steps))
+    per = 8 // (k + 1)
+    for c in range(0, len(patterns), per):
+        spec = Engine(model, max_rows=8, max_model_len=64, page_size=4, speculative=k)
+        ids = [(c + j) % 4 for j in range(min(per, len(patterns) - c))]
+        pats = {f"r{i}": list(patterns[c + j]) for j, i in enumerate(ids)}
+        spec.speculator = Forced(k, {r: list(v) for r, v in pats.items()}, want, 0)  # then rejections to the end
+        got = drive(spec, [reqs[i] for i in ids], [f"r{i}" for i in ids])
+        assert spec.speculator.verifies >= len(ids) * steps and spec.speculator.accepted >= sum(map(sum,
+                                                                                                 pats.values()))
+        for rid in pats:
             assert tokens_of(got[rid]) == want[rid], (rid, pats[rid])
             toks, state = cached(spec, rid)
             ref_toks, ref = cached(plain, rid)
             assert toks == ref_toks
             for name, a in ref.items():
                 assert close(state[name], a), (rid, pats[rid], name)
-            # the MTP ring (window<num_hidden_layers>): rows of positions whose MTP step ran in every pattern
-            ring = state[f"window{args.num_hidden_layers}"]
-            rows = [q % w for q in range(len(toks) - w, len(toks) - 2)]
-            rings.setdefault(rid, []).append(ring[rows])
-    for rid, rs in rings.items():
-        assert all(close(r, rs[0]) for r in rs[1:]), rid
-        assert np.abs(rs[0]).max() > 0  # written
+            assert close(state[f"window{args.num_hidden_layers}"], rings[rid]), (rid, pats[rid])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_mtp_ring_after_a_long_prompt_is_token_by_token_drafting(tiny, k) -> None:
+    """A 30-token prompt (the parallel prefill's 29 positions, then the step's) and 2 tokens: the cached MTP ring
+    (8 rows: 6 of them the prompt's) is the one token-by-token drafting writes; the tokens are the plain ones."""
+    model, args = tiny[0], tiny[1]
+    prompt = np.random.default_rng(5).integers(2, args.vocab_size, 30).tolist()
+    reqs = [(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
+    want = tokens_of(drive(Engine(model, max_rows=8, max_model_len=64, page_size=4), reqs)["r0"])
+    spec = Engine(model, max_rows=8, max_model_len=64, page_size=4, speculative=k)
+    assert tokens_of(drive(spec, reqs)["r0"]) == want
+    toks, state = cached(spec, "r0")
+    assert toks == prompt + want[:1]
+    ring = mtp_by_token(model, args, prompt + want, len(toks))[0]
+    assert close(state[f"window{args.num_hidden_layers}"], ring)
 
 
 def test_the_same_seed_gives_the_same_sampled_output(tiny) -> None:
@@ -138,7 +165,7 @@ def small():
         batch = model.make_batch(pools, [h], [q])
         hs = model.streams(batch, mx.array([t]), pools)
         target = mx.matmul(model.collapse(hs), model.head.weight.T)
-        draft = draft_rows(model, pools, [h], [q], hs, [toks[q + 1] if q + 1 < len(toks) else 1])
+        draft, _ = draft_rows(model, pools, [h], [q], hs, [toks[q + 1] if q + 1 < len(toks) else 1])
         mx.eval(target, draft, pools.arrays())
     return np.array(target[0]).astype(np.float64) * 3, np.array(draft[0]).astype(np.float64) * 3  # sharper
 
@@ -179,7 +206,7 @@ def test_speculation_backs_off_while_requests_wait_for_a_full_batch(tiny) -> Non
     want = {rid: tokens_of(ev) for rid, ev in drive(Engine(tiny[0], max_rows=8, max_model_len=64, page_size=4),
                                                     reqs).items()}  # fmt: skip
     eng = Engine(tiny[0], max_rows=2, max_model_len=64, page_size=4, speculative=1)
-    eng.speculator = Forced({f"r{i}": [] for i in range(4)}, want)
+    eng.speculator = Forced(1, {f"r{i}": [] for i in range(4)}, want, 1)
     sched = Scheduler(eng, max_rows=2, max_queue=64, eos_token_id=eng.eos_token_id, max_model_len=64)
     for i, (p, params) in enumerate(reqs):
         sched.add(Request(f"r{i}", list(p), params))
