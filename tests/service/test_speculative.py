@@ -199,6 +199,74 @@ def test_rejection_sampling_follows_the_target_distribution(small, temperature, 
     assert np.array(accept).mean() == pytest.approx(np.minimum(p, qd).sum(), abs=0.02)
 
 
+@pytest.fixture(scope="module")
+def chained():
+    """k = 2 on the 32-token tiny model after tokens 3, 9, 17, 5 (11 sampled): p1 (the target for the token after
+    11), q1 (the MTP block's draft of it) and, for every first token x, p2[x] (the target after x) and q2[x] (the
+    block chained on its own streams with x). Logits x 3 (sharper), f64."""
+    args = ModelArgs.tiny()
+    args.vocab_size = 32
+    model = DeepseekV4(args)
+    model.load_weights(randomize(model, args, 4), strict=True)
+    pools = StatePools(args, max_slots=2, max_positions=16, page_size=4, mtp=True)
+    h = pools.alloc(16)
+    toks = [3, 9, 17, 5, 11]
+    for q in range(4):
+        hs = model.streams(model.make_batch(pools, [h], [q]), mx.array([toks[q]]), pools)
+        q1, g = draft_rows(model, pools, [h], [q], hs, [toks[q + 1]])
+        mx.eval(q1, g, pools.arrays())
+    p1 = model.step(model.make_batch(pools, [h], [4]), mx.array([11]), pools)
+    mx.eval(p1, pools.arrays())
+    p2, q2 = [], []
+    for x in range(32):
+        d = pools.alloc(16)
+        pools.copy_slot(h, d, 5)
+        t = model.step(model.make_batch(pools, [d], [5]), mx.array([x]), pools)
+        c, _ = draft_rows(model, pools, [d], [4], g, [x])  # the chained step: at 4, the block's streams, x
+        mx.eval(t, c, pools.arrays())
+        p2.append(np.array(t[0]))
+        q2.append(np.array(c[0]))
+        pools.free(d)
+    f = [np.array(x, dtype=np.float64) * 3 for x in (p1[0], q1[0], np.stack(p2), np.stack(q2))]
+    return tuple(f)
+
+
+def tv_bound(p: np.ndarray, n: int) -> float:
+    return 0.5 * np.sum(4 * np.sqrt(p * (1 - p) / n))  # 4 sigma a token
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (1.5, 16)])  # (top-8 sets of p1 and q1 do not meet)
+def test_two_chained_drafts_keep_the_target_distribution_at_each_position(chained, temperature, top_k) -> None:
+    """40,000 requests draft d1 ~ q1 and d2 ~ q2[d1] (draft_lazy, counts 0 and 1) and verify [p1, p2[d1]]: the
+    first token follows p1; where d1 was accepted the second token (this step's) follows p2 given d1 (the
+    mixture of p2[d1] over those rows), the drafts d2 alone do not, and d2's acceptance is sum(min(p2, q2))."""
+    p1l, q1l, p2l, q2l = chained
+    n, v = 40_000, p1l.shape[0]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=s) for s in range(n)]
+    d1, q1 = draft_lazy(mx.broadcast_to(mx.array(q1l, mx.float32), (n, v)), params, [[]] * n, [0] * n)
+    d1n = np.array(d1)
+    d2, q2 = draft_lazy(mx.array(q2l[d1n], mx.float32), params, [[]] * n, [1] * n)
+    d2n = np.array(d2)
+    target = np.stack([np.broadcast_to(p1l, (n, v)), p2l[d1n]], axis=1).reshape(2 * n, v)
+    pending, accept = verify_lazy(mx.array(target, mx.float32), [p for p in params for _ in range(2)],
+                                  [[]] * (2 * n), [0, 1] * n, np.stack([d1n, d2n], 1).reshape(-1).tolist(),
+                                  mx.stack([q1, q2], axis=1).reshape(2 * n, v))  # fmt: skip
+    tok = np.array([t for t, _, _ in pending.result()]).reshape(n, 2)
+    acc = np.array(accept).reshape(n, 2).astype(bool)
+    p1 = target_p(p1l, temperature, top_k)
+    p2 = np.stack([target_p(x, temperature, top_k) for x in p2l])
+    q2p = np.stack([target_p(x, temperature, top_k) for x in q2l])
+    assert 0.5 * np.abs(np.bincount(tok[:, 0], minlength=v) / n - p1).sum() < tv_bound(p1, n)
+    a = acc[:, 0]
+    m = int(a.sum())
+    assert m > 2000 and (tok[a, 0] == d1n[a]).all()
+    mix = p2[d1n[a]].mean(axis=0)
+    assert 0.5 * np.abs(np.bincount(tok[a, 1], minlength=v) / m - mix).sum() < tv_bound(mix, m)
+    assert 0.5 * np.abs(np.bincount(d2n[a], minlength=v) / m - mix).sum() > 3 * tv_bound(mix, m)  # can tell
+    want = np.minimum(p2, q2p).sum(axis=1)[d1n[a]].mean()
+    assert acc[a, 1].mean() == pytest.approx(want, abs=0.02)
+
+
 def test_speculation_backs_off_while_requests_wait_for_a_full_batch(tiny) -> None:
     """max_rows 2, four requests: no draft is verified while two wait for the taken rows; once nobody waits the
     rows speculate (always-right drafts: each verify accepts)."""
