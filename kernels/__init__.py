@@ -259,13 +259,13 @@ def rope_step_tables(freqs: mx.array, positions: mx.array, *, ratio: int, head_d
 
 def rms_rope_ring_rows(x: mx.array, c: mx.array, s: mx.array, window: mx.array, slots: mx.array,
                        positions: mx.array, ring: mx.array | None = None, *, weight: mx.array | None = None,
-                       eps: float | None = None) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+                       eps: float | None = None, kv: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """rms_rope_rows of the window kv [B, D] written into `window[slots, positions % ring length]` -> (window,
     token). The CUDA kernel writes the ring in place and returns a token its readers take (`after=`, as
-    compressor_rows_inplace's); the reference scatters (`ring`: the step's positions % length, if made) and
-    returns None."""
+    compressor_rows_inplace's); the reference scatters (`ring`: the step's positions % length, if made; `kv`:
+    the rms_rope_rows of x if the caller has it) and returns None."""
     fn = backend.pick("rms_rope_ring_rows", rms_rope_ring_rows_reference)
-    return fn(x, c, s, window, slots, positions, ring, weight=weight, eps=eps)
+    return fn(x, c, s, window, slots, positions, ring, weight=weight, eps=eps, kv=kv)
 
 
 def router_hash(logits: mx.array, tid2eid: mx.array, token_ids: mx.array, *, route_scale: float

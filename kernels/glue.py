@@ -109,11 +109,15 @@ def check_rms_rope_ring_rows(x: mx.array, c: mx.array, s: mx.array, window: mx.a
 
 def rms_rope_ring_rows_reference(x: mx.array, c: mx.array, s: mx.array, window: mx.array, slots: mx.array,
                                  positions: mx.array, ring: mx.array | None = None, *, weight: mx.array | None = None,
-                                 eps: float | None = None) -> tuple[mx.array, None]:  # fmt: skip
-    """rms_rope_rows, then the MLX scatter `window[slots, ring] = kv` (ring: positions % the ring's length, the
-    step's own if given) -> (the written window, None)."""
+                                 eps: float | None = None, kv: mx.array | None = None
+                                 ) -> tuple[mx.array, None]:  # fmt: skip
+    """rms_rope_rows (`kv`: the caller's, already made), then the MLX scatter `window[slots, ring] = kv` (ring:
+    positions % the ring's length, the step's own if given) -> (the written window, None)."""
     check_rms_rope_ring_rows(x, c, s, window, slots, positions, weight, eps)
-    kv = backend.pick("rms_rope_rows", rms_rope_rows_reference)(x, c, s, weight=weight, eps=eps)  # as the model's
+    if kv is None:
+        kv = backend.pick("rms_rope_rows", rms_rope_rows_reference)(x, c, s, weight=weight, eps=eps)  # the model's
+    elif tuple(kv.shape) != tuple(x.shape):
+        raise fail("rms_rope_ring_rows", "kv", f"must be x's shape {tuple(x.shape)}, got {tuple(kv.shape)}")
     window[slots, positions % window.shape[1] if ring is None else ring] = kv.astype(window.dtype)
     return window, None
 

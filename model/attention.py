@@ -94,16 +94,16 @@ class Attention(nn.Module):
     ) -> tuple[mx.array, ...]:  # fmt: skip
         """Everything before the kernels, a pure function of x and the layer kind's RoPE inputs
         (`layers.rope_angles`): q, the new window kv, the RoPE tables (for the output), the compressors'
-        projections and, in CSA layers, the indexer's q and head weights."""
+        projections and, in CSA layers, the indexer's q and head weights; last the window kv before its norm."""
         a, r = self.args, self.ratio
         b, nh, d, eps = x.shape[0], self.n_heads, a.head_dim, a.rms_norm_eps
         qa, kva = linear_cat(x, self.wq_a, self.wkv)  # the two projections of x: one launch on CUDA
         qr = self.q_norm(qa)
         qb, qib = linear_cat(qr, self.wq_b, self.indexer.wq_b) if r == 4 else (self.wq_b(qr), None)
-        # each q head's unweighted RMS, then RoPE: one op (one launch on CUDA); the window kv's (kv_norm) goes with
-        # its ring write in `attend` (kernels.rms_rope_ring_rows), so kva is passed on as projected
+        # each q head's unweighted RMS and the window kv's kv_norm, then RoPE: one op (one launch on CUDA) each
         q = kernels.rms_rope_rows(qb.reshape(b, nh, d), c, s, eps=eps)
-        out = (q, kva, c, s)
+        kv = kernels.rms_rope_rows(kva, c, s, weight=self.kv_norm.weight, eps=self.kv_norm.eps)
+        out = (q, kv, c, s)
         if r:
             out += self.compressor.project(x, ccos, csin)
         if r == 4:
@@ -114,7 +114,7 @@ class Attention(nn.Module):
             w = (wp(x).astype(mx.float32) * scale if isinstance(wp, nn.QuantizedLinear)
                  else kernels.index_weights_rows(x, wp.weight, scale=scale))  # fmt: skip
             out += (q_i, w, *ix.compressor.project(x, ccos, csin))
-        return out
+        return (*out, kva)  # last: the window kv as projected, for the ring write's kernel (`attend`)
 
     def attend(self, proj: tuple[mx.array, ...], batch: kernels.RowBatch, pools: StatePools) -> mx.array:
         """The kernel part: window write, compressor(s), indexer, sparse attention; o [B, nh, D]."""
@@ -125,9 +125,11 @@ class Attention(nn.Module):
         # DSV4_GRAPH_GLUE=1 one kernel writes the ring in place: its token orders the ring's readers.
         w = a.sliding_window
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
+        # (the twin writes proj[1], the kv `project` normed and rotated; the kernel does both from kva itself, and
+        # MLX then never runs proj[1]'s launch: nothing reads it)
         pools.window[layer], wtok = kernels.rms_rope_ring_rows(
-            proj[1], proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
-            weight=self.kv_norm.weight, eps=self.kv_norm.eps,
+            proj[-1], proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
+            weight=self.kv_norm.weight, eps=self.kv_norm.eps, kv=proj[1],
         )  # fmt: skip
         pool, indices, after, ik_after = None, None, wtok, None
         if r:

@@ -165,7 +165,9 @@ class RingPlan:
 
 def rms_rope_ring_rows_cuda(x: mx.array, c: mx.array, s: mx.array, window: mx.array, slots: mx.array,
                             positions: mx.array, ring: mx.array | None = None, *, weight: mx.array | None = None,
-                            eps: float | None = None) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+                            eps: float | None = None, kv: mx.array | None = None
+                            ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """`kv` (the caller's rms_rope_rows of x) is the reference's; the kernel makes its own from x."""
     args = (x, c, s, window, slots, positions)
     try:
         key: tuple[Any, ...] = ("rms_rope_ring", *((a.shape, a.dtype) for a in args),
@@ -184,7 +186,7 @@ def rms_rope_ring_rows_cuda(x: mx.array, c: mx.array, s: mx.array, window: mx.ar
 
     plan: RingPlan | None = plan_cached(key, make)
     if plan is None:
-        return rms_rope_ring_rows_reference(x, c, s, window, slots, positions, ring, weight=weight, eps=eps)
+        return rms_rope_ring_rows_reference(x, c, s, window, slots, positions, ring, weight=weight, eps=eps, kv=kv)
     (token,) = plan.kernel(
         inputs=[x, c, s, weight if weight is not None else plan.fparams, plan.fparams, window, slots, positions],
         template=plan.tmpl, grid=(x.shape[0] * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
