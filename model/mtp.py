@@ -17,7 +17,8 @@ Positions: the pair (h_p, t_{p+1}) runs at position p and writes ring row p % W 
 model: at the target's positions). Only relative positions reach a sliding layer's attention (the output is
 de-rotated), so placing the pair at p + 1 would give the same logits but for the RoPE angles' rounding.
 The ring holds what the block saw at a request's last W positions: every position, the prompt's included,
-must go through `draft_step` once for its drafts to be the trained ones (docs/mtp.md).
+goes through the block once for its drafts to be the trained ones (`draft_step` in the batched step,
+`prompt_ring` at the end of a parallel prefill's forward; docs/mtp.md).
 """
 
 from __future__ import annotations
