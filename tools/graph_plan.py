@@ -120,13 +120,15 @@ def main() -> None:
         found = gaps(p)
         kinds = {k: p.count(k) for k in ("weight", "pool", "const", "step", "arena", "gap")}
         by_kernel = Counter(ln.kernel.rsplit("_", 1)[0] for ln in p.launches)
-        row = {"rows": rows, "launches": len(p.launches), "launches_a_layer": len(p.launches) / args.num_hidden_layers,
+        row = {"rows": rows, "launches": len(p.launches), "dropped": p.dropped,
+               "launches_a_layer": len(p.launches) / args.num_hidden_layers,
                "buffers": kinds, "arena_bytes": p.arena_bytes, "staging_bytes": p.staging_bytes,
                "one_graph": not same_launches(*plans), "differs": same_launches(*plans), "gaps": len(found),
                "gap_args": Counter(g.split(":")[0] for g in found).most_common(opt.gaps),
                "kernels": by_kernel.most_common()}  # fmt: skip
         report[f"rows{rows}"] = row
-        print(f"rows {rows}: {row['launches']} launches ({row['launches_a_layer']:.1f} a layer), buffers {kinds}, "
+        print(f"rows {rows}: {row['launches']} launches ({row['launches_a_layer']:.1f} a layer; {p.dropped} unread "
+              f"left out), buffers {kinds}, "
               f"arena {p.arena_bytes / 2**20:.2f} MiB, staging {p.staging_bytes} B, one graph for every step: "
               f"{row['one_graph']}{' ' + row['differs'][0] if row['differs'] else ''}")  # fmt: skip
         print(f"  gaps {len(found)} (arguments an MLX op made), by argument:")

@@ -78,6 +78,7 @@ class StepPlan:
     staging: dict[int, int] = field(default_factory=dict)  # step buffer id -> byte offset in the staging buffer
     staging_bytes: int = 0
     rewritten: list[str] = field(default_factory=list)  # state arrays an MLX op replaced (a scatter, not a launch)
+    dropped: int = 0  # launches left out: nothing reads their outputs (MLX never runs them either)
 
     def count(self, kind: str) -> int:
         return sum(b.kind == kind for b in self.buffers.values())
@@ -143,6 +144,24 @@ def gaps(plan: StepPlan) -> list[str]:
     return out
 
 
+def dead(launches: Sequence[Launch], buffers: dict[int, Buffer]) -> set[int]:
+    """Launches a graph leaves out: MLX evaluates lazily, so a launch whose outputs nothing reads never runs
+    there (the recorder sees every call). Dead: every output an arena buffer no kept later launch reads, no
+    input a pool (an in-place writer's effect is its pool, not its output), and not the last launch (the
+    step's result). Backwards, so a launch read only by dead launches is dead too."""
+    out: set[int] = set()
+    read: set[int] = set()
+    for i in range(len(launches) - 1, -1, -1):
+        ln = launches[i]
+        unread = all(buffers[r.buffer].kind == "arena" and r.buffer not in read for r in ln.outputs)
+        writes_state = any(buffers[r.buffer].kind == "pool" for r in ln.inputs)
+        if i < len(launches) - 1 and unread and not writes_state:
+            out.add(i)
+            continue
+        read.update(r.buffer for r in ln.inputs)
+    return out
+
+
 def build(rows: int, launches: Sequence[Launch], buffers: dict[int, Buffer], rewritten: Sequence[str] = ()) -> StepPlan:
     """The plan of a step of `rows` rows (checked: every argument names a known buffer and lies inside it)."""
     if not 1 <= rows <= MAX_ROWS:
@@ -159,7 +178,11 @@ def build(rows: int, launches: Sequence[Launch], buffers: dict[int, Buffer], rew
             b = buffers[r.buffer]
             if b.kind in ("weight", "const", "step"):
                 raise ValueError(f"graph plan: {ln.kernel} writes {b.label}, a {b.kind}")
-    plan = StepPlan(rows, list(launches), dict(buffers), rewritten=list(rewritten))
+    # with gaps, MLX ops read launches' outputs too: nothing is known dead (and nothing is captured anyway)
+    gapless = not rewritten and all(b.kind != "gap" for b in buffers.values())
+    drop = dead(launches, buffers) if gapless else set()
+    plan = StepPlan(rows, [ln for i, ln in enumerate(launches) if i not in drop], dict(buffers),
+                    rewritten=list(rewritten), dropped=len(drop))  # fmt: skip
     plan.arena, plan.arena_bytes = arena_layout(plan.launches, plan.buffers)
     plan.staging, plan.staging_bytes = staging_layout(plan.buffers)
     return plan

@@ -125,6 +125,23 @@ def test_gaps_and_fallback_reasons() -> None:
     assert fallback_reason(build(1, clean, cb)) is None
 
 
+def test_launches_nothing_reads_are_left_out() -> None:
+    """k0's output nobody reads and k1 whose only reader is dead go; k2 writes a pool in place (its token unread)
+    and k4, the step's result, stay; k3 feeds k4."""
+    sizes = {0: 64, 1: 64, 2: 64, 3: 64, 4: 64, 5: 64, 6: 64, 7: 64}
+    launches, buffers = chain(sizes, {0: "weight", 3: "pool"}, [
+        ([0], [1]),  # k0: b1 read by nobody
+        ([0], [2]),  # k1: b2 read only by dead k... (none): dead
+        ([3], [4]),  # k2: an in-place writer of pool b3, token b4 unread
+        ([0], [5]),  # k3: b5 read by k4
+        ([5], [6]),  # k4: the result
+    ])  # fmt: skip
+    plan = build(1, launches, buffers)
+    assert [ln.kernel for ln in plan.launches] == ["k2", "k3", "k4"] and plan.dropped == 2
+    chained, cb = chain(sizes, {0: "weight"}, [([0], [1]), ([1], [2]), ([0], [7])])  # k0 -> k1 -> nothing
+    assert [ln.kernel for ln in build(1, chained, cb).launches] == ["k2"]
+
+
 def test_same_launches_names_the_first_difference() -> None:
     sizes = {0: 64, 1: 64}
     a = build(1, *chain(sizes, {0: "step"}, [([0], [1])]))
