@@ -8,7 +8,10 @@ retrace after each switch).
   the MoE combine and the mHC post-mix, the mHC pre-mix and the unit's RMSNorm);
 - `mlx_mm`: MLX's own matmuls for the weight products (the skinny kernels off);
 - `no_glue`: the glue ops' references (norms, mHC pre- and post-mix, router top-k, MoE combine, RoPE);
-- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0).
+- `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
+- `graph_glue`: `fast` with the step's glue between launches as own kernels (DSV4_GRAPH_GLUE: RoPE tables,
+  the window ring's write, the hashed router, the indexer's head weights, the embedding, the HyperHead); every
+  other arm runs without them, whatever DSV4_GRAPH_GLUE says.
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -24,7 +27,7 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one")
+ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", "graph_glue")
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -86,8 +89,10 @@ def set_arm(arm: str, model: Any) -> None:
     fast: dict[str, Any] = {}
     if backend.cuda_available():
         import dsv4_serve.kernels.cuda.hc_fused as kh
+        from dsv4_serve.kernels.cuda import set_graph_glue
 
         kh.set_split(arm != "hc_one")
+        set_graph_glue(arm == "graph_glue")
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):

@@ -6,6 +6,9 @@
 #                against CUDA decode
 #   PART=graphs  the step at rows 1 and 8, 4K, arms fast / hc_one, under MLX's CUDA graphs every 100 nodes, no
 #                graphs, and one graph a step (one process each), CUPTI kernels, busy time and the CUDA API's host time
+#   PART=replay  the CUDA graph step's pieces (kernels/graph, the glue kernels behind DSV4_GRAPH_GLUE): their gpu
+#                tests, the layer numerics with the glue kernels, the step at rows 1 and 8 with arms fast /
+#                graph_glue (CUPTI)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -69,6 +72,12 @@ for part in ${PART:-tests}; do
               env "${env[@]}" timeout 180 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
                 --profile --arms fast,hc_one --out "$OUT/graphs_$mode.json" 2>&1 | grep -E "^ +4096|Error" | sed "s/^/$mode: /"
             done ;;
+    replay) timeout 240 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+              tests/kernels/test_cuda_glue.py tests/kernels/test_graph_runtime.py 2>&1 | tail -12
+            DSV4_GRAPH_GLUE=1 timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+              tests/model/test_cuda_layer_numerics.py tests/model/test_step_angles.py 2>&1 | tail -6
+            timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
+              --profile --arms fast,graph_glue --out "$OUT/replay_step.json" 2>&1 | grep -v Warn | tail -12 ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
