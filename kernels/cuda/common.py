@@ -204,15 +204,22 @@ def standalone(name: str, inputs: Sequence[tuple[str, mx.Dtype, bool]], outputs:
     for n, dt in outputs:
         params.append(f"    {CUDA_TYPES[dt]}* {n}")
     lines.append(",\n".join(params) + ") {")
+    lines += [*template_lines(template), minify(source), "}", "}"]
+    return "\n".join(lines)
+
+
+def template_lines(template: Sequence[tuple[str, Any]]) -> list[str]:
+    """A launch's template values as MLX writes them at the top of the kernel: `using` a dtype, `constexpr`
+    a bool or an int."""
+    out = []
     for n, v in template:
         if isinstance(v, mx.Dtype):
-            lines.append(f"  using {n} = {CUDA_TYPES[v]};")
+            out.append(f"  using {n} = {CUDA_TYPES[v]};")
         elif isinstance(v, bool):
-            lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
+            out.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
         else:
-            lines.append(f"  constexpr int {n} = {v};")
-    lines += [minify(source), "}", "}"]
-    return "\n".join(lines)
+            out.append(f"  constexpr int {n} = {int(v)};")
+    return out
 
 
 # ---- contract checks once per batch ---------------------------------------------------------

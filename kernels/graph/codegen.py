@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dsv4_serve.kernels.cuda.common import CUDA_TYPES
+from dsv4_serve.kernels.cuda.common import CUDA_TYPES, template_lines
 from dsv4_serve.kernels.graph.record import KernelSource
 
 PRELUDE = [
@@ -28,18 +28,6 @@ MAX_NDIM = 8
 def entry(ks: KernelSource) -> str:
     """The kernel's C++ name (NVRTC's name expression)."""
     return f"mlx::core::cu::{ks.name}"
-
-
-def template_lines(template: Sequence[tuple[str, Any]]) -> list[str]:
-    out = []
-    for n, v in template:
-        if isinstance(v, mx.Dtype):
-            out.append(f"  using {n} = {CUDA_TYPES[v]};")
-        elif isinstance(v, bool):
-            out.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
-        else:
-            out.append(f"  constexpr int {n} = {int(v)};")
-    return out
 
 
 def translation_unit(ks: KernelSource, template: Sequence[tuple[str, Any]], inputs: Sequence[mx.array],

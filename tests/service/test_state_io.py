@@ -23,28 +23,12 @@ from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.request import StateConflict, StateError, StateNotFound
 from dsv4_serve.service.engine.state_format import MAGIC, Layout, open_state, seal
 from dsv4_serve.service.engine.state_io import export_entry, install, layout, model_identity
+from tests.service.test_prefix_cache import CAP, LEN, PAGE, cold_logits
+from tests.service.test_prefix_cache import prompt as prompt  # noqa: F401 - the module-scoped fixtures
+from tests.service.test_prefix_cache import tiny as tiny  # noqa: F401
 
-PAGE, LEN = 8, 262
-CAP = LEN + 6
 SECRET = b"0123456789abcdef0123456789abcdef"
 NS = ("tenant-one", "")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, args, _ = tiny_model(seed=0)
-    return model, args
-
-
-@pytest.fixture(scope="module")
-def prompt(tiny):
-    return [int(t) for t in np.random.default_rng(7).integers(0, tiny[1].vocab_size, LEN)]
-
-
-def cold_logits(tiny, tokens: list[int]) -> np.ndarray:
-    model, args = tiny
-    pools = StatePools(args, max_slots=1, max_positions=CAP, page_size=PAGE)
-    return np.array(model.prefill(pools, pools.alloc(CAP), tokens, 0, chunk=len(tokens)))
 
 
 def lay_of(model, cache: PrefixCache) -> Layout:
