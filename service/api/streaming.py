@@ -203,10 +203,11 @@ class Generation:
                     delta: dict[str, Any] = {"role": "assistant"} if first else {}
                     if s.delta.reasoning:
                         delta["reasoning_content"] = s.delta.reasoning
-                    if s.token_id is not None or s.delta.content:
-                        delta["content"] = s.delta.content
-                    if s.tool_calls:
+                    if s.tool_calls:  # OpenAI: content null beside tool_calls, never ""
+                        delta["content"] = s.delta.content or None
                         delta["tool_calls"] = s.tool_calls
+                    elif s.delta.content or (s.token_id is not None and not (self.tools and self.tools.calls)):
+                        delta["content"] = s.delta.content  # after the calls, an empty content key is left out
                     choice["delta"] = delta
                     choice["logprobs"] = self._chat_lp(s)
                     # A token whose text is held back (a stop string's or a tool call's possible start, a

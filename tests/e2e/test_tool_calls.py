@@ -53,7 +53,8 @@ def test_default_model_takes_a_tools_request(server: Server, client: openai.Open
 
 
 def test_streamed_call_sends_no_empty_deltas(client: openai.OpenAI) -> None:
-    """While the markup is held back nothing is sent: every chunk carries text, a call or the finish reason."""
+    """While the markup is held back nothing is sent: every chunk carries text, a call or the finish reason;
+    a call's chunk has content null, as OpenAI's."""
     kw = {**REQUIRED, "max_tokens": 400, "seed": 0, "parallel_tool_calls": False}
     with cf.ThreadPoolExecutor(2) as ex:  # one batch of two rows
         whole_f = ex.submit(client.chat.completions.create, **kw)
@@ -62,6 +63,9 @@ def test_streamed_call_sends_no_empty_deltas(client: openai.OpenAI) -> None:
     choices = [c.choices[0] for c in chunks if c.choices]
     empty = [ch for ch in choices if not (ch.delta.content or ch.delta.tool_calls or ch.finish_reason)]
     assert not empty, empty[:3]
+    # As OpenAI: content null (or absent) beside tool_calls, and no chunk's content an empty string.
+    assert all(ch.delta.content is None for ch in choices if ch.delta.tool_calls)
+    assert not [ch for ch in choices if ch.delta.content == ""], choices
     calls = [tc for ch in choices for tc in ch.delta.tool_calls or ()]
     assert [c.function.name for c in calls] == ["get_weather"] and choices[-1].finish_reason == "tool_calls"
     assert choices[0].delta.role == "assistant"
