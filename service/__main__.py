@@ -145,14 +145,19 @@ def follow(settings: Settings) -> int | None:
     group = mx.distributed.init()
     if group.size() == 1 or group.rank() == 0:
         return None
+    from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
     from dsv4_serve.service.engine.build import build_engine
     from dsv4_serve.service.engine.follower import follow as follow_loop
 
-    engine, _ = build_engine(settings.model, group=group, **settings.engine_options())
-    from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
-
-    steps = follow_loop(engine, group, prefill_cap=settings.prefill_chunk or PREFILL_CHUNK)
-    logging.getLogger("dsv4.follower").info("rank %d: stop after %d steps", group.rank(), steps)
+    log = logging.getLogger("dsv4.follower")
+    try:  # build_engine fails on every rank when any rank cannot start: none waits for the others
+        engine, _ = build_engine(settings.model, group=group, **settings.engine_options())
+        steps = follow_loop(engine, group, prefill_cap=settings.prefill_chunk or PREFILL_CHUNK)
+    except Exception as e:
+        log.exception("rank %d failed", group.rank())
+        print(f"dsv4-serve: rank {group.rank()} cannot serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    log.info("rank %d: stop after %d steps", group.rank(), steps)
     return 0
 
 

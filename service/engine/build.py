@@ -19,7 +19,37 @@ def distributed_group() -> Any:
     return mx.distributed.init()
 
 
-def build_engine(
+def build_engine(model_dir: str | None, *, group: object | None = None, **kw: Any):
+    """`_build_engine` (below); on a group of > 1 ranks every rank then learns whether all ranks started
+    (`agree_started`), so that no rank waits forever on one that failed."""
+    if group is None or group.size() <= 1:  # type: ignore[attr-defined]
+        return _build_engine(model_dir, group=group, **kw)
+    try:
+        built = _build_engine(model_dir, group=group, **kw)
+    except Exception:
+        agree_started(group, failed=True)
+        raise
+    agree_started(group, failed=False)
+    return built
+
+
+def agree_started(group: Any, *, failed: bool) -> None:
+    """One all_sum of the ranks' start-up outcomes, taken by every rank once its engine is built or has failed:
+    a rank whose peers failed raises naming them (else a follower would wait for a plan rank 0 never sends, or
+    rank 0 for a follower that is gone); a rank that failed goes on to raise its own error."""
+    import mlx.core as mx
+    import numpy as np
+
+    flags = np.zeros(group.size(), np.int32)
+    flags[group.rank()] = int(failed)
+    summed = np.array(mx.distributed.all_sum(mx.array(flags), group=group))
+    others = [str(r) for r, f in enumerate(summed) if f and r != group.rank()]
+    if others and not failed:
+        raise RuntimeError(f"rank {', '.join(others)} cannot start (its log has the reason): rank {group.rank()} "
+                           "stops too")
+
+
+def _build_engine(
     model_dir: str | None,
     *,
     max_rows: int = 8,

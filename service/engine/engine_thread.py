@@ -115,11 +115,12 @@ class EngineThread:
             self._report(e)
             raise
         finally:
-            # A distributed LeaderEngine tells its follower ranks to exit (they wait on every step).
+            # A distributed LeaderEngine tells its follower ranks to exit (they wait on every step), non-zero
+            # when this thread ends on a failure.
             close = getattr(getattr(self, "_engine", None), "close", None)
             if close is not None:
                 try:
-                    close()
+                    close(failed=self.start_error is not None or self.died is not None)
                 except Exception:  # noqa: BLE001 - exiting anyway
                     log.exception("engine close failed")
             # MLX wants a thread's streams destroyed before it exits, else the process may abort at

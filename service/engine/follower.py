@@ -15,7 +15,8 @@ host read-back. Rank 0 builds that step's graph before it broadcasts the plan: t
 N + 1 overlaps step N on the device. Followers queue their steps asynchronously too (nothing of theirs
 is read back). A chunk of prompt tokens larger than a message holds goes in prefill-only messages
 first; the leader runs exactly the pieces it sent, so every rank's state is computed alike.
-A STOP message (sent by `close()`, when the worker thread ends) lets the followers exit.
+A STOP message (sent by `close()`, when the worker thread ends) lets the followers exit; FAIL (the thread
+ends on a failure: start-up after the engine was built, or its death) makes them exit non-zero too.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsv4.follower")
 
-STEP, PLAN, STOP = 1, 2, 3  # PLAN: events and prefill chunks only, no step
+STEP, PLAN, STOP, FAIL = 1, 2, 3, 4  # PLAN: events and prefill chunks only, no step
 ALLOC, FREE, COPY = 1, 2, 3
 MAX_EVENTS = 16  # per message; more are flushed in PLAN messages first
 HEADER = 5  # op, events, rows, chunks, tokens on the device (1) or in the message (0)
@@ -171,16 +172,17 @@ class LeaderEngine(Engine):
             off += len(toks)
         broadcast_ints(msg, len(msg), self.group)
 
-    def close(self) -> None:
-        """Tell the followers to exit (once); called when the worker thread ends."""
+    def close(self, failed: bool = False) -> None:
+        """Tell the followers to exit (once), non-zero if `failed`; called when the worker thread ends."""
         if not self._closed:
             self._closed = True
             self._chunks = []
-            self._message(STOP, self._events[:MAX_EVENTS], [], [], False)
+            self._message(FAIL if failed else STOP, self._events[:MAX_EVENTS], [], [], False)
 
 
 def follow(engine: Engine, group: mx.distributed.Group, prefill_cap: int = PREFILL_CHUNK) -> int:
-    """A follower rank's loop: replay rank 0's messages until STOP. Returns the number of steps run."""
+    """A follower rank's loop: replay rank 0's messages until STOP. Returns the number of steps run; raises
+    on FAIL."""
     handles: dict[int, Handle] = {}
     rows_cap, steps = engine.max_rows, 0
     size = plan_size(rows_cap, prefill_cap)
@@ -198,6 +200,8 @@ def follow(engine: Engine, group: mx.distributed.Group, prefill_cap: int = PREFI
                 engine.pools.copy_slot(handles[a >> 8], handles[a & 255], b)
             else:
                 engine.pools.free(handles.pop(a))
+        if op == FAIL:
+            raise RuntimeError("rank 0 stopped on a failure (its log has the reason)")
         if op == STOP:
             return steps
         at = HEADER + 3 * MAX_EVENTS

@@ -2,6 +2,7 @@
 
     mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json [CHECKPOINT_DIR]
     mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json --engine   # LeaderEngine + follow()
+    mlx.launch -n 2 -- python tests/distributed/run_rank.py OUT.json --engine-fail   # the same, then FAIL
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> None:
     from dsv4_serve.model.tiny import tiny_model
 
     group = mx.distributed.init(strict=True)
-    if sys.argv[2:] == ["--engine"]:
+    if sys.argv[2:] in (["--engine"], ["--engine-fail"]):  # --engine-fail: rank 0 ends as on a failure
         from dsv4_serve.service.engine.engine import Engine
         from dsv4_serve.service.engine.follower import LeaderEngine, follow
 
@@ -82,7 +83,7 @@ def main() -> None:
             engine = LeaderEngine(model, group, prefill_cap=5, max_rows=8, max_model_len=64)
             engine.warmup()
             ids = engine_greedy(engine)
-            engine.close()
+            engine.close(failed=sys.argv[2] == "--engine-fail")
             Path(sys.argv[1]).write_text(json.dumps({"size": group.size(), "ids": ids}))
         else:
             follow(Engine(model, max_rows=8, max_model_len=64), group, prefill_cap=5)
