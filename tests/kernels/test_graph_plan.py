@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from dsv4_serve.kernels.graph.plan import (
@@ -223,3 +224,37 @@ def test_tool_plans_the_flash_step_without_gaps_with_the_glue_kernels(tmp_path: 
         else:  # the 3 hash layers' logits (router_hash) and the top-k layer's (router_topk)
             assert gap_args == {"dsv4_router_hash": 3, "dsv4_router_topk": 1}, row["gap_args"]
             assert all(name.endswith(".logits") for name, _ in row["gap_args"])
+
+
+def test_staging_packs_what_the_mlx_step_uploads() -> None:
+    """step_values from the rows' ints equal the arrays RowBatch.build uploads for the MLX step, and pack puts each
+    at its plan offset (ragged rows: other positions, slots and tables)."""
+    from dsv4_serve.kernels.graph.staging import Staging, step_values
+    from dsv4_serve.model.state import StatePools
+    from dsv4_serve.model.tiny import tiny_model
+
+    model, args, _ = tiny_model(seed=0)
+    pools = StatePools(args, max_slots=8, max_positions=900, page_size=16)
+    handles = [pools.alloc(100 + 97 * i) for i in range(5)]
+    batch = model.make_batch(pools, handles, [3, 90, 17, 250, 401])
+    tokens = [5, 6, 7, 8, 9]
+    widths = {r: pools.table_width(r) for r in pools.ratios}
+    values = step_values(batch, tokens, widths)
+    uploaded = {"slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
+                **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
+    assert set(values) == {"tokens", *uploaded}
+    for name, a in uploaded.items():
+        assert np.array_equal(values[name], np.array(a)), name
+    sizes = {i: values[n].nbytes for i, n in enumerate(values)}
+    buffers = {i: Buffer(i, "step", sizes[i], n) for i, n in enumerate(values)}
+    out = 100
+    buffers[out] = Buffer(out, "arena", 64, "logits")
+    plan = build(5, [launch("k", list(sizes), [out], {**sizes, out: 64})], buffers)
+    packed = Staging(plan).pack(values)
+    for i, name in enumerate(values):
+        off = plan.staging[i]
+        assert packed[off : off + sizes[i]].tobytes() == values[name].tobytes(), name
+    with pytest.raises(ValueError, match="no value for"):
+        Staging(plan).pack({"tokens": values["tokens"]})
+    with pytest.raises(ValueError, match="tokens is 16 bytes, the graph reads 20"):
+        Staging(plan).pack({**values, "tokens": np.zeros(4, np.int32)})
