@@ -17,9 +17,12 @@ import mlx.core as mx
 from dsv4_serve.kernels.cuda.common import CUDA_TYPES, template_lines
 from dsv4_serve.kernels.graph.record import KernelSource
 
+# What MLX's device headers give a kernel body (mlx/backend/cuda/device/utils.cuh, config.h: the CUDA half types,
+# libcu++'s array / limits / tuple / complex, which bring int32_t and INFINITY under NVRTC), and a Shape of our own.
 PRELUDE = [
-    "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>", "#include <cooperative_groups.h>",
-    "#include <cuda/std/limits>",
+    "#define LIBCUDACXX_ENABLE_SIMPLIFIED_COMPLEX_OPERATIONS", "#include <cuda_bf16.h>", "#include <cuda_fp16.h>",
+    "#include <cuda/std/array>", "#include <cuda/std/limits>", "#include <cuda/std/tuple>",
+    "#include <cuda/std/complex>", "#include <cooperative_groups.h>", "#define MAX_NDIM 10", "#define WARP_SIZE 32",
     "struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };",
 ]  # fmt: skip
 MAX_NDIM = 8

@@ -1,6 +1,7 @@
 """The CUDA graph runtime over MLX-owned buffers, on NVIDIA's cuda.core (the `cuda` extra).
 
-- Kernels: each recorded launch's translation unit (`codegen.py`) built once with NVRTC, cached by its text.
+- Kernels: each recorded launch's translation unit (`codegen.py`) built once with NVRTC (`nvrtc.py`), cached by
+  its text.
 - Buffers: the weights and state pools stay MLX arrays; their addresses come from MLX's DLPack export, which
   moves an array once into CUDA managed memory (so addresses are taken at load, never per step), prefetched
   to the GPU. The plan's arena and the staging buffer are cuda.core allocations that live with the graphs.
@@ -20,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from dsv4_serve.kernels.graph import nvrtc
 from dsv4_serve.kernels.graph.codegen import entry, translation_unit
 from dsv4_serve.kernels.graph.record import RawLaunch
 
@@ -52,21 +54,20 @@ class Runtime:
         self.device.set_current()
         self.stream = self.device.create_stream()
         major, minor = self.device.compute_capability
-        self.arch = f"sm_{major}{minor}"
+        self.arch = nvrtc.arch(major, minor)
         self._kernels: dict[str, Any] = {}
         self._buffers: list[Any] = []  # cuda.core allocations the graphs use: they live as long as the runtime
 
     def kernel(self, launch: RawLaunch) -> Any:
-        """The launch's kernel, built with NVRTC the first time its translation unit is seen."""
-        from cuda.core import Program, ProgramOptions
+        """The launch's kernel, built with NVRTC (`nvrtc.py`: the same build the CPU suite checks) the first time its
+        translation unit is seen."""
+        from cuda.core import ObjectCode
 
         src = translation_unit(launch.kernel, launch.template, launch.inputs, [o.dtype for o in launch.outputs])
         k = self._kernels.get(src)
         if k is None:
-            name = entry(launch.kernel)
-            opts = ProgramOptions(std="c++17", arch=self.arch, name=launch.kernel.name)
-            mod = Program(src, code_type="c++", options=opts).compile("cubin", name_expressions=(name,))
-            k = self._kernels[src] = mod.get_kernel(name)
+            cubin, lowered = nvrtc.compile_cubin(src, entry(launch.kernel), self.arch)
+            k = self._kernels[src] = ObjectCode.from_cubin(cubin, name=launch.kernel.name).get_kernel(lowered)
         return k
 
     def allocate(self, nbytes: int) -> int:

@@ -1,0 +1,75 @@
+"""NVRTC builds of the graph runtime's kernels (NVIDIA's cuda-bindings, the `cuda` extra): a translation unit
+(`codegen.py`) -> a cubin for one architecture and the kernel's lowered name. It needs no GPU, so the CPU suite
+builds every kernel of the step the way the runtime will (tests/kernels/test_graph_runtime.py).
+
+NVRTC searches no directory by itself: the CUDA headers the units include (cuda_bf16.h, cooperative_groups.h,
+and CCCL's cuda/std/...) are found by NVIDIA's cuda-pathfinder (a toolkit's include dirs or the pip wheels').
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+class BuildError(RuntimeError):
+    """NVRTC refused a unit; the message holds its log."""
+
+
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
+    """The CUDA runtime's and CCCL's header directories (cuda-pathfinder; an error naming what is missing)."""
+    from cuda.pathfinder import find_nvidia_header_directory
+
+    dirs = []
+    for lib in ("cudart", "cccl"):
+        d = find_nvidia_header_directory(lib)
+        if d is None:
+            raise BuildError(f"NVRTC: no {lib} headers found (a CUDA toolkit, or pip's nvidia-cuda-runtime / "
+                             "nvidia-cuda-cccl)")  # fmt: skip
+        dirs.append(str(d))
+    return tuple(dirs)
+
+
+def options(arch: str) -> list[bytes]:
+    """MLX's JIT options (mlx/backend/cuda/jit_module.cpp): device code by default, the architecture (`sm_90a` on
+    Hopper, as MLX), C++17, the header directories."""
+    return [b"--device-as-default-execution-space", f"-arch={arch}".encode(), b"--std=c++17",
+            *(f"-I{d}".encode() for d in include_dirs())]  # fmt: skip
+
+
+def arch(major: int, minor: int) -> str:
+    """MLX's target for a device of compute capability major.minor: `a` (arch-specific features) from 9.0 on."""
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def _check(result: object, what: str, log: str = "") -> None:
+    from cuda.bindings import nvrtc
+
+    err = result[0] if isinstance(result, tuple) else result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise BuildError(f"NVRTC {what}: {err}\n{log}")
+
+
+def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
+    """(cubin, lowered name) of the `__global__` function `name` (its C++ name, e.g. `mlx::core::cu::k`)."""
+    from cuda.bindings import nvrtc
+
+    made = nvrtc.nvrtcCreateProgram(source.encode(), f"{name.rsplit(':', 1)[-1]}.cu".encode(), 0, [], [])
+    _check(made, "create")
+    prog = made[1]
+    try:
+        _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "name expression")
+        opts = options(arch)
+        built = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        _check(built, f"compile of {name}", log.decode(errors="replace").rstrip("\x00"))
+        lowered = nvrtc.nvrtcGetLoweredName(prog, name.encode())
+        _check(lowered, "lowered name")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+        return cubin, lowered[1].decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
