@@ -7,7 +7,6 @@ from the parallel prefill's every-position head and one position in 65 from the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 
 from dsv4_serve.service.api.chat import token_text
 from tests.e2e.conftest import Server
+from tests.e2e.lm_eval_task import DOCS, write_task
 
 LEN, TOL = 300, 1e-4
 
@@ -131,25 +131,6 @@ def test_echo_with_tokens_streamed_and_batched(client: openai.OpenAI, tok) -> No
     assert batch.usage.prompt_tokens == 130
 
 
-TASK = """task: dsv4_local_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-"""
-DOCS = [
-    {"question": "The quick brown fox jumps over the", "choices": [" lazy dog", " moon", " fence"], "label": 0},
-    {"question": "Question: what is the capital of France? Answer:", "choices": [" Paris", " Rome"], "label": 0},
-    {"question": "Hello, world! How are you", "choices": [" today?", " there", " doing"], "label": 2},
-]
-
 
 def test_lm_eval_local_completions_loglikelihood(srv: Server, ckpt: Path, hf, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
@@ -159,9 +140,7 @@ def test_lm_eval_local_completions_loglikelihood(srv: Server, ckpt: Path, hf, tm
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "task.yaml").write_text(TASK.format(data=data))
+    write_task(tmp_path, "dsv4_local_mc")
     lm = get_model("local-completions")(
         base_url=f"{srv.url}/v1/completions", model="tiny", tokenizer=str(ckpt), tokenizer_backend="huggingface",
         batch_size=4, num_concurrent=1, max_retries=1, max_length=512,

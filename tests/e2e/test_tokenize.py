@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, ROOT, Server
+from tests.e2e.conftest import MODEL, Server
+from tests.e2e.lm_eval_task import DOCS, write_task
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -87,24 +88,6 @@ def test_api_key_guards_them(start_server) -> None:
         assert ok.status_code == 200, ok.text
 
 
-TASK = """task: dsv4_remote_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-"""
-DOCS = [
-    {"question": "The quick brown fox jumps over the", "choices": [" lazy dog", " moon", " fence"], "label": 0},
-    {"question": "Question: what is the capital of France? Answer:", "choices": [" Paris", " Rome"], "label": 0},
-]
-
 
 def test_lm_eval_remote_tokenizer_loglikelihood(server: Server, tok, tmp_path: Path) -> None:
     """`lm_eval --model local-completions ... tokenizer_backend=remote` on a local task, offline, from a directory
@@ -112,11 +95,10 @@ def test_lm_eval_remote_tokenizer_loglikelihood(server: Server, tok, tmp_path: P
     pytest.importorskip("lm_eval")
     exe = shutil.which("lm_eval", path=str(Path(sys.executable).parent))
     assert exe is not None
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "task.yaml").write_text(TASK.format(data=data))
+    write_task(tmp_path, "dsv4_remote_mc")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"))
+    # no PYTHONPATH: lm-eval's process needs nothing of ours (the checkout's kernels/ would shadow PyPI's)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     args = f"model={MODEL},base_url={server.url}/v1/completions,tokenizer_backend=remote,num_concurrent=1,max_retries=1"
     cmd = [exe, "--model", "local-completions", "--model_args", args, "--tasks", "dsv4_remote_mc",
            "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out"), "--log_samples"]  # fmt: skip
