@@ -3,13 +3,17 @@ shard of any), its tokenizer and the Engine around it. Runs on the engine thread
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 from dsv4_serve.service.engine.engine import Engine
 from dsv4_serve.service.engine.follower import LeaderEngine
 
 log = logging.getLogger("dsv4.engine")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def distributed_group() -> Any:
@@ -19,18 +23,24 @@ def distributed_group() -> Any:
     return mx.distributed.init()
 
 
-def build_engine(model_dir: str | None, *, group: object | None = None, **kw: Any):
-    """`_build_engine` (below); on a group of > 1 ranks every rank then learns whether all ranks started
-    (`agree_started`), so that no rank waits forever on one that failed."""
-    if group is None or group.size() <= 1:  # type: ignore[attr-defined]
-        return _build_engine(model_dir, group=group, **kw)
-    try:
-        built = _build_engine(model_dir, group=group, **kw)
-    except Exception:
-        agree_started(group, failed=True)
-        raise
-    agree_started(group, failed=False)
-    return built
+def all_ranks_started(build: Callable[P, R]) -> Callable[P, R]:
+    """`build` (its signature kept); on a group of > 1 ranks (its `group`) every rank then learns whether all ranks
+    started (`agree_started`), so that no rank waits forever on one that failed."""
+
+    @functools.wraps(build)
+    def built_on_every_rank(*args: P.args, **kwargs: P.kwargs) -> R:
+        group: Any = kwargs.get("group")
+        if group is None or group.size() <= 1:
+            return build(*args, **kwargs)
+        try:
+            out = build(*args, **kwargs)
+        except Exception:
+            agree_started(group, failed=True)
+            raise
+        agree_started(group, failed=False)
+        return out
+
+    return built_on_every_rank
 
 
 def agree_started(group: Any, *, failed: bool) -> None:
@@ -49,7 +59,8 @@ def agree_started(group: Any, *, failed: bool) -> None:
                            "stops too")
 
 
-def _build_engine(
+@all_ranks_started
+def build_engine(
     model_dir: str | None,
     *,
     max_rows: int = 8,
