@@ -151,13 +151,19 @@ def test_the_same_seed_gives_the_same_sampled_output(tiny) -> None:
         assert all(len(e.top_logprobs) == 2 and e.logprob is not None for e in a if e.token_id is not None)
 
 
-@pytest.fixture(scope="module")
-def small():
-    """A tiny model of 32 tokens, its target logits at one position and the MTP block's draft logits there."""
+def vocab32() -> tuple[DeepseekV4, ModelArgs]:
+    """The tiny model cut to 32 tokens (weights from seed 4): small enough to count every token's draws."""
     args = ModelArgs.tiny()
     args.vocab_size = 32
     model = DeepseekV4(args)
     model.load_weights(randomize(model, args, 4), strict=True)
+    return model, args
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A tiny model of 32 tokens, its target logits at one position and the MTP block's draft logits there."""
+    model, args = vocab32()
     pools = StatePools(args, max_slots=1, max_positions=16, page_size=4, mtp=True)
     h = pools.alloc(16)
     toks = [3, 9, 17, 5, 11]
@@ -204,10 +210,7 @@ def chained():
     """k = 2 on the 32-token tiny model after tokens 3, 9, 17, 5 (11 sampled): p1 (the target for the token after
     11), q1 (the MTP block's draft of it) and, for every first token x, p2[x] (the target after x) and q2[x] (the
     block chained on its own streams with x). Logits x 3 (sharper), f64."""
-    args = ModelArgs.tiny()
-    args.vocab_size = 32
-    model = DeepseekV4(args)
-    model.load_weights(randomize(model, args, 4), strict=True)
+    model, args = vocab32()
     pools = StatePools(args, max_slots=2, max_positions=16, page_size=4, mtp=True)
     h = pools.alloc(16)
     toks = [3, 9, 17, 5, 11]
