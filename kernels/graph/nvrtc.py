@@ -62,14 +62,16 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
         opts = options(arch)
         built = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        # NVRTC writes into these buffers: fresh bytearrays, never `b" " * size`, which for size 1 is CPython's
+        # shared one-byte b" " and NVRTC's empty log would turn every b" " in the process into b"\\0"
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         _check(built, f"compile of {name}", log.decode(errors="replace").rstrip("\x00"))
         lowered = nvrtc.nvrtcGetLoweredName(prog, name.encode())
         _check(lowered, "lowered name")
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
-        return cubin, lowered[1].decode()
+        return bytes(cubin), lowered[1].decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)

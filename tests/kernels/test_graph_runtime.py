@@ -108,3 +108,16 @@ def test_every_step_kernel_builds_with_nvrtc(tmp_path: Path, glue: bool) -> None
     with ThreadPoolExecutor(2) as pool:
         failed = [(n, e) for n, e in pool.map(build, units) if e]
     assert not failed, failed
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+def test_a_clean_build_leaves_python_s_shared_bytes_alone() -> None:
+    """A kernel that builds without a warning has a one-byte log ("\\0"). NVRTC writes it into the buffer it is
+    given; were that `b" " * 1`, CPython's shared b" " would become b"\\0" for the whole process (every later
+    b" " in a safetensors header's padding or an Authorization split breaks)."""
+    from dsv4_serve.kernels.graph.nvrtc import compile_cubin
+
+    src = 'namespace mlx::core::cu { __global__ void k(float* x) { x[0] = 1.0f; } }'
+    cubin, lowered = compile_cubin(src, "mlx::core::cu::k", "sm_90a")
+    assert cubin and "k" in lowered
+    assert ord(b" ") == 32 and b"a b".split(b" ") == [b"a", b"b"]
