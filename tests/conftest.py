@@ -52,3 +52,16 @@ def _mx_random_per_test(request: pytest.FixtureRequest) -> None:
     import mlx.core as mx
 
     mx.random.seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+_ONE_BYTE = [bytes([i]) for i in range(256)]  # CPython's shared one-byte bytes objects
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shared_bytes_intact(request: pytest.FixtureRequest):
+    """Native code that writes into a Python bytes buffer it was handed (NVRTC's log into `b" " * 1`) changes
+    CPython's shared one-byte objects for the whole process, and tests far away fail (7c5b83a): name the module
+    that did it instead."""
+    yield
+    bad = [i for i, b in enumerate(_ONE_BYTE) if b[0] != i]
+    assert not bad, f"{request.node.nodeid} changed CPython's shared one-byte bytes objects {bad} (b' ' is {b' '!r})"
