@@ -6,8 +6,7 @@ slot and pages reusable at once. Page 0 of every page pool is the trash page (se
 
 Pages are reference-counted: the prefix cache (service/engine/prefix_cache.py) holds pages of finished
 or running requests and maps full ones read-only into other requests' tables; a page returns to the free
-list when its last holder lets go. The slot helpers (`slot_state`, `load_slot`) copy a slot's fixed-size
-state (window ring + compressor windows) out and back in.
+list when its last holder lets go. Copies of slots and pages, in and out, are model/state_copy.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import mlx.core as mx
 from dsv4_serve.kernels.compressor import new_workspace as new_comp_workspace
 from dsv4_serve.kernels.indexer import new_workspace
 from dsv4_serve.model.config import ModelArgs
+from dsv4_serve.model.state_copy import StateCopies
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class StateHandle:
         return self.capacity // ratio
 
 
-class StatePools:
+class StatePools(StateCopies):
     def __init__(
         self,
         args: ModelArgs,
@@ -196,124 +196,6 @@ class StatePools:
         new = StateHandle(slot=handle.slot, capacity=handle.capacity, tables=tables)
         self._live[handle.slot] = new
         return new
-
-    def copy_page(self, ratio: int, src: int, dst: int) -> None:
-        """Page `src` -> page `dst` in every pool of `ratio` (copy-before-write of a shared partial page)."""
-        for _, pools, layer in self._page_fields(ratio):
-            page = pools[layer][src] * 1  # its own buffer first: the update may then reuse the pool's
-            mx.eval(page)
-            pools[layer][dst] = page
-            pools[layer] = mx.contiguous(pools[layer])
-
-    def _page_fields(self, ratio: int) -> list[tuple[str, dict[int, mx.array], int]]:
-        """(name, pools, layer) of every page pool of `ratio`: `ckv<layer>`, `ikeys<layer>`."""
-        return [(f"{name}{layer}", pools, layer) for name, pools in (("ckv", self.ckv), ("ikeys", self.ikeys))
-                for layer in pools if self.args.compress_ratios[layer] == ratio]  # fmt: skip
-
-    def page_pools(self, ratio: int) -> dict[str, mx.array]:
-        """Every page pool of `ratio` by name, [pages, page_size, d]."""
-        return {name: pools[layer] for name, pools, layer in self._page_fields(ratio)}
-
-    def read_entries(self, ratio: int, table: tuple[int, ...], n: int) -> dict[str, mx.array]:
-        """The first n entries of `table` in every page pool of `ratio`: name -> [n, d]."""
-        ids = mx.arange(n, dtype=mx.int32)
-        pages = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size]
-        return {name: pools[layer][pages, ids % self.page_size] for name, pools, layer in self._page_fields(ratio)}
-
-    def write_entries(self, ratio: int, table: tuple[int, ...], entries: dict[str, mx.array]) -> None:
-        """`read_entries`' inverse: entries [n, d] by name into the first n places of `table`."""
-        fields = self._page_fields(ratio)
-        if entries.keys() != {f[0] for f in fields}:
-            raise ValueError(f"StatePools.write_entries: names do not match the pools of ratio {ratio}")
-        for name, pools, layer in fields:
-            x = entries[name]
-            if not x.shape[0]:
-                continue
-            ids = mx.arange(x.shape[0], dtype=mx.int32)
-            pages = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size]
-            pools[layer][pages, ids % self.page_size] = x.astype(self.dtype)
-            pools[layer] = mx.contiguous(pools[layer])
-
-    # ---- slot copies ---------------------------------------------------------------------------
-    def _slot_fields(self) -> list[tuple[str, list[mx.array] | dict[int, mx.array], int]]:
-        """(name, container, key) of every per-slot array: `window<layer>`, `comp_kv<layer>`, ..."""
-        out: list[tuple[str, list[mx.array] | dict[int, mx.array], int]] = [
-            (f"window{i}", self.window, i) for i in range(len(self.window))
-        ]
-        for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
-            pools = getattr(self, name)
-            out += [(f"{name}{layer}", pools, layer) for layer in pools]
-        return out
-
-    def slot_arrays(self) -> dict[str, mx.array]:
-        """Every per-slot array by name, [slots, ...]."""
-        return {name: c[k] for name, c, k in self._slot_fields()}
-
-    def slot_state(self, slot: int) -> dict[str, mx.array]:
-        """A copy of the slot's fixed-size state (window ring, compressor windows), queued now: later writes to
-        the slot (also in-place kernels') run after it on the same stream and leave it alone. Not waited for:
-        a snapshot at the end of a prefill forward would otherwise hold the engine thread until the GPU is done."""
-        out = {name: c[k][slot] * 1 for name, c, k in self._slot_fields()}  # * 1: a new buffer, not a view
-        mx.async_eval(list(out.values()))
-        return out
-
-    def load_slot(self, slot: int, state: dict[str, mx.array]) -> None:
-        """Write a `slot_state` copy into `slot` (the pools stay row-major buffers, as in _reset_slot)."""
-        fields = self._slot_fields()
-        if state.keys() != {f[0] for f in fields}:
-            raise ValueError("StatePools.load_slot: state does not match these pools' arrays")
-        for name, c, k in fields:
-            c[k][slot] = state[name]
-            c[k] = mx.contiguous(c[k])
-
-    def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
-        """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one
-        prefill, then a copy per extra row; a prefix cache can reuse it). Copies the slot rows (window ring,
-        compressor windows) and the pages holding the entries emitted so far; lazy, like a step's updates.
-        Whole-array updates go through mx.contiguous for the in-place compressor (see `_reset_slot`)."""
-        for name, h in (("src", src), ("dst", dst)):
-            if self._live.get(h.slot) is not h:
-                raise ValueError(f"StatePools.copy_slot: {name} slot {h.slot} is not held by this handle")
-        if src.slot == dst.slot:
-            raise ValueError("StatePools.copy_slot: src and dst are the same slot")
-        if not 0 <= positions <= min(src.capacity, dst.capacity):
-            raise ValueError(f"StatePools.copy_slot: positions must be in 0..{min(src.capacity, dst.capacity)}, "
-                             f"got {positions}")  # fmt: skip
-        s, d = src.slot, dst.slot
-        for arrays in (self.window, self.comp_kv, self.comp_score, self.idx_kv, self.idx_score):
-            for key in range(len(arrays)) if isinstance(arrays, list) else list(arrays):
-                arrays[key][d] = arrays[key][s]
-                arrays[key] = mx.contiguous(arrays[key])
-        ratios = self.args.compress_ratios
-        for pools in (self.ckv, self.ikeys):
-            for layer in pools:
-                n = self.pages_for(positions, ratios[layer])
-                if n:
-                    r = ratios[layer]
-                    from_ = mx.array(src.tables[r][:n], dtype=mx.int32)
-                    pools[layer][mx.array(dst.tables[r][:n], dtype=mx.int32)] = pools[layer][from_]
-                    pools[layer] = mx.contiguous(pools[layer])
-
-    def _reset_slot(self, slot: int) -> None:
-        # A new occupant starts from a clean slot: compressor scores back to -inf (window 0's "previous half"
-        # must weigh nothing), and the window ring and compressor values back to 0. Rows a request has not
-        # written are read with weight 0 (masked window rows, the previous half), and 0 x NaN is NaN: a
-        # predecessor's non-finite or merely old values must never reach it. Pages need no reset: entries
-        # a request has not written are masked and their keys zeroed before use. With one slot the
-        # update covers the whole array and MLX returns the broadcast scalar itself (strides 0, one
-        # element): mx.contiguous gives it a buffer again (a no-op otherwise), since the in-place
-        # compressor writes through the buffer and MLX would hand a custom kernel a copy of a broadcast.
-        for scores in (self.comp_score, self.idx_score):
-            for layer in scores:
-                scores[layer][slot] = -mx.inf
-                scores[layer] = mx.contiguous(scores[layer])
-        for values in (self.comp_kv, self.idx_kv):
-            for layer in values:
-                values[layer][slot] = 0
-                values[layer] = mx.contiguous(values[layer])
-        for i in range(len(self.window)):
-            self.window[i][slot] = 0
-            self.window[i] = mx.contiguous(self.window[i])
 
     def arrays(self) -> list[mx.array]:
         return [
