@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -46,9 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, extra: list[str], timeout: float = 120) -> subprocess.Popen:
-    """`dsv4-serve serve` on 127.0.0.1:port with `extra` flags, returned once /ready says 200."""
-    cmd = [sys.executable, "-m", "dsv4_serve.service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+def start_server(port: int, extra: list[str], timeout: float = 120, python_args: Sequence[str] = ()
+                 ) -> subprocess.Popen:  # fmt: skip
+    """`dsv4-serve serve` on 127.0.0.1:port with `extra` flags (and the interpreter's `python_args`, e.g. a
+    profiler), returned once /ready says 200."""
+    cmd = [sys.executable, *python_args, "-m", "dsv4_serve.service", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -26,13 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import provenance  # noqa: E402
-from bench.serve import engine_host, free_port, host_ms_per_step  # noqa: E402
+from bench.serve import engine_host, free_port, host_ms_per_step, start_server  # noqa: E402
 
 PHASES = ("build", "encode", "sample", "wait", "prefill", "loop")
 # Event-loop areas by the file a function lives in (first match wins; the rest is "other").
@@ -101,20 +99,9 @@ def areas(stats_file: str, tokens: int) -> dict[str, float]:
 def http_arm(streams: int, out_len: int, prompts: int, profile: bool, server_args: list[str]) -> dict:
     port, prof = free_port(), tempfile.mktemp(suffix=".prof")
     pre = ["-m", "cProfile", "-o", prof] if profile else []
-    cmd = [sys.executable, *pre, "-m", "dsv4_serve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *server_args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_server(port, server_args, timeout=180, python_args=pre)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         out = tempfile.mktemp(suffix=".json")
         before = engine_host(url)
         subprocess.run([sys.executable, "bench/serve.py", "--url", url, "--concurrency", str(streams),
