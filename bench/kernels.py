@@ -10,7 +10,7 @@ compiled reference chain cannot share one call's key gather with the next (`--li
 figures before c5999d3, bench.cases.make_case); medians over
 >= 10 interleaved repetitions. Plus the 43-layer chained emulation (2 sliding, 21 CSA, 20 HCA) at
 8 rows, 8K context, reference vs fast, one eval per step: each layer's ops wait for the previous
-layer's output through CUDA-graph edges, as in the model (bench/chain43.py; `fast_c_dep` is the
+layer's output through CUDA-graph edges, as in the model (bench/cases.chain43; `fast_c_dep` is the
 compiled step linked by mx.depends as before 107803a, where nothing but attention waited).
 
 Host time: every arm also records the time to build its graph (python + MLX graph construction,
@@ -46,8 +46,7 @@ import numpy as np  # noqa: E402
 import dsv4_serve.kernels.cuda as kc  # noqa: E402
 import dsv4_serve.kernels.cuda.common as kcommon  # noqa: E402
 import dsv4_serve.kernels.cuda.compressor as kcomp  # noqa: E402
-from bench.cases import Case, add_link_argument, make_case  # noqa: E402
-from bench.chain43 import chain43  # noqa: E402
+from bench.cases import Case, add_link_argument, chain43, make_case  # noqa: E402
 from bench.common import copy_kernel, plot_kernels, provenance  # noqa: E402
 
 
