@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from dsv4_serve.kernels.cuda.common import f32_params, kernel, plan_cached
 from dsv4_serve.kernels.cuda.norms import INV_RMS
+from dsv4_serve.kernels.cuda.rope import NORMED_PAIR
 from dsv4_serve.kernels.glue import (
     check_rms_rope_ring_rows,
     check_rope_step_tables,
@@ -29,25 +30,29 @@ from dsv4_serve.kernels.glue import (
 THREADS = 128
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
+def _rotation(dim: str, c: str, s: str, extra: str = "") -> str:
+    """The loop body writing one rotation table pair (cos c, sin s with the pairs' sign folded in) of `dim`."""
+    return f"""    if (j < {dim}) {{
+      float cv = 1.f, sv = 0.f;
+      const int i = j - ({dim} - 2 * HALF);
+      if (i >= 0) {{
+        const float a = pf * freqs[i >> 1];
+        cv = cosf(a);
+        sv = sinf(a);
+        if (!(i & 1)) sv = -sv;
+      }}
+      {c}[(size_t)b * {dim} + j] = cv;
+      {s}[(size_t)b * {dim} + j] = sv;
+{extra}    }}
+"""
+
+
 TABLES = r"""
   const int b = blockIdx.x;
   const int p = positions[b];
   const float pf = (float)p;
   for (int j = threadIdx.x; j < JMAX; j += blockDim.x) {
-    if (j < D) {
-      float cv = 1.f, sv = 0.f;
-      const int i = j - (D - 2 * HALF);
-      if (i >= 0) {
-        const float a = pf * freqs[i >> 1];
-        cv = cosf(a);
-        sv = sinf(a);
-        if (!(i & 1)) sv = -sv;
-      }
-      c[(size_t)b * D + j] = cv;
-      s[(size_t)b * D + j] = sv;
-      sb[(size_t)b * D + j] = -sv;
-    }
-@MORE@
+""" + _rotation("D", "c", "s", "      sb[(size_t)b * D + j] = -sv;\n") + r"""@MORE@
   }
 """
 COMPRESSED = r"""
@@ -57,20 +62,7 @@ COMPRESSED = r"""
       csin[(size_t)b * HALF + j] = sinf(a);
     }
 """
-INDEXER = r"""
-    if (j < DI) {
-      float cv = 1.f, sv = 0.f;
-      const int i = j - (DI - 2 * HALF);
-      if (i >= 0) {
-        const float a = pf * freqs[i >> 1];
-        cv = cosf(a);
-        sv = sinf(a);
-        if (!(i & 1)) sv = -sv;
-      }
-      ci[(size_t)b * DI + j] = cv;
-      si[(size_t)b * DI + j] = sv;
-    }
-"""
+INDEXER = "\n" + _rotation("DI", "ci", "si")
 
 
 def tables_source(ratio: int) -> tuple[str, tuple[str, ...]]:
@@ -131,24 +123,14 @@ RING = r"""
   P* ring = const_cast<P*>(window) + ((size_t)slots[vec] * RING_LEN + positions[vec] % RING_LEN) * D;
   for (int p = tid; p < D / 2; p += blockDim.x) {
     const int i = 2 * p;
-    float y0 = dsv4_f(xr[i]), y1 = dsv4_f(xr[i + 1]);
-    if (NORM) {  // the norm's output, rounded to T as the op's
-      y0 *= inv;
-      y1 *= inv;
-      if (HAS_W) {
-        y0 = dsv4_f(w[i]) * y0;
-        y1 = dsv4_f(w[i + 1]) * y1;
-      }
-      y0 = dsv4_f(dsv4_t<T>(y0));
-      y1 = dsv4_f(dsv4_t<T>(y1));
-    }
+@NORMED_PAIR@
     const T o0 = dsv4_t<T>(y0 * cr[i] + y1 * sr[i]);  // rms_rope_rows' output, then the ring's dtype
     const T o1 = dsv4_t<T>(y1 * cr[i + 1] + y0 * sr[i + 1]);
     ring[i] = dsv4_t<P>(dsv4_f(o0));
     ring[i + 1] = dsv4_t<P>(dsv4_f(o1));
   }
   if (vec == 0 && tid == 0) token[0] = 0;
-""".replace("@INV_RMS@", INV_RMS.strip("\n"))
+""".replace("@INV_RMS@", INV_RMS.strip("\n")).replace("@NORMED_PAIR@", NORMED_PAIR.strip("\n"))
 RING_INPUTS = ("x", "c", "s", "w", "fparams", "window", "slots", "positions")
 
 

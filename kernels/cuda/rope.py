@@ -80,6 +80,21 @@ MANY_SOURCE = r"""
   }
 """
 
+# A vector's pair (i, i + 1), normed as the op's output when NORM (`inv`: its inverse RMS); shared with the
+# window ring's write (kernels/cuda/glue_rope.py), which must give the same values
+NORMED_PAIR = r"""
+    float y0 = dsv4_f(xr[i]), y1 = dsv4_f(xr[i + 1]);
+    if (NORM) {  // the norm's output, rounded to T as the op's
+      y0 *= inv;
+      y1 *= inv;
+      if (HAS_W) {
+        y0 = dsv4_f(w[i]) * y0;
+        y1 = dsv4_f(w[i + 1]) * y1;
+      }
+      y0 = dsv4_f(dsv4_t<T>(y0));
+      y1 = dsv4_f(dsv4_t<T>(y1));
+    }
+"""
 SOURCE = r"""
   __shared__ float red[32];
   const int vec = blockIdx.x, tid = threadIdx.x;
@@ -94,21 +109,11 @@ SOURCE = r"""
   T* orow = out + (size_t)vec * D;
   for (int p = tid; p < D / 2; p += blockDim.x) {
     const int i = 2 * p;
-    float y0 = dsv4_f(xr[i]), y1 = dsv4_f(xr[i + 1]);
-    if (NORM) {  // the norm's output, rounded to T as the op's
-      y0 *= inv;
-      y1 *= inv;
-      if (HAS_W) {
-        y0 = dsv4_f(w[i]) * y0;
-        y1 = dsv4_f(w[i + 1]) * y1;
-      }
-      y0 = dsv4_f(dsv4_t<T>(y0));
-      y1 = dsv4_f(dsv4_t<T>(y1));
-    }
+@NORMED_PAIR@
     orow[i] = dsv4_t<T>(y0 * cr[i] + y1 * sr[i]);
     orow[i + 1] = dsv4_t<T>(y1 * cr[i + 1] + y0 * sr[i + 1]);
   }
-""".replace("@INV_RMS@", INV_RMS.strip("\n"))
+""".replace("@INV_RMS@", INV_RMS.strip("\n")).replace("@NORMED_PAIR@", NORMED_PAIR.strip("\n"))
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
