@@ -9,6 +9,7 @@ and CCCL's cuda/std/...) are found by NVIDIA's cuda-pathfinder (a toolkit's incl
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 
 class BuildError(RuntimeError):
@@ -20,14 +21,23 @@ def include_dirs() -> tuple[str, ...]:
     """The CUDA runtime's and CCCL's header directories (cuda-pathfinder; an error naming what is missing)."""
     from cuda.pathfinder import find_nvidia_header_directory
 
-    dirs = []
+    found = {lib: find_nvidia_header_directory(lib) for lib in ("cudart", "cccl", "nvcc")}
     for lib in ("cudart", "cccl"):
-        d = find_nvidia_header_directory(lib)
-        if d is None:
+        if found[lib] is None:
             raise BuildError(f"NVRTC: no {lib} headers found (a CUDA toolkit, or pip's nvidia-cuda-runtime / "
                              "nvidia-cuda-cccl)")  # fmt: skip
-        dirs.append(str(d))
-    return tuple(dirs)
+    return runtime_dir(str(found["cudart"]), found["nvcc"]), str(found["cccl"])
+
+
+def runtime_dir(cudart: str, toolkit: str | None) -> str:
+    """The runtime headers' directory: `cudart`'s when it has the crt/ headers they include (mma.h includes
+    crt/mma.h), else the toolkit's. A pip install without nvidia-cuda-crt (torch's, on the H200 machine) has
+    cuda_runtime.h but no crt/."""
+    for d in (cudart, toolkit):
+        if d and (Path(d) / "crt").is_dir() and (Path(d) / "cuda_runtime.h").is_file():
+            return d
+    raise BuildError(f"NVRTC: the CUDA runtime headers in {cudart} lack crt/ and no toolkit has them "
+                     "(pip's nvidia-cuda-crt, or a CUDA toolkit)")
 
 
 def options(arch: str) -> list[bytes]:

@@ -121,3 +121,23 @@ def test_a_clean_build_leaves_python_s_shared_bytes_alone() -> None:
     cubin, lowered = compile_cubin(src, "mlx::core::cu::k", "sm_90a")
     assert cubin and "k" in lowered
     assert ord(b" ") == 32 and b"a b".split(b" ") == [b"a", b"b"]
+
+
+def test_the_runtime_headers_come_from_where_crt_is(tmp_path: Path) -> None:
+    """A pip install without nvidia-cuda-crt (torch's on the H200 machine) has cuda_runtime.h but not the crt/
+    headers it includes: the toolkit's directory is taken then, and with neither the error names the wheel."""
+    from dsv4_serve.kernels.graph.nvrtc import BuildError, runtime_dir
+
+    def headers(name: str, crt: bool) -> str:
+        d = tmp_path / name
+        (d / "crt" if crt else d).mkdir(parents=True)
+        (d / "cuda_runtime.h").write_text("")
+        return str(d)
+
+    full, partial, toolkit = headers("full", True), headers("partial", False), headers("toolkit", True)
+    assert runtime_dir(full, toolkit) == full
+    assert runtime_dir(partial, toolkit) == toolkit
+    with pytest.raises(BuildError, match="nvidia-cuda-crt"):
+        runtime_dir(partial, None)
+    with pytest.raises(BuildError, match="nvidia-cuda-crt"):
+        runtime_dir(partial, headers("bare", False))
