@@ -21,6 +21,7 @@ from typing import Any
 
 from dsv4_serve.service.api.grammar_child import HEADER
 from dsv4_serve.service.api.protocol import APIError
+from dsv4_serve.service.api.structured import _bad
 from dsv4_serve.service.engine import grammar
 from dsv4_serve.service.engine.request import Guide
 
@@ -175,10 +176,6 @@ class GrammarPool:
     def _too_slow(self, source: str) -> APIError:
         return APIError(400, f"{source} did not compile within {self.timeout:g}s (--grammar-timeout): make it "
                         "smaller or simpler", param=source, code="grammar_too_complex")  # fmt: skip
-
-
-def _bad(msg: str, param: str) -> APIError:
-    return APIError(400, msg, param=param, code="invalid_value")
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:

@@ -166,13 +166,13 @@ def check_text_fits(tok: Any, text: str, max_model_len: int, param: str) -> None
         )
 
 
-async def encode(tok: Any, text: str) -> list[int]:
+async def encode(tok: Any, text: str, add_special_tokens: bool = False) -> list[int]:
     """Token ids of `text`. Long text goes through `encode_batch` in a worker thread: it releases the GIL
     while it tokenizes (`encode` holds it), so neither the event loop nor the engine thread waits for it
     (only for the id list's conversion at the end)."""
     if len(text) <= INLINE_ENCODE_CHARS:
-        return list(tok.encode(text, add_special_tokens=False).ids)
-    return await asyncio.to_thread(lambda: tok.encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(tok.encode(text, add_special_tokens=add_special_tokens).ids)
+    return await asyncio.to_thread(lambda: tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 class StallGuardedStream(StreamingResponse):

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from dsv4_serve.service.api import routes, structured
 from dsv4_serve.service.api.chat_prompt import render
-from dsv4_serve.service.api.limits import check_content_type, parse_body
+from dsv4_serve.service.api.limits import check_content_type, encode, parse_body
 from dsv4_serve.service.api.protocol import APIError, Body, ChatCompletionRequest
 
 router = APIRouter()
@@ -61,7 +61,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         text, special = render(req, structured.prompt_tools(req)).text, bool(req.add_special_tokens)
     else:
         text, special = req.prompt, req.add_special_tokens is not False
-    ids = await asyncio.to_thread(lambda: list(tok.encode(text, add_special_tokens=special).ids))
+    ids = await encode(tok, text, add_special_tokens=special)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": ctl.max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [tok.id_to_token(i) for i in ids]

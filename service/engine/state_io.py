@@ -62,7 +62,8 @@ def layout(engine: Engine) -> Layout:
         slot = tuple((k, _dtype_name(v.dtype), tuple(v.shape[1:])) for k, v in pools.slot_arrays().items())
         entries = tuple((k, _dtype_name(v.dtype), r, int(v.shape[-1])) for r in pools.ratios
                         for k, v in pools.page_pools(r).items())  # fmt: skip
-        got = engine._state_layout = Layout(_identity(engine), engine.vocab_size, engine.max_model_len, slot, entries)
+        got = engine._state_layout = Layout(model_identity(engine.model), engine.vocab_size, engine.max_model_len,
+                                            slot, entries)  # fmt: skip
     return got
 
 
@@ -131,13 +132,6 @@ def _from_raw(raw: np.ndarray, dtype: mx.Dtype, shape: list[int]) -> mx.array:
     if not raw.size:
         return mx.zeros(shape, dtype)
     return mx.array(raw.reshape(-1, dtype.size)).view(dtype).reshape(shape)
-
-
-def _identity(engine: Engine) -> str:
-    ident = getattr(engine, "_state_identity", None)
-    if ident is None:
-        ident = engine._state_identity = model_identity(engine.model)
-    return ident
 
 
 def _cache(engine: Engine) -> PrefixCache:
