@@ -21,13 +21,10 @@ import mlx.nn as nn
 from dsv4_serve.kernels import backend
 from dsv4_serve.kernels.norms import rms_norm_rows_reference
 from dsv4_serve.kernels.rope import check_rms_rope_rows, rms_rope_rows_reference, rope_tables
+from dsv4_serve.kernels.rows import fail
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 _INTS = (mx.int32, mx.uint32)
-
-
-def fail(op: str, name: str, why: str) -> ValueError:
-    return ValueError(f"{op}: {name}: {why}")
 
 
 def _array(op: str, name: str, a: object, dtypes: tuple[mx.Dtype, ...], ndim: int) -> mx.array:

@@ -26,7 +26,7 @@ from dsv4_serve.kernels.compressor import pooled_entry
 from dsv4_serve.kernels.indexer import topk_ids
 from dsv4_serve.kernels.indexer_scores import indexer_scores
 from dsv4_serve.model.attention import Attention, Compressor
-from dsv4_serve.model.layers import hc_head, rope_angles
+from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
 from dsv4_serve.model.state import StateHandle, StatePools
 
@@ -231,7 +231,7 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
            for e, b0, b1 in zip(every, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
     idx = [i for s in sel for i in s]
     rows = hs if len(idx) == t else hs[mx.array(idx, dtype=mx.int32)]
-    y = model.norm(hc_head(rows, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a))
+    y = model.collapse(rows)
     out = kmatmul.f32_linear_rows(y, model.head.weight)  # [rows, vocab] f32, as the decode step's head
     cuts = np.cumsum([0, *map(len, sel)]).tolist()
     return [out[c0:c1] if e else out[c0] if logits else None

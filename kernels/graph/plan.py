@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-MAX_ROWS = 8
+from dsv4_serve.kernels.rows import MAX_ROWS
+
 ALIGN = 256  # bytes: cudaMalloc's alignment, so vector loads of an arena buffer stay aligned
 PERSISTENT = ("weight", "pool", "const")
 KINDS = (*PERSISTENT, "step", "arena", "gap")

@@ -123,8 +123,8 @@ def _sample(engine: Engine, plan: list[Request], idx: list[int], chunks: list[li
     v = engine.vocab_size
     for i in idx:
         r, toks, d = plan[i], chunks[i], drafts[i]
+        rows.append(logits[i])  # [len(toks), vocab]: one target row a chunk position
         for j in range(len(toks)):
-            rows.append(logits[i][j : j + 1])
             params.append(r.params)
             hist.append(_history(r, toks[1 : j + 1]))
             counts.append(len(r.output_ids) + j)
