@@ -246,16 +246,21 @@ def sample_lazy(
     else:
         token = greedy_tok
 
+    return queued(token, lp, params)
+
+
+def queued(token: mx.array, lp: mx.array, params: Sequence[SamplingParams], *also: mx.array) -> Pending:
+    """The rows' tokens with the logprobs their params ask for (lp: log_softmax as `process` gives it), queued
+    (async_eval, with `also`) as a Pending."""
     outs = [token]
     if any(p.logprobs is not None for p in params):  # lp stays lazy (never computed) otherwise
         outs.append(mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0])
-    k = max((p.logprobs or 0) for p in params)
+    k = min(max((p.logprobs or 0) for p in params), lp.shape[-1])
     if k > 0:
-        k = min(k, v)
         top_idx = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
         outs += [top_idx, mx.take_along_axis(lp, top_idx, axis=-1)]
     pending = Pending(outs, params, k)
-    mx.async_eval(pending.tokens, *outs)
+    mx.async_eval(*also, pending.tokens, *outs)
     return pending
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.service.engine.request import SamplingParams
-from dsv4_serve.service.engine.sampler import Pending, _mix64, gumbel_noise, process, row_key
+from dsv4_serve.service.engine.sampler import Pending, _mix64, gumbel_noise, process, queued, row_key
 
 DRAFT_KEY, ACCEPT_KEY, RESIDUAL_KEY = 0xD1, 0xAC, 0x5E  # one draw a key: drafts, accept tests, residuals
 
@@ -77,13 +77,4 @@ def verify_lazy(logits: mx.array, params: Sequence[SamplingParams], histories: S
         accept = mx.where(greedy_rows, greedy == d[:, 0], u * qd < pd) & has
         token = mx.where(greedy_rows, greedy, mx.where(has, res, drawn))
     token = mx.where(accept, d[:, 0], token)
-    outs = [token]
-    if any(p.logprobs is not None for p in params):
-        outs.append(mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0])
-    k = min(max((p.logprobs or 0) for p in params), v)
-    if k > 0:
-        top_idx = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-        outs += [top_idx, mx.take_along_axis(lp, top_idx, axis=-1)]
-    pending = Pending(outs, params, k)
-    mx.async_eval(accept, pending.tokens, *outs)
-    return pending, accept
+    return queued(token, lp, params, accept), accept
