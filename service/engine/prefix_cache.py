@@ -181,9 +181,10 @@ class PrefixCache:
         """Pages of `ratio` that evicting every entry would free (held by the cache alone)."""
         return sum(1 for (r, p), n in self._page_holds.items() if r == ratio and self.pools.page_refs(r, p) == n)
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry of the namespace holding the most bytes; False when empty."""
-        victim = self._victim(None)
+    def evict_one(self, keep: Entry | None = None) -> bool:
+        """Drop the least recently used entry (never `keep`) of the namespace holding the most bytes; False when
+        there is none."""
+        victim = self._victim(keep)
         if victim is None:
             return False
         self._remove(victim)
@@ -253,9 +254,5 @@ class PrefixCache:
         self._ns_bytes = +self._ns_bytes  # drop namespaces down to 0 bytes
 
     def _shrink(self, keep: Entry | None = None) -> None:
-        while self.bytes > self.budget:
-            victim = self._victim(keep)
-            if victim is None:
-                return
-            self._remove(victim)
-            self.evictions += 1
+        while self.bytes > self.budget and self.evict_one(keep):
+            pass
