@@ -11,7 +11,9 @@ retrace after each switch).
 - `hc_one`: `fast` with the fused mHC pre-mix one block a row (DSV4_HC_SPLIT=0);
 - `graph_glue`: `fast` with the step's glue between launches as own kernels (DSV4_GRAPH_GLUE: RoPE tables,
   the window ring's write, the hashed router, the indexer's head weights, the embedding, the HyperHead); every
-  other arm runs without them, whatever DSV4_GRAPH_GLUE says.
+  other arm runs without them, whatever DSV4_GRAPH_GLUE says;
+- `graph`: the step replayed as one CUDA graph (model/graph_step.py: `graph_glue`'s launches, captured once a row
+  count), then the engine's greedy read-back (bench/step.py's `graph_loop`).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -27,7 +29,7 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", "graph_glue")
+ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", "graph_glue", "graph")
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -92,7 +94,7 @@ def set_arm(arm: str, model: Any) -> None:
         from dsv4_serve.kernels.cuda import set_graph_glue
 
         kh.set_split(arm != "hc_one")
-        set_graph_glue(arm == "graph_glue")
+        set_graph_glue(arm in ("graph_glue", "graph"))
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):

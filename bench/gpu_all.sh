@@ -9,6 +9,11 @@
 #   PART=replay  the CUDA graph step's pieces (kernels/graph, the glue kernels behind DSV4_GRAPH_GLUE): their gpu
 #                tests, the layer numerics with the glue kernels, the step at rows 1 and 8 with arms fast /
 #                graph_glue (CUPTI)
+#   PART=graph   the decode graphs: their gpu tests (runtime, a kernel past 48 KiB of shared memory, the replayed step
+#                against MLX's and through the Engine), tools/graph_replay.py at 43 layers, then bench/step.py at rows
+#                1 and 8, 4K, arms fast / graph (CUPTI)
+#   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth), then 8 layers
+#                with graphs on and off: the fixed prompts' greedy texts must be equal
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -78,6 +83,20 @@ for part in ${PART:-tests}; do
               tests/model/test_cuda_layer_numerics.py tests/model/test_step_angles.py 2>&1 | tail -6
             timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
               --profile --arms fast,graph_glue --out "$OUT/replay_step.json" 2>&1 | grep -v Warn | tail -12 ;;
+    graph) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_graph_runtime.py \
+             tests/model/test_graph_step.py 2>&1 | tail -12
+           timeout 200 python3 tools/graph_replay.py --layers 43 --experts 32 --rows 1 --context 4096 --reps 10 \
+             --json "$OUT/graph_replay.json" 2>&1 | grep -v Warn | tail -3
+           timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
+             --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9 ;;
+    graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \
+                 --server-args "$flash --decode-graphs on" --out "$OUT/serve_graphs.json" 2>&1 | tail -6
+               small="--load-format dummy --model flash --layers 8 --experts 16"
+               for g in on off; do
+                 timeout 120 python3 bench/serve.py --concurrency 8 --output-len 256 --prompts-per-concurrency 1 \
+                   --server-args "$small --decode-graphs $g" --out "$OUT/agree_$g.json" 2>&1 | tail -2
+               done
+               python3 -c "import json,sys; a,b=(json.load(open(f'$OUT/agree_{g}.json'))['meta']['greedy_texts'] for g in ('on','off')); print('graphs on == off:', a == b and a is not None)" ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
@@ -151,6 +170,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -162,6 +162,31 @@ def time_loop(model: DeepseekV4, pools: StatePools, handles, ctx: int, reps: int
     return ts[:-1]  # the last read-back has no step behind it
 
 
+def graph_loop(graphs, handles, ctx: int, reps: int) -> list[float]:
+    """The `graph` arm, as the engine runs it: each step one replay (staging copy, graph launch, wait), then the
+    greedy tokens read back for the next. HOST: `build` 0, `encode` the replay's call (the GPU's time in it)."""
+    from dsv4_serve.kernels.rows import Row
+
+    graphs.touched()  # another arm's MLX step may have moved a pool: read again (a recapture lands in the warm-up)
+    tok, ts = [7] * len(handles), []
+    HOST["build"].clear()
+    HOST["encode"].clear()
+    t = time.perf_counter()
+    for i in range(reps):
+        rows = [Row(slot=h.slot, position=ctx + i, q_row=j, tables=h.tables) for j, h in enumerate(handles)]
+        t0 = time.perf_counter()
+        logits = graphs.replay(rows, tok)
+        HOST["encode"].append(time.perf_counter() - t0)
+        HOST["build"].append(0.0)
+        if logits is None:
+            raise SystemExit(f"step.py: no graph for {len(handles)} rows: {graphs.reasons.get(len(handles))}")
+        tok = mx.argmax(logits, axis=-1).tolist()
+        now = time.perf_counter()
+        ts.append(now - t)
+        t = now
+    return ts
+
+
 def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
     """CUPTI over `steps` steps: kernels a step, GPU busy us a step (union of activity), the top kernels."""
     from torch.profiler import ProfilerActivity, profile  # the device's python3; not a project dependency
@@ -208,6 +233,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step.json"))
     ap.add_argument("--plot", metavar="PNG", help="also draw ms a step against rows, with the floor")
     opt = ap.parse_args()
+    arms = opt.arms.split(",")
+    recorder = None
+    if "graph" in arms:  # the recorder stands in for mx.fast.cuda_kernel before any kernel object is made
+        from dsv4_serve.service.engine.graphs import prepare
+
+        recorder = prepare("on")
     experts = opt.experts or most_experts(opt.layers)
     args = flash_args(opt.layers, experts)
     t0 = time.perf_counter()
@@ -216,22 +247,39 @@ def main() -> None:
           f"{mx.default_device()}, {mx.get_active_memory() / 2**30:.1f} GiB", flush=True)  # fmt: skip
     bw = copy_bandwidth()
     rows_list = [int(r) for r in opt.rows.split(",")]
-    arms = opt.arms.split(",")
     traces = Path(opt.traces) if opt.traces else None
-    results = []
+    results, graph_info = [], []
     for ctx in (int(c) for c in opt.contexts.split(",")):
         cap = ctx + 4 * opt.reps + 64
         pools = StatePools(args, max_slots=max(rows_list), max_positions=cap, page_size=256, dtype=mx.bfloat16)
         handles = [pools.alloc(cap) for _ in range(max(rows_list))]
         fill_state(pools, ctx)
+        graphs = None
+        if recorder is not None:
+            from dsv4_serve.kernels.graph.cubin_cache import default_dir
+            from dsv4_serve.model.graph_step import GraphStep
+
+            set_arm("graph", model)
+            t1 = time.perf_counter()
+            graphs = GraphStep(model, pools, recorder, default_dir())
+            graphs.capture(handles)
+            print(f"graphs: rows {sorted(graphs.graphs)} captured in {time.perf_counter() - t1:.1f} s; "
+                  f"{graphs.reasons or 'no fallback'}", flush=True)  # fmt: skip
         pos = ctx
+
+        def loop_of(arm: str, graphs=graphs, pools=pools):  # noqa: ANN001, ANN202 - this context's pools and graphs
+            if arm == "graph":
+                return lambda rows_, at, n: graph_loop(graphs, rows_, at, n)
+            return lambda rows_, at, n: time_loop(model, pools, rows_, at, n)
+
         for rows in rows_list:
             times: dict[str, list[float]] = {}
             host: dict[tuple[str, str], list[float]] = {}
             for arm in arms * 2:  # alternated
                 set_arm(arm, model)
-                time_loop(model, pools, handles[:rows], pos, 3)  # trace + warm
-                times.setdefault(arm, []).extend(time_loop(model, pools, handles[:rows], pos + 3, opt.reps))
+                loop = loop_of(arm)
+                loop(handles[:rows], pos, 3)  # trace + warm
+                times.setdefault(arm, []).extend(loop(handles[:rows], pos + 3, opt.reps))
                 for k, v in HOST.items():
                     host.setdefault((arm, k), []).extend(v)
             wb, sb = floor_bytes(model, rows, ctx)
@@ -239,8 +287,8 @@ def main() -> None:
             profs: dict[str, dict] = {}
             for arm in arms if opt.profile else ():  # each arm's kernels and busy time, for the before/after
                 set_arm(arm, model)
-                hs = handles[:rows]
-                profs[arm] = gpu_profile(lambda n, p=pools, hs=hs, at=pos: time_loop(model, p, hs, at, n), 4, traces,
+                hs, fn = handles[:rows], loop_of(arm)
+                profs[arm] = gpu_profile(lambda n, f=fn, hs=hs, at=pos: f(hs, at, n), 4, traces,
                                          f"{ctx}_{rows}_{arm}")  # fmt: skip
             for arm, ts in times.items():
                 med = statistics.median(ts)
@@ -253,9 +301,13 @@ def main() -> None:
                     cell |= profs[arm] | {"busy_x_floor": profs[arm]["gpu_busy_ms_per_step"] / (floor * 1e3)}
                 results.append(cell)
                 print(json.dumps(cell), flush=True)
-        del pools, handles
+        if graphs is not None:
+            graph_info.append({"context": ctx, "stats": dict(graphs.stats), "reasons": graphs.reasons})
+        del pools, handles, loop_of
+        graphs = None
     meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "copy_bw_GBs": bw / 1e9,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version()} | provenance()
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+            "graphs": graph_info} | provenance()
     Path(opt.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(json.dumps(meta))
     if opt.plot:

@@ -90,6 +90,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "is not loaded)  "
         "[DSV4_SPECULATIVE_CONFIG]",
     )
+    p.add_argument(
+        "--decode-graphs", choices=("auto", "on", "off"),
+        help="the decode step as replayed CUDA graphs, one per row count, captured at start-up: auto (default) "
+        "where MLX runs on CUDA and the cuda extra is installed; on: a start-up error anywhere else; off: the MLX "
+        "step  [DSV4_DECODE_GRAPHS]",
+    )
+    p.add_argument(
+        "--graph-cache-dir",
+        help="NVRTC's cubins for the graphs, kept across restarts (default $XDG_CACHE_HOME/dsv4-serve/cubins; "
+        "'' turns the cache off)  [DSV4_GRAPH_CACHE_DIR]",
+    )
     _hardening_flags(p)
 
 

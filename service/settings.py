@@ -57,6 +57,10 @@ class Settings(BaseModel):
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1..3} drafts with the MTP block
     # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
     speculative_config: dict[str, Any] | None = None
+    # The decode step as replayed CUDA graphs (service/engine/graphs.py): auto where MLX runs on CUDA and the
+    # `cuda` extra imports; on: anything else is a start-up error; off: the MLX step
+    decode_graphs: Literal["auto", "on", "off"] = "auto"
+    graph_cache_dir: str | None = None  # NVRTC's cubins on disk; None: $XDG_CACHE_HOME/dsv4-serve/cubins, "": none
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -132,7 +136,17 @@ class Settings(BaseModel):
                 "state_budget_bytes": self.state_budget_bytes, "dequantize": self.dequantize,
                 "load_format": self.load_format, "experts": self.experts, "layers": self.layers,
                 "prefill_chunk": self.prefill_chunk, "prefix_cache_bytes": self.prefix_cache_bytes,
-                "prefix_interval": self.prefix_cache_interval, "speculative": self.num_speculative_tokens}
+                "prefix_interval": self.prefix_cache_interval, "speculative": self.num_speculative_tokens,
+                "decode_graphs": self.decode_graphs, "graph_cache_dir": self.graph_cache_path}
+
+    @property
+    def graph_cache_path(self) -> Path | None:
+        """The cubin cache's directory (None: no cache)."""
+        from dsv4_serve.kernels.graph.cubin_cache import default_dir
+
+        if self.graph_cache_dir is None:
+            return default_dir()
+        return Path(self.graph_cache_dir).expanduser() if self.graph_cache_dir else None
 
     @property
     def num_speculative_tokens(self) -> int:

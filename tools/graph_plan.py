@@ -22,34 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from dsv4_serve.model.graph_step import named_arrays, pool_arrays  # noqa: E402
 from tools.build_profile import _stand_in, zero_weights  # noqa: E402
-
-
-def pool_arrays(pools) -> dict[str, mx.array]:  # noqa: ANN001
-    """Every state array by name (the pools, the kernels' workspaces)."""
-    pool = {f"pool{i}": a for i, a in enumerate(pools.arrays())}
-    pool.update({f"comp_ws{k}": v for k, v in pools.comp_ws.items()})
-    pool.update({f"idx_ws{k}": v for k, v in pools.idx_ws.items()})
-    from dsv4_serve.kernels.cuda import hc_fused
-
-    if hc_fused.WORKSPACE is not None:  # the split pre-mix's tickets and partials: made once, reset by its launches
-        pool["hc_ws"] = hc_fused.WORKSPACE
-    return pool
-
-
-def named_arrays(model, pools, batch, tokens) -> dict[str, dict[str, mx.array]]:  # noqa: ANN001
-    """The persistent and step arrays by kind and name (the pools as they are now: call before the step)."""
-    from mlx.utils import tree_flatten
-
-    from dsv4_serve.kernels.cuda import common
-
-    weights = {k: v for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
-    pool = pool_arrays(pools)
-    consts = {str(k): v for k, v in common._consts.items() if isinstance(v, mx.array)}
-    consts.update({f"freqs_{k}": f for k, f in model._freqs.items()})  # the RoPE frequencies, made at load
-    step = {"tokens": tokens, "slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
-            **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
-    return {"step": step, "weight": weights, "pool": pool, "const": consts}
 
 
 def main() -> None:

@@ -80,6 +80,8 @@ class StepPlan:
     staging_bytes: int = 0
     rewritten: list[str] = field(default_factory=list)  # state arrays an MLX op replaced (a scatter, not a launch)
     dropped: int = 0  # launches left out: nothing reads their outputs (MLX never runs them either)
+    kept: list[int] = field(default_factory=list)  # the recorded launch each of `launches` is
+    addresses: dict[int, int] = field(default_factory=dict)  # buffer id -> its first byte as recorded
 
     def count(self, kind: str) -> int:
         return sum(b.kind == kind for b in self.buffers.values())
@@ -163,7 +165,8 @@ def dead(launches: Sequence[Launch], buffers: dict[int, Buffer]) -> set[int]:
     return out
 
 
-def build(rows: int, launches: Sequence[Launch], buffers: dict[int, Buffer], rewritten: Sequence[str] = ()) -> StepPlan:
+def build(rows: int, launches: Sequence[Launch], buffers: dict[int, Buffer], rewritten: Sequence[str] = (),
+          addresses: dict[int, int] | None = None) -> StepPlan:  # fmt: skip
     """The plan of a step of `rows` rows (checked: every argument names a known buffer and lies inside it)."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"graph plan: rows must be 1..{MAX_ROWS}, got {rows}")
@@ -182,8 +185,10 @@ def build(rows: int, launches: Sequence[Launch], buffers: dict[int, Buffer], rew
     # with gaps, MLX ops read launches' outputs too: nothing is known dead (and nothing is captured anyway)
     gapless = not rewritten and all(b.kind != "gap" for b in buffers.values())
     drop = dead(launches, buffers) if gapless else set()
-    plan = StepPlan(rows, [ln for i, ln in enumerate(launches) if i not in drop], dict(buffers),
-                    rewritten=list(rewritten), dropped=len(drop))  # fmt: skip
+    kept = [i for i in range(len(launches)) if i not in drop]
+    plan = StepPlan(rows, [launches[i] for i in kept], dict(buffers), rewritten=list(rewritten), dropped=len(drop),
+                    kept=kept)  # fmt: skip
+    plan.addresses = dict(addresses or {})
     plan.arena, plan.arena_bytes = arena_layout(plan.launches, plan.buffers)
     plan.staging, plan.staging_bytes = staging_layout(plan.buffers)
     return plan

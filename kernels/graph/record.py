@@ -6,8 +6,9 @@ argument names: what NVRTC needs to build it again outside MLX), its launch valu
 and writes. `Recorder.plan()` evaluates them and sorts each argument into the buffer kinds of
 `kernels/graph/plan.py` by address, so a reshape or a slice of a buffer is that buffer (MLX views share it).
 
-Addresses come from the CPU buffer protocol: the plan is made on the CPU twin of the step (`tools/graph_plan.py`
-stands a zero-filling launch in for each kernel), whose launch list is the GPU's for the same shapes and dtypes.
+Addresses come from DLPack: on the CPU the plan is made on the CPU twin of the step (`tools/graph_plan.py` stands
+a zero-filling launch in for each kernel), whose launch list is the GPU's for the same shapes and dtypes; on CUDA
+(`model/graph_step.py`) they are the device addresses the captured graph takes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,29 @@ class RawLaunch:
     inputs: list[mx.array]
     outputs: list[mx.array]
     init_value: float | None = None  # MLX fills the outputs with it before the launch
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What a launch's translation unit and memsets need of an argument: no buffer (an array kept would keep its
+    buffer alive, and a pool held so could never be donated by MLX)."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    nbytes: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def detached(ln: RawLaunch) -> RawLaunch:
+    """The launch with each array replaced by its ArraySpec."""
+    def spec(a: mx.array) -> ArraySpec:
+        return ArraySpec(tuple(a.shape), a.dtype, a.nbytes)
+
+    return RawLaunch(ln.kernel, ln.template, ln.grid, ln.threadgroup, [spec(a) for a in ln.inputs],  # type: ignore[misc]
+                     [spec(a) for a in ln.outputs], ln.init_value)  # type: ignore[misc]  # fmt: skip
 
 
 def _template(t: Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, str], ...]:
@@ -93,6 +117,7 @@ class Recorder:
                 [list(m.values()) for m in named.values()])  # fmt: skip
         spans: list[tuple[int, int, int]] = []  # (start, end, buffer id): persistent, step and arena buffers
         buffers: dict[int, Buffer] = {}
+        starts: dict[int, int] = {}
 
         def add(a: mx.array, kind: str, label: str) -> None:
             start = address(a)
@@ -101,6 +126,7 @@ class Recorder:
             bid = len(buffers)
             buffers[bid] = Buffer(bid, kind, a.nbytes, label)
             spans.append((start, start + a.nbytes, bid))
+            starts[bid] = start
 
         for kind, arrays in named.items():
             for label, a in arrays.items():
@@ -114,7 +140,7 @@ class Recorder:
             outs = tuple(self._ref(a, spans, buffers, f"{ln.kernel.name}.{n}")
                          for a, n in zip(ln.outputs, ln.kernel.output_names, strict=True))  # fmt: skip
             launches.append(Launch(ln.kernel.name, ln.grid, ln.threadgroup, _template(ln.template), ins, outs))
-        return build(rows, launches, buffers, list(rewritten))
+        return build(rows, launches, buffers, list(rewritten), starts)
 
     @staticmethod
     def _ref(a: mx.array, spans: list[tuple[int, int, int]], buffers: dict[int, Buffer], label: str) -> Ref:
@@ -144,16 +170,23 @@ def moved(held: Mapping[str, tuple[mx.array, int | None]], after: Mapping[str, m
     return [k for k, a in after.items() if k in held and address(a) != held[k][1]]
 
 
+def _numpy(a: mx.array) -> np.ndarray:
+    """The array's buffer as NumPy sees it through DLPack (bfloat16, which NumPy lacks, as uint16: the same
+    bytes). On CUDA this moves a device buffer once into managed memory (docs/cuda_graphs.md): its address is
+    then the one MLX keeps, on the host and the GPU alike."""
+    return np.from_dlpack(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
 def address(a: mx.array) -> int | None:
-    """The first byte of an evaluated, row-contiguous CPU array (None: empty or strided)."""
+    """The first byte of an evaluated, row-contiguous array (None: empty or strided)."""
     if a.nbytes == 0:
         return None
-    m = memoryview(a)
-    if not m.c_contiguous:
+    n = _numpy(a)
+    if not n.flags.c_contiguous:
         return None
-    return int(np.frombuffer(m.cast("B"), np.uint8).__array_interface__["data"][0])
+    return int(n.ctypes.data)
 
 
 def contiguous(a: mx.array) -> bool:
     """Row-contiguous as the launch reads it (`ensure_row_contiguous`: MLX copies anything else first)."""
-    return a.nbytes == 0 or memoryview(a).c_contiguous
+    return a.nbytes == 0 or bool(_numpy(a).flags.c_contiguous)

@@ -16,6 +16,7 @@ over MLX arrays, and its replay equals MLX's own launches bit for bit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -23,9 +24,14 @@ import numpy as np
 
 from dsv4_serve.kernels.graph import nvrtc
 from dsv4_serve.kernels.graph.codegen import entry, translation_unit
+from dsv4_serve.kernels.graph.cubin_cache import CubinCache
 from dsv4_serve.kernels.graph.record import RawLaunch
 
 WORDS = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32}  # init_value fills as 4-byte memsets
+# CUDA's default cap on a launch's dynamic shared memory; a kernel that asks for more must raise its own
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first (MLX does for its launches; three of the step's kernels
+# ask for 61-162 KB, and without it the capture fails with CUDA_ERROR_INVALID_VALUE)
+DEFAULT_SHARED = 48 * 1024
 
 
 def unavailable() -> str | None:
@@ -46,8 +52,16 @@ def mlx_address(a: mx.array) -> int:
     return int(np.from_dlpack(view).ctypes.data)
 
 
+def _ok(result: object, what: str) -> None:
+    from cuda.bindings import driver
+
+    err = result[0] if isinstance(result, tuple) else result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {err}")
+
+
 class Runtime:
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: Path | None = None) -> None:
         from cuda.core import Device
 
         self.device = Device()
@@ -56,18 +70,28 @@ class Runtime:
         major, minor = self.device.compute_capability
         self.arch = nvrtc.arch(major, minor)
         self._kernels: dict[str, Any] = {}
+        self.cubins = CubinCache(cache_dir)  # None: every start builds with NVRTC
         self._buffers: list[Any] = []  # cuda.core allocations the graphs use: they live as long as the runtime
 
     def kernel(self, launch: RawLaunch) -> Any:
         """The launch's kernel, built with NVRTC (`nvrtc.py`: the same build the CPU suite checks) the first time its
-        translation unit is seen."""
+        translation unit is seen (or loaded from the cubin cache), its dynamic shared memory cap raised to what
+        the launch asks."""
+        from cuda.bindings import driver
         from cuda.core import ObjectCode
 
         src = translation_unit(launch.kernel, launch.template, launch.inputs, [o.dtype for o in launch.outputs])
         k = self._kernels.get(src)
         if k is None:
-            cubin, lowered = nvrtc.compile_cubin(src, entry(launch.kernel), self.arch)
-            k = self._kernels[src] = ObjectCode.from_cubin(cubin, name=launch.kernel.name).get_kernel(lowered)
+            name = entry(launch.kernel)
+            cubin, lowered = self.cubins.get(src, name, self.arch, lambda: nvrtc.compile_cubin(src, name, self.arch))
+            k = ObjectCode.from_cubin(cubin, name=launch.kernel.name).get_kernel(lowered)
+            if launch.kernel.shared_memory > DEFAULT_SHARED:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _ok(driver.cuKernelSetAttribute(attr, launch.kernel.shared_memory, k.handle,
+                                                driver.CUdevice(self.device.device_id)),
+                    f"cuKernelSetAttribute({launch.kernel.name}, {launch.kernel.shared_memory} B of shared memory)")
+            self._kernels[src] = k
         return k
 
     def allocate(self, nbytes: int) -> int:
@@ -91,25 +115,42 @@ class Runtime:
 
     def capture(self, launches: Sequence[RawLaunch], address: Mapping[int, int]) -> Any:
         """One graph of `launches`; `address[id(array)]`: the device address of every argument."""
+        return self.capture_at(launches, [[address[id(a)] for a in (*ln.inputs, *ln.outputs)] for ln in launches])
+
+    def capture_at(self, launches: Sequence[RawLaunch], args: Sequence[Sequence[int]]) -> Any:
+        """One graph of `launches`, launch i's inputs then outputs at the device addresses `args[i]` (the engine's
+        graphs: persistent arrays where MLX keeps them, intermediates in the arena, step inputs in staging)."""
         from cuda.bindings import driver
         from cuda.core import LaunchConfig, launch
 
         kernels = [self.kernel(ln) for ln in launches]  # built before the capture: NVRTC is not capturable
         gb = self.stream.create_graph_builder().begin_building()
-        for ln, k in zip(launches, kernels, strict=True):
+        for ln, k, at in zip(launches, kernels, args, strict=True):
+            if len(at) != len(ln.inputs) + len(ln.outputs):
+                raise ValueError(f"{ln.kernel.name}: {len(at)} addresses for {len(ln.inputs) + len(ln.outputs)} "
+                                 "arguments")  # fmt: skip
             if ln.init_value is not None:  # MLX's fill of the outputs, as a memset node
-                for o in ln.outputs:
+                for o, a in zip(ln.outputs, at[len(ln.inputs) :], strict=True):
                     if o.dtype not in WORDS:
                         raise ValueError(f"{ln.kernel.name}: init_value on a {o.dtype} output (4-byte words only)")
                     bits = int(np.array(ln.init_value, dtype=WORDS[o.dtype]).view(np.uint32))
-                    (err,) = driver.cuMemsetD32Async(address[id(o)], bits, o.nbytes // 4, gb.stream.handle)
-                    if err != driver.CUresult.CUDA_SUCCESS:
-                        raise RuntimeError(f"cuMemsetD32Async: {err}")
+                    _ok(driver.cuMemsetD32Async(a, bits, o.nbytes // 4, gb.stream.handle), "cuMemsetD32Async")
             blocks = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup, strict=True))  # MLX's grid is threads
             cfg = LaunchConfig(grid=blocks, block=ln.threadgroup, shmem_size=ln.kernel.shared_memory)
-            args = [address[id(a)] for a in (*ln.inputs, *ln.outputs)]
-            launch(gb, cfg, k, *args)
+            launch(gb, cfg, k, *at)
         return gb.end_building().complete()
+
+    def upload(self, address: int, host: np.ndarray) -> None:
+        """Host bytes to device memory on the runtime's stream (a pageable source: the call returns once the
+        bytes are staged, so the host buffer may be reused at once)."""
+        from cuda.bindings import driver
+
+        _ok(driver.cuMemcpyHtoDAsync(address, host.ctypes.data, host.nbytes, self.stream.handle), "cuMemcpyHtoDAsync")
+
+    def zero(self, address: int, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        _ok(driver.cuMemsetD8Async(address, 0, nbytes, self.stream.handle), "cuMemsetD8Async")
 
     def replay(self, graph: Any) -> None:
         """One graph launch after MLX's queued work."""
@@ -117,5 +158,8 @@ class Runtime:
         graph.launch(self.stream)
 
     def wait(self) -> None:
-        """Until the replays are done (before MLX reads what they wrote)."""
-        self.stream.sync()
+        """Until the replays are done (before MLX reads what they wrote); the driver call releases the GIL, so
+        the event loop's thread runs meanwhile."""
+        from cuda.bindings import driver
+
+        _ok(driver.cuStreamSynchronize(self.stream.handle), "cuStreamSynchronize")

@@ -8,12 +8,12 @@ values `RowBatch.build` uploads, from the rows' Python ints: no MLX call, so pac
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from dsv4_serve.kernels.graph.plan import StepPlan
-from dsv4_serve.kernels.rows import RowBatch
+from dsv4_serve.kernels.rows import Row
 
 
 class Staging:
@@ -36,10 +36,9 @@ class Staging:
         return self.host
 
 
-def step_values(batch: RowBatch, tokens: list[int], table_width: Mapping[int, int]) -> dict[str, np.ndarray]:
-    """The step's inputs by the names `tools/graph_plan.named_arrays` gives them, as RowBatch.build lays them out:
+def step_values(rows: Sequence[Row], tokens: Sequence[int], table_width: Mapping[int, int]) -> dict[str, np.ndarray]:
+    """The step's inputs by the names `model/graph_step.named_arrays` gives them, as RowBatch.build lays them out:
     tokens, slots, positions, q_rows [B] and each ratio's block table [B, width] padded with the trash page 0."""
-    rows = batch.rows
     out = {"tokens": np.asarray(tokens, np.int32), "slots": np.asarray([r.slot for r in rows], np.int32),
            "positions": np.asarray([r.position for r in rows], np.int32),
            "q_rows": np.asarray([r.q_row for r in rows], np.int32)}  # fmt: skip

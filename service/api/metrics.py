@@ -81,6 +81,9 @@ class _EngineCollector(Collector):
             ("spec_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens (MTP) verified by the target model"),
             ("spec_accepted_tokens_total", "spec_accepted_tokens", "Draft tokens accepted"),
             ("spec_verify_steps_total", "spec_verify_steps", "Request-steps that verified drafts"),
+            ("graph_replays", "graph_replays", "Decode steps run as one replayed CUDA graph"),
+            ("graph_recaptures", "graph_recaptures", "Decode graphs captured again because a state pool moved"),
+            ("graph_pool_moves", "graph_pool_moves", "State pools found in a new buffer before a replay"),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))
@@ -91,6 +94,12 @@ class _EngineCollector(Collector):
             n = float(s["spec_verify_steps_total"])
             g.add_metric([], 1 + float(s["spec_accepted_tokens_total"]) / n if n else 0.0)
             yield g
+        if "graph_fallbacks" in s:
+            c = CounterMetricFamily(f"{PREFIX}_graph_fallback", "Decode steps run through MLX instead of a replayed "
+                                    "graph, by reason", labels=["reason"])  # fmt: skip
+            for reason, n in sorted(s["graph_fallbacks"].items()):
+                c.add_metric([reason], float(n))
+            yield c
         host = dict(s.get("host_seconds_total") or {})
         if "engine_loop_seconds_total" in s:
             host["loop"] = s["engine_loop_seconds_total"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from dsv4_serve.service.engine.engine import Engine
@@ -75,6 +76,8 @@ def build_engine(
     prefix_cache_bytes: int | None = None,
     prefix_interval: int = 128,
     speculative: int = 0,
+    decode_graphs: str = "off",
+    graph_cache_dir: Path | None = None,
 ):
     """(Engine, tokenizer or None). No model_dir: the embedded tiny model and tokenizer. load_format
     'dummy': random weights for model_dir, a preset or a config.json (model/dummy.py), cut to
@@ -115,6 +118,8 @@ def build_engine(
         from dsv4_serve.model.deepseek_v4 import PREFILL_CHUNK
 
         return LeaderEngine(model, group, prefill_cap=prefill_chunk or PREFILL_CHUNK, **kw), tokenizer
+    if not sharded:  # a shard's step has all_sums between its launches: the MLX step on every rank
+        kw.update(decode_graphs=decode_graphs, graph_cache_dir=graph_cache_dir)
     return Engine(model, **kw), tokenizer
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -14,6 +15,7 @@ from dsv4_serve.model.deepseek_v4 import DeepseekV4
 from dsv4_serve.model.prefill import Forward
 from dsv4_serve.model.speculative import MAX_DRAFTS
 from dsv4_serve.model.state import StateHandle
+from dsv4_serve.service.engine import graphs as engine_graphs
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
@@ -46,6 +48,8 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         prefix_interval: int = 128,
         speculative: int = 0,
+        decode_graphs: str = "off",
+        graph_cache_dir: Path | None = None,
     ):
         args = model.args
         if speculative and not model.mtp:  # speculative decoding with the MTP block (service/engine/speculation.py)
@@ -77,6 +81,13 @@ class Engine:
             dtype=model.dtype, page_size=page_size, mtp=bool(speculative),
         )
         self.speculator = Speculator(speculative, max_rows) if speculative else None
+        # The decode step as replayed CUDA graphs (service/engine/graphs.py): the recorder goes in before any
+        # kernel object is made; the graphs are captured at the end of the warm-up.
+        rec = engine_graphs.prepare(decode_graphs, speculative)
+        self.graphs = None if rec is None else engine_graphs.DecodeGraphs(self, rec, decode_graphs, graph_cache_dir)
+        if self.graphs is not None:
+            # a replay reads its tokens from the host (the staging copy): no step queued on device-side tokens
+            self.pipeline_decode = False
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its
@@ -131,10 +142,18 @@ class Engine:
         return p.can_alloc(n_tokens)
 
     def admit(self, n_tokens: int) -> Handle:
+        self.touched()  # a slot reset on allocation
         return self.pools.alloc(n_tokens)
+
+    def touched(self) -> None:
+        """MLX work wrote (or may have written) the state pools: the decode graphs read their addresses again
+        before the next replay (a pool MLX wrote may be a new buffer)."""
+        if self.graphs is not None:
+            self.graphs.touched()
 
     def release(self, handle: Handle) -> None:
         """Free a request's state; a slot the prefill forward in flight still writes is freed when it ends."""
+        self.touched()
         fwd = self._forward
         if fwd is not None and any(h.slot == handle.slot for h, _, _ in fwd.work):
             self._deferred.append(handle)
@@ -159,6 +178,7 @@ class Engine:
         """Adopt the longest cached prefix of the prompt in its namespace (never its last token: the step feeds
         that one) longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
         cache = self.prefix_cache
+        self.touched()  # an adoption copies the entry's slot state in
         entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed, ns=namespace)
         new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
         return None if new is None else (new, entry.length)  # type: ignore[union-attr]
@@ -204,6 +224,12 @@ class Engine:
         t0 = time.perf_counter()
         if not 1 <= len(feeds) <= self.max_rows:
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
+        if self.graphs is not None:  # one replayed graph (it has run when this returns), or the MLX step below
+            logits = self.graphs.step(feeds, tokens)
+            if logits is not None:
+                self.host_seconds["encode"] += time.perf_counter() - t0
+                return logits
+            self.touched()
         handles = [f[0] for f in feeds]
         batch = self.model.make_batch(self.pools, handles, [f[2] for f in feeds])
         if tokens is None:
@@ -224,10 +250,12 @@ class Engine:
 
     def prefill(self, handle: Handle, token_ids: Sequence[int], start: int) -> None:
         """Feed prompt tokens of one request at positions start.. in one parallel pass (no logits kept)."""
+        self.touched()
         self.model.prefill(self.pools, handle, token_ids, start, chunk=max(1, len(token_ids)), logits=False)
 
     def copy_state(self, src: Handle, dst: Handle, positions: int) -> None:
         """`dst` takes `src`'s state after `positions` positions (n > 1: the rows share one prefill)."""
+        self.touched()
         self.pools.copy_slot(src, dst, positions)
 
     # Whether prefill_batch can build a forward in slices (the distributed leader's forwards run with the next
@@ -261,6 +289,7 @@ class Engine:
         fwd = self._forward
         if fwd is None:
             raise RuntimeError("prefill_advance: no prefill forward in flight")
+        self.touched()
         try:
             built = fwd.advance(slice_seconds, SLICE_ROWS_LAYERS)
             if built and fwd.out is not None:  # the scored chunks' rows (async_eval'd with the state)
@@ -323,4 +352,6 @@ class Engine:
                 mx.eval(self.pools.arrays())
             finally:
                 self.release(h)
+        if self.graphs is not None:
+            self.graphs.capture()
         log.info("warm-up took %.2f s", time.perf_counter() - t0)

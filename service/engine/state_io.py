@@ -146,4 +146,7 @@ def import_for(engine: Engine, state: Opened) -> tuple[str, int]:
     nonces = getattr(engine, "_state_nonces", None)
     if nonces is None:
         nonces = engine._state_nonces = OrderedDict()
+    touched = getattr(engine, "touched", None)  # the entry's pages are written: the decode graphs re-read the pools
+    if touched is not None:
+        touched()
     return install(_cache(engine), state, nonces)

@@ -245,4 +245,7 @@ class EngineWorker(EngineThread):
         spec = getattr(getattr(self, "_engine", None), "speculator", None)  # speculation.Speculator: plain ints
         if spec is not None:
             s.update(spec.stats())
+        graphs = getattr(getattr(self, "_engine", None), "graphs", None)  # engine.graphs.DecodeGraphs
+        if graphs is not None:
+            s.update(graphs.stats())
         return s

@@ -62,3 +62,17 @@ def test_state_that_does_not_fit_exits_nonzero(start_server: type[Server], tmp_p
     start_server  # noqa: B018
     rc, err, _ = _serve("--max-state-gib", "0.000001", cwd=tmp_path)
     assert rc == 1 and "state budget of" in _last_line(err), err
+
+
+def test_decode_graphs_on_without_cuda_exits_nonzero(start_server: type[Server], tmp_path: Path) -> None:
+    """`--decode-graphs on` where no CUDA graph can run (this CPU) is a start-up error naming why, not a server
+    that quietly runs the MLX step (auto does that, with one log line)."""
+    start_server  # noqa: B018
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("a CUDA GPU: graphs can run here")
+    rc, err, _ = _serve("--decode-graphs", "on", cwd=tmp_path)
+    assert rc == 1, err
+    assert _last_line(err) == ("dsv4-serve: the engine cannot serve: ValueError: --decode-graphs on: MLX's default "
+                               "device is not a CUDA GPU")  # fmt: skip

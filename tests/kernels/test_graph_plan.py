@@ -239,7 +239,7 @@ def test_staging_packs_what_the_mlx_step_uploads() -> None:
     batch = model.make_batch(pools, handles, [3, 90, 17, 250, 401])
     tokens = [5, 6, 7, 8, 9]
     widths = {r: pools.table_width(r) for r in pools.ratios}
-    values = step_values(batch, tokens, widths)
+    values = step_values(batch.rows, tokens, widths)
     uploaded = {"slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
                 **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
     assert set(values) == {"tokens", *uploaded}

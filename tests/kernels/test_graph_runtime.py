@@ -67,6 +67,49 @@ def test_replayed_chain_equals_mlx() -> None:
         common._plans.update(saved[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_a_kernel_past_48k_of_shared_memory_captures_and_replays() -> None:
+    """The attention and indexer kernels ask for 61-162 KB of dynamic shared memory: the runtime raises the
+    kernel's cap before its first launch (CUDA refuses the launch, and a capture with it, otherwise)."""
+    from dsv4_serve.kernels.cuda import common
+    from dsv4_serve.kernels.graph.record import Recorder
+    from dsv4_serve.kernels.graph.runtime import Runtime, mlx_address
+
+    smem = 160 * 1024
+    src = """
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* s = reinterpret_cast<float*>(smem_raw);
+  const int n = 160 * 1024 / 4;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = x[i % x_shape[0]] + float(i / x_shape[0]);
+  __syncthreads();
+  float acc = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += s[n - 1 - i];
+  y[threadIdx.x] = acc;
+"""
+    base = mx.fast.cuda_kernel
+    rec = Recorder(base)
+    rec.install()
+    try:
+        k = common.kernel("smem_probe", ["x"], ["y"], src, shared_memory=smem)
+        x = mx.arange(1024, dtype=mx.float32)
+        run = lambda: k(inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32],  # noqa: E731
+                        grid=(256, 1, 1), threadgroup=(256, 1, 1))[0]  # fmt: skip
+        rec.recording = True
+        want = run()
+        rec.recording = False
+        mx.eval(want)
+        out = mx.zeros((256,), mx.float32)
+        mx.eval(out)
+        rt = Runtime()
+        graph = rt.capture_at(rec.launches, [[mlx_address(x), mlx_address(out)]])
+        rt.replay(graph)
+        rt.wait()
+        assert mx.array_equal(out + 0, want).item()
+    finally:
+        mx.fast.cuda_kernel = base
+
+
 GLUE_KERNELS = ("rope_tables0", "rope_tables4", "rope_tables128", "rms_rope_ring", "router_hash", "index_weights",
                 "embed_streams", "hc_head")  # fmt: skip
 

@@ -1,0 +1,266 @@
+"""The decode step replayed as CUDA graphs: one graph per row count over the weights and state MLX owns.
+
+Capture (`GraphStep.capture`, at warm-up, on the engine thread): a step of R rows runs once through MLX with
+`kernels.graph.record.Recorder` keeping its launches (MLX's compile off, so every launch is seen); its plan
+(`kernels/graph/plan.py`) sorts every argument into weights, pools and constants (their addresses as MLX keeps
+them), step inputs (a staging buffer the host fills), and intermediates (one static arena). The step's logits, the
+last launch's output, go to a persistent MLX array the sampler reads. The graph is then replayed once over the
+same inputs and must give MLX's logits bit for bit, or the row count keeps the MLX step (its reason kept).
+
+Replay (`GraphStep.replay`): the rows' ints packed into the staging buffer (one host-to-device copy), one graph
+launch after MLX's queued work, a wait; no MLX node is built. A row count without a graph returns None: the
+caller runs the MLX step and counts the reason.
+
+Pools that move: an MLX write to the state (prefill, a slot reset, the prefix cache's copies, an import) may put
+a pool in a new buffer (MLX donates the old one only when nothing else holds it). The engine calls `touched()`
+after such work; the next replay reads the pools' addresses again and captures again the graphs that read a
+pool that moved (docs/cuda_graphs.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from dsv4_serve.kernels.graph import record
+from dsv4_serve.kernels.graph.plan import StepPlan, fallback_reason
+from dsv4_serve.kernels.graph.record import RawLaunch, Recorder
+from dsv4_serve.kernels.graph.staging import Staging, step_values
+from dsv4_serve.kernels.rows import Row, RowBatch
+
+log = logging.getLogger("dsv4.graph")
+
+
+def pool_arrays(pools: Any) -> dict[str, mx.array]:
+    """Every state array by name (the pools, the kernels' workspaces)."""
+    pool = {f"pool{i}": a for i, a in enumerate(pools.arrays())}
+    pool.update({f"comp_ws{k}": v for k, v in pools.comp_ws.items()})
+    pool.update({f"idx_ws{k}": v for k, v in pools.idx_ws.items()})
+    from dsv4_serve.kernels.cuda import hc_fused
+
+    if hc_fused.WORKSPACE is not None:  # the split pre-mix's tickets and partials: made once, reset by its launches
+        pool["hc_ws"] = hc_fused.WORKSPACE
+    return pool
+
+
+def named_arrays(model: Any, pools: Any, batch: RowBatch, tokens: mx.array) -> dict[str, dict[str, mx.array]]:
+    """The persistent and step arrays by kind and name (the pools as they are now: call before the step)."""
+    from dsv4_serve.kernels.cuda import common
+
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
+    consts = {str(k): v for k, v in common._consts.items() if isinstance(v, mx.array)}
+    consts.update({f"freqs_{k}": f for k, f in model._freqs.items()})  # the RoPE frequencies, made at load
+    step = {"tokens": tokens, "slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
+            **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
+    return {"step": step, "weight": weights, "pool": pool_arrays(pools), "const": consts}
+
+
+def fresh_batch(rows: Sequence[Row], page_size: int, widths: dict[int, int]) -> RowBatch:
+    """`RowBatch.build`'s arrays, each a buffer of its own: the upload cache (by content) would hand two equal
+    inputs (slots and q rows of one row, say) one array, and a graph would then read one staged field for both."""
+    def arr(v: object) -> mx.array:
+        return mx.array(np.array(v, np.int32))
+
+    tables = {r: arr([list(x.tables.get(r, ())) + [0] * (w - len(x.tables.get(r, ()))) for x in rows])
+              for r, w in widths.items()}  # fmt: skip
+    return RowBatch(rows=tuple(rows), slots=arr([r.slot for r in rows]), positions=arr([r.position for r in rows]),
+                    q_rows=arr([r.q_row for r in rows]), tables=tables, page_size=page_size)  # fmt: skip
+
+
+@dataclass
+class Graph:
+    rows: int
+    plan: StepPlan
+    launches: list[RawLaunch]  # detached: shapes and dtypes, no arrays (a held pool could never be donated)
+    logits_buffer: int  # the plan's buffer id the logits are
+    logits: mx.array  # [rows, vocab] f32, written by every replay
+    staging: Staging
+    exec: Any = None
+    pools: tuple[str, ...] = ()  # labels of the pools its launches touch
+
+
+class GraphStep:
+    def __init__(self, model: Any, pools: Any, recorder: Recorder, cache_dir: Path | None = None) -> None:
+        from dsv4_serve.kernels.graph.runtime import Runtime
+
+        self.model, self.pools, self.rec = model, pools, recorder
+        self.rt = Runtime(cache_dir)
+        self.widths = {r: pools.table_width(r) for r in pools.ratios}
+        self.graphs: dict[int, Graph] = {}
+        self.reasons: dict[int, str] = {}  # rows -> why that row count keeps the MLX step
+        self.pool_addr: dict[str, int] = {}
+        self._arena, self._arena_bytes = 0, 0
+        self._staging, self._staging_bytes = 0, 0
+        self._dirty = False
+        self.stats: Counter[str] = Counter()  # replays, recaptures, refreshes; seconds as *_ms
+
+    # ---- capture ------------------------------------------------------------------------------
+    def capture(self, handles: Sequence[Any]) -> None:
+        """One graph for each row count 1..len(handles) (the handles: admitted, their state scratch)."""
+        for n in range(1, len(handles) + 1):
+            t0 = time.perf_counter()
+            try:
+                why = self._capture(handles[:n])
+            except Exception as e:  # noqa: BLE001 - that row count keeps the MLX step, with the reason
+                log.exception("graph capture at %d rows failed", n)
+                why = f"capture failed: {type(e).__name__}: {e}"
+            if why is not None:
+                self.reasons[n] = why
+            log.info("decode graph %d/%d rows: %s (%.2f s; cubins: %d built, %d cached)", n, len(handles),
+                     "captured" if why is None else why, time.perf_counter() - t0, self.rt.cubins.builds,
+                     self.rt.cubins.hits)  # fmt: skip
+
+    def _capture(self, handles: Sequence[Any]) -> str | None:
+        model, pools, rec, n = self.model, self.pools, self.rec, len(handles)
+        rows = [Row(slot=h.slot, position=0, q_row=i, tables=h.tables) for i, h in enumerate(handles)]
+        batch = fresh_batch(rows, pools.page_size, self.widths)
+        tokens = mx.array(np.zeros(n, np.int32))
+        mx.eval(batch.slots, batch.positions, batch.q_rows, list(batch.tables.values()), tokens)
+        step = [batch.slots, batch.positions, batch.q_rows, *batch.tables.values(), tokens]
+        if len({record.address(a) for a in step}) != len(step):
+            return "two step inputs share a buffer"
+        mx.disable_compile()  # every launch seen: a traced segment would hide its launches
+        try:
+            mx.eval(model.step(batch, tokens, pools), pools.arrays())  # constants and uploads made, not recorded
+            held = record.hold(pool_arrays(pools))
+            rec.launches.clear()
+            rec.recording = True
+            try:
+                logits = model.step(batch, tokens, pools)
+            finally:
+                rec.recording = False
+            mx.eval(logits, pools.arrays())
+        finally:
+            mx.enable_compile()
+        try:
+            rewritten = record.moved(held, pool_arrays(pools))
+            del held
+            plan = rec.plan(n, named_arrays(model, pools, batch, tokens), rewritten)
+            why = fallback_reason(plan)
+            if why is not None:
+                return why
+            out = plan.launches[-1].outputs
+            if len(out) != 1 or plan.addresses.get(out[0].buffer) != record.address(logits) \
+                    or out[0].nbytes != logits.nbytes:  # fmt: skip
+                return "the step's logits are not its last launch's output"
+            expected = np.array(logits)
+            g = Graph(n, plan, [record.detached(rec.launches[i]) for i in plan.kept], out[0].buffer,
+                      mx.array(np.zeros(logits.shape, np.float32)), Staging(plan))  # fmt: skip
+        finally:
+            rec.launches.clear()  # the arrays: a pool held here could never be donated
+        mx.eval(g.logits)
+        g.pools = tuple(sorted({plan.buffers[r.buffer].label for ln in plan.launches for r in (*ln.inputs, *ln.outputs)
+                                if plan.buffers[r.buffer].kind == "pool"}))  # fmt: skip
+        for label in g.pools:  # as recorded now; a graph captured earlier at another address is captured again
+            addr = plan.addresses[self._bid(plan, label)]
+            if self.pool_addr.get(label, addr) != addr:
+                for other in self.graphs.values():
+                    if label in other.pools:
+                        other.exec = None
+            self.pool_addr[label] = addr
+        self._grow(plan)
+        self._build(g)
+        self.rt.zero(record.address(g.logits), g.logits.nbytes)
+        self._launch(g, step_values(rows, [0] * n, self.widths))
+        if not np.array_equal(np.array(g.logits + 0), expected, equal_nan=True):  # + 0: MLX reads the buffer
+            return "the replayed step differs from MLX's"
+        self.graphs[n] = g
+        return None
+
+    @staticmethod
+    def _bid(plan: StepPlan, label: str) -> int:
+        return next(b for b, buf in plan.buffers.items() if buf.label == label and buf.kind == "pool")
+
+    def _grow(self, plan: StepPlan) -> None:
+        """The arena and the staging buffer: one each, as large as the largest plan's (graphs run one at a time)."""
+        if plan.arena_bytes > self._arena_bytes:
+            self._arena, self._arena_bytes = self.rt.allocate(plan.arena_bytes), plan.arena_bytes
+            for g in self.graphs.values():
+                g.exec = None  # they read the old arena: captured again before their next replay
+        if plan.staging_bytes > self._staging_bytes:
+            self._staging, self._staging_bytes = self.rt.allocate(plan.staging_bytes), plan.staging_bytes
+            for g in self.graphs.values():
+                g.exec = None
+
+    def _build(self, g: Graph) -> None:
+        """Capture `g`'s launches at the current addresses."""
+        plan, logits_at = g.plan, record.address(g.logits)
+
+        def at(ref: Any) -> int:
+            b = plan.buffers[ref.buffer]
+            if ref.buffer == g.logits_buffer:
+                base = logits_at
+            elif b.kind == "arena":
+                base = self._arena + plan.arena[ref.buffer]
+            elif b.kind == "step":
+                base = self._staging + plan.staging[ref.buffer]
+            elif b.kind == "pool":
+                base = self.pool_addr[b.label]
+            else:
+                base = plan.addresses[ref.buffer]
+            return base + ref.offset
+
+        args = [[at(r) for r in (*ln.inputs, *ln.outputs)] for ln in plan.launches]
+        g.exec = self.rt.capture_at(g.launches, args)
+
+    def _launch(self, g: Graph, values: dict[str, np.ndarray]) -> None:
+        host = g.staging.pack(values)
+        mx.synchronize()  # MLX's queued work (state writes, the last step's sampler) before the graph
+        self.rt.upload(self._staging, host)
+        g.exec.launch(self.rt.stream)
+        self.rt.wait()
+
+    # ---- replay -------------------------------------------------------------------------------
+    def touched(self) -> None:
+        """MLX wrote the state: pools may have moved (read again before the next replay)."""
+        self._dirty = True
+
+    def refresh(self) -> None:
+        """Read the pools' addresses again; a graph that reads one that moved is captured again before its next
+        replay."""
+        t0 = time.perf_counter()
+        self._dirty = False
+        current = pool_arrays(self.pools)
+        moved = set()
+        for label, old in self.pool_addr.items():
+            a = current.get(label)
+            new = record.address(a) if a is not None else None
+            if new != old:
+                if new is None:
+                    raise RuntimeError(f"decode graphs: pool {label} is gone or strided")
+                moved.add(label)
+                self.pool_addr[label] = new
+        if moved:
+            self.rt.prefetch([current[label] for label in moved])
+            for g in self.graphs.values():
+                if moved.intersection(g.pools):
+                    g.exec = None
+            self.stats["pool_moves"] += len(moved)
+        self.stats["refreshes"] += 1
+        self.stats["refresh_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
+
+    def replay(self, rows: Sequence[Row], tokens: Sequence[int]) -> mx.array | None:
+        """The step's logits [rows, vocab] f32 (valid until the next replay), or None: no graph for this row
+        count (`reasons`)."""
+        g = self.graphs.get(len(rows))
+        if g is None:
+            return None
+        if self._dirty:
+            self.refresh()
+        if g.exec is None:
+            t0 = time.perf_counter()
+            self._build(g)
+            self.stats["recaptures"] += 1
+            self.stats["recapture_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
+        self._launch(g, step_values(rows, tokens, self.widths))
+        self.stats["replays"] += 1
+        return g.logits
