@@ -76,6 +76,51 @@ def fresh_batch(rows: Sequence[Row], page_size: int, widths: dict[int, int]) -> 
                     q_rows=arr([r.q_row for r in rows]), tables=tables, page_size=page_size)  # fmt: skip
 
 
+def record_step(model: Any, pools: Any, rec: Recorder, handles: Sequence[Any],
+                widths: dict[int, int]) -> tuple[StepPlan, list[RawLaunch], int, np.ndarray] | str:  # fmt: skip
+    """A step of len(handles) rows at position 0 recorded through MLX (compile off) and planned: (plan, its
+    launches detached, the logits' buffer id, MLX's logits), or why it cannot be captured. Runs on any machine
+    (the CPU suite records the CUDA path with stand-in kernels)."""
+    n = len(handles)
+    rows = [Row(slot=h.slot, position=0, q_row=i, tables=h.tables) for i, h in enumerate(handles)]
+    mx.disable_compile()  # every launch seen: a traced segment would hide its launches
+    try:
+        warm = fresh_batch(rows, pools.page_size, widths)  # constants and uploads made here, not while recording
+        mx.eval(model.step(warm, mx.array(np.zeros(n, np.int32)), pools), pools.arrays())
+        # a fresh batch again: a batch memoizes what it derives once a step (RoPE tables, ring rows), and the
+        # recording must see those launches
+        batch = fresh_batch(rows, pools.page_size, widths)
+        tokens = mx.array(np.zeros(n, np.int32))
+        step = [batch.slots, batch.positions, batch.q_rows, *batch.tables.values(), tokens]
+        mx.eval(step)
+        if len({record.address(a) for a in step}) != len(step):
+            return "two step inputs share a buffer"
+        held = record.hold(pool_arrays(pools))
+        rec.launches.clear()
+        rec.recording = True
+        try:
+            logits = model.step(batch, tokens, pools)
+        finally:
+            rec.recording = False
+        mx.eval(logits, pools.arrays())
+    finally:
+        mx.enable_compile()
+    try:
+        rewritten = record.moved(held, pool_arrays(pools))
+        del held
+        plan = rec.plan(n, named_arrays(model, pools, batch, tokens), rewritten)
+        why = fallback_reason(plan)
+        if why is not None:
+            return why
+        out = plan.launches[-1].outputs
+        if len(out) != 1 or plan.addresses.get(out[0].buffer) != record.address(logits) \
+                or out[0].nbytes != logits.nbytes:  # fmt: skip
+            return "the step's logits are not its last launch's output"
+        return plan, [record.detached(rec.launches[i]) for i in plan.kept], out[0].buffer, np.array(logits)
+    finally:
+        rec.launches.clear()  # the arrays: a pool held here could never be donated
+
+
 @dataclass
 class Graph:
     rows: int
@@ -120,43 +165,12 @@ class GraphStep:
                      self.rt.cubins.hits)  # fmt: skip
 
     def _capture(self, handles: Sequence[Any]) -> str | None:
-        model, pools, rec, n = self.model, self.pools, self.rec, len(handles)
-        rows = [Row(slot=h.slot, position=0, q_row=i, tables=h.tables) for i, h in enumerate(handles)]
-        batch = fresh_batch(rows, pools.page_size, self.widths)
-        tokens = mx.array(np.zeros(n, np.int32))
-        mx.eval(batch.slots, batch.positions, batch.q_rows, list(batch.tables.values()), tokens)
-        step = [batch.slots, batch.positions, batch.q_rows, *batch.tables.values(), tokens]
-        if len({record.address(a) for a in step}) != len(step):
-            return "two step inputs share a buffer"
-        mx.disable_compile()  # every launch seen: a traced segment would hide its launches
-        try:
-            mx.eval(model.step(batch, tokens, pools), pools.arrays())  # constants and uploads made, not recorded
-            held = record.hold(pool_arrays(pools))
-            rec.launches.clear()
-            rec.recording = True
-            try:
-                logits = model.step(batch, tokens, pools)
-            finally:
-                rec.recording = False
-            mx.eval(logits, pools.arrays())
-        finally:
-            mx.enable_compile()
-        try:
-            rewritten = record.moved(held, pool_arrays(pools))
-            del held
-            plan = rec.plan(n, named_arrays(model, pools, batch, tokens), rewritten)
-            why = fallback_reason(plan)
-            if why is not None:
-                return why
-            out = plan.launches[-1].outputs
-            if len(out) != 1 or plan.addresses.get(out[0].buffer) != record.address(logits) \
-                    or out[0].nbytes != logits.nbytes:  # fmt: skip
-                return "the step's logits are not its last launch's output"
-            expected = np.array(logits)
-            g = Graph(n, plan, [record.detached(rec.launches[i]) for i in plan.kept], out[0].buffer,
-                      mx.array(np.zeros(logits.shape, np.float32)), Staging(plan))  # fmt: skip
-        finally:
-            rec.launches.clear()  # the arrays: a pool held here could never be donated
+        n = len(handles)
+        got = record_step(self.model, self.pools, self.rec, handles, self.widths)
+        if isinstance(got, str):
+            return got
+        plan, launches, logits_buffer, expected = got
+        g = Graph(n, plan, launches, logits_buffer, mx.array(np.zeros(expected.shape, np.float32)), Staging(plan))
         mx.eval(g.logits)
         g.pools = tuple(sorted({plan.buffers[r.buffer].label for ln in plan.launches for r in (*ln.inputs, *ln.outputs)
                                 if plan.buffers[r.buffer].kind == "pool"}))  # fmt: skip
@@ -170,6 +184,7 @@ class GraphStep:
         self._grow(plan)
         self._build(g)
         self.rt.zero(record.address(g.logits), g.logits.nbytes)
+        rows = [Row(slot=h.slot, position=0, q_row=i, tables=h.tables) for i, h in enumerate(handles)]
         self._launch(g, step_values(rows, [0] * n, self.widths))
         if not np.array_equal(np.array(g.logits + 0), expected, equal_nan=True):  # + 0: MLX reads the buffer
             return "the replayed step differs from MLX's"
