@@ -90,6 +90,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "is not loaded)  "
         "[DSV4_SPECULATIVE_CONFIG]",
     )
+    p.add_argument("--canary-interval", type=float,
+                   help="seconds between correctness canary checks: a fixed prompt batched with live traffic, "
+                   "compared with its start-up decode (default 300; 0: off)  [DSV4_CANARY_INTERVAL]")  # fmt: skip
+    p.add_argument("--canary-action", choices=("fail", "warn"),
+                   help="on a canary mismatch: fail (default: /ready and /health 503, drain, exit 1) or warn (log "
+                   "and count)  [DSV4_CANARY_ACTION]")  # fmt: skip
     _hardening_flags(p)
 
 

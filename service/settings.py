@@ -57,6 +57,9 @@ class Settings(BaseModel):
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1..3} drafts with the MTP block
     # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
     speculative_config: dict[str, Any] | None = None
+    # The correctness canary (service/engine/canary.py): seconds between checks (0: off); a mismatch's action
+    canary_interval: float = Field(300.0, ge=0)
+    canary_action: Literal["fail", "warn"] = "fail"
 
     @field_validator("speculative_config", mode="before")
     @classmethod
