@@ -164,17 +164,21 @@ class Canary:
 
     def offer(self, sched: Scheduler, engine: Engine) -> None:
         """Before an iteration's plan: add the canary's request if it is due, nobody waits, a row is free and its
-        state fits free pages (no prefix cache entry evicted for it); else it tries next time. A canary still
-        waiting (a step queued ahead held admission) when a request arrives withdraws: it never waits before one."""
+        state fits free pages (a prefix cache entry is evicted for it only when it is an interval overdue); else it
+        tries next time. A canary still waiting (a step queued ahead held admission) when a request arrives
+        withdraws: it never waits before one."""
         r = self.request
         if r is not None and r.status is RequestStatus.WAITING and sched.num_waiting > 1:
             sched.abort(r.request_id)
             self.request = None
         if self.request is not None or self.tripped or self.clock() < self.due:
             return
-        pools = getattr(engine, "pools", None)
+        pools, n = getattr(engine, "pools", None), PROMPT_LEN + TOKENS
+        # Free pages; or, an interval overdue, pages the prefix cache alone holds (LRU entries evicted, as for any
+        # request): a cache that keeps every spare page must not starve the canary.
+        overdue = self.clock() >= self.due + self.interval
         self.declined = (sched.num_waiting > 0 or sched.num_running >= sched.max_rows or pools is None
-                         or not pools.can_alloc(PROMPT_LEN + TOKENS))  # fmt: skip
+                         or not (pools.can_alloc(n) or (overdue and engine.can_admit(n))))  # fmt: skip
         if self.declined:
             return
         self.request = Request(f"canary-{uuid.uuid4().hex}", list(self.prompt), params(), canary=True)
