@@ -101,6 +101,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="NVRTC's cubins for the graphs, kept across restarts (default $XDG_CACHE_HOME/dsv4-serve/cubins; "
         "'' turns the cache off)  [DSV4_GRAPH_CACHE_DIR]",
     )
+    p.add_argument("--canary-interval", type=float,
+                   help="seconds between correctness canary checks: a fixed prompt batched with live traffic, "
+                   "compared with its start-up decode (default 300; 0: off)  [DSV4_CANARY_INTERVAL]")  # fmt: skip
+    p.add_argument("--canary-action", choices=("fail", "warn"),
+                   help="on a canary mismatch: fail (default: /ready and /health 503, drain, exit 1) or warn (log "
+                   "and count)  [DSV4_CANARY_ACTION]")  # fmt: skip
     _hardening_flags(p)
 
 

@@ -61,6 +61,9 @@ class Settings(BaseModel):
     # `cuda` extra imports; on: anything else is a start-up error; off: the MLX step
     decode_graphs: Literal["auto", "on", "off"] = "auto"
     graph_cache_dir: str | None = None  # NVRTC's cubins on disk; None: $XDG_CACHE_HOME/dsv4-serve/cubins, "": none
+    # The correctness canary (service/engine/canary.py): seconds between checks (0: off); a mismatch's action
+    canary_interval: float = Field(300.0, ge=0)
+    canary_action: Literal["fail", "warn"] = "fail"
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -59,6 +59,8 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         on_step_metrics=ctl.metrics.observe_step,  # engine thread; prometheus objects are thread-safe
         on_phase_metrics=ctl.metrics.observe_phases,  # engine thread, once an iteration that did work
         on_failure=ctl.fail_threadsafe,  # engine thread: an engine that cannot serve stops the server
+        canary_interval=settings.canary_interval,  # a canary mismatch also reports through on_failure
+        canary_action=settings.canary_action,
     )
 
 

@@ -58,12 +58,18 @@ class Controller:
     @property
     def failure(self) -> BaseException | None:
         """Why the engine can never serve (its start-up failed or its thread died); None while it loads or serves."""
-        return getattr(self.worker, "start_error", None) or getattr(self.worker, "died", None)
+        return (getattr(self.worker, "start_error", None) or getattr(self.worker, "died", None)
+                or getattr(self.worker, "canary_failure", None))  # fmt: skip
 
     def fail(self, e: BaseException) -> None:
-        """On the event loop, once the engine can never serve: say why and stop the server (`on_fatal`)."""
+        """On the event loop, once the engine can never serve: say why and stop the server (`on_fatal`); after a
+        drain when the engine still runs (a canary mismatch: service/engine/canary.py)."""
         log.error("the engine cannot serve: %s", describe_failure(e))
-        if self.on_fatal is not None:
+        if self.on_fatal is None:
+            return
+        if getattr(self.worker, "canary_failure", None) is e:
+            self.begin_drain(then=self.on_fatal)
+        else:
             self.on_fatal()
 
     def fail_threadsafe(self, e: BaseException) -> None:

@@ -11,6 +11,7 @@ at scrape time by a custom collector, so the engine thread never calls into prom
   host_seconds_total, engine_loop_seconds_total   the engine thread's host time by phase (Engine.host_seconds)
   prefix_*                          the prefix cache's lookups, hits, cached tokens, evictions, bytes, entries
   spec_*                            speculative decoding: drafted / accepted tokens, verify steps (mean accept length)
+  canary_*                          the correctness canary: checks, failures, the last check's max logprob diff
   stream_events_queued: int         token events waiting for their readers (each stream capped)
 Step durations come through the worker's on_step_metrics hook (observe_step), each iteration's host seconds by
 phase through on_phase_metrics (observe_phases: dsv4_engine_phase_seconds, a histogram per phase).
@@ -64,6 +65,8 @@ class _EngineCollector(Collector):
             ("prefix_cache_page_bytes", "prefix_cache_page_bytes", "Prefix cache bytes of pages (each counted once)"),
             ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes (slot snapshots)"),
             ("stream_events_queued", "stream_events_queued", "Token events waiting for their (slow) readers"),
+            ("canary_max_logprob_diff", "canary_max_logprob_diff",
+             "The last canary check's largest logprob difference from the start-up decode (nats)"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
@@ -84,6 +87,8 @@ class _EngineCollector(Collector):
             ("graph_replays", "graph_replays", "Decode steps run as one replayed CUDA graph"),
             ("graph_recaptures", "graph_recaptures", "Decode graphs captured again because a state pool moved"),
             ("graph_pool_moves", "graph_pool_moves", "State pools found in a new buffer before a replay"),
+            ("canary_checks_total", "canary_checks", "Correctness canary checks compared with the start-up decode"),
+            ("canary_failures_total", "canary_failures", "Correctness canary checks whose tokens or logprobs differed"),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(s.get(key) or 0))

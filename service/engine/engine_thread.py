@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsv4_serve.service.engine import startup
+from dsv4_serve.service.engine import canary, startup
 from dsv4_serve.service.engine.phases import PhaseClock
 from dsv4_serve.service.engine.request import TokenEvent
 from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler
@@ -48,6 +48,10 @@ class EngineThread:
     _prefill_budget: int
     _fits_rows: Callable[[int, int], bool] | None
     on_failure: Callable[[BaseException], None] | None
+    canary_interval: float
+    canary_action: str
+    _canary: canary.Canary | None
+    canary_failure: BaseException | None
     on_step_metrics: Callable[[int, float], None] | None
     on_phase_metrics: Callable[[dict[str, float]], None] | None
     start_error: BaseException | None
@@ -100,6 +104,7 @@ class EngineThread:
             max_model_len=engine.max_model_len,
             max_prefill_rows=None if parallel else self.prefill_chunk,
         )
+        self._canary = canary.start(engine, self.canary_interval, self.canary_action)  # after warm-up, before ready
         return engine, sched
 
     def _run(self) -> None:
@@ -148,10 +153,15 @@ class EngineThread:
                            lambda: self._inflight.seconds if self._inflight is not None else 0.0)
         while True:
             idle = not sched.has_work() and self._inflight is None and self._stop_deadline is None
-            events = self._drain_inbox(sched, block=idle)  # blocks only when idle: no busy spin
+            wait = self._canary.seconds_left() if self._canary is not None and idle else None
+            events = self._drain_inbox(sched, block=idle, timeout=wait)  # blocks only when idle: no busy spin
             deadline = self._stop_deadline
+            if deadline is not None and self._canary is not None:
+                self._canary.cancel(sched)
             if deadline is not None and (not sched.has_work() or time.monotonic() >= deadline):
                 break
+            if self._canary is not None and deadline is None and self._inbox.empty():  # adds not drained go first
+                self._canary.offer(sched, engine)
             t0 = time.perf_counter()
             clock.start()
             try:
@@ -159,6 +169,8 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001 - never let one step kill the thread
                 log.exception("engine iteration failed")
                 events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
+            if self._canary is not None:
+                events = self._take_canary(self._canary, events, sched)
             self._sync_counts(sched)
             self._publish(events)
             with self._lock:
@@ -171,6 +183,17 @@ class EngineThread:
         with self._lock:
             self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
+
+    def _take_canary(self, c: canary.Canary, events: list[TokenEvent], sched: Scheduler) -> list[TokenEvent]:
+        """The canary's events leave the iteration's (no client sees them); a failed check under "fail" stops
+        admission and reports (the server drains, then exits non-zero)."""
+        events, mismatch = c.take(events, sched)
+        if mismatch is not None and c.tripped:
+            with self._lock:
+                self.canary_failure = mismatch
+                self._accepting = False
+            self._report(mismatch)
+        return events
 
     def _report(self, e: BaseException) -> None:
         if self.on_failure is not None:
@@ -189,13 +212,13 @@ class EngineThread:
     def _sync_counts(self, sched: Scheduler) -> None:
         with self._lock:
             self._c.waiting = sched.num_waiting
-            self._c.running = sched.num_running
+            self._c.running = sched.num_running - (self._canary.rows() if self._canary is not None else 0)
 
-    def _drain_inbox(self, sched: Scheduler, block: bool) -> list[TokenEvent]:
+    def _drain_inbox(self, sched: Scheduler, block: bool, timeout: float | None = None) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         while True:
             try:
-                kind, arg = self._inbox.get(block=block)
+                kind, arg = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return events
             block = False

@@ -40,7 +40,7 @@ class InFlight:
 def _finished(engine: Engine, sched: Scheduler, r: Request, handle: Handle, n: int) -> None:
     """`n` prompt tokens of `r` are fed; a prefix cache snapshot of its state follows."""
     sched.prefilled(r, n)
-    snapshot = getattr(engine, "prefilled", None)
+    snapshot = None if r.canary else getattr(engine, "prefilled", None)  # the canary leaves the cache alone
     if snapshot is not None:
         try:
             snapshot(handle, r.prompt_ids, r.fed, r.namespace)

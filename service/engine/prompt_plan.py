@@ -44,7 +44,7 @@ class PromptPlanning:
         reuse = getattr(self.admission, "reuse", None)
         if reuse is None or r.status is not RequestStatus.RUNNING or r.fed >= len(r.prompt_ids) - 1:
             return
-        if r.params.prompt_logprobs is not None or r.leader is not None:
+        if r.params.prompt_logprobs is not None or r.leader is not None or r.canary:
             return
         version = self.admission.prefix_version()  # type: ignore[attr-defined]
         if r.prefix_seen == version:

@@ -115,6 +115,7 @@ class Request:
     cached: int | None = None  # prompt tokens adopted from the prefix cache (None: the cache is off)
     prefix_seen: int = -1  # the prefix cache's version at this request's last lookup
     namespace: Namespace = SHARED  # where its prefix cache lookups and stores go
+    canary: bool = False  # the correctness canary's row (canary.py): no prefix cache, no client, no usage
 
     @property
     def total_len(self) -> int:

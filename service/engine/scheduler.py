@@ -130,7 +130,7 @@ class Scheduler(PromptPlanning):
             self.waiting = deque(r for r in self.waiting if r is not request)
         handle = self.handles.pop(request.request_id, None)
         retire = getattr(self.admission, "retire", None)
-        if handle is not None and fed and retire is not None:
+        if handle is not None and fed and retire is not None and not request.canary:
             retire(handle, fed, request.request_id, request.namespace)
         elif handle is not None:
             self.admission.release(handle)

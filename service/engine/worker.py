@@ -67,8 +67,15 @@ class EngineWorker(EngineThread):
         on_phase_metrics: Callable[[dict[str, float]], None] | None = None,
         stream_queue: int = 1024,
         on_failure: Callable[[BaseException], None] | None = None,
+        canary_interval: float = 0.0,
+        canary_action: str = "fail",
     ) -> None:
         self._factory = engine_factory
+        # The correctness canary (canary.py): every `canary_interval` s (0: off) a fixed prompt as an ordinary row,
+        # compared with its start-up decode; a mismatch under "fail" ends serving (on_failure), "warn" logs it.
+        self.canary_interval, self.canary_action = canary_interval, canary_action
+        self._canary: Any = None
+        self.canary_failure: BaseException | None = None
         # Called on the engine thread when the engine can never serve: start-up failed or the thread died.
         self.on_failure = on_failure
         self.stream_queue = stream_queue  # the most token events one stream may have waiting
@@ -242,6 +249,8 @@ class EngineWorker(EngineThread):
         host = getattr(getattr(self, "_engine", None), "host_seconds", None)  # Engine.host_seconds
         if host:
             s["host_seconds_total"] = dict(host)
+        if self._canary is not None:  # plain ints and a float, written by the engine thread
+            s.update(self._canary.stats())
         spec = getattr(getattr(self, "_engine", None), "speculator", None)  # speculation.Speculator: plain ints
         if spec is not None:
             s.update(spec.stats())
