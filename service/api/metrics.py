@@ -67,6 +67,7 @@ class _EngineCollector(Collector):
             ("prefix_cache_page_bytes", "prefix_cache_page_bytes", "Prefix cache bytes of pages (each counted once)"),
             ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes (slot snapshots)"),
             ("stream_events_queued", "stream_events_queued", "Token events waiting for their (slow) readers"),
+            ("itl_target_seconds", "itl_target_seconds", "The inter-token latency prefill is paced by (0: off)"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
