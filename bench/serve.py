@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import plot_serve, provenance  # noqa: E402
+from bench.server_metrics import engine_host, host_ms_per_step, scrape, ttft_split  # noqa: E402
 
 
 def free_port() -> int:
@@ -177,30 +178,6 @@ def summarize(results: list[dict], duration: float, concurrency: int) -> dict:
     return out
 
 
-def engine_host(url: str) -> tuple[float, dict[str, float]]:
-    """(engine steps so far, host seconds by phase) from the server's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    steps, host = 0.0, {}
-    for line in text.splitlines():
-        if line.startswith("dsv4_engine_step_seconds_count "):
-            steps = float(line.split()[1])
-        elif line.startswith("dsv4_prefill_seconds_total "):
-            host["prefill"] = float(line.split()[1])
-        elif line.startswith('dsv4_engine_host_seconds_total{phase="'):
-            phase, value = line[len('dsv4_engine_host_seconds_total{phase="'):].split('"} ')
-            host[phase] = float(value)
-    return steps, host
-
-
-def host_ms_per_step(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> dict:
-    steps = after[0] - before[0]
-    ms = {k: 1e3 * (v - before[1].get(k, 0.0)) / steps for k, v in after[1].items()} if steps else {}
-    if ms:
-        parts = ("build", "encode", "sample", "wait", "prefill")
-        ms["other"] = ms.get("loop", 0.0) - sum(ms.get(k, 0.0) for k in parts)
-    return ms
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default=None, help="a running server; default: start one (embedded tiny model)")
@@ -235,19 +212,24 @@ def main() -> None:
             n = min(opt.max_prompts, max(opt.prompts_per_concurrency * c, c))
             prompts = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(n)]
             fixed = [[(7 * i + 3 * j) % vocab_hi + 2 for j in range(opt.input_len)] for i in range(8)]
-            before = engine_host(url)
+            before = scrape(url)
             long_prompt = [rng.randrange(2, vocab_hi) for _ in range(opt.long_prompt)] or None
             summary, results = asyncio.run(
                 cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit, long_prompt,
                      opt.long_delay)  # fmt: skip
             )
-            summary["engine_host_ms_per_step"] = host_ms_per_step(before, engine_host(url))
+            after = scrape(url)
+            summary["engine_host_ms_per_step"] = host_ms_per_step(engine_host(before), engine_host(after))
+            summary["ttft_phases_ms"] = ttft_split(before, after)
             check[c] = [r.get("text") for r in results[:8]]
             cells.append(summary)
             host = " ".join(f"{k} {v:.2f}" for k, v in summary["engine_host_ms_per_step"].items())
             print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
                   f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms; "
                   f"engine host ms a step: {host}", flush=True)
+            split = ", ".join(f"{p} {v['median_ms']:.1f} / {v['mean_ms']:.1f}"
+                              for p, v in summary["ttft_phases_ms"].items())  # fmt: skip
+            print(f"  TTFT by phase, median / mean ms: {split}", flush=True)
             if "long_prompt" in summary:
                 print(f"  with a {opt.long_prompt}-token prompt ({summary['long_prompt_s']:.2f} s): ITL p99 during "
                       f"{summary['p99_itl_during_ms']:.1f} ms over {summary['itl_during_long']} gaps, median "

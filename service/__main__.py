@@ -43,6 +43,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="while rows stream, a prefill forward is built this many ms of host time at a time, a decode step "
         "after each slice (default 10; 0: whole forwards)  [DSV4_PREFILL_SLICE_MS]",
     )
+    p.add_argument(
+        "--itl-target-ms", type=float,
+        help="while rows stream, a new prompt's prefill is chunked and sliced so their inter-token latency stays "
+        "under this (default: 2x the measured decode step; 0: off)  [DSV4_ITL_TARGET_MS]",
+    )
     p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")
     p.add_argument(

@@ -33,6 +33,9 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
     prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 2048
     prefill_slice_ms: float = Field(10.0, ge=0)  # host ms of a forward between decode steps while rows stream; 0: whole
+    # while rows stream, prefill slices and chunks keep their inter-token latency under this (service/engine/pacing.py);
+    # None: 2x the measured decode step; 0: off (fixed --prefill-slice-ms slices and --prefill-chunk forwards)
+    itl_target_ms: float | None = Field(None, ge=0)
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     prefix_cache_gib: float | None = Field(None, ge=0)  # prefix cache budget; None: a share of the state, 0: off

@@ -49,6 +49,7 @@ class Reply:
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Every choice's chunks as they come (each chunk holds one choice, with its index)."""
         items = self._one() if len(self.gens) == 1 else self._merged()
+        by_index = {g.index: g for g in self.gens}
         try:
             async for item in items:
                 if isinstance(item, APIError):
@@ -60,6 +61,7 @@ class Reply:
                 if self.kind == "chat" and g0.prompt_logprobs and first0:  # vLLM: the prompt's, once
                     extra["prompt_logprobs"] = g0.prompt_logprobs_field()
                 yield self._chunk([item], **extra)
+                by_index[item["index"]].sent()  # resumed once the response wrote it: the first byte's phase
         finally:
             await items.aclose()  # a client gone (or an error): every choice's row is aborted by its own cleanup
         if include_usage:

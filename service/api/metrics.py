@@ -43,6 +43,9 @@ OUTCOMES = (
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # An engine phase's share of one iteration: 0.1 ms (the sampler's host work) .. 100 ms (a slow step's encode).
 _PHASE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+# A phase of the time to first token: 0.5 ms (a queue that was empty) .. 60 s (a long prompt's prefill).
+_TTFT_PHASE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_PHASES = ("tokenize", "queue", "prefill", "first_step", "first_byte")
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -67,6 +70,7 @@ class _EngineCollector(Collector):
             ("stream_events_queued", "stream_events_queued", "Token events waiting for their (slow) readers"),
             ("canary_max_logprob_diff", "canary_max_logprob_diff",
              "The last canary check's largest logprob difference from the start-up decode (nats)"),
+            ("itl_target_seconds", "itl_target_seconds", "The inter-token latency prefill is paced by (0: off)"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
@@ -141,6 +145,13 @@ class Metrics:
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=_LAT, registry=r
         )
+        self.ttft_phase = Histogram(
+            f"{PREFIX}_ttft_phase_seconds", "Time to first token by phase: tokenize (arrival to queued: body, "
+            "validation, prompt, tokens), queue (to admission), prefill (to its prompt fed but the last token), "
+            "first_step (to the first token read back), first_byte (to its chunk written; streams only)",
+            ["phase"], buckets=_TTFT_PHASE, registry=r)  # fmt: skip
+        for p in TTFT_PHASES:
+            self.ttft_phase.labels(p)
         self.itl = Histogram(
             f"{PREFIX}_inter_token_latency_seconds", "Time between tokens", buckets=_LAT, registry=r
         )

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_serve.service.api.chat import Delta, TextStream
-from dsv4_serve.service.api.metrics import Metrics
+from dsv4_serve.service.api.metrics import TTFT_PHASES, Metrics
 from dsv4_serve.service.api.protocol import APIError, new_id, now
 from dsv4_serve.service.api.tools import ToolStream
-from dsv4_serve.service.engine.request import PromptLogprob, TokenEvent
+from dsv4_serve.service.engine.request import FirstToken, PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,20 @@ class Generation:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # from the engine's events (None: no prefix cache)
     finish_reason: str | None = None
+    sampled_at: float = 0.0  # when the engine read its first token back, until that token's chunk is written
+
+    def phases(self, first: FirstToken) -> None:
+        """The time to first token's split up to the engine's read-back (/metrics' dsv4_ttft_phase_seconds)."""
+        stamps = (self.t0, *first)  # arrival, then the engine's (submitted, admitted, prefilled, sampled)
+        for name, a, b in zip(TTFT_PHASES, stamps, stamps[1:], strict=False):
+            self.metrics.ttft_phase.labels(name).observe(max(0.0, b - a))
+        self.sampled_at = first.sampled
+
+    def sent(self) -> None:
+        """A chunk of this choice was written (SSE framing): the first one's time since its token was sampled."""
+        if self.sampled_at:
+            self.metrics.ttft_phase.labels("first_byte").observe(max(0.0, time.perf_counter() - self.sampled_at))
+            self.sampled_at = 0.0
 
     async def steps(self) -> AsyncIterator[Step]:
         last = self.t0
@@ -95,6 +109,8 @@ class Generation:
                     t = time.perf_counter()
                     (self.metrics.itl if self.completion_tokens else self.metrics.ttft).observe(t - last)
                     last = t
+                    if ev.first is not None:
+                        self.phases(ev.first)
                     self.completion_tokens += 1
                     self.metrics.generation_tokens.inc()
                     if ev.token_id is not None or self.include_stop:  # a stop token adds no text, unless asked

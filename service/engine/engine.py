@@ -106,6 +106,7 @@ class Engine:
         # Its chunks' prompt logprobs: what to score (k, next_ids; None: nothing), then scored once it is built.
         self._scoring: list[tuple[int, Sequence[int]] | None] = []
         self._scores: list[PendingPrompt | None] = []
+        self.prefill_rows_layers = self.prefill_layers = 0  # prefill built so far (the pacer's measure: pacing.py)
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
             log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
@@ -264,7 +265,7 @@ class Engine:
 
     def prefill_batch(self, work: Sequence[tuple[Handle, Sequence[int], int]], slice_seconds: float | None = None,
                       scores: Sequence[tuple[int, Sequence[int]] | None] | None = None,
-                      next_ids: Sequence[int] | None = None) -> bool:  # fmt: skip
+                      next_ids: Sequence[int] | None = None, rows_layers: int | None = None) -> bool:  # fmt: skip
         """Several requests' prompt chunks, (handle, token_ids, start) each, in ONE parallel forward (no
         logits kept); the worker's per-step budget bounds their total. With `slice_seconds`, only the
         forward's first slice of layers (`model.prefill.Forward`): `prefill_advance` builds the rest, decode
@@ -281,17 +282,21 @@ class Engine:
         self._forward = Forward(self.model, self.pools, work, logits=False, every=[s is not None for s in scores],
                                 mtp_next=next_ids)  # fmt: skip
         self._scoring, self._scores = scores, []
-        return self.prefill_advance(slice_seconds)
+        return self.prefill_advance(slice_seconds, rows_layers)
 
-    def prefill_advance(self, slice_seconds: float | None = None) -> bool:
-        """The next slice of the forward in flight (None: all of it); True when it is built. Built whole, its
-        state is evaluated here (a failure then ends its requests only); built in slices, it is queued."""
+    def prefill_advance(self, slice_seconds: float | None = None, rows_layers: int | None = None) -> bool:
+        """The next slice of the forward in flight (None: all of it; at most `rows_layers`, default
+        SLICE_ROWS_LAYERS); True when it is built. Built whole, its state is evaluated here (a failure then ends
+        its requests only); built in slices, it is queued."""
         fwd = self._forward
         if fwd is None:
             raise RuntimeError("prefill_advance: no prefill forward in flight")
         self.touched()
+        layers = fwd.built
         try:
-            built = fwd.advance(slice_seconds, SLICE_ROWS_LAYERS)
+            built = fwd.advance(slice_seconds, rows_layers or SLICE_ROWS_LAYERS)
+            self.prefill_rows_layers += fwd.rows * (fwd.built - layers)
+            self.prefill_layers += fwd.built - layers
             if built and fwd.out is not None:  # the scored chunks' rows (async_eval'd with the state)
                 self._scores = [None if s is None else score_lazy(o, s[1], s[0])
                                 for s, o in zip(self._scoring, fwd.out, strict=True)]  # fmt: skip

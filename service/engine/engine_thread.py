@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dsv4_serve.service.engine import canary, startup
+from dsv4_serve.service.engine.pacing import Pacer
 from dsv4_serve.service.engine.phases import PhaseClock
 from dsv4_serve.service.engine.request import TokenEvent
-from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler
+from dsv4_serve.service.engine.scheduler import QueueFull, Scheduler, needs_sample
 from dsv4_serve.service.engine.stepping import Counters, iterate
 from dsv4_serve.service.engine.streams import Stream, deliver, settle
 
@@ -61,6 +62,8 @@ class EngineThread:
     max_queue: int
     prefill_chunk: int | None
     prefill_slice_ms: float
+    itl_target_ms: float | None
+    _pacer: Pacer
     serial_prefill: bool
     pipeline: bool
     max_model_len: int
@@ -105,6 +108,10 @@ class EngineThread:
             max_prefill_rows=None if parallel else self.prefill_chunk,
         )
         self._canary = canary.start(engine, self.canary_interval, self.canary_action)  # after warm-up, before ready
+        # Slices paced by the ITL target where forwards are built in slices (a distributed leader's are whole).
+        sliced = parallel and bool(getattr(engine, "sliced_prefill", False))
+        self._pacer = Pacer(self.itl_target_ms if sliced else 0, self.prefill_slice_ms, self._prefill_budget)
+        sched.short_first = self._pacer.on
         return engine, sched
 
     def _run(self) -> None:
@@ -237,11 +244,20 @@ class EngineThread:
             elif kind == "stop":
                 self._stop_deadline = arg if self._stop_deadline is None else min(arg, self._stop_deadline)
 
+    @staticmethod
+    def _built(engine: Engine) -> tuple[int, int]:
+        """The prefill the engine has built so far: (rows x layers, layers); a stand-in without them: none."""
+        return getattr(engine, "prefill_rows_layers", 0), getattr(engine, "prefill_layers", 0)
+
     def _step(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> list[TokenEvent]:
+        t0, built, layers = time.perf_counter(), *self._built(engine)
+        pace = self._pacer.pace(streaming=any(needs_sample(r) for r in sched.running))
         out, self._ahead, self._inflight = iterate(
-            engine, sched, sample, self._prefill_budget, lambda: self._sync_counts(sched), self._ahead,
-            self.pipeline, self._inflight, self.prefill_slice_ms / 1e3,
+            engine, sched, sample, pace.budget, lambda: self._sync_counts(sched), self._ahead,
+            self.pipeline, self._inflight, pace.slice_seconds, pace.rows_layers,
         )  # fmt: skip
+        now = self._built(engine)
+        self._pacer.observe(time.perf_counter() - t0, bool(out.rows), now[0] - built, now[1] - layers)
         with self._lock:
             self._c.record(out)
         if out.rows and self.on_step_metrics is not None:

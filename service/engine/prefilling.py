@@ -80,12 +80,13 @@ def _fail(sched: Scheduler, pieces: list[Piece], e: Exception) -> list[TokenEven
 
 
 def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, slice_seconds: float | None = None,
-            ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
+            rows_layers: int | None = None) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
     """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
     tokens prefilled, seconds, the forward left in flight or None). The prefix cache goes first (a hit
     moves `fed` on). The pieces (one a request; with a cache, a piece short of its prompt's end ends on
     the snapshot interval, and the state is snapshotted after it) go through one shared forward
-    (`engine.prefill_batch`), in slices of `slice_seconds` when another planned row samples this step; a
+    (`engine.prefill_batch`), in slices of `slice_seconds` (and `rows_layers`, if given) when another planned
+    row samples this step; a
     request asking for prompt logprobs has the head over every token of its piece at the forward's end.
     A failed forward fails the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
@@ -102,6 +103,8 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
         streams = any(needs_sample(r) for r in plan if not any(w[0] is r for w in work))
         sliced = streams and bool(slice_seconds) and getattr(engine, "sliced_prefill", False)
         kw: dict[str, Any] = {"slice_seconds": slice_seconds} if sliced else {}
+        if sliced and rows_layers:  # paced (pacing.py): the slice's rows x layers
+            kw["rows_layers"] = rows_layers
         if any(r.params.prompt_logprobs is not None for r, *_ in work):
             kw["scores"] = _scores(work)
         if getattr(engine, "speculator", None) is not None:  # the MTP ring over the prompt (a piece never ends it)
@@ -123,13 +126,14 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
 
 
 def advance(engine: Engine, sched: Scheduler, inflight: InFlight, plan: list[Request], slice_seconds: float | None,
-            ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
+            rows_layers: int | None = None) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
     """The next slice of the forward in flight (all of it if no row of `plan` outside it samples this step);
     (events, tokens prefilled, seconds, the forward if still in flight)."""
     t0 = time.perf_counter()
     streams = any(needs_sample(r) for r in plan if not inflight.holds(r))
     try:
-        built = engine.prefill_advance(slice_seconds if streams else None)
+        paced = (rows_layers,) if streams and rows_layers else ()  # pacing.py's cap, when it gives one
+        built = engine.prefill_advance(slice_seconds if streams else None, *paced)
     except Exception as e:  # noqa: BLE001 - its requests fail, the others keep going
         engine.prefill_abandon()
         live = [p for p in inflight.pieces if p[0].status is RequestStatus.RUNNING]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -78,6 +79,16 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # client gone or server draining
 
 
+class FirstToken(NamedTuple):
+    """A request's way to its first token, perf_counter stamps taken on the engine thread (the API side adds its
+    arrival before and the first byte after: /metrics' dsv4_ttft_phase_seconds)."""
+
+    submitted: float  # queued by the worker (worker.submit_n)
+    admitted: float  # given a row and its state (Scheduler.plan)
+    prefilled: float  # its prompt fed but the last token: the step that samples it begins (Scheduler.resume)
+    sampled: float  # its first token read back (Scheduler.on_step)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token, or the end of a request (finish_reason set), or an engine error."""
@@ -94,6 +105,7 @@ class TokenEvent:
     # Scored prompt positions, in order (positions 1.. of the prompt; position 0 has none).
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
     cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (None: no cache)
+    first: FirstToken | None = field(default=None, compare=False)  # on its first generated token only (timing)
 
 
 @dataclass
@@ -116,10 +128,18 @@ class Request:
     prefix_seen: int = -1  # the prefix cache's version at this request's last lookup
     namespace: Namespace = SHARED  # where its prefix cache lookups and stores go
     canary: bool = False  # the correctness canary's row (canary.py): no prefix cache, no client, no usage
+    # Stamps on the way to the first token (FirstToken): perf_counter seconds, 0.0 until reached.
+    submitted: float = field(default_factory=time.perf_counter, repr=False, compare=False)
+    admitted: float = field(default=0.0, repr=False, compare=False)
+    prefilled_at: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def first_token(self, sampled: float) -> FirstToken:
+        """Its way to the first token, sampled at `sampled` (a prompt fed whole by admission: prefilled then)."""
+        return FirstToken(self.submitted, self.admitted, self.prefilled_at or self.admitted, sampled)
 
 
 def check_admissible(prompt_ids: list[int], params: SamplingParams, max_model_len: int, max_fit_tokens: int,

@@ -15,6 +15,7 @@ state of the tokens it fed to the cache (`retire`) instead of just freeing it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
@@ -200,9 +201,11 @@ class Scheduler(PromptPlanning):
                     self.admission.release(h)
                 return False
             handles.append(self.admission.admit(n))
+        now = time.perf_counter()
         for r, h in zip(group, handles, strict=True):
             self.handles[r.request_id] = h
             r.status = RequestStatus.RUNNING
+            r.admitted = now
             if getattr(self.admission, "prefix_enabled", False):
                 r.cached = 0
             self.running.append(r)
@@ -227,7 +230,7 @@ class Scheduler(PromptPlanning):
                 out = [x for x in out if x is not r]
                 continue
             for f in followers:
-                f.leader, f.fed, f.cached = None, r.fed, r.cached
+                f.leader, f.fed, f.cached, f.prefilled_at = None, r.fed, r.cached, time.perf_counter()
                 if r.scored:
                     events.append(TokenEvent(f.request_id, prompt_logprobs=tuple(r.scored)))
                 out.append(f)
@@ -256,7 +259,12 @@ class Scheduler(PromptPlanning):
 
     def resume(self, rows: list[Request]) -> list[Request]:
         """The plan of a step for exactly `rows` (running ones, batch order), no admission: a step queued
-        ahead, or the plan less the rows whose prompt a prefill forward in flight holds."""
+        ahead, or the plan less the rows whose prompt a prefill forward in flight holds. A row about to sample
+        its first token has its prompt fed: its `prefilled_at` stamp (the time to first token's split)."""
+        now = 0.0
+        for r in rows:
+            if not r.prefilled_at and not r.output_ids and needs_sample(r):
+                r.prefilled_at = now = now or time.perf_counter()
         self._last_plan = list(rows)
         return self._last_plan
 
@@ -278,6 +286,7 @@ class Scheduler(PromptPlanning):
         """Account the last plan's step; `sampled` holds the rows whose logits were sampled; `ahead`: the
         rows of a step already queued (fed the token sampled now)."""
         events: list[TokenEvent] = []
+        now = 0.0
         for r in self._last_plan:
             if r.status is not RequestStatus.RUNNING:
                 continue  # aborted or failed in the meantime
@@ -285,16 +294,19 @@ class Scheduler(PromptPlanning):
             if r.request_id not in sampled:
                 continue
             token, logprob, top = sampled[r.request_id]
+            first = None
+            if not r.output_ids:  # the first generated token: its way there, for the time to first token's split
+                first = r.first_token(now := now or time.perf_counter())
             reason = self._stop_reason(r, token)
             fed = (r.prompt_ids + r.output_ids)[: r.fed]
             if reason is FinishReason.STOP:
                 # The stop/EOS token ends the stream without being emitted as text (a step queued ahead fed it).
                 events.append(TokenEvent(r.request_id, None, logprob, top, FinishReason.STOP, stop_token=token,
-                                         cached_tokens=r.cached))  # fmt: skip
+                                         cached_tokens=r.cached, first=first))  # fmt: skip
                 self._finish(r, fed + [token] if r.request_id in ahead else fed)
                 continue
             r.output_ids.append(token)
-            events.append(TokenEvent(r.request_id, token, logprob, top, cached_tokens=r.cached))
+            events.append(TokenEvent(r.request_id, token, logprob, top, cached_tokens=r.cached, first=first))
             if self._at_length(r):
                 events.append(TokenEvent(r.request_id, finish_reason=FinishReason.LENGTH, cached_tokens=r.cached))
                 self._finish(r, fed)

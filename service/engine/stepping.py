@@ -152,13 +152,13 @@ def held(inflight: InFlight | None) -> int:
 
 def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], budget: int,
             admitted: Callable[[], None], ahead: Ahead | None = None, pipeline: bool = False,
-            inflight: InFlight | None = None, slice_seconds: float | None = None,
+            inflight: InFlight | None = None, slice_seconds: float | None = None, rows_layers: int | None = None,
             ) -> tuple[Outcome, Ahead | None, InFlight | None]:  # fmt: skip
     """plan -> prefill (`budget` prompt tokens; or the next slice of the forward `inflight`) -> step + sample
     -> on_step; with `ahead`, its step instead (no admission this time). `admitted()` runs right after
     admission (the worker publishes the new queue counts). Returns the outcome, the step queued ahead, if
     any (`pipeline`), and the prefill forward still in flight, if any (built `slice_seconds` at a time
-    while other rows stream: prefilling.py)."""
+    while other rows stream, at most `rows_layers` rows x layers if given: prefilling.py, pacing.py)."""
     live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
     if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
         from dsv4_serve.kernels.upload import upload
@@ -168,7 +168,7 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
         out = Outcome([], ahead=True)
         if inflight is not None:  # the next slice, queued behind the step ahead (its rows are not in it)
             out.events, out.prefill_tokens, out.prefill_seconds, inflight = advance(
-                engine, sched, inflight, plan, slice_seconds)  # fmt: skip
+                engine, sched, inflight, plan, slice_seconds, rows_layers)  # fmt: skip
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline,
                                                     held(inflight))  # fmt: skip
         out.events += step_events
@@ -188,9 +188,9 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
             return Outcome(sched.fail([head], "request cannot be admitted: not enough free decode state")), None, None
         return Outcome([]), None, None
     if inflight is not None:
-        events, n_pre, t_pre, inflight = advance(engine, sched, inflight, plan, slice_seconds)
+        events, n_pre, t_pre, inflight = advance(engine, sched, inflight, plan, slice_seconds, rows_layers)
     else:
-        events, n_pre, t_pre, inflight = prefill(engine, sched, plan, budget, slice_seconds)
+        events, n_pre, t_pre, inflight = prefill(engine, sched, plan, budget, slice_seconds, rows_layers)
     out = Outcome(events, n_pre, t_pre)
     # The rows of a forward still in flight sit this step out (their prompt is not fed yet).
     plan = sched.resume([r for r in plan if r.status is RequestStatus.RUNNING

@@ -61,6 +61,7 @@ class EngineWorker(EngineThread):
         max_queue: int = 64,
         prefill_chunk: int | None = None,
         prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS,
+        itl_target_ms: float | None = 0.0,
         serial_prefill: bool = False,
         pipeline: bool = True,
         on_step_metrics: Callable[[int, float], None] | None = None,
@@ -90,6 +91,11 @@ class EngineWorker(EngineThread):
         if prefill_slice_ms < 0:
             raise ValueError(f"prefill_slice_ms must be >= 0, got {prefill_slice_ms}")
         self.prefill_slice_ms = prefill_slice_ms
+        # While rows stream, prefill slices and chunks sized to keep their inter-token latency under this many
+        # ms (pacing.py; None: 2x the measured step; 0: off, fixed slices as above). The server's default is None.
+        if itl_target_ms is not None and itl_target_ms < 0:
+            raise ValueError(f"itl_target_ms must be >= 0 or None, got {itl_target_ms}")
+        self.itl_target_ms = itl_target_ms
         self._inflight: Any = None
         self.serial_prefill = serial_prefill  # token by token even when the engine has a parallel prefill
         # Pure decode: queue step N + 1 (fed step N's tokens on the device) before reading step N back, so
@@ -251,6 +257,9 @@ class EngineWorker(EngineThread):
             s["host_seconds_total"] = dict(host)
         if self._canary is not None:  # plain ints and a float, written by the engine thread
             s.update(self._canary.stats())
+        target = getattr(self, "_pacer", None) and self._pacer.target()  # pacing.py, once the engine started
+        if target:
+            s["itl_target_seconds"] = target
         spec = getattr(getattr(self, "_engine", None), "speculator", None)  # speculation.Speculator: plain ints
         if spec is not None:
             s.update(spec.stats())

@@ -48,10 +48,10 @@ class Recording(Engine):
         self.calls.append(("prefill", sum(len(t) for _, t, _ in work)))
         return super().prefill_batch(work, **kw)
 
-    def prefill_advance(self, slice_seconds=None):
+    def prefill_advance(self, slice_seconds=None, rows_layers=None):
         self.calls.append(("advance", int(slice_seconds is not None)))
         self.on_advance(sum(c[0] == "advance" for c in self.calls))
-        return super().prefill_advance(slice_seconds)
+        return super().prefill_advance(slice_seconds, rows_layers)
 
 
 def long_prompt(tiny) -> list[int]:

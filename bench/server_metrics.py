@@ -1,0 +1,67 @@
+"""The server's /metrics as bench/serve.py reads it around a cell: the engine thread's host time a step
+(dsv4_engine_host_seconds) and the time to first token by phase (dsv4_ttft_phase_seconds), each as the
+difference between two scrapes."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """The server's /metrics as (name, labels, value) samples."""
+    out = []
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, labels = head.partition("{")
+        pairs = (kv.split("=", 1) for kv in labels.rstrip("}").split(",") if kv)
+        out.append((name, {k: v.strip('"') for k, v in pairs}, float(value)))
+    return out
+
+
+def engine_host(source: str | list[tuple[str, dict[str, str], float]]) -> tuple[float, dict[str, float]]:
+    """(engine steps so far, host seconds by phase) from the server's /metrics (its url, or `scrape`'s samples)."""
+    steps, host = 0.0, {}
+    for name, labels, value in scrape(source) if isinstance(source, str) else source:
+        if name == "dsv4_engine_step_seconds_count":
+            steps = value
+        elif name == "dsv4_prefill_seconds_total":
+            host["prefill"] = value
+        elif name == "dsv4_engine_host_seconds_total":
+            host[labels["phase"]] = value
+    return steps, host
+
+
+def ttft_split(before: list[tuple[str, dict[str, str], float]], after: list[tuple[str, dict[str, str], float]],
+               ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The time to first token by phase over a cell (dsv4_ttft_phase_seconds, after less before): per phase the
+    first tokens counted, the mean and the median in ms (interpolated in its bucket, as histogram_quantile)."""
+    delta: dict[tuple[str, str, str], float] = {}
+    for sign, samples in ((-1, before), (1, after)):
+        for name, labels, value in samples:
+            if name.startswith("dsv4_ttft_phase_seconds_"):
+                key = (name.rsplit("_", 1)[1], labels["phase"], labels.get("le", ""))
+                delta[key] = delta.get(key, 0.0) + sign * value
+    out = {}
+    for (kind, phase, _), n in delta.items():
+        if kind != "count" or n <= 0:
+            continue
+        buckets = sorted((float(le), c) for (k, p, le), c in delta.items() if k == "bucket" and p == phase)
+        median, lo, below = 0.0, 0.0, 0.0
+        for le, c in buckets:
+            if c >= n / 2:
+                median = lo if le == float("inf") else lo + (le - lo) * (n / 2 - below) / max(c - below, 1e-12)
+                break
+            lo, below = le, c
+        out[phase] = {"count": n, "mean_ms": 1e3 * delta[("sum", phase, "")] / n, "median_ms": 1e3 * median}
+    return out
+
+
+def host_ms_per_step(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> dict:
+    steps = after[0] - before[0]
+    ms = {k: 1e3 * (v - before[1].get(k, 0.0)) / steps for k, v in after[1].items()} if steps else {}
+    if ms:
+        parts = ("build", "encode", "sample", "wait", "prefill")
+        ms["other"] = ms.get("loop", 0.0) - sum(ms.get(k, 0.0) for k in parts)
+    return ms

@@ -1,0 +1,107 @@
+"""Prefill paced by an inter-token latency target (`--itl-target-ms`): while rows stream, each iteration is one
+decode step plus at most one slice of a prompt's forward, and the slice is sized so that the two together stay
+under the target. Pure Python, no mlx: the engine thread feeds it each iteration's wall seconds and the prefill
+it built (rows x layers and layers: `Engine.prefill_rows_layers`, `Engine.prefill_layers`).
+
+What it measures, as EWMAs of what the streams see (wall time, the GPU's share included: a slice's GPU work is
+waited for by the step after it):
+- the step: iterations that stepped and built no prefill;
+- a layer of a forward, by its rows rounded down to a power of two: an iteration's seconds past the step, over
+  the layers it built. A layer has a large fixed cost (on the tiny model on the CPU a 16-row layer costs about
+  two steps), so the cost is kept per chunk size, not per row.
+The target is `--itl-target-ms`, or 2x the step (None: auto); a slice gets what the step leaves of it (at least
+2x the cost of a MIN_CHUNK layer: where even that misses the target, the prompt still progresses). A forward
+beside streams takes the largest power-of-two chunk whose layer fits that room (few distinct shapes), trying
+twice a chunk while its layer costs at most 3/4 of the room; a slice holds as many of its layers as fit. Before
+any prefill was measured, a forward beside streams starts at MIN_CHUNK tokens, a layer a slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHA = 0.25  # EWMA weight of the newest iteration
+AUTO_FACTOR = 2.0  # the automatic target: this many steps
+# The fewest prompt tokens a paced forward takes (a forward has a fixed cost), and the first forward's beside
+# streams, a layer a slice, before any prefill cost was measured.
+MIN_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One iteration's prefill: prompt tokens for a new forward, and a slice's host seconds and rows x layers
+    (None: the engine's default, DSV4_PREFILL_SLICE_ROWS)."""
+
+    budget: int
+    slice_seconds: float | None
+    rows_layers: int | None = None
+
+
+def ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+def bucket(rows: int) -> int:
+    """A forward's rows rounded down to a power of two (at least MIN_CHUNK): the key of its layer's cost."""
+    return 1 << (max(MIN_CHUNK, rows).bit_length() - 1)
+
+
+class Pacer:
+    """`target_ms`: the inter-token latency target (None: AUTO_FACTOR x the step; 0: off, fixed slices of
+    `slice_ms` and `chunk`-token forwards as before)."""
+
+    def __init__(self, target_ms: float | None, slice_ms: float, chunk: int) -> None:
+        if target_ms is not None and target_ms < 0:
+            raise ValueError(f"itl_target_ms must be >= 0 or None (auto), got {target_ms}")
+        self.target_ms, self.chunk = target_ms, chunk
+        self.slice_seconds = slice_ms / 1e3 if slice_ms else None
+        self.step: float | None = None  # seconds of an iteration with a step and no prefill
+        self.layer: dict[int, float] = {}  # seconds of a forward's layer, by bucket(rows)
+
+    @property
+    def on(self) -> bool:
+        return self.target_ms != 0
+
+    def target(self) -> float | None:
+        """The inter-token latency target in seconds; None while off or not measured yet."""
+        if not self.on:
+            return None
+        if self.target_ms is not None:
+            return self.target_ms / 1e3
+        return None if self.step is None else AUTO_FACTOR * self.step
+
+    def pace(self, streaming: bool) -> Pace:
+        """This iteration's prefill (`streaming`: rows decode beside it; else the forward is built whole)."""
+        target = self.target()
+        if target is None or self.step is None or not self.slice_seconds:
+            return Pace(self.chunk, self.slice_seconds)
+        room = max(target - self.step, 2 * self.layer.get(MIN_CHUNK, 0.0), 0.1 * self.step)
+        if not streaming:
+            return Pace(self.chunk, room)
+        c, cost = MIN_CHUNK, self.layer.get(MIN_CHUNK)
+        if cost is None:
+            return Pace(min(self.chunk, MIN_CHUNK), room, MIN_CHUNK)
+        while 2 * c <= self.chunk:  # the largest chunk whose layer fits, one size past the measured ones
+            nxt = self.layer.get(2 * c)
+            if (nxt is None and cost > 0.75 * room) or (nxt is not None and nxt > room):
+                break
+            c, cost = 2 * c, nxt
+            if cost is None:
+                break
+        c = min(c, self.chunk)
+        layers = max(1, int(room / cost)) if cost else 1
+        return Pace(c, room, c * layers)
+
+    def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0) -> None:
+        """One iteration: its wall seconds, whether it ran a decode step, the prefill rows x layers and layers
+        it built."""
+        if not self.on:
+            return
+        if not rows_layers:
+            if stepped:
+                self.step = ewma(self.step, seconds)
+            return
+        cost = seconds - ((self.step or 0.0) if stepped else 0.0)
+        if cost > 0 and layers:
+            key = bucket(rows_layers // layers)
+            self.layer[key] = ewma(self.layer.get(key), cost / layers)

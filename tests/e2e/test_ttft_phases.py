@@ -1,0 +1,108 @@
+"""The time to first token by phase in /metrics (dsv4_ttft_phase_seconds: tokenize, queue, prefill, first_step,
+first_byte) on a real server (tiny model): every first token counts once in each phase (first_byte: streams only),
+and one request's phases add up to no more than the time to first token its client saw. /metrics is read with
+prometheus_client's own parser; bench/serve.py's reading of the same histograms is checked against it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.server_metrics import scrape, ttft_split
+from tests.e2e.conftest import MODEL
+
+PHASES = ("tokenize", "queue", "prefill", "first_step", "first_byte")
+Split = dict[str, tuple[float, float]]
+
+
+def phases(url: str) -> Split:
+    """phase -> (count, sum of seconds)."""
+    out: dict[str, list[float]] = {p: [0.0, 0.0] for p in PHASES}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if fam.name != "dsv4_ttft_phase_seconds":
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_count"):
+                out[s.labels["phase"]][0] = s.value
+            elif s.name.endswith("_sum"):
+                out[s.labels["phase"]][1] = s.value
+    return {p: (c, t) for p, (c, t) in out.items()}
+
+
+def diff(after: Split, before: Split) -> Split:
+    return {p: (after[p][0] - before[p][0], after[p][1] - before[p][1]) for p in PHASES}
+
+
+def streamed_ttft(url: str, prompt: list[int], max_tokens: int = 6) -> float:
+    """A streamed completion read to its end; the seconds from sending it to its first chunk with a token."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    t0, ttft = time.perf_counter(), None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: {") and '"choices":[{' in line:
+                ttft = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft
+
+
+@pytest.mark.parametrize("prompt_len", [3, 200])
+def test_a_streams_phases_count_once_and_add_up_within_its_ttft(server, prompt_len: int) -> None:
+    for i in range(3):
+        prompt = [(7 * i + j) % 400 + 3 for j in range(prompt_len)]
+        before = phases(server.url)
+        ttft = streamed_ttft(server.url, prompt)
+        got = diff(phases(server.url), before)
+        assert {p: c for p, (c, _) in got.items()} == dict.fromkeys(PHASES, 1.0), got
+        assert all(t >= 0 for _, t in got.values()), got
+        assert sum(t for _, t in got.values()) <= ttft, (got, ttft)
+        assert got["first_step"][1] > 0 and got["tokenize"][1] > 0  # a decode step and a request's parsing
+    if prompt_len == 200:  # its prompt goes through the parallel prefill: a forward, not free
+        assert got["prefill"][1] > 0
+
+
+def test_a_bodys_phases_count_without_first_byte_and_chat_streams_count_it(server) -> None:
+    before = phases(server.url)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200
+    got = diff(phases(server.url), before)
+    assert {p: c for p, (c, _) in got.items()} == {**dict.fromkeys(PHASES, 1.0), "first_byte": 0.0}
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    before = phases(server.url)
+    n = 2  # two choices: each its own first token, its own first chunk
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, n=n, stream=True, temperature=0))  # fmt: skip
+    assert chunks
+    got = diff(phases(server.url), before)
+    assert {p: c for p, (c, _) in got.items()} == dict.fromkeys(PHASES, float(n)), got
+
+
+def test_bench_reads_the_phases_as_the_parser_does(server) -> None:
+    before, b = scrape(server.url), phases(server.url)
+    for i in range(4):
+        streamed_ttft(server.url, [i + 3, 9, 11])
+    after, a = scrape(server.url), phases(server.url)
+    split, want = ttft_split(before, after), diff(a, b)
+    assert set(split) == set(PHASES)
+    for p in PHASES:
+        assert split[p]["count"] == want[p][0] == 4
+        assert split[p]["mean_ms"] == pytest.approx(1e3 * want[p][1] / 4)
+        assert 0 <= split[p]["median_ms"] <= 60e3
+
+
+def test_bench_median_interpolates_in_the_median_bucket() -> None:
+    """Four first tokens: one <= 1 ms, two in (1, 2.5] ms, one in (2.5, 5] ms, 10 ms in all (hand-made text)."""
+    h = "dsv4_ttft_phase_seconds"
+    after = [(f"{h}_bucket", {"phase": "queue", "le": le}, c) for le, c in
+             (("0.001", 1), ("0.0025", 3), ("0.005", 4), ("+Inf", 4))]  # fmt: skip
+    after += [(f"{h}_count", {"phase": "queue"}, 4.0), (f"{h}_sum", {"phase": "queue"}, 0.010)]
+    before = [(n, labels, 0.0) for n, labels, _ in after]
+    got = ttft_split(before, after)["queue"]
+    # the 2nd of 4 lies in (1, 2.5] ms, which holds the 2nd and 3rd: halfway from its lower edge to the 3rd
+    assert got == {"count": 4.0, "mean_ms": pytest.approx(2.5), "median_ms": pytest.approx(1.75)}
