@@ -34,9 +34,9 @@ class ResponseBuilder:
     """The response object and its output items, filled from one chat choice's steps."""
 
     def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: str, prompt_tokens: int) -> None:
-        self.id, self.created = new_id("resp"), now()
+        self.id, self.created = new_id("resp", "_"), now()
         self.req, self.chat, self.model, self.prompt_tokens = req, chat, model, prompt_tokens
-        self.msg_id, self.rs_id = new_id("msg"), new_id("rs")
+        self.msg_id, self.rs_id = new_id("msg", "_"), new_id("rs", "_")
         self.reasoning, self.text = "", ""
         self.calls: list[dict[str, Any]] = []  # the chat choice's tool calls, in order
         self.cut = False  # the last call was cut (max_output_tokens): its arguments stay partial
@@ -203,7 +203,16 @@ class ResponseBuilder:
 
 # A chat field's error names the Responses field it came from.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning",
-           "response_format": "text"}
+           "response_format": "text.format"}
+
+
+def _renamed(err: APIError) -> APIError:
+    """The chat request's error as the Responses request's: its param (and the message's mention of it) renamed."""
+    name = _PARAMS.get(err.param or "", err.param)
+    if name == err.param:
+        return err
+    msg = err.message.replace(f"'{err.param}", f"'{name}").replace(f"{err.param} ", f"{name} ")
+    return APIError(err.status, msg, param=name, code=err.code, type=err.type, headers=err.headers)
 
 
 @router.post("/v1/responses")
@@ -216,11 +225,12 @@ async def responses(request: Request) -> Response:
         try:
             chat = ChatCompletionRequest.model_validate(to_chat(req))
         except ValidationError as e:
-            err = validation_to_api_error(e)
-            name = _PARAMS.get(err.param or "", err.param)
-            raise APIError(400, err.message.replace(f"'{err.param}", f"'{name}"), param=name, code=err.code) from None
+            raise _renamed(validation_to_api_error(e)) from None
         routes._check_model(ctl, chat.model)
-        reply = await routes.submit_chat(request, ctl, chat, t0)
+        try:
+            reply = await routes.submit_chat(request, ctl, chat, t0)
+        except APIError as e:  # response_format's (the structured extra missing, a bad schema) is text.format's
+            raise _renamed(e) from None
         builder = ResponseBuilder(req, chat, ctl.settings.served_name, reply.prompt_tokens)
         gen = reply.gens[0]
         if req.stream:
