@@ -26,7 +26,7 @@ from dsv4_serve.service.api.protocol import (
     model_card,
 )
 from dsv4_serve.service.api.streaming import Echo, Generation, request_id
-from dsv4_serve.service.api.tools import ToolStream
+from dsv4_serve.service.api.tool_stream import ToolStream
 from dsv4_serve.service.engine.request import SamplingParams
 from dsv4_serve.service.engine.scheduler import QueueFull
 from dsv4_serve.service.engine.worker import EngineNotReady

@@ -85,11 +85,14 @@ class ToolStream:
         return content, self._out()
 
     def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """The end of the answer: text held outside the block is content; a block cut before any call went
-        out is dropped when `truncated` by max_tokens (content, as broken markup, otherwise); an open call
-        gets the JSON value text held so far (its arguments stay cut), never a closing tag's start."""
+        """The end of the answer: text held outside the block is content; the block's opening or a block cut
+        before any call went out is dropped when `truncated` by max_tokens (content, as broken markup,
+        otherwise); an open call gets the JSON value text held so far (its arguments stay cut), never a closing
+        tag's start."""
         buf, self.buf = self.buf, ""
-        if self.state == "text" or self.state == "broken":
+        if self.state == "text":  # cut in the block's opening (its blank line and a "<" at least): not content
+            return ("" if truncated and "<" in buf else buf), []
+        if self.state == "broken":
             return buf, []
         if not self.calls:
             held, self.raw, self.state = self.raw + buf, "", "done"

@@ -242,7 +242,10 @@ def test_cut_call_comes_back_partial() -> None:
             want = [("f", '{"k": "v"}')] + ([] if partial is None else [("f", partial)])
             assert content == "Hi" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want, (
                 cut, step, calls)
-    # Cut inside the first call's name: nothing parsed, nothing raw.
+    # Cut inside the block's opening tag or the first call's name: nothing parsed, nothing raw.
+    assert _stream("Hi\n\n<｜DS", truncated=True) == ("Hi", [])
+    assert _stream("Hi\n\n", truncated=True) == ("Hi\n\n", [])  # a blank line alone is text
+    assert _stream("Hi\n\n<｜DS") == ("Hi\n\n<｜DS", [])  # the model's own end: its text
     assert _stream("Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:20], truncated=True) == ("Hi", [])
     # Not truncated (the model stopped mid-markup, before any name): the text is content, as broken markup.
     cut = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:20]
