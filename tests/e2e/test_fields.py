@@ -86,7 +86,7 @@ CASES: dict[str, tuple[type, dict[str, Any], dict[str, tuple[Any, str]]]] = {
         "temperature": (0.5, OK),
         "top_p": (0.9, OK),
         "stream": (True, OK),
-        "reasoning": ({"effort": "low"}, OK),  # a summary is rejected by name: test_compat62.py
+        "reasoning": ({"effort": "low"}, OK),  # a summary is rejected by name: test_wire_details.py
         "text": ({"format": {"type": "text"}}, OK),
         "tools": ([FN], CHAT_TOOLS),
         "tool_choice": ("auto", CHAT_TOOLS),
