@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e.conftest import MODEL, Server, joined
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -72,21 +72,6 @@ def test_streamed_call_sends_no_empty_deltas(client: openai.OpenAI) -> None:
     assert choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens > len(choices)  # tokens were generated with nothing to send
     assert calls[0]["arguments"] == whole.choices[0].message.tool_calls[0].function.arguments
-
-
-def joined(choices: list[Any]) -> list[dict[str, Any]]:
-    """The calls that streamed tool-call deltas build: a call's first delta has its id and name, the later
-    ones pieces of its arguments (index only)."""
-    calls: list[dict[str, Any]] = []
-    for ch in choices:
-        for tc in ch.delta.tool_calls or ():
-            if tc.id is not None:
-                assert tc.index == len(calls) and tc.type == "function" and tc.function.name, tc
-                calls.append({"name": tc.function.name, "arguments": tc.function.arguments or ""})
-            else:
-                assert tc.function.name is None, tc
-                calls[tc.index]["arguments"] += tc.function.arguments
-    return calls
 
 
 def greedy(question: str) -> dict[str, Any]:
