@@ -57,6 +57,8 @@ def _head(buf: str, opening: str, tails: dict[str, Any]) -> tuple[str, Any, int]
 
 @dataclass
 class ToolStream:
+    """One choice's parser: `push` each content delta, `finish` at the end; both return (content, deltas)."""
+
     buf: str = ""  # text not yet consumed
     state: str = "text"  # text | head (">" of the block) | block | invoke | value | done | broken
     raw: str = ""  # the block's consumed text while nothing went out: content if the markup breaks

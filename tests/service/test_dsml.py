@@ -279,3 +279,18 @@ def test_markup_broken_after_a_call_is_dropped() -> None:
         assert content == "Hi" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
             ("f", '{"k": "v"}')], step
     assert ref_parse(text)[1] == [("f", {"k": "v"})]  # the reference keeps the call too
+
+
+def test_json_value_cut_and_repeated_parameter() -> None:
+    """A JSON value cut by max_tokens goes out as far as it was written (the call's arguments stay cut); a repeated
+    parameter breaks the invoke (its arguments could not be one JSON object): the call keeps what went out."""
+    head = 'Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">'
+    for step in (1, 6, 200):
+        assert _stream(head + ' [1, {"a"', truncated=True, step=step)[1][0]["function"]["arguments"] == (
+            '{"n": [1, {"a"')
+        assert _stream(head + " 7</｜DSM", truncated=True, step=step)[1][0]["function"]["arguments"] == '{"n": 7'
+    again = (head + "1</｜DSML｜parameter>\n" + head[head.index("<｜DSML｜parameter") :] + "2</｜DSML｜parameter>\n"
+             "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")  # fmt: skip
+    assert parse_completion(again) == (again, [])
+    content, calls = _stream(again)
+    assert content == "Hi" and [c["function"]["arguments"] for c in calls] == ['{"n": 1']
