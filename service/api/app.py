@@ -20,6 +20,7 @@ from dsv4_serve.service.api.controller import Controller, call
 from dsv4_serve.service.api.grammar_pool import GrammarPool
 from dsv4_serve.service.api.metrics import Metrics
 from dsv4_serve.service.api.protocol import APIError, error_body
+from dsv4_serve.service.api.request_id import RequestId, current_id
 from dsv4_serve.service.api.responses import router as responses_router
 from dsv4_serve.service.api.routes import router
 from dsv4_serve.service.api.state_routes import router as state_router
@@ -87,6 +88,7 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
     # The HMAC key of exported states: the operator's file, else random (exports then die with the process).
     app.state.state_secret = settings.state_secret() or secrets.token_bytes(32)
     guard(app, ctl)  # API keys and the body cap, before routing
+    app.add_middleware(RequestId)  # outermost: every response carries X-Request-Id (a 401 too)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -107,7 +109,7 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
+        log.exception("unhandled error (request %s)", current_id())
         ctl.metrics.outcome("error")
         return JSONResponse(
             error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500

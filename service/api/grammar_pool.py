@@ -92,8 +92,8 @@ class GrammarPool:
                 self._info = await loop.run_in_executor(self._thread, grammar.tokenizer_info, tokenizer, vocab_size,
                                                         eos_token_id)  # fmt: skip
             except ModuleNotFoundError:
-                raise _bad(f"{source} needs the grammar engine, not installed on this server "
-                           "(pip install 'dsv4-serve[structured]')", source) from None  # fmt: skip
+                raise _bad(f"{source} needs the grammar engine, not installed on this server {grammar.INSTALL}",
+                           source) from None  # fmt: skip
         try:
             # The process starts on first use and after a kill (xgrammar imports torch: ~2 s of one core), under
             # a bound of its own: the compile timeout is the compile's alone.

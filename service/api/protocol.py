@@ -161,6 +161,13 @@ class _Sampling(Body, Guided):
             raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # OpenAI and vLLM: a 400 (issue 62)
+            raise ValueError("stream_options can only be set when stream is true")
+        return v
+
     @field_validator("repetition_penalty")
     @classmethod
     def _penalty_f32(cls, v: float | None) -> float | None:
@@ -279,8 +286,8 @@ class CompletionRequest(_Sampling):
 
 
 # ---- responses ---------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"  # sep "_": Responses' ids (resp_, msg_, rs_) as OpenAI's
 
 
 def now() -> int:

@@ -7,7 +7,8 @@ Tools: `tools`, `tool_choice` and function_call / function_call_output input ite
 request's `tools` / `tool_choice` / tool messages (the DSML tool-call parser lives with the chat path); the
 chat choice's tool calls come back as function_call output items after the message item (no message item when
 the turn is only tool calls; the streamed events and the final body list the same items). A message cut by
-max_output_tokens is "incomplete", as the response; a cut tool call is dropped, complete ones kept."""
+max_output_tokens is "incomplete", as the response; a cut tool call is an "incomplete" function_call item with
+the arguments it has, complete ones "completed"."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ class ResponseBuilder:
     """The response object and its output items, filled from one chat choice's steps."""
 
     def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: str, prompt_tokens: int) -> None:
-        self.id, self.created = new_id("resp"), now()
+        self.id, self.created = new_id("resp", "_"), now()
         self.req, self.chat, self.model, self.prompt_tokens = req, chat, model, prompt_tokens
-        self.msg_id, self.rs_id = new_id("msg"), new_id("rs")
+        self.msg_id, self.rs_id = new_id("msg", "_"), new_id("rs", "_")
         self.reasoning, self.text = "", ""
         self.calls: list[dict[str, Any]] = []  # the chat choice's tool calls, in order
+        self.cut = False  # the last call was cut (max_output_tokens): its arguments stay partial
         self.output_tokens = 0
         self.cached_tokens = 0  # the prefix cache's hit (0: none, or no cache)
         self.finish: str | None = None
@@ -48,12 +50,15 @@ class ResponseBuilder:
             items.append(self.reasoning_item(self.reasoning))
         if self.text or not self.calls:  # a turn of tool calls only has no (empty) message item before them
             items.append(self.message_item(self.text, self.message_status()))
-        items += [self.call_item(c, "completed") for c in self.calls]
+        items += [self.call_item(c, "incomplete" if self.cut and c is self.calls[-1] else "completed")
+                  for c in self.calls]  # fmt: skip
         return items
 
     def message_status(self) -> str:
-        """OpenAI's: a message cut by max_output_tokens is "incomplete" (its complete calls stay "completed")."""
-        return "incomplete" if self.finish == "length" else "completed" if self.finish else "in_progress"
+        """OpenAI's: a message cut by max_output_tokens is "incomplete" (one that calls follow was whole)."""
+        if self.finish == "length" and not self.calls:
+            return "incomplete"
+        return "completed" if self.finish else "in_progress"
 
     def close_reasoning(self, ev: Any) -> list[str]:
         """The reasoning item's closing events (thinking mode), once its text is whole."""
@@ -110,13 +115,18 @@ class ResponseBuilder:
         async for s in gen.steps():
             self.reasoning += s.delta.reasoning
             self.text += s.delta.content
-            self.calls += s.tool_calls
             self.finish = s.finish_reason or self.finish
-        self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
+        self._done(gen)
         return self.body()
 
+    def _done(self, gen: Generation) -> None:
+        self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
+        self.calls, self.cut = (gen.tools.calls, gen.tools.cut) if gen.tools else ([], False)
+
     async def events(self, gen: Generation) -> AsyncIterator[str]:
-        """The streamed events, in OpenAI's order, each with its sequence_number."""
+        """The streamed events, in OpenAI's order, each with its sequence_number: an item's closing events
+        before the next one opens; a function_call item opens as soon as its name is known, its arguments
+        follow in delta events as they stream."""
         seq = 0
 
         def ev(kind: str, **data: Any) -> str:
@@ -127,11 +137,27 @@ class ResponseBuilder:
 
         yield ev("response.created", response=self.body("in_progress"))
         yield ev("response.in_progress", response=self.body("in_progress"))
-        out, ids = 0, {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        nxt, ids = 0, {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        open_: Any = None  # the open item: "reasoning", "message" or a call (dict)
         if self.chat.thinking:
             yield ev("response.output_item.added", output_index=0, item=self.reasoning_item(""))
-            out, ids["output_index"] = 1, 1
-        in_message = False
+            nxt, open_ = 1, "reasoning"
+
+        def close(status: str) -> list[str]:
+            """The open item's closing events (`status`: a message's or a call's)."""
+            if open_ == "reasoning":
+                return self.close_reasoning(ev)
+            if open_ == "message":
+                return [ev("response.output_text.done", **ids, text=self.text, logprobs=[]),
+                        ev("response.content_part.done", **ids, part=self.part(self.text)),
+                        ev("response.output_item.done", output_index=ids["output_index"],
+                           item=self.message_item(self.text, status))]  # fmt: skip
+            if open_ is not None:
+                at = {"output_index": nxt - 1, "item_id": self.call_item(open_, "")["id"]}
+                return [ev("response.function_call_arguments.done", **at, arguments=open_["function"]["arguments"]),
+                        ev("response.output_item.done", output_index=nxt - 1, item=self.call_item(open_, status))]
+            return []
+
         steps = gen.steps()
         try:
             async for s in steps:
@@ -139,48 +165,54 @@ class ResponseBuilder:
                     self.reasoning += s.delta.reasoning
                     yield ev("response.reasoning_text.delta", item_id=self.rs_id, output_index=0, content_index=0,
                              delta=s.delta.reasoning)  # fmt: skip
-                self.calls += s.tool_calls
                 # The message item opens with its first text, or at the end of a turn with no text and no calls.
-                if (s.delta.content or (s.finish_reason and not self.calls)) and not in_message:
-                    in_message = True
-                    for e in self.close_reasoning(ev):
+                no_calls = not (gen.tools and gen.tools.calls)
+                if (s.delta.content or (s.finish_reason and no_calls)) and open_ != "message":
+                    for e in close("completed"):
                         yield e
-                    item = self.message_item(None, "in_progress")
-                    yield ev("response.output_item.added", output_index=out, item=item)
+                    open_, ids["output_index"], nxt = "message", nxt, nxt + 1
+                    yield ev("response.output_item.added", output_index=ids["output_index"],
+                             item=self.message_item(None, "in_progress"))  # fmt: skip
                     yield ev("response.content_part.added", **ids, part=self.part(""))
                 if s.delta.content:
                     self.text += s.delta.content
                     yield ev("response.output_text.delta", **ids, delta=s.delta.content, logprobs=[])
+                for d in s.tool_calls:
+                    if "id" in d:  # a new call: the item before it is whole
+                        for e in close("completed"):
+                            yield e
+                        open_, nxt = gen.tools.calls[d["index"]], nxt + 1  # type: ignore[union-attr]
+                        yield ev("response.output_item.added", output_index=nxt - 1,
+                                 item=self.call_item(open_, "in_progress") | {"arguments": ""})  # fmt: skip
+                    if d["function"]["arguments"]:
+                        yield ev("response.function_call_arguments.delta", output_index=nxt - 1,
+                                 item_id=self.call_item(open_, "")["id"], delta=d["function"]["arguments"])  # fmt: skip
                 self.finish = s.finish_reason or self.finish
         except APIError as e:
             yield ev("error", code=e.code, message=e.message, param=e.param)
             return
         finally:
             await steps.aclose()
-        self.output_tokens, self.cached_tokens = gen.completion_tokens, gen.cached_tokens or 0
-        if in_message:
-            yield ev("response.output_text.done", **ids, text=self.text, logprobs=[])
-            yield ev("response.content_part.done", **ids, part=self.part(self.text))
-            yield ev("response.output_item.done", output_index=out,
-                     item=self.message_item(self.text, self.message_status()))  # fmt: skip
-        else:  # tool calls only: no message item
-            for e in self.close_reasoning(ev):
-                yield e
-        for i, call in enumerate(self.calls):  # each whole when its closing tag arrived: one delta each
-            at = {"output_index": out + in_message + i, "item_id": self.call_item(call, "")["id"]}
-            yield ev("response.output_item.added", output_index=at["output_index"],
-                     item=self.call_item(call, "in_progress") | {"arguments": ""})  # fmt: skip
-            yield ev("response.function_call_arguments.delta", **at, delta=call["function"]["arguments"])
-            yield ev("response.function_call_arguments.done", **at, arguments=call["function"]["arguments"])
-            yield ev("response.output_item.done", output_index=at["output_index"],
-                     item=self.call_item(call, "completed"))  # fmt: skip
+        self._done(gen)
+        call_status = "incomplete" if self.cut else "completed"
+        for e in close(call_status if isinstance(open_, dict) else self.message_status()):
+            yield e
         done = "response.incomplete" if self.finish == "length" else "response.completed"
         yield ev(done, response=self.body())
 
 
 # A chat field's error names the Responses field it came from.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning",
-           "response_format": "text"}
+           "response_format": "text.format"}
+
+
+def _renamed(err: APIError) -> APIError:
+    """The chat request's error as the Responses request's: its param (and the message's mention of it) renamed."""
+    name = _PARAMS.get(err.param or "", err.param)
+    if name == err.param:
+        return err
+    msg = err.message.replace(f"'{err.param}", f"'{name}").replace(f"{err.param} ", f"{name} ")
+    return APIError(err.status, msg, param=name, code=err.code, type=err.type, headers=err.headers)
 
 
 @router.post("/v1/responses")
@@ -193,11 +225,12 @@ async def responses(request: Request) -> Response:
         try:
             chat = ChatCompletionRequest.model_validate(to_chat(req))
         except ValidationError as e:
-            err = validation_to_api_error(e)
-            name = _PARAMS.get(err.param or "", err.param)
-            raise APIError(400, err.message.replace(f"'{err.param}", f"'{name}"), param=name, code=err.code) from None
+            raise _renamed(validation_to_api_error(e)) from None
         routes._check_model(ctl, chat.model)
-        reply = await routes.submit_chat(request, ctl, chat, t0)
+        try:
+            reply = await routes.submit_chat(request, ctl, chat, t0)
+        except APIError as e:  # response_format's (the structured extra missing, a bad schema) is text.format's
+            raise _renamed(e) from None
         builder = ResponseBuilder(req, chat, ctl.settings.served_name, reply.prompt_tokens)
         gen = reply.gens[0]
         if req.stream:

@@ -27,7 +27,8 @@ INCLUDE_OK = frozenset({
 class Reasoning(BaseModel):
     model_config = _REQ
     effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted: reasoning comes back in full
+    # No summarizer here (the reasoning item carries the text in full): a summary asked for is a 400 naming it.
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(Body):
@@ -88,6 +89,16 @@ def _check(req: ResponsesRequest) -> None:
         raise APIError(400, f"Previous response with id '{req.previous_response_id}' not found: this server stores "
                        "no responses (send the conversation as input items)", param="previous_response_id",
                        code="previous_response_not_found")  # fmt: skip
+    if req.reasoning is not None and req.reasoning.summary is not None:
+        raise APIError(400, f"reasoning.summary {req.reasoning.summary!r} is not supported: this server writes no "
+                       "reasoning summaries (the reasoning item holds the reasoning text in full)",
+                       param="reasoning.summary", code="unsupported_value")  # fmt: skip
+    for key, value in (req.text or {}).items():
+        if key == "verbosity" and value not in (None, "medium"):  # as chat's `verbosity`
+            raise APIError(400, f"text.verbosity {value!r} is not supported: this model has no verbosity control "
+                           "(only 'medium', the default)", param="text.verbosity", code="unsupported_value")
+        if key not in ("format", "verbosity"):
+            raise APIError(400, f"text.{key} is not supported", param=f"text.{key}", code="unsupported_parameter")
     bad = [v for v in req.include or () if v not in INCLUDE_OK]
     if bad:
         raise APIError(400, f"include value {bad[0]!r} is not supported", param="include", code="invalid_value")
@@ -125,12 +136,12 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if not _has("response_format"):
-        raise APIError(400, f"text.format of type {kind!r} is not supported", param="text")
+        raise APIError(400, f"text.format of type {kind!r} is not supported", param="text.format")
     if kind != "json_schema":
         return fmt
     if not isinstance(fmt.get("schema"), dict):
-        raise APIError(400, "text.format of type 'json_schema' needs 'schema' (a JSON schema object)", param="text",
-                       code="invalid_value")  # fmt: skip
+        raise APIError(400, "text.format of type 'json_schema' needs 'schema' (a JSON schema object)",
+                       param="text.format", code="invalid_value")  # fmt: skip
     spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
 

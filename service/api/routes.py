@@ -26,7 +26,7 @@ from dsv4_serve.service.api.protocol import (
     model_card,
 )
 from dsv4_serve.service.api.streaming import Echo, Generation, request_id
-from dsv4_serve.service.api.tools import ToolStream
+from dsv4_serve.service.api.tool_stream import ToolStream
 from dsv4_serve.service.engine.request import SamplingParams
 from dsv4_serve.service.engine.scheduler import QueueFull
 from dsv4_serve.service.engine.worker import EngineNotReady
@@ -108,7 +108,8 @@ def _params(ctl: Controller, req: Any, prompt_len: int, param: str, logprobs: in
         )
     bias = tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items()))
     if any(i >= ctl.vocab_size for i, _ in bias):
-        raise APIError(400, f"logit_bias token ids must be < vocab size {ctl.vocab_size}", param="logit_bias")
+        raise APIError(400, f"logit_bias token ids must be < vocab size {ctl.vocab_size}", param="logit_bias",
+                       code="invalid_value")  # fmt: skip
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -285,7 +286,10 @@ async def model(request: Request, model_id: str) -> dict[str, Any]:
     return model_card(ctl.settings.served_name, ctl.settings.model, ctl.max_model_len or None)
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+# GET and HEAD as two routes: one route of both methods gives both operations one operationId in /openapi.json,
+# which OpenAPI code generators refuse (issue 62); HEAD's stays out of the schema.
+@router.head("/health", include_in_schema=False)
+@router.get("/health")
 async def health(request: Request) -> Response:
     """200 while the server loads or serves; 503 once the engine can never serve (the process is exiting)."""
     failure = _ctl(request).failure
@@ -294,7 +298,8 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.api_route("/ready", methods=["GET", "HEAD"])
+@router.head("/ready", include_in_schema=False)
+@router.get("/ready")
 async def ready(request: Request) -> Response:
     ctl = _ctl(request)
     try:

@@ -13,7 +13,7 @@ from typing import Any
 from dsv4_serve.service.api.chat import Delta, TextStream
 from dsv4_serve.service.api.metrics import TTFT_PHASES, Metrics
 from dsv4_serve.service.api.protocol import APIError, new_id, now
-from dsv4_serve.service.api.tools import ToolStream
+from dsv4_serve.service.api.tool_stream import ToolStream, merged
 from dsv4_serve.service.engine.request import FirstToken, PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class Step:
     top: tuple[tuple[int, float], ...] = ()
     text_offset: int = 0
     finish_reason: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool-call deltas (tool_stream.py)
 
 
 @dataclass
@@ -127,8 +127,9 @@ class Generation:
                 calls: list[dict[str, Any]] = []
                 if self.tools is not None:
                     content, calls = self.tools.push(delta.content)
-                    if finish:
-                        content += self.tools.finish(truncated=finish == "length")
+                    if finish:  # a cut call keeps the arguments it has (finish "length")
+                        tail, more = self.tools.finish(truncated=finish == "length")
+                        content, calls = content + tail, merged(calls + more)
                     delta = Delta(delta.reasoning, content, delta.stopped)
                     if finish == "stop" and self.tools.calls:
                         finish = "tool_calls"
@@ -264,7 +265,7 @@ class Generation:
         if self.kind == "chat":
             echo = self.echo.text if self.echo else ""
             msg: dict[str, Any] = {"role": "assistant", "content": echo + "".join(content)}
-            calls = [{k: v for k, v in c.items() if k != "index"} for s in steps for c in s.tool_calls]
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in (self.tools.calls if self.tools else ())]
             if calls:
                 msg["tool_calls"] = calls
                 msg["content"] = msg["content"] or None

@@ -1,6 +1,6 @@
-"""DeepSeek-V4 tool calls out of the model: DSML completion text -> OpenAI `tool_calls` (whole or streamed
-as it grows), and the grammar (xgrammar structural-tag format) that `tool_choice` "required" or a named
-function enforces. The markup (encoding.dsml_tool_calls writes it):
+"""DeepSeek-V4 tool calls out of the model: DSML completion text -> OpenAI `tool_calls` (the whole text; as it
+grows: tool_stream.py, whose calls equal these), and the grammar (xgrammar structural-tag format) that
+`tool_choice` "required" or a named function enforces. The markup (encoding.dsml_tool_calls writes it):
 
     {content}\\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="f">\\n
     <｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\\n...</｜DSML｜invoke>\\n...</｜DSML｜tool_calls>
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_serve.service.api.encoding import DSML, to_json
@@ -89,68 +88,6 @@ def parse_completion(text: str) -> tuple[str, list[dict[str, str]]]:
         return text, []
     calls = parse_invokes(rest[1:j])
     return (text[:i], calls) if calls else (text, [])
-
-
-@dataclass
-class ToolStream:
-    """Content deltas in -> (content delta, finished tool calls) out. Text that may start the tool-calls
-    block is held back; inside the block each invoke is emitted once its closing tag arrives. On text that
-    breaks the markup before any call came out of it, everything held is released as content and parsing
-    stops; after a call, the block's unreadable rest is dropped (as the reference parser drops it): raw
-    markup never goes out beside parsed calls."""
-
-    pending: str = ""
-    inside: bool = False
-    broken: bool = False
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.broken:
-            return ("" if self.calls else delta), []
-        buf, content = self.pending + delta, ""
-        if not self.inside:
-            i = buf.find(CALLS_START)
-            if i < 0:
-                keep = next((k for k in range(min(len(CALLS_START) - 1, len(buf)), 0, -1)
-                             if buf.endswith(CALLS_START[:k])), 0)  # fmt: skip
-                self.pending = buf[len(buf) - keep :]
-                return buf[: len(buf) - keep], []
-            content, buf, self.inside = buf[:i], buf[i:], True
-        self.pending = buf
-        calls = self._invokes()
-        if self.broken:  # not DSML after all: what was held is content, unless calls came out of it
-            held, self.pending = self.pending, ""
-            content += "" if self.calls else held
-        return content, calls
-
-    def _invokes(self) -> list[dict[str, Any]]:
-        """Emit every complete invoke in the held block text."""
-        head = len(CALLS_START) + 1  # the block's start and its ">"
-        if len(self.pending) >= head and self.pending[head - 1] != ">":
-            self.broken = True
-            return []
-        body, out = self.pending[head:], []
-        while not self.broken and (end := body.find(f"</{DSML}invoke>")) >= 0:
-            cut = end + len(f"</{DSML}invoke>")
-            parsed = parse_invokes(body[:cut])
-            if parsed:
-                out += openai_calls(parsed, len(self.calls) + len(out))
-                body = body[cut:]
-            else:
-                self.broken = True
-        if body.strip() and not CALLS_END.startswith(body.strip()[: len(CALLS_END)]) \
-                and not f"<{DSML}invoke".startswith(body.strip()[: len(DSML) + 7]):  # fmt: skip
-            self.broken = True
-        self.pending = self.pending[:head] + body
-        self.calls += out
-        return out
-
-    def finish(self, truncated: bool = False) -> str:
-        """The end of the answer: the text still held is content, unless it is inside the block and calls
-        came out of it (the block's closing tag, or a call cut short) or the answer was `truncated` by
-        max_tokens (a call cut short): complete calls are kept, a cut one dropped."""
-        left, self.pending = self.pending, ""
-        return "" if self.inside and not self.broken and (self.calls or truncated) else left
 
 
 # ---- the grammar for tool_choice "required" / a named function ------------------------------------

@@ -104,6 +104,10 @@ def _compiler(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
         return comp
 
 
+# The project installs from its checkout (README): the extra's command as a server's operator types it there.
+INSTALL = "(xgrammar: pip install -e '.[structured]' in the dsv4-serve checkout)"
+
+
 def compile_guide(tokenizer: Any, vocab_size: int, eos_token_id: int | None, fmt: dict[str, Any],
                   source: str) -> Guide:  # fmt: skip
     """A compiled grammar for `fmt`; ValueError (the API's 400) naming `source` if it does not compile."""
@@ -112,8 +116,7 @@ def compile_guide(tokenizer: Any, vocab_size: int, eos_token_id: int | None, fmt
             {"type": "structural_tag", "format": fmt}
         )
     except ModuleNotFoundError:
-        raise ValueError(f"{source} needs the grammar engine, not installed on this server "
-                         "(pip install 'dsv4-serve[structured]')") from None  # fmt: skip
+        raise ValueError(f"{source} needs the grammar engine, not installed on this server {INSTALL}") from None
     except Exception as e:  # noqa: BLE001 - xgrammar raises several types for bad schemas/regexes
         raise ValueError(f"{source} cannot be enforced: {e}") from None
     return Guide(compiled, source)

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -110,3 +111,18 @@ def start_server() -> Iterator[type[Server]]:
 def server(start_server: type[Server]) -> Server:
     """One shared server with the defaults (8 rows)."""
     return start_server()
+
+
+def joined(choices: list[Any]) -> list[dict[str, Any]]:
+    """The calls that streamed tool-call deltas (openai SDK chunk choices) build: a call's first delta has its id
+    and name, the later ones pieces of its arguments (index only)."""
+    calls: list[dict[str, Any]] = []
+    for ch in choices:
+        for tc in ch.delta.tool_calls or ():
+            if tc.id is not None:
+                assert tc.index == len(calls) and tc.type == "function" and tc.function.name, tc
+                calls.append({"name": tc.function.name, "arguments": tc.function.arguments or ""})
+            else:
+                assert tc.function.name is None, tc
+                calls[tc.index]["arguments"] += tc.function.arguments
+    return calls

@@ -109,7 +109,8 @@ def test_raw_sse_framing(server: Server) -> None:
     # last), and the one that finishes.
     assert 0 < len(token_chunks) <= 12 and all(c["choices"][0]["delta"]["content"] for c in token_chunks[:-1])
     assert chunks[0] is token_chunks[0] and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    whole = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
+    plain = {**body, "stream": False, "stream_options": None}  # stream_options only with stream: true
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=plain, timeout=60).json()
     assert "".join(c["choices"][0]["delta"]["content"] for c in token_chunks) == whole["choices"][0]["message"][
         "content"]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks]

@@ -96,10 +96,12 @@ def test_tool_calls_become_function_call_items(client: openai.OpenAI) -> None:
     assert set(json.loads(calls[0].arguments)) == {"c"}
     events = list(client.responses.create(**args, stream=True))
     kinds = [e.type for e in events]
-    i = kinds.index("response.function_call_arguments.done")
-    assert kinds[i - 2 : i + 2] == ["response.output_item.added", "response.function_call_arguments.delta",
-                                    "response.function_call_arguments.done", "response.output_item.done"]  # fmt: skip
-    assert events[i].arguments == calls[0].arguments  # greedy: the same call streamed
+    i, a = kinds.index("response.function_call_arguments.done"), kinds.index("response.output_item.added")
+    # The item opens with its name, the arguments follow in pieces (issue 62), their concatenation the whole.
+    assert events[a].item.type == "function_call" and events[a].item.name == "f" and events[a].item.arguments == ""
+    assert set(kinds[a + 1 : i]) == {"response.function_call_arguments.delta"} and i - a > 2, kinds
+    assert kinds[i + 1] == "response.output_item.done"
+    assert "".join(e.delta for e in events[a + 1 : i]) == events[i].arguments == calls[0].arguments  # greedy
     done = events[-1].response
     assert [o.type for o in done.output] == [o.type for o in whole.output]
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -146,7 +148,8 @@ def test_parse_into_a_model(client: openai.OpenAI) -> None:
 ])  # fmt: skip
 def test_json_schema_format_needs_a_schema(server: Server, text: dict, says: str) -> None:
     r = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "text": text})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "text" and says in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "text.format" and says in err["message"]
 
 
 def test_harmless_fields_change_nothing(client: openai.OpenAI) -> None:

@@ -1,20 +1,21 @@
 """Tool calls on the wire, through a real server on the default tiny model and the openai SDK (issue 48): the
 built-in model's context takes a tools prompt and a long answer; a streamed call sends no empty content deltas
-while its markup is held back; a call cut by max_tokens is dropped (complete ones kept), never returned as raw
-DSML beside parsed calls; Responses lists no empty message item before function_call items and marks a cut
-message "incomplete"."""
+while its markup is held back; a call cut by max_tokens comes back with the arguments it has (issue 62; complete
+ones whole), never as raw DSML; Responses lists no empty message item before function_call items and marks a cut
+message "incomplete", a cut call's item too."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e.conftest import MODEL, Server, joined
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -66,11 +67,11 @@ def test_streamed_call_sends_no_empty_deltas(client: openai.OpenAI) -> None:
     # As OpenAI: content null (or absent) beside tool_calls, and no chunk's content an empty string.
     assert all(ch.delta.content is None for ch in choices if ch.delta.tool_calls)
     assert not [ch for ch in choices if ch.delta.content == ""], choices
-    calls = [tc for ch in choices for tc in ch.delta.tool_calls or ()]
-    assert [c.function.name for c in calls] == ["get_weather"] and choices[-1].finish_reason == "tool_calls"
+    calls = joined(choices)
+    assert [c["name"] for c in calls] == ["get_weather"] and choices[-1].finish_reason == "tool_calls"
     assert choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens > len(choices)  # tokens were generated with nothing to send
-    assert calls[0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+    assert calls[0]["arguments"] == whole.choices[0].message.tool_calls[0].function.arguments
 
 
 def greedy(question: str) -> dict[str, Any]:
@@ -78,45 +79,69 @@ def greedy(question: str) -> dict[str, Any]:
             "tool_choice": "required", "temperature": 0}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def two_calls(client: openai.OpenAI) -> tuple[str, int, Any]:
-    """A question whose greedy answer holds two or more calls, the number of tokens up to the end of its first
-    call (with logprobs every token has its chunk), and that first call. Eight questions a batch (8 rows)."""
+@dataclass
+class TwoCalls:
+    """A greedy answer with two or more calls, in token counts (with logprobs every token has its chunk)."""
 
-    def first_two(question: str) -> tuple[int, Any] | None:
+    question: str
+    first_end: int  # tokens up to the end of the first call
+    first: dict[str, Any]  # the first call: name, arguments
+    second_args: int  # tokens up to the second call's first arguments piece
+    second_piece: str  # that piece
+
+
+@pytest.fixture(scope="module")
+def two_calls(client: openai.OpenAI) -> TwoCalls:
+    """Eight questions a batch (8 rows) until one's greedy answer holds two calls."""
+
+    def two(question: str) -> TwoCalls | None:
         chunks = client.chat.completions.create(**greedy(question), max_tokens=500, logprobs=True, stream=True)
         choices = [c.choices[0] for c in chunks if c.choices]
-        at = [i for i, ch in enumerate(choices) if ch.delta.tool_calls]
-        return (at[0] + 1, choices[at[0]].delta.tool_calls[0]) if len(at) >= 2 else None
+        calls = joined(choices)
+        if len(calls) < 2:
+            return None
+        at = [(i, tc) for i, ch in enumerate(choices) for tc in ch.delta.tool_calls or ()]
+        end = max(i for i, tc in at if tc.index == 0) + 1
+        i2, piece = next((i, tc.function.arguments) for i, tc in at if tc.index == 1 and tc.function.arguments)
+        return TwoCalls(question, end, calls[0], i2 + 1, piece)
 
     with cf.ThreadPoolExecutor(8) as ex:
         for batch in range(3):
             questions = [f"Weather in Paris and Rome? ({batch * 8 + i})" for i in range(8)]
-            for q, found in zip(questions, ex.map(first_two, questions), strict=True):
+            for found in ex.map(two, questions):
                 if found:
-                    return q, *found
+                    return found
     pytest.fail("no question of 24 gave two calls")
 
 
-def test_cut_call_is_dropped_complete_one_kept(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
-    """max_tokens a few tokens past the first call: finish "length", the first call whole, the cut second one
-    dropped, and no DSML in the content (whole and streamed)."""
-    question, n, first = two_calls
-    kw = {**greedy(question), "max_tokens": n + 3}
+def _calls(msg: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in msg.tool_calls or ()]
+
+
+def test_cut_call_comes_back_partial(client: openai.OpenAI, two_calls: TwoCalls) -> None:
+    """max_tokens inside the second call, at its first arguments piece: finish "length", the first call whole and
+    the second with the arguments it has (was dropped), no DSML in the content, whole and streamed alike."""
+    t = two_calls
+    kw = {**greedy(t.question), "max_tokens": t.second_args}
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
-    assert choice.finish_reason == "length" and r.usage.completion_tokens == n + 3
-    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
-        (first.function.name, first.function.arguments)]
-    assert not choice.message.content, choice.message.content
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == t.second_args
+    want = [(t.first["name"], t.first["arguments"]), ("w", t.second_piece)]
+    assert _calls(choice.message) == want and not choice.message.content, choice.message
     chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    calls = [tc for ch in chunks for tc in ch.delta.tool_calls or ()]
-    assert [c.function.arguments for c in calls] == [first.function.arguments]
+    assert [(c["name"], c["arguments"]) for c in joined(chunks)] == want
     assert "".join(ch.delta.content or "" for ch in chunks) == "" and chunks[-1].finish_reason == "length"
-    # Cut inside the first call: nothing parsed and nothing raw.
-    r = client.chat.completions.create(**{**kw, "max_tokens": n - 5})
-    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
-    assert not r.choices[0].message.content
+
+
+def test_cut_inside_the_first_call(client: openai.OpenAI, two_calls: TwoCalls) -> None:
+    """max_tokens a few tokens before the first call's end: that call alone, its arguments a proper prefix of the
+    whole call's, nothing raw in the content."""
+    t = two_calls
+    r = client.chat.completions.create(**greedy(t.question), max_tokens=t.first_end - 3)
+    choice = r.choices[0]
+    [(name, args)] = _calls(choice.message)
+    assert choice.finish_reason == "length" and name == t.first["name"] and not choice.message.content
+    assert t.first["arguments"].startswith(args) and args != t.first["arguments"], (args, t.first)
 
 
 def _respond(client: openai.OpenAI, question: str, max_output_tokens: int, stream: bool, **kw: Any) -> Any:
@@ -130,33 +155,47 @@ def _respond(client: openai.OpenAI, question: str, max_output_tokens: int, strea
     return events[-1].response, events
 
 
-def test_responses_calls_without_an_empty_message(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
+def test_responses_calls_without_an_empty_message(client: openai.OpenAI, two_calls: TwoCalls) -> None:
     """A turn of tool calls only: a function_call item and no message item before it, whole and streamed."""
-    question, _, first = two_calls
+    t = two_calls
     with cf.ThreadPoolExecutor(2) as ex:
-        whole_f = ex.submit(_respond, client, question, 400, False, parallel_tool_calls=False)
-        streamed, events = _respond(client, question, 400, True, parallel_tool_calls=False)
+        whole_f = ex.submit(_respond, client, t.question, 400, False, parallel_tool_calls=False)
+        streamed, events = _respond(client, t.question, 400, True, parallel_tool_calls=False)
         whole, _ = whole_f.result()
     assert whole.status == "completed"
     assert [(o.type, o.status, o.arguments) for o in whole.output] == [
-        ("function_call", "completed", first.function.arguments)]
+        ("function_call", "completed", t.first["arguments"])]
     added = [e for e in events if e.type == "response.output_item.added"]
     assert [(e.item.type, e.output_index) for e in added] == [("function_call", 0)]
     assert [(o.type, o.status, o.name, o.arguments) for o in streamed.output] == [
-        ("function_call", "completed", "w", first.function.arguments)]
+        ("function_call", "completed", "w", t.first["arguments"])]
 
 
-def test_responses_cut_message_is_incomplete(client: openai.OpenAI, two_calls: tuple[str, int, Any]) -> None:
-    """max_output_tokens inside the first call: an "incomplete" response whose one message item is "incomplete"
-    and holds no markup; a few tokens past the first call: that call alone, the response "incomplete"."""
-    question, n, first = two_calls
-    with cf.ThreadPoolExecutor(4) as ex:  # one batch
-        cut = [ex.submit(_respond, client, question, n - 5, stream) for stream in (False, True)]
-        after = [ex.submit(_respond, client, question, n + 3, stream) for stream in (False, True)]
+def test_responses_cut_call(client: openai.OpenAI, two_calls: TwoCalls) -> None:
+    """max_output_tokens at the second call's first arguments piece: an "incomplete" response, the first call
+    "completed", the second "incomplete" with that piece; streamed, its item opened with the name and its delta
+    events carry the same arguments."""
+    t = two_calls
+    with cf.ThreadPoolExecutor(2) as ex:  # one batch
+        runs = [f.result() for f in [ex.submit(_respond, client, t.question, t.second_args, s) for s in (0, 1)]]
+    for r, _ in runs:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert [(o.type, o.status, o.arguments) for o in r.output] == [
+            ("function_call", "completed", t.first["arguments"]), ("function_call", "incomplete", t.second_piece)]
+    events = runs[1][1]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.output_index == 1]
+    assert "".join(deltas) == t.second_piece
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.status, i.arguments) for i in done] == [(o.status, o.arguments) for o in runs[1][0].output]
+
+
+def test_responses_cut_message_is_incomplete(client: openai.OpenAI, two_calls: TwoCalls) -> None:
+    """max_output_tokens before the first call's name is complete: an "incomplete" response whose one message
+    item is "incomplete" and holds no markup."""
+    t = two_calls
+    with cf.ThreadPoolExecutor(2) as ex:  # one batch
+        cut = [ex.submit(_respond, client, t.question, 8, stream) for stream in (False, True)]
         for r, _ in (f.result() for f in cut):
             assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
             assert [(o.type, o.status) for o in r.output] == [("message", "incomplete")], r.output
             assert r.output_text == ""
-        for r, _ in (f.result() for f in after):
-            assert r.status == "incomplete"
-            assert [(o.type, o.arguments) for o in r.output] == [("function_call", first.function.arguments)]

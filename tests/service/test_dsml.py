@@ -10,7 +10,8 @@ import deepseek_recipe as recipe
 import pytest
 
 from dsv4_serve.service.api.encoding import REASONING_EFFORT_MAX, encode_messages
-from dsv4_serve.service.api.tools import ToolStream, parse_completion
+from dsv4_serve.service.api.tool_stream import ToolStream
+from dsv4_serve.service.api.tools import parse_completion
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
@@ -164,18 +165,13 @@ def test_parse_equals_reference(text: str) -> None:
     content, calls = parse_completion(text)
     assert content == want_content
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want_calls
-    # Streamed in small pieces: the same content and calls, indices in order.
-    st, got_content, got_calls = ToolStream(), "", []
-    for i in range(0, len(text), 3):
-        c, cs = st.push(text[i : i + 3])
-        got_content += c
-        got_calls += cs
-    got_content += st.finish()
-    assert got_content == want_content
-    assert [c["index"] for c in got_calls] == list(range(len(got_calls)))
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == [
-        (c["name"], c["arguments"]) for c in calls
-    ]
+    # Streamed in pieces of any size: the same content, and deltas whose arguments join to the same strings.
+    for step in (1, 3, 7, len(text)):
+        got_content, got_calls = _stream(text, step=step)
+        assert got_content == want_content, step
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == [
+            (c["name"], c["arguments"]) for c in calls
+        ], step
 
 
 def test_completions_hold_calls() -> None:
@@ -184,40 +180,94 @@ def test_completions_hold_calls() -> None:
 
 
 def test_broken_markup_is_content() -> None:
-    """Our choice where the reference differs: text that breaks the markup is content, unparsed (the
-    reference's parser drops what follows a "<｜DSML｜" it cannot read, and keeps the invokes it can)."""
-    text = ("Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nnot a parameter\n</｜DSML｜invoke>\n"
-            "</｜DSML｜tool_calls>")
+    """Our choice where the reference differs: text that breaks the markup before any call's name is complete
+    is content, unparsed (the reference's parser drops what follows a "<｜DSML｜" it cannot read)."""
+    for text in ("Hi\n\n<｜DSML｜tool_calls>\nnot an invoke\n</｜DSML｜tool_calls>",
+                 "Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\"> no newline </｜DSML｜invoke>",
+                 "Hi\n\n<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",  # no call in the block
+                 "Hi\n\n<｜DSML｜tool_callz>"):  # fmt: skip
+        assert parse_completion(text) == (text, [])
+        for step in (1, 5, len(text)):
+            assert _stream(text, step=step) == (text, []), (text, step)
+
+
+def test_markup_broken_after_a_name_keeps_the_call() -> None:
+    """Once a call's name went out (streamed), markup that breaks its invoke drops the block's rest: the call
+    stays with the arguments sent so far, no raw markup follows it. The whole-text twin reads such text as
+    content: it never saw a name go out."""
+    text = ('Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">v'
+            '</｜DSML｜parameter>\nnot a parameter\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
     assert parse_completion(text) == (text, [])
-    st = ToolStream()
-    out = "".join(st.push(text[i : i + 5])[0] for i in range(0, len(text), 5)) + st.finish()
-    assert out == text and not st.calls
+    for step in (1, 5, len(text)):
+        content, calls = _stream(text, step=step)
+        assert content == "Hi" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"k": "v"')], step
 
 
 def _stream(text: str, truncated: bool = False, step: int = 4) -> tuple[str, list[dict[str, Any]]]:
+    """`text` through a ToolStream in pieces of `step` characters: (content, the calls its deltas build).
+    Each call's first delta has its id, type and name, the later ones arguments only, indices in order."""
     st, content, calls = ToolStream(), "", []
-    for i in range(0, len(text), step):
-        c, cs = st.push(text[i : i + step])
-        content, calls = content + c, calls + cs
-    return content + st.finish(truncated=truncated), calls
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    for piece in [*pieces, None]:
+        c, deltas = st.push(piece) if piece is not None else st.finish(truncated=truncated)
+        content += c
+        for d in deltas:
+            if d["index"] == len(calls):
+                assert set(d) == {"index", "id", "type", "function"} and d["function"]["name"], d
+                calls.append({**d, "function": dict(d["function"])})
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    assert calls == st.calls
+    return content, calls
 
 
 INVOKE_F = ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\n'
             '</｜DSML｜invoke>')
 
 
-def test_cut_call_is_dropped_complete_ones_kept() -> None:
-    """max_tokens cuts the answer inside the block (finish "length"): the complete calls are kept, the cut one
-    is dropped, and no raw markup reaches the content (issue 48: a parsed call and raw DSML together)."""
+def test_cut_call_comes_back_partial() -> None:
+    """max_tokens cuts the answer inside the block (finish "length"): the complete calls are kept whole, the cut
+    one comes back with the arguments written so far (issue 62: it vanished), no raw markup in the content."""
     block = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F + "\n" + INVOKE_F
-    for cut in (len(block) - 20, len(block) - len(INVOKE_F) + 10, len(block) - len(INVOKE_F) - 1):
-        content, calls = _stream(block[:cut], truncated=True)
-        assert content == "Hi" and [c["function"]["name"] for c in calls] == ["f"], (cut, content)
-    # Cut inside the first call: nothing parsed, nothing raw.
-    assert _stream("Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:30], truncated=True) == ("Hi", [])
-    # Not truncated (the model stopped mid-markup, before any call): the text is content, as broken markup.
-    cut = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:30]
+    second = len(block) - len(INVOKE_F)
+    # The cut inside the second invoke: its name incomplete (dropped), complete, a value opened, written, closing.
+    v = second + INVOKE_F.index('">v<') + 2  # where the second call's value starts
+    cuts = {second + 20: None, second + 30: "", v: '{"k": "', v + 1: '{"k": "v', v + 10: '{"k": "v',
+            len(block) - 1: '{"k": "v"', second - 1: None}  # fmt: skip
+    for cut, partial in cuts.items():
+        for step in (1, 4, cut):
+            content, calls = _stream(block[:cut], truncated=True, step=step)
+            want = [("f", '{"k": "v"}')] + ([] if partial is None else [("f", partial)])
+            assert content == "Hi" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want, (
+                cut, step, calls)
+    # Cut inside the block's opening tag or the first call's name: nothing parsed, nothing raw.
+    assert _stream("Hi\n\n<｜DS", truncated=True) == ("Hi", [])
+    assert _stream("Hi\n\n", truncated=True) == ("Hi\n\n", [])  # a blank line alone is text
+    assert _stream("Hi\n\n<｜DS") == ("Hi\n\n<｜DS", [])  # the model's own end: its text
+    assert _stream("Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:20], truncated=True) == ("Hi", [])
+    # Not truncated (the model stopped mid-markup, before any name): the text is content, as broken markup.
+    cut = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F[:20]
     assert _stream(cut) == (cut, [])
+
+
+def test_string_value_streams_in_pieces() -> None:
+    """A string value goes out as it comes (escaped piece by piece), a closing tag's possible start held; a JSON
+    value at its closing tag: the first delta holds the name only, the arguments follow in several deltas."""
+    text = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="s" string="true">'
+            'a "q" <b> \\ é</｜DSML｜parameter>\n<｜DSML｜parameter name="n" string="false"> [1, {"x": 2}] '
+            '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    st, deltas = ToolStream(), []
+    for ch in text:
+        content, ds = st.push(ch)
+        assert content == ""
+        deltas += ds
+    assert st.finish() == ("", [])
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""}
+    pieces = [d["function"]["arguments"] for d in deltas[1:]]
+    assert len(pieces) > 10 and "".join(pieces) == parse_completion(text)[1][0]["arguments"]
+    assert json.loads("".join(pieces)) == {"s": 'a "q" <b> \\ é', "n": [1, {"x": 2}]}
 
 
 def test_markup_broken_after_a_call_is_dropped() -> None:
@@ -225,10 +275,22 @@ def test_markup_broken_after_a_call_is_dropped() -> None:
     parser does), streamed in any piece size; no call is emitted twice or lost from `calls`."""
     text = "Hi\n\n<｜DSML｜tool_calls>\n" + INVOKE_F + "\nnot markup at all\n</｜DSML｜tool_calls> and more"
     for step in (1, 3, 7, len(text)):
-        st, content, calls = ToolStream(), "", []
-        for i in range(0, len(text), step):
-            c, cs = st.push(text[i : i + step])
-            content, calls = content + c, calls + cs
-        content += st.finish()
-        assert content == "Hi" and [c["index"] for c in calls] == [0] and st.calls == calls, step
+        content, calls = _stream(text, step=step)
+        assert content == "Hi" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"k": "v"}')], step
     assert ref_parse(text)[1] == [("f", {"k": "v"})]  # the reference keeps the call too
+
+
+def test_json_value_cut_and_repeated_parameter() -> None:
+    """A JSON value cut by max_tokens goes out as far as it was written (the call's arguments stay cut); a repeated
+    parameter breaks the invoke (its arguments could not be one JSON object): the call keeps what went out."""
+    head = 'Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">'
+    for step in (1, 6, 200):
+        assert _stream(head + ' [1, {"a"', truncated=True, step=step)[1][0]["function"]["arguments"] == (
+            '{"n": [1, {"a"')
+        assert _stream(head + " 7</｜DSM", truncated=True, step=step)[1][0]["function"]["arguments"] == '{"n": 7'
+    again = (head + "1</｜DSML｜parameter>\n" + head[head.index("<｜DSML｜parameter") :] + "2</｜DSML｜parameter>\n"
+             "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")  # fmt: skip
+    assert parse_completion(again) == (again, [])
+    content, calls = _stream(again)
+    assert content == "Hi" and [c["function"]["arguments"] for c in calls] == ['{"n": 1']
