@@ -33,9 +33,14 @@ def prepare(mode: str, speculative: int = 0) -> Recorder | None:
         raise ValueError(f"decode graphs: mode must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return None
-    from dsv4_serve.kernels.graph.runtime import unavailable
+    import mlx.core as mx
 
-    why = unavailable()
+    if not mx.cuda.is_available():  # before importing the runtime: it imports the CUDA kernels' package
+        why: str | None = "MLX's default device is not a CUDA GPU"
+    else:
+        from dsv4_serve.kernels.graph.runtime import unavailable
+
+        why = unavailable()
     if why is None and speculative:
         why = "speculative decoding verifies drafts through the MLX forward (docs/mtp.md)"
     if why is not None:
