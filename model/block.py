@@ -5,7 +5,6 @@ The main model's layers (model/deepseek_v4.py) and the MTP block (model/mtp.py) 
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import weakref
@@ -37,20 +36,7 @@ def _segment(serial: int, part: str, weights: Sequence[mx.array], *xs: mx.array)
     return block.traced(weights, getattr(block, part), xs)
 
 
-_SEGMENT: Callable[..., tuple[mx.array, ...] | mx.array] | None = mx.compile(_segment)
-
-
-def _run_segment(*a: object) -> tuple[mx.array, ...] | mx.array:
-    assert _SEGMENT is not None, "called after the interpreter's exit began"
-    return _SEGMENT(*a)
-
-
-@atexit.register
-def _free_segment() -> None:
-    """Free the compiled function while the interpreter still runs: MLX's process-wide map of its output structure
-    (a Python tuple) would otherwise be released after Python has finalized, and the process aborts there."""
-    global _SEGMENT
-    _SEGMENT = None
+_SEGMENT = mx.compile(_segment)
 
 
 class Block(nn.Module):
@@ -107,8 +93,8 @@ class Block(nn.Module):
                 _live[serial] = weakref.ref(self, lambda _, s=serial: _live.pop(s, None))
                 names, weights = zip(*tree_flatten(self.parameters()), strict=True)
                 self.__dict__["_weights"] = (names, list(weights))
-                seg = (partial(_run_segment, serial, "before", list(weights)),
-                       partial(_run_segment, serial, "after", list(weights)))  # fmt: skip
+                seg = (partial(_SEGMENT, serial, "before", list(weights)),
+                       partial(_SEGMENT, serial, "after", list(weights)))  # fmt: skip
             self.__dict__["_compiled"] = seg
         return seg
 
