@@ -5,38 +5,15 @@ The main model's layers (model/deepseek_v4.py) and the MTP block (model/mtp.py) 
 
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
-from collections.abc import Callable, Sequence
-from functools import partial
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 
 from dsv4_serve.model.attention import Attention
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.layers import MoE, RMSNorm, hc_post, hc_pre_norm, step_angles
-
-# MLX keys a compiled function's traces by the address of its Python callable, in a cache per thread, and a freed
-# compiled function erases its traces from the last calling thread's cache only: a callable later made at the same
-# address replays another thread's stale trace, with the weights that trace captured (issue 57,
-# docs/mlx_compile_cache_bug.md). So the segments go through one compiled function made once and never freed, whose
-# traces take the block's weights as inputs (nothing captured) and are told apart by a serial per block and reset.
-_serials = itertools.count(1)
-_live: dict[int, weakref.ref[Block]] = {}
-
-
-def _segment(serial: int, part: str, weights: Sequence[mx.array], *xs: mx.array) -> tuple[mx.array, ...] | mx.array:
-    """Traced only: the block `serial`'s `part` ("before" / "after") with `weights` (its parameters, tracers here)
-    put in place of its own for the call."""
-    block = _live[serial]()
-    assert block is not None, f"the block of compiled segment {serial} is gone"
-    return block.traced(weights, getattr(block, part), xs)
-
-
-_SEGMENT = mx.compile(_segment)
 
 
 class Block(nn.Module):
@@ -78,38 +55,31 @@ class Block(nn.Module):
         o = attn.attend(tuple(proj), batch, pools)
         return after(o, h, post, comb, proj[2], back, token_ids)
 
-    def _segments(self) -> tuple[Callable[..., tuple[mx.array, ...]], Callable[..., mx.array]]:
+    def _segments(self):
         """The pure parts around the kernels, compiled: a layer is then ~2 fused graphs + its kernel calls
-        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size, through
-        `_SEGMENT` with this block's serial and its parameters as inputs. Not compiled when sharded (all_sum
-        inside) or with DSV4_COMPILE=0."""
-        seg = self.__dict__.get("_compiled")
+        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size and thread.
+        Not compiled when sharded (all_sum inside) or with DSV4_COMPILE=0.
+
+        One pair of compiled functions per thread (a `threading.local`): MLX keeps a compiled function's traces
+        in a cache per thread, keyed by the callable's address, and a freed one erases its traces from the last
+        calling thread's cache only; one used on two threads (warm-up on one, the engine thread on another) left
+        its traces, and the weights they captured, for a new callable at its address to replay (issue 57,
+        docs/mlx_compile_cache_bug.md). Used on one thread only, it is freed with the block or when that thread
+        ends (on it, while its cache lives), and its erase reaches every trace it made."""
+        local = self.__dict__.get("_compiled")
+        if local is None:
+            local = self.__dict__["_compiled"] = threading.local()
+        seg = getattr(local, "seg", None)
         if seg is None:
             sharded = self.attn.group is not None or getattr(self.ffn, "group", None) is not None
             if sharded or os.environ.get("DSV4_COMPILE", "1") == "0":
                 seg = (self.before, self.after)
             else:
-                serial = next(_serials)
-                _live[serial] = weakref.ref(self, lambda _, s=serial: _live.pop(s, None))
-                names, weights = zip(*tree_flatten(self.parameters()), strict=True)
-                self.__dict__["_weights"] = (names, list(weights))
-                seg = (partial(_SEGMENT, serial, "before", list(weights)),
-                       partial(_SEGMENT, serial, "after", list(weights)))  # fmt: skip
-            self.__dict__["_compiled"] = seg
+                seg = (mx.compile(self.before), mx.compile(self.after))
+            local.seg = seg
         return seg
 
-    def traced(self, weights: Sequence[mx.array], fn: Callable[..., object], xs: Sequence[mx.array]) -> object:
-        """fn(*xs) with `weights` (tracers, in `tree_flatten(self.parameters())` order) as the parameters: a
-        trace reads its weights as inputs, so it holds none and another block's weights never reach it."""
-        names, own = self.__dict__["_weights"]
-        self.update(tree_unflatten(list(zip(names, weights, strict=True))))
-        try:
-            return fn(*xs)
-        finally:
-            self.update(tree_unflatten(list(zip(names, own, strict=True))))
-
     def reset_compiled(self) -> None:
-        """Forget traced segments (a new serial: the next call traces again, with the parameters as they are then):
-        call after replacing modules or weights."""
+        """Forget traced segments (they captured the weights), on every thread: call after replacing modules or
+        weights."""
         self.__dict__.pop("_compiled", None)
-        self.__dict__.pop("_weights", None)

@@ -5,8 +5,9 @@ compiled function erases its traces from the last calling thread's cache only. F
 a seed-1 tiny model decodes on the main thread, then on another thread (the engine thread's pattern), and is
 freed; the seed-0 model's segments are made again and again until the callables they compile land on the freed
 addresses. Before the fix its plain engine then gave other greedy tokens than a fresh process ([91, 316],
-[168, 79], [300, 306] in three runs, where [300, 76] is right); the segments now take the weights as inputs
-through one compiled function that is never freed, so there is no freed address to land on.
+[168, 79], [300, 306] in three runs, where [300, 76] is right). A block's compiled segments are now one pair per
+thread: each is freed with the block or on its thread's end and erases its traces from the one cache holding them,
+so a new callable at its address finds none.
 """
 
 from __future__ import annotations
