@@ -6,6 +6,7 @@ The main model's layers (model/deepseek_v4.py) and the MTP block (model/mtp.py) 
 from __future__ import annotations
 
 import os
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,18 +57,29 @@ class Block(nn.Module):
 
     def _segments(self):
         """The pure parts around the kernels, compiled: a layer is then ~2 fused graphs + its kernel calls
-        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size.
-        Not compiled when sharded (all_sum inside) or with DSV4_COMPILE=0."""
-        seg = self.__dict__.get("_compiled")
+        instead of ~150 separately dispatched ops (host-bound at <= 8 rows). Traced once per batch size and thread.
+        Not compiled when sharded (all_sum inside) or with DSV4_COMPILE=0.
+
+        One pair of compiled functions per thread (a `threading.local`): MLX keeps a compiled function's traces
+        in a cache per thread, keyed by the callable's address, and a freed one erases its traces from the last
+        calling thread's cache only; one used on two threads (warm-up on one, the engine thread on another) left
+        its traces, and the weights they captured, for a new callable at its address to replay (issue 57,
+        docs/mlx_compile_cache_bug.md). Used on one thread only, it is freed with the block or when that thread
+        ends (on it, while its cache lives), and its erase reaches every trace it made."""
+        local = self.__dict__.get("_compiled")
+        if local is None:
+            local = self.__dict__["_compiled"] = threading.local()
+        seg = getattr(local, "seg", None)
         if seg is None:
             sharded = self.attn.group is not None or getattr(self.ffn, "group", None) is not None
             if sharded or os.environ.get("DSV4_COMPILE", "1") == "0":
                 seg = (self.before, self.after)
             else:
                 seg = (mx.compile(self.before), mx.compile(self.after))
-            self.__dict__["_compiled"] = seg
+            local.seg = seg
         return seg
 
     def reset_compiled(self) -> None:
-        """Forget traced segments (they captured the weights): call after replacing modules or weights."""
+        """Forget traced segments (they captured the weights), on every thread: call after replacing modules or
+        weights."""
         self.__dict__.pop("_compiled", None)

@@ -100,12 +100,16 @@ def step_angles(freqs: mx.array, positions: mx.array, ratio: int, args: ModelArg
                                     index_dim=args.index_head_dim)  # fmt: skip
 
 
+# Keyed by the scalars they bake in, not id(args); never freed: a reset moves them to `_retired`, since a freed
+# compiled function's traces can outlive it in another thread's cache (model/block.py, issue 57).
 _compiled_pre: dict[object, object] = {}
+_retired: list[object] = []
 
 
 def reset_compiled() -> None:
     """Forget the compiled pre-mix functions (they traced the kernel choice of their first call; a call
     inside a compiled segment retraces anyway, a direct call, as in prefill, does not) and the RoPE tables'."""
+    _retired.extend(_compiled_pre.values())
     _compiled_pre.clear()
 
 
@@ -123,17 +127,18 @@ def hc_pre_norm(
     """h [B, nc, H] -> (the unit's RMSNorm of its block input x [B, H], post [B, nc], comb C [B, nc, nc]); all
     mixing in f32. `kernels.hc_pre_norm_rows`: one kernel on CUDA; its composition (the input RMS, the logits,
     the ~100-op mixing, the norm) is compiled here, so a direct call (prefill's) replays it."""
-    key = (id(args), norm.eps)
+    key = (args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps, norm.eps)
     f = _compiled_pre.get(key)
     if f is None:
-        f = _compiled_pre[key] = mx.compile(functools.partial(_hc_pre_norm, args=args, x_eps=norm.eps))
+        f = _compiled_pre[key] = mx.compile(functools.partial(_hc_pre_norm, key=key))
     return f(h, fn, base, scale, norm.weight)
 
 
-def _hc_pre_norm(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, weight: mx.array, args: ModelArgs,
-                 x_eps: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
-    return kernels.hc_pre_norm_rows(h, fn, scale, base, weight, iters=args.hc_sinkhorn_iters, eps=args.hc_eps,
-                                    norm_eps=args.rms_norm_eps, x_eps=x_eps)  # fmt: skip
+def _hc_pre_norm(h: mx.array, fn: mx.array, base: mx.array, scale: mx.array, weight: mx.array,
+                 key: tuple[int, float, float, float]) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    iters, eps, norm_eps, x_eps = key
+    return kernels.hc_pre_norm_rows(h, fn, scale, base, weight, iters=iters, eps=eps, norm_eps=norm_eps,
+                                    x_eps=x_eps)  # fmt: skip
 
 
 def hc_post(y: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:

@@ -228,6 +228,9 @@ def template_lines(template: Sequence[tuple[str, Any]]) -> list[str]:
 # per-shape launch plan (kernel object, template, grid, output shapes) beside it, so a layer's
 # call after the first costs one tuple and one dict lookup. Plans are also kept across batches.
 _plans: dict[tuple[Any, ...], Any] = {}
+# Plans dropped from `_plans`, kept: a plan's `mx.compile(self.launch)` freed could leave its traces in another
+# thread's compile cache for a new plan at its address to replay (model/block.py, issue 57).
+_retired: list[Any] = []
 
 
 def plan_cached(key: tuple[Any, ...], make: Any) -> Any:
@@ -235,6 +238,7 @@ def plan_cached(key: tuple[Any, ...], make: Any) -> Any:
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 4096:
+            _retired.extend(_plans.values())
             _plans.clear()
         plan = _plans[key] = make()
     return plan

@@ -138,6 +138,7 @@ def apply_masks(x: mx.array, masks: np.ndarray) -> mx.array:
     if v not in _bit_cache:
         ids = mx.arange(v, dtype=mx.uint32)
         _bit_cache[v] = (ids // 32, ids % 32)
+        mx.eval(_bit_cache[v])  # shared by every thread: an array not evaluated belongs to its thread's stream
     word, bit = _bit_cache[v]
     packed = upload(masks.view(np.uint32), mx.uint32)
     allowed = (mx.take(packed, word, axis=1) >> bit[None, :]) & 1
