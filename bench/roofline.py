@@ -114,13 +114,14 @@ def print_cell(cell: dict) -> None:
     print(f"\ncontext {cell['context']}, {cell['rows']} rows: {t['launches']} launches, {cell['per_layer']:.1f} a "
           f"layer (most {cell['most_in_a_layer']}, {cell['outside_layers']} outside the layers), "
           f"{t['bytes'] / 1e9:.3f} GB a step (the release-precision byte floor: {t['floor_GB']:.3f} GB)")  # fmt: skip
-    print(f"{'class':28} {'launches':>8} {'weight MB':>10} {'state MB':>9} {'arena MB':>9} {'total MB':>9} "
-          f"{'ms':>7} {'GB/s':>7} {'x copy':>6}")  # fmt: skip
+    head = ("class", "launches", "traced", "weight MB", "state MB", "arena MB", "total MB", "ms", "GB/s", "x copy")
+    print("{:28} {:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>7} {:>7} {:>6}".format(*head))
     for r in cell["classes"]:
         ms = f"{r['ms']:7.3f}" if "busy_ms" in t else f"{'':7}"
         gbs = f"{r['GBs']:7.0f} {r['x_copy']:6.2f}" if r["GBs"] else f"{'':7} {'':6}"
-        print(f"{r['class'][:28]:28} {r['launches']:>8} {r['weight_bytes'] / 1e6:10.2f} {r['state_bytes'] / 1e6:9.2f} "
-              f"{r['arena_bytes'] / 1e6:9.3f} {r['bytes'] / 1e6:9.2f} {ms} {gbs}")  # fmt: skip
+        mb = [r[f"{k}_bytes"] / 1e6 for k in ("weight", "state", "arena")] + [r["bytes"] / 1e6]
+        print(f"{r['class'][:28]:28} {r['launches']:>8} {r['trace_launches']:6.0f} {mb[0]:10.2f} {mb[1]:9.2f} "
+              f"{mb[2]:9.3f} {mb[3]:9.2f} {ms} {gbs}")  # fmt: skip
     if "busy_ms" in t:
         print(f"step: GPU busy {t['busy_ms']:.3f} ms ({cell['steps']} steps traced), byte floor {t['floor_ms']:.3f} ms "
               f"at {t['copy_GBs']:.0f} GB/s: busy / floor {t['busy_x_floor']:.2f}; the plan's bytes in the busy "
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--copy-gbs", type=float, default=0.0, help="the copy's GB/s (else --step-json's)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     opt = ap.parse_args()
+    mx.set_default_device(mx.cpu)  # the plan is the same on any device; the CPU's is the one tests/bench checks
     rec = stand_in_recorder()
     from bench.step import flash_args, floor_bytes, random_model
 
