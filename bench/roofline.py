@@ -172,7 +172,10 @@ def main() -> None:
             total["floor_GB"] = (wb + sb) / 1e9
             trace, steps = {}, 1
             if opt.trace:
-                events = json.loads(trace_path(opt.trace, ctx, rows, opt.arm).read_text()).get("traceEvents", [])
+                path = trace_path(opt.trace, ctx, rows, opt.arm)
+                if not path.is_file():
+                    raise SystemExit(f"roofline.py: no trace {path} (bench/step.py --arms {opt.arm} --traces)")
+                events = json.loads(path.read_text()).get("traceEvents", [])
                 trace, busy = trace_table(events)
                 steps = opt.steps or steps_in(table, trace)
                 total |= {"busy_ms": busy / steps / 1e3, "copy_GBs": copy / 1e9, "floor_ms": (wb + sb) / copy * 1e3}

@@ -177,12 +177,13 @@ def test_script_on_the_cpu_prints_the_byte_table(tmp_path: Path) -> None:
     # the same launches at 1 and 8 rows; more expert bytes at 8
     assert cells[1]["total"]["launches"] == cells[8]["total"]["launches"]
     assert cells[8]["total"]["weight"] > cells[1]["total"]["weight"]
-    # with a trace (one step's skinny products 1 ms, a 1000 GB/s copy): the step's total against the floor
-    trace = tmp_path / "trace.json"
+    # with a trace (one step's skinny products 1 ms, a 1000 GB/s copy), found in a folder by bench/step.py's name
+    # for it: the step's total against the floor
+    trace = tmp_path / "trace_4096_1_graph.json"
     trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "dsv4_skinny_mm_5f5bc13e2b",
                                                   "ts": 0, "dur": 1000}]}))  # fmt: skip
     cmd = [sys.executable, "bench/roofline.py", "--layers", "4", "--experts", "16", "--rows", "1", "--trace",
-           str(trace), "--steps", "1", "--copy-gbs", "1000", "--out", str(out)]  # fmt: skip
+           str(tmp_path), "--steps", "1", "--copy-gbs", "1000", "--out", str(out)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={"PATH": "/usr/bin:/bin", "MLX_ENABLE_TF32": "0"})  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
