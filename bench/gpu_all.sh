@@ -25,6 +25,8 @@
 #   PART=numerics the layer-by-layer numerics (every fast path against the references), then the skinny kernels' tests
 #   PART=skinny  the decode step's weight products and mHC pre-mix each alone against the copy (bench/matmuls.py),
 #                then the step at rows 1 and 8 (4K, CUPTI); their gpu tests are PART=numerics
+#   PART=roofline the replayed step (arm graph) at rows 1 and 8, 4K, with its CUPTI traces kept, then bench/roofline.py:
+#                each kernel class's bytes a step (the step's plan) against its GPU time and the copy (issue 60)
 #   PART=ncu_skinny Nsight Compute on the routed experts' skinny kernels at 8 rows and on the pre-mix
 #   PART=itl     bench/serve.py: 7 streams while a 16K prompt prefills (the streams' ITL p99 during it)
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
@@ -135,6 +137,10 @@ for part in ${PART:-tests}; do
     skinny) timeout 200 python3 bench/matmuls.py --rows 1,8 --out "$OUT/matmuls.json" 2>&1 | grep -v Warn
             timeout $((580 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
               --arms fast --profile --out "$OUT/step.json" 2>&1 | grep -v Warn | tail -6 ;;
+    roofline) timeout 420 python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 --arms graph \
+                --profile --traces "$OUT" --out "$OUT/step_graph.json" 2>&1 | grep -v Warn | tail -4
+              timeout $((590 - SECONDS)) python3 bench/roofline.py --experts 32 --rows 1,8 --contexts 4096 \
+                --trace "$OUT" --step-json "$OUT/step_graph.json" --out "$OUT/roofline.json" 2>&1 | grep -v Warn ;;
     ncu_skinny) MLX_USE_CUDA_GRAPHS=0 timeout 400 ncu --clock-control none --kernel-name-base demangled \
            --kernel-name regex:"skinny_mm|hc_pre" --launch-skip 4 --launch-count 12 --section SpeedOfLight \
            --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -170,6 +176,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

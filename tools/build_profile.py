@@ -27,15 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-
-def _stand_in(*_: object, **__: object):
-    """kernels.cuda.common.kernel's stand-in: a launch is zero buffers of its output shapes, after its inputs."""
-
-    def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_kw):
-        outs = [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        return mx.depends(outs, [i for i in inputs if isinstance(i, mx.array)])
-
-    return launch
+from bench.stand_in import stand_in as _stand_in  # noqa: E402  (its old name: tools/graph_plan.py, tests)
+from bench.stand_in import zero_weights  # noqa: E402
 
 
 def stand_in_cuda_path() -> None:
@@ -45,21 +38,6 @@ def stand_in_cuda_path() -> None:
     from dsv4_serve.kernels import backend
 
     backend._use_fast = lambda: True
-
-
-def zero_weights() -> None:
-    """model.dummy draws zeros, the routed experts zero mxfp4 words and scales (the layout as before, no draws
-    and no quantizing of the experts: that alone is ~20 s a layer on the CPU)."""
-    import dsv4_serve.model.dummy as dummy
-
-    def experts(_name, shape, lo, hi, dtype, _seed, quantize):
-        e, o, i = hi - lo, *shape[1:]
-        if not quantize:
-            return (mx.zeros((e, o, i), dtype),)
-        return mx.zeros((e, o, i // 8), mx.uint32), mx.zeros((e, o, i // 32), mx.uint8)
-
-    dummy._draw = lambda _name, shape, dtype, _key: mx.zeros(shape, dtype)
-    dummy._experts = experts
 
 
 def time_layers(spans: list[tuple[int, float]]) -> None:
