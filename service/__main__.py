@@ -46,7 +46,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--itl-target-ms", type=float,
         help="while rows stream, a new prompt's prefill is chunked and sliced so their inter-token latency stays "
-        "under this (default: 2x the measured decode step; 0: off)  [DSV4_ITL_TARGET_MS]",
+        "under this (default 0: off; an empty DSV4_ITL_TARGET_MS: 2x the measured decode step)  [DSV4_ITL_TARGET_MS]",
     )
     p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")

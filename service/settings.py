@@ -34,8 +34,10 @@ class Settings(BaseModel):
     prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 2048
     prefill_slice_ms: float = Field(10.0, ge=0)  # host ms of a forward between decode steps while rows stream; 0: whole
     # while rows stream, prefill slices and chunks keep their inter-token latency under this (service/engine/pacing.py);
-    # None: 2x the measured decode step; 0: off (fixed --prefill-slice-ms slices and --prefill-chunk forwards)
-    itl_target_ms: float | None = Field(None, ge=0)
+    # None (an empty DSV4_ITL_TARGET_MS): 2x the measured decode step; 0 (default): off, fixed --prefill-slice-ms
+    # slices and --prefill-chunk forwards. Off by default: paced chunks follow the load, and a prompt chunked
+    # otherwise than alone rounds its last bits otherwise (tests/e2e/test_prompt_logprobs.py's batched echo)
+    itl_target_ms: float | None = Field(0.0, ge=0)
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     prefix_cache_gib: float | None = Field(None, ge=0)  # prefix cache budget; None: a share of the state, 0: off
