@@ -114,6 +114,20 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=float,
                    help="seconds one grammar compile (response_format, guided_*, tool_choice) may take before it "
                    "is killed and the request gets a 400 (default 10)  [DSV4_GRAMMAR_TIMEOUT]")  # fmt: skip
+    p.add_argument("--max-connections", type=int,
+                   help="client connections held at once; past it the longest-idle one is closed (default: what the "
+                   "open-file limit leaves)  [DSV4_MAX_CONNECTIONS]")  # fmt: skip
+    p.add_argument("--head-timeout", type=float,
+                   help="seconds a new connection has to send its request head (default 10)  [DSV4_HEAD_TIMEOUT]")
+    p.add_argument("--keep-alive-timeout", type=float,
+                   help="seconds an idle keep-alive connection has for its next request head (default 5)  "
+                   "[DSV4_KEEP_ALIVE_TIMEOUT]")  # fmt: skip
+    p.add_argument("--body-timeout", type=float,
+                   help="seconds a request body may pause; past them it must average --body-min-rate, else 408 "
+                   "(default 30)  [DSV4_BODY_TIMEOUT]")  # fmt: skip
+    p.add_argument("--body-min-rate", type=float,
+                   help="KiB/s a request body must average once --body-timeout has passed (default 64)  "
+                   "[DSV4_BODY_MIN_RATE]")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +226,13 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"dsv4-serve: --state-secret-file: {e}", file=sys.stderr)
         return 2
+    from dsv4_serve.service.api.connections import fd_connection_cap, guarded_protocol
+
+    try:
+        cap = fd_connection_cap(settings.max_connections)
+    except ValueError as e:
+        print(f"dsv4-serve: {e}", file=sys.stderr)
+        return 2
     bad = check_dummy(settings)
     if bad:
         print(f"dsv4-serve: invalid settings: {bad}", file=sys.stderr)
@@ -247,6 +268,9 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         # Backstop only: our drain ends every stream within drain_timeout.
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         access_log=settings.log_level in ("debug", "trace"),
+        # h11 with this server's deadlines, connection cap and head caps (431)
+        http=guarded_protocol(cap, settings.head_timeout, settings.keep_alive_timeout),
+        timeout_keep_alive=max(1, int(settings.keep_alive_timeout)),  # the guarded protocol's deadline rules
     )
     # uvicorn re-raises the captured signal after a graceful shutdown, restoring the handlers that
     # were there before it: make those no-ops so a drained SIGTERM exits 0, not 143.
