@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import Response
+
 from dsv4_serve.service.api.protocol import APIError, now, usage
-from dsv4_serve.service.api.streaming import Generation
+from dsv4_serve.service.api.streaming import OFF_LOOP_POSITIONS, Generation
 
 _END = object()
 log = logging.getLogger(__name__)
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_strict = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
 @dataclass
@@ -132,5 +135,39 @@ class Reply:
             "usage": self._usage(),
         }
         if self.kind == "chat" and self.gens[0].prompt_logprobs:
-            body["prompt_logprobs"] = self.gens[0].prompt_logprobs_field()
+            body["prompt_logprobs"] = await self._off_loop(self.gens[0].prompt_logprobs_field)
         return body
+
+    @property
+    def large(self) -> bool:
+        return sum(len(g.scored) for g in self.gens) > OFF_LOOP_POSITIONS
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args) if self.large else fn(*args)
+
+    async def json(self, is_disconnected: Callable[[], Any] | None = None) -> Response:
+        """The one JSON body (JSONResponse's bytes); a large one written on a worker thread, a list at a time."""
+        body = await self.collect(is_disconnected)
+        raw = await self._off_loop(lambda: "".join(_pieces(body)).encode())
+        return Response(raw, media_type="application/json")
+
+
+def _pieces(obj: Any) -> Iterator[str]:
+    """`obj` as JSON, JSONResponse's form, in pieces: each piece is one C call, and between them the interpreter
+    can hand the GIL on (one json.dumps of 16 MB held it for its whole run)."""
+    if isinstance(obj, dict) and obj:
+        sep = "{"
+        for k, v in obj.items():
+            yield sep + _strict(str(k)) + ":"
+            yield from _pieces(v)
+            sep = ","
+        yield "}"
+    elif isinstance(obj, list) and (len(obj) > 64 or any(isinstance(v, dict | list) for v in obj)):
+        sep = "["
+        for v in obj:
+            yield sep
+            yield from _pieces(v)
+            sep = ","
+        yield "]"
+    else:
+        yield _strict(obj)

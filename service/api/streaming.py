@@ -4,6 +4,7 @@ away (the generator is cancelled or closed) aborts its request in the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,9 @@ from dsv4_serve.service.api.tools import ToolStream
 from dsv4_serve.service.engine.request import PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
+# Past this many scored prompt positions a body's logprob objects are built, and its JSON written, on a worker
+# thread in pieces: the event loop (and every other stream) gets the GIL back every switch interval.
+OFF_LOOP_POSITIONS = 1024
 
 
 @dataclass
@@ -245,6 +249,12 @@ class Generation:
                         break
         finally:
             await gen.aclose()  # a client gone before the end: steps() aborts the request
+        if len(self.scored) > OFF_LOOP_POSITIONS:  # 8,000 scored positions x 20 alternatives: 1 s of dicts
+            return await asyncio.to_thread(self._choice, reasoning, content, steps)
+        return self._choice(reasoning, content, steps)
+
+    def _choice(self, reasoning: list[str], content: list[str], steps: list[Step]) -> dict[str, Any]:
+        """The choice object of a finished generation (plain Python: runs on a worker thread when large)."""
         if self.kind == "chat":
             echo = self.echo.text if self.echo else ""
             msg: dict[str, Any] = {"role": "assistant", "content": echo + "".join(content)}
