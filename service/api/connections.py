@@ -1,7 +1,7 @@
 """Connections under a hostile client: uvicorn's h11 protocol with a request-head deadline, an idle keep-alive
 deadline that bytes do not extend, a connection cap under the file-descriptor limit (a new connection closes
-the longest-idle one), request heads over MAX_HEAD_BYTES or MAX_HEADERS answered 431, and the accept loop's
-"out of system resource" error logged at most once per ACCEPT_LOG_EVERY seconds.
+the longest-idle one, or one stalled mid-body), request heads over MAX_HEAD_BYTES or MAX_HEADERS answered 431,
+and the accept loop's "out of system resource" error logged at most once per ACCEPT_LOG_EVERY seconds.
 
 uvicorn 0.55 (h11) alone: no timer runs before a connection's first request, any byte re-arms its keep-alive
 timer, its connection cap answers 503 to every request while idle sockets hold the slots, and h11's size limit
@@ -27,6 +27,7 @@ MAX_HEAD_BYTES = 16 * 1024  # request line + headers (nginx's large_client_heade
 MAX_HEADERS = 100  # header lines in one request
 MIN_FD_RESERVE = 128  # descriptors kept for everything but client sockets (model files, pipes, logs)
 ACCEPT_LOG_EVERY = 10.0  # seconds between two "out of system resource" log lines
+STALLED_S = 1.0  # a request body paused this long counts as spare at the cap
 REFUSED_LINGER_S = 1.0  # a refused connection's socket stays readable this long: the client reads its 431
 
 
@@ -67,8 +68,9 @@ class _Guarded(H11Protocol):
         self._arm(self.head_timeout)  # the first request's head must be in by then
         live = [c for c in self.connections if not c.transport.is_closing()]
         if len(live) > self.cap:
-            idle = [c for c in live if isinstance(c, _Guarded) and c is not self and c._idle()]
-            victim = min(idle, key=lambda c: c._idle_since) if idle else self  # all busy: the newcomer goes
+            now = time.monotonic()
+            spare = [c for c in live if isinstance(c, _Guarded) and c is not self and c._spare(now)]
+            victim = min(spare, key=lambda c: c._idle_since) if spare else self  # all busy: the newcomer goes
             victim.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -78,6 +80,14 @@ class _Guarded(H11Protocol):
     def _idle(self) -> bool:
         """No request in the app's hands: before a head is complete, or after the last response."""
         return self.cycle is None or self.cycle.response_complete
+
+    def _spare(self, now: float) -> bool:
+        """Closed first when the cap is reached: idle, or stalled mid-body (its body paused STALLED_S or more:
+        the app would answer it 408 later, and keys can hold sockets that way)."""
+        if self._idle():
+            return True
+        stalled = self.conn.their_state is h11.SEND_BODY and now - self._idle_since >= STALLED_S
+        return stalled and not self.cycle.response_started
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -96,6 +106,8 @@ class _Guarded(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if not self._idle():
+            self._idle_since = time.monotonic()  # a request's body moving: the stall clock restarts
         if self.conn.their_state is h11.IDLE and self._head_too_large(data):
             return
         super().data_received(data)
