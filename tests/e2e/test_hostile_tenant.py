@@ -110,7 +110,47 @@ def head(path: str, key: str | None, extra: str = "") -> bytes:
 @pytest.fixture(scope="module")
 def hostile(start_server, secret_file: str) -> Server:  # noqa: F811
     return start_server("--api-key", A, "--api-key", B, "--state-secret-file", secret_file, "--body-timeout", "3",
-                        "--max-queue", "16")  # fmt: skip
+                        "--max-queue", "16", "--head-timeout", "2", "--keep-alive-timeout", "2")  # fmt: skip
+
+
+def _closed_after(s: socket.socket, drip: bytes = b"", every: float = 0.3, limit: float = 10.0) -> float:
+    """Seconds until the server closes `s` (a byte of `drip` sent every `every` s meanwhile)."""
+    t0 = time.perf_counter()
+    s.settimeout(every)
+    for b in drip or b"\0" * 10_000:
+        try:
+            if s.recv(4096) == b"":
+                return time.perf_counter() - t0
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.perf_counter() - t0
+        if drip:
+            try:
+                s.send(bytes([b]))
+            except OSError:
+                return time.perf_counter() - t0
+        if time.perf_counter() - t0 > limit:
+            break
+    raise AssertionError(f"still open after {time.perf_counter() - t0:.1f} s")
+
+
+def test_head_and_idle_deadlines_do_not_move_with_trickled_bytes(hostile: Server) -> None:
+    """--head-timeout 2 / --keep-alive-timeout 2: a silent socket, a head trickled a byte every 0.3 s, and a
+    kept-alive connection trickling its next head are each closed about 2 s in."""
+    assert 1.5 <= _closed_after(connect(hostile)) < 4.0
+    assert 1.5 <= _closed_after(connect(hostile), drip=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100) < 4.0
+    kept = connect(hostile, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert 1.5 <= _closed_after(kept, drip=b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100) < 4.0
+
+
+def test_a_connection_cap_the_fd_limit_cannot_hold_stops_start_up() -> None:
+    """--max-connections past what `ulimit -n 1024` leaves: exit 2 with the reason, before the model loads."""
+    srv = Server("--max-connections", "5000", command=["prlimit", "--nofile=1024:1024", *server_command()])
+    assert srv.proc.wait(120) == 2
+    err = srv.log_tail()
+    assert "--max-connections 5000" in err and "ulimit -n" in err, err
 
 
 def test_a_trickled_import_holds_no_other_keys_import(hostile: Server, start_server, secret_file: str) -> None:  # noqa: F811
