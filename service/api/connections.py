@@ -66,7 +66,7 @@ class _Guarded(H11Protocol):
         super().connection_made(transport)
         self._idle_since = time.monotonic()
         self._arm(self.head_timeout)  # the first request's head must be in by then
-        live = [c for c in self.connections if not c.transport.is_closing()]
+        live = [c for c in self.connections if not c.transport.is_closing()] if len(self.connections) > self.cap else ()
         if len(live) > self.cap:
             now = time.monotonic()
             spare = [c for c in live if isinstance(c, _Guarded) and c is not self and c._spare(now)]
@@ -113,6 +113,8 @@ class _Guarded(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        if self._refused or (self.conn.their_state is h11.IDLE and self._head_too_large(b"")):
+            return  # a head pipelined behind a request is held to the same caps when its turn comes
         before = self.cycle
         super().handle_events()
         if self.cycle is not before:  # a request's head is in: the app (and its body pace) has it now
