@@ -49,6 +49,17 @@ class Reply:
         body.update(extra)
         return f"data: {_dumps(body)}\n\n"
 
+    def _heavy(self, item: dict[str, Any], extra: dict[str, Any]) -> bool:
+        """A large request's chunk that carries its prompt's logprobs (a choice's first)."""
+        lp = item.get("logprobs") or {}
+        return self.large and bool(extra or "prompt_logprobs" in item or len(lp.get("tokens") or ()) > 1)
+
+    def _chunk_pieces(self, choices: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+        """`_chunk`'s text, written by `_pieces`."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return "".join(["data: ", *_pieces({**body, **extra}, _dumps), "\n\n"])
+
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Every choice's chunks as they come (each chunk holds one choice, with its index)."""
         items = self._one() if len(self.gens) == 1 else self._merged()
@@ -61,8 +72,11 @@ class Reply:
                 extra, g0 = {}, self.gens[0]
                 first0 = item["index"] == g0.index and "role" in item.get("delta", {})
                 if self.kind == "chat" and g0.prompt_logprobs and first0:  # vLLM: the prompt's, once
-                    extra["prompt_logprobs"] = g0.prompt_logprobs_field()
-                yield self._chunk([item], **extra)
+                    extra["prompt_logprobs"] = await self._off_loop(g0.prompt_logprobs_field)
+                if self._heavy(item, extra):  # a prompt's logprobs: written off the loop, in pieces
+                    yield await asyncio.to_thread(self._chunk_pieces, [item], extra)
+                else:
+                    yield self._chunk([item], **extra)
         finally:
             await items.aclose()  # a client gone (or an error): every choice's row is aborted by its own cleanup
         if include_usage:
@@ -152,22 +166,22 @@ class Reply:
         return Response(raw, media_type="application/json")
 
 
-def _pieces(obj: Any) -> Iterator[str]:
-    """`obj` as JSON, JSONResponse's form, in pieces: each piece is one C call, and between them the interpreter
-    can hand the GIL on (one json.dumps of 16 MB held it for its whole run)."""
+def _pieces(obj: Any, encode: Callable[[Any], str] = _strict) -> Iterator[str]:
+    """`obj` as `encode` writes it (JSONResponse's form by default), in pieces: each piece is one C call, and
+    between them the interpreter can hand the GIL on (one json.dumps of 16 MB held it for its whole run)."""
     if isinstance(obj, dict) and obj:
         sep = "{"
         for k, v in obj.items():
-            yield sep + _strict(str(k)) + ":"
-            yield from _pieces(v)
+            yield sep + encode(str(k)) + ":"
+            yield from _pieces(v, encode)
             sep = ","
         yield "}"
     elif isinstance(obj, list) and (len(obj) > 64 or any(isinstance(v, dict | list) for v in obj)):
         sep = "["
         for v in obj:
             yield sep
-            yield from _pieces(v)
+            yield from _pieces(v, encode)
             sep = ","
         yield "]"
     else:
-        yield _strict(obj)
+        yield encode(obj)

@@ -142,6 +142,13 @@ class Generation:
             self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
     # ---- logprobs in OpenAI shapes -------------------------------------------------------------
+    def _lps(self, s: Step, first: bool) -> dict[str, Any]:
+        """A completion chunk's logprobs; the first's hold the echoed prompt's and vLLM's prompt_logprobs."""
+        out = {"logprobs": self._comp_lp([s], with_prompt=first)}
+        if first and self.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs_field()
+        return out
+
     def _chat_lp(self, s: Step) -> dict[str, Any] | None:
         if not self.logprobs or s.token_id is None or s.logprob is None:
             return None
@@ -222,9 +229,10 @@ class Generation:
                 else:
                     echo = self.echo.text if first and self.echo else ""
                     choice["text"] = echo + s.delta.reasoning + s.delta.content
-                    choice["logprobs"] = self._comp_lp([s], with_prompt=first)
-                    if first and self.prompt_logprobs:
-                        choice["prompt_logprobs"] = self.prompt_logprobs_field()
+                    if first and len(self.scored) > OFF_LOOP_POSITIONS:  # the prompt's logprobs: off the loop
+                        choice.update(await asyncio.to_thread(self._lps, s, first))
+                    else:
+                        choice.update(self._lps(s, first))
                 choice["finish_reason"] = s.finish_reason
                 if s.finish_reason:
                     choice["stop_reason"] = self.stop_reason

@@ -309,3 +309,22 @@ def test_idle_sockets_under_ulimit_1024(start_server) -> None:
             s.close()
     log = Path(srv.log.name).read_text(errors="replace")
     assert log.count("Too many open files") <= 5 and len(log) < 1 << 20, (log.count("Too many open files"), len(log))
+
+
+def test_a_large_scored_body_streamed_is_the_one_json_body(hostile: Server) -> None:
+    """Past 1,024 scored positions both framings are written off the loop: the streamed first chunk holds what the
+    one JSON body holds (echoed prompt logprobs, vLLM's prompt_logprobs)."""
+    ids = prompt_of(1100, 1100)
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 3,
+            "prompt_logprobs": 3, "cache_salt": "large"}  # fmt: skip
+    one = httpx.post(f"{hostile.url}/v1/completions", json=body, headers=auth(A), timeout=300)
+    assert one.status_code == 200, one.text[:300]
+    whole = one.json()["choices"][0]
+    with httpx.stream("POST", f"{hostile.url}/v1/completions", json={**body, "stream": True, "cache_salt": "large2"},
+                      headers=auth(A), timeout=300) as r:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert len(whole["prompt_logprobs"]) == 1100 and first["prompt_logprobs"] == whole["prompt_logprobs"]
+    lp = whole["logprobs"]
+    assert first["logprobs"]["tokens"] == lp["tokens"][:1101] and first["text"].startswith(whole["text"][:200])
+    assert [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]] == lp["token_logprobs"]

@@ -32,6 +32,8 @@ def test_pieces_are_the_plain_body_byte_for_byte() -> None:
     }  # fmt: skip
     got = "".join(_pieces(body))
     assert got == plain(body)
+    sse = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # the SSE chunks' encoder
+    assert "".join(_pieces(body, sse)) == sse(body)
     assert len(list(_pieces(body))) > 1000  # in pieces, not one call
 
 
