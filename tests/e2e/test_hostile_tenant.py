@@ -159,8 +159,9 @@ def test_a_connection_cap_the_fd_limit_cannot_hold_stops_start_up() -> None:
 
 
 def test_a_trickled_import_holds_no_other_keys_import(hostile: Server, start_server, secret_file: str) -> None:  # noqa: F811
-    """B trickles a chunked POST /v1/state (a byte every 0.5 s): A's valid import meanwhile takes under 2 s, B
-    gets 408 once the body is 3 s old (--body-timeout 3); a client that leaves mid-body is one info line."""
+    """B trickles a chunked POST /v1/state (a byte every 0.5 s) and stalls a second: A's valid import meanwhile
+    takes under 2 s, B's third gets 429 at once (2 bodies a key), the trickle gets 408 once the body is 3 s old
+    (--body-timeout 3); a client that leaves mid-body is one info line."""
     origin = start_server("--api-key", A, "--api-key", B, "--state-secret-file", secret_file)
     state = export(origin, A, complete(origin, A, prompt_of(63, 150), 4)["id"]).content
     with Watch(hostile) as watch:
@@ -180,7 +181,10 @@ def test_a_trickled_import_holds_no_other_keys_import(hostile: Server, start_ser
 
             dripper = threading.Thread(target=drip)
             dripper.start()
+            second = connect(hostile, head("/v1/state", B, "Content-Length: 1000000\r\n\r\n") + b"x")
             time.sleep(1.0)
+            third = post_state(hostile, B, b"x" * 100)  # B holds 2 bodies already: refused before a byte is read
+            assert_openai_error(third, 429, "imports_busy")
             t = time.perf_counter()
             r = post_state(hostile, A, state)
             took = time.perf_counter() - t
@@ -188,6 +192,7 @@ def test_a_trickled_import_holds_no_other_keys_import(hostile: Server, start_ser
             answer = trickle.recv(4096)
             sent.set()
             dripper.join()
+        second.close()
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
         assert 3.0 <= time.perf_counter() - t0 < 8.0
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
