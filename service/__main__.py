@@ -114,20 +114,16 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=float,
                    help="seconds one grammar compile (response_format, guided_*, tool_choice) may take before it "
                    "is killed and the request gets a 400 (default 10)  [DSV4_GRAMMAR_TIMEOUT]")  # fmt: skip
-    p.add_argument("--max-connections", type=int,
-                   help="client connections held at once; past it the longest-idle one is closed (default: what the "
-                   "open-file limit leaves)  [DSV4_MAX_CONNECTIONS]")  # fmt: skip
-    p.add_argument("--head-timeout", type=float,
-                   help="seconds a new connection has to send its request head (default 10)  [DSV4_HEAD_TIMEOUT]")
-    p.add_argument("--keep-alive-timeout", type=float,
-                   help="seconds an idle keep-alive connection has for its next request head (default 5)  "
-                   "[DSV4_KEEP_ALIVE_TIMEOUT]")  # fmt: skip
-    p.add_argument("--body-timeout", type=float,
-                   help="seconds a request body may pause; past them it must average --body-min-rate, else 408 "
-                   "(default 30)  [DSV4_BODY_TIMEOUT]")  # fmt: skip
-    p.add_argument("--body-min-rate", type=float,
-                   help="KiB/s a request body must average once --body-timeout has passed (default 64)  "
-                   "[DSV4_BODY_MIN_RATE]")  # fmt: skip
+    for flag, kind, text in (  # connections and bodies under a hostile client (service/api/connections.py)
+        ("--max-connections", int, "client connections held at once; past it the longest-idle one is closed "
+         "(default: the open-file limit less a quarter)"),
+        ("--head-timeout", float, "seconds a new connection has to send its request head (default 10)"),
+        ("--keep-alive-timeout", float, "seconds an idle connection has for its next request head (default 5)"),
+        ("--body-timeout", float, "seconds a request body may pause; past them it must average --body-min-rate, "
+         "else 408 (default 30)"),
+        ("--body-min-rate", float, "KiB/s a request body averages once --body-timeout has passed (default 64)"),
+    ):
+        p.add_argument(flag, type=kind, help=f"{text}  [DSV4_{flag[2:].replace('-', '_').upper()}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
