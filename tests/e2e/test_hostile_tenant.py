@@ -10,6 +10,8 @@ import json
 import random
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -89,7 +91,8 @@ class Watch:
         return sum(sum(1 for t in ts if a <= t <= b) for ts in self.times) / (b - a)
 
     def check(self) -> None:
-        base = min(self.rate(self.t0, self.windows[0][1]), self.rate(self.t1, self.t2))  # A's pace with no attack
+        first = min(w0 for _, w0, _ in self.windows)
+        base = min(self.rate(self.t0, first), self.rate(self.t1, self.t2))  # A's pace with no attack
         for name, w0, w1 in self.windows:
             gaps = [y - x for ts in self.times for x, y in zip(ts, ts[1:], strict=False) if y >= w0 and x <= w1]
             health = [d for t, d in self.health if w0 <= t <= w1]
@@ -293,6 +296,32 @@ def test_bounded_bodies_beside_a_stream(hostile: Server) -> None:
     assert "Traceback" not in hostile.log_tail(200_000)
 
 
+# B's sockets, from a process of its own (the streams' readers here keep the GIL to themselves): silent, stopped
+# mid-head, stopped mid-body with B's key; "ready" once all are tried, then held until stdin closes.
+ATTACKER = """
+import resource, socket, sys, time
+port, key = int(sys.argv[1]), sys.argv[2]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 8192, hard))
+kinds = [b"", b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\n",
+         b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nAuthorization: Bearer " + key.encode()
+         + b"\\r\\nContent-Length: 1000\\r\\n\\r\\n{"]
+socks, refused = [], 0
+for i in range(1100):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if kinds[i % 3]:
+            s.sendall(kinds[i % 3])
+        socks.append(s)
+    except OSError:
+        refused += 1
+    if i % 100 == 99:
+        time.sleep(0.2)
+print("ready", len(socks), refused, flush=True)
+sys.stdin.read()
+"""
+
+
 def _fd_count(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
@@ -301,38 +330,26 @@ def test_idle_sockets_under_ulimit_1024(start_server) -> None:
     """1,100 sockets from B (silent, stopped mid-head, stopped mid-body with B's key) against a server under
     `ulimit -n 1024`: the longest-idle or stalled ones are closed past the cap, so /health and A's streams keep
     their pace; the accept error, if any, is a few log lines."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2048:
         pytest.skip(f"this test opens 1,100 sockets; the hard open-file limit is {hard}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096) if hard == resource.RLIM_INFINITY
-                                                else min(max(soft, 4096), hard), hard))  # fmt: skip
     srv = start_server("--api-key", A, "--api-key", B, "--head-timeout", "60",
                        command=["prlimit", "--nofile=1024:1024", *server_command()])  # fmt: skip
     assert "1024" in Path(f"/proc/{srv.proc.pid}/limits").read_text().split("Max open files")[1].split("\n")[0]
-    socks: list[socket.socket] = []
-    try:
-        with Watch(srv) as watch:
-            with watch.window("1,100 sockets"):
-                kinds = [b"", head("/v1/completions", None),  # silent, mid-head, mid-body (B's key)
-                         head("/v1/completions", B, "Content-Length: 1000\r\n\r\n{")]
-                for i in range(1100):
-                    data = kinds[i % 3]
-                    try:
-                        socks.append(connect(srv, data))
-                    except OSError:
-                        pass  # closed at once: the server was past its cap with only busy connections
-                    if i % 100 == 99:
-                        time.sleep(0.2)
+    with Watch(srv) as watch:
+        with watch.window("1,100 sockets"):
+            attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(srv.port), B], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+            try:
+                assert attacker.stdout is not None and attacker.stdout.readline().startswith("ready")
                 time.sleep(3.0)  # the stalled bodies become spare; the server holds what it held
-            assert _fd_count(srv.proc.pid) < 1024
-            with watch.window("after"):
-                for _ in range(20):
-                    assert httpx.get(f"{srv.url}/v1/models", headers=auth(A), timeout=5).status_code == 200
-                time.sleep(1.0)
-        watch.check()
-    finally:
-        for s in socks:
-            s.close()
+                assert _fd_count(srv.proc.pid) < 1024
+                with watch.window("after"):
+                    for _ in range(20):
+                        assert httpx.get(f"{srv.url}/v1/models", headers=auth(A), timeout=5).status_code == 200
+            finally:
+                attacker.communicate("", timeout=60)
+    watch.check()
     log = Path(srv.log.name).read_text(errors="replace")
     assert log.count("Too many open files") <= 5 and len(log) < 1 << 20, (log.count("Too many open files"), len(log))
 
