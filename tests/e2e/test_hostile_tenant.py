@@ -272,6 +272,9 @@ def test_bounded_bodies_beside_a_stream(hostile: Server) -> None:
         with watch.window("tokenize long"):
             err = assert_openai_error(post("/tokenize", long_text), 400, "context_length_exceeded")
             assert err["param"] == "prompt"
+            # 9,000 characters could fit (the check before tokenizing passes) but are 18,000 ids: refused after
+            many = assert_openai_error(post("/tokenize", json.dumps({"prompt": "ü" * 9000}).encode()), 400)
+            assert many["code"] == "context_length_exceeded" and "18000 tokens" in many["message"]
         with watch.window("content parts"):
             assert assert_openai_error(post("/v1/chat/completions", parts), 400)["param"] == "messages"
         with watch.window("prompt list"):
