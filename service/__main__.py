@@ -136,6 +136,16 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=float,
                    help="seconds one grammar compile (response_format, guided_*, tool_choice) may take before it "
                    "is killed and the request gets a 400 (default 10)  [DSV4_GRAMMAR_TIMEOUT]")  # fmt: skip
+    for flag, kind, text in (  # connections and bodies under a hostile client (service/api/connections.py)
+        ("--max-connections", int, "client connections held at once; past it the longest-idle one is closed "
+         "(default: the open-file limit less a quarter)"),
+        ("--head-timeout", float, "seconds a new connection has to send its request head (default 10)"),
+        ("--keep-alive-timeout", float, "seconds an idle connection has for its next request head (default 5)"),
+        ("--body-timeout", float, "seconds a request body may pause; past them it must average --body-min-rate, "
+         "else 408 (default 30)"),
+        ("--body-min-rate", float, "KiB/s a request body averages once --body-timeout has passed (default 64)"),
+    ):
+        p.add_argument(flag, type=kind, help=f"{text}  [DSV4_{flag[2:].replace('-', '_').upper()}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +244,13 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"dsv4-serve: --state-secret-file: {e}", file=sys.stderr)
         return 2
+    from dsv4_serve.service.api.connections import fd_connection_cap, guarded_protocol
+
+    try:
+        cap = fd_connection_cap(settings.max_connections)
+    except ValueError as e:
+        print(f"dsv4-serve: {e}", file=sys.stderr)
+        return 2
     bad = check_dummy(settings)
     if bad:
         print(f"dsv4-serve: invalid settings: {bad}", file=sys.stderr)
@@ -269,6 +286,9 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         # Backstop only: our drain ends every stream within drain_timeout.
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         access_log=settings.log_level in ("debug", "trace"),
+        # h11 with this server's deadlines, connection cap and head caps (431)
+        http=guarded_protocol(cap, settings.head_timeout, settings.keep_alive_timeout),
+        timeout_keep_alive=max(1, int(settings.keep_alive_timeout)),  # the guarded protocol's deadline rules
     )
     # uvicorn re-raises the captured signal after a graceful shutdown, restoring the handlers that
     # were there before it: make those no-ops so a drained SIGTERM exits 0, not 143.

@@ -59,6 +59,12 @@ class Settings(BaseModel):
     stream_queue: int = Field(1024, ge=1)  # token events buffered for one stream; more: the client is aborted
     stream_stall_timeout: float = Field(60.0, gt=0)  # seconds one SSE write may block before the abort
     grammar_timeout: float = Field(10.0, gt=0)  # seconds one grammar compile may take (then killed: 400)
+    # Connections and bodies under a hostile client (service/api/connections.py, limits.BodyPace)
+    max_connections: int | None = Field(None, ge=1)  # None: what the open-file limit leaves; the longest idle goes
+    head_timeout: float = Field(10.0, gt=0)  # seconds a new connection has to send its request head
+    keep_alive_timeout: float = Field(5.0, gt=0)  # seconds an idle connection has for its next head
+    body_timeout: float = Field(30.0, gt=0)  # seconds a body may pause; past them, body_min_rate on average
+    body_min_rate: float = Field(64.0, ge=0)  # KiB/s a request body must average after body_timeout; else 408
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1..3} drafts with the MTP block
     # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
     speculative_config: dict[str, Any] | None = None

@@ -14,8 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsv4_serve.service.api.auth import guard
+from dsv4_serve.service.api.connections import quiet_accept_errors
 from dsv4_serve.service.api.controller import Controller, call
 from dsv4_serve.service.api.grammar_pool import GrammarPool
 from dsv4_serve.service.api.metrics import Metrics
@@ -73,6 +75,7 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctl.loop = asyncio.get_running_loop()
+        quiet_accept_errors(ctl.loop)  # EMFILE on accept: one log line per 10 s, not one a loop turn
         ctl.worker = (worker_builder or default_worker)(settings, ctl)
         ctl.worker.start()  # returns at once; /ready flips when the model is loaded and warm
         log.info("serving %r on http://%s:%d", settings.served_name, settings.host, settings.port)
@@ -106,6 +109,13 @@ def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = Non
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         t = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), t), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, _: ClientDisconnect) -> JSONResponse:
+        # A client that left before its body was in: nothing failed here, and nobody reads the answer.
+        log.info("%s %s: the client left before its request body was in", request.method, request.url.path)
+        ctl.metrics.outcome("rejected_4xx")
+        return JSONResponse(error_body("the client disconnected", "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

@@ -11,7 +11,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
-from dsv4_serve.service.api.limits import BodyLimit, body_limit_bytes, send_error
+from dsv4_serve.service.api.limits import BodyLimit, BodyPace, body_limit_bytes, send_error
 from dsv4_serve.service.api.protocol import error_body
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM serves them at the root
@@ -88,8 +88,10 @@ class APIKeys:
 
 
 def guard(app: Any, ctl: Any) -> None:
-    """Install the body cap and, outside it, the key check on `app` (a FastAPI / Starlette app)."""
+    """Install the body pace and the body cap and, outside them, the key check on `app` (a FastAPI / Starlette
+    app)."""
     s = ctl.settings
+    app.add_middleware(BodyPace, timeout=s.body_timeout, min_rate=s.body_min_rate * 1024)  # 408 for a trickle
     # POST /v1/state reads its body under a cap of its own (state_routes.py: sized from the model's state)
     app.add_middleware(BodyLimit, limit=lambda: body_limit_bytes(s.max_body_mb, ctl.max_model_len),
                        exempt=("/v1/state",))  # fmt: skip

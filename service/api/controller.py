@@ -84,8 +84,13 @@ class Controller:
             msg = f"The engine failed to start: {err!r}" if err else "The model is still loading"
             raise APIError(503, msg, code="not_ready", headers={"Retry-After": "1"})
 
-    def check_room(self, requests: int = 1) -> None:
-        """429 + Retry-After before any work when the waiting queue cannot take `requests` more now."""
+    def check_room(self, requests: int = 1, param: str = "prompt") -> None:
+        """429 + Retry-After before any work when the waiting queue cannot take `requests` more now; 400 when it
+        never can (more than --max-queue: a retry would get 429 forever)."""
+        if requests > self.settings.max_queue:
+            raise APIError(400, f"'{param}' holds {requests} prompts, each a request of the waiting queue; this "
+                           f"server queues at most {self.settings.max_queue} (--max-queue)", param=param,
+                           code="invalid_value")  # fmt: skip
         room = getattr(self.worker, "queue_room", None)
         if room is not None and room() < requests:
             self.metrics.outcome("queue_full")

@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import Response
+
 from dsv4_serve.service.api.protocol import APIError, now, usage
-from dsv4_serve.service.api.streaming import Generation
+from dsv4_serve.service.api.streaming import OFF_LOOP_POSITIONS, Generation
 
 _END = object()
 log = logging.getLogger(__name__)
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_strict = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
 @dataclass
@@ -46,6 +49,17 @@ class Reply:
         body.update(extra)
         return f"data: {_dumps(body)}\n\n"
 
+    def _heavy(self, item: dict[str, Any], extra: dict[str, Any]) -> bool:
+        """A large request's chunk that carries its prompt's logprobs (a choice's first)."""
+        lp = item.get("logprobs") or {}
+        return self.large and bool(extra or "prompt_logprobs" in item or len(lp.get("tokens") or ()) > 1)
+
+    def _chunk_pieces(self, choices: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+        """`_chunk`'s text, written by `_pieces`."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return "".join(["data: ", *_pieces({**body, **extra}, _dumps), "\n\n"])
+
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Every choice's chunks as they come (each chunk holds one choice, with its index)."""
         items = self._one() if len(self.gens) == 1 else self._merged()
@@ -59,8 +73,11 @@ class Reply:
                 extra, g0 = {}, self.gens[0]
                 first0 = item["index"] == g0.index and "role" in item.get("delta", {})
                 if self.kind == "chat" and g0.prompt_logprobs and first0:  # vLLM: the prompt's, once
-                    extra["prompt_logprobs"] = g0.prompt_logprobs_field()
-                yield self._chunk([item], **extra)
+                    extra["prompt_logprobs"] = await self._off_loop(g0.prompt_logprobs_field)
+                if self._heavy(item, extra):  # a prompt's logprobs: written off the loop, in pieces
+                    yield await asyncio.to_thread(self._chunk_pieces, [item], extra)
+                else:
+                    yield self._chunk([item], **extra)
                 by_index[item["index"]].sent()  # resumed once the response wrote it: the first byte's phase
         finally:
             await items.aclose()  # a client gone (or an error): every choice's row is aborted by its own cleanup
@@ -134,5 +151,39 @@ class Reply:
             "usage": self._usage(),
         }
         if self.kind == "chat" and self.gens[0].prompt_logprobs:
-            body["prompt_logprobs"] = self.gens[0].prompt_logprobs_field()
+            body["prompt_logprobs"] = await self._off_loop(self.gens[0].prompt_logprobs_field)
         return body
+
+    @property
+    def large(self) -> bool:
+        return sum(len(g.scored) for g in self.gens) > OFF_LOOP_POSITIONS
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args) if self.large else fn(*args)
+
+    async def json(self, is_disconnected: Callable[[], Any] | None = None) -> Response:
+        """The one JSON body (JSONResponse's bytes); a large one written on a worker thread, a list at a time."""
+        body = await self.collect(is_disconnected)
+        raw = await self._off_loop(lambda: "".join(_pieces(body)).encode())
+        return Response(raw, media_type="application/json")
+
+
+def _pieces(obj: Any, encode: Callable[[Any], str] = _strict) -> Iterator[str]:
+    """`obj` as `encode` writes it (JSONResponse's form by default), in pieces: each piece is one C call, and
+    between them the interpreter can hand the GIL on (one json.dumps of 16 MB held it for its whole run)."""
+    if isinstance(obj, dict) and obj:
+        sep = "{"
+        for k, v in obj.items():
+            yield sep + encode(str(k)) + ":"
+            yield from _pieces(v, encode)
+            sep = ","
+        yield "}"
+    elif isinstance(obj, list) and (len(obj) > 64 or any(isinstance(v, dict | list) for v in obj)):
+        sep = "["
+        for v in obj:
+            yield sep
+            yield from _pieces(v, encode)
+            sep = ","
+        yield "]"
+    else:
+        yield encode(obj)

@@ -86,6 +86,49 @@ class BodyLimit:
         await self.app(scope, capped, send)
 
 
+class BodyPace:
+    """408 (and the connection closed) for a request body that pauses longer than `timeout` seconds or, once
+    `timeout` seconds have passed, averages less than `min_rate` bytes/s: a body trickled in (1 byte every 5 s
+    held POST /v1/state for 69 s) holds its connection no longer. Only while the body is still coming:
+    afterwards `receive` waits for the client's disconnect, as long as that takes."""
+
+    def __init__(self, app: Any, timeout: float, min_rate: float) -> None:
+        self.app, self.timeout, self.min_rate = app, timeout, min_rate
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        t0, got, done = loop.time(), 0, False
+
+        async def paced() -> dict[str, Any]:
+            nonlocal got, done
+            if done:
+                return await receive()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    msg = await receive()
+            except TimeoutError:
+                raise _slow_body(f"no part of the request body came for {self.timeout:g} s") from None
+            if msg["type"] == "http.request":
+                got += len(msg.get("body", b""))
+                done = not msg.get("more_body", False)
+                late = loop.time() - t0 - self.timeout
+                if not done and late > 0 and got < self.min_rate * late:
+                    raise _slow_body(f"the request body came at under {self.min_rate / 1024:g} KiB/s")
+            else:
+                done = True
+            return msg
+
+        await self.app(scope, paced, send)
+
+
+def _slow_body(why: str) -> APIError:
+    return APIError(408, f"Request body too slow: {why} (--body-timeout, --body-min-rate)", code="request_timeout",
+                    headers={"Connection": "close"})  # fmt: skip
+
+
 def check_content_type(value: str | None) -> None:
     """415 for a body declared as something other than JSON (none declared: read as JSON)."""
     if value is None:

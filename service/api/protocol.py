@@ -27,6 +27,7 @@ MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_CHOICES = 1024  # guided_choice entries (structured.py caps their bytes)
+MAX_CONTENT_PARTS = 2048  # content parts of all a request's messages / input items together
 
 
 class APIError(Exception):
@@ -95,18 +96,35 @@ def check_counts(data: Mapping[str, Any], caps: Mapping[str, int]) -> None:
         raise APIError(400, f"'{name}' has {len(v)} entries; the limit is {cap}", param=name, code="invalid_value")
 
 
+def check_parts(data: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    """400 when the items of `data`'s fields `names` (messages, input items, prediction) hold more than
+    MAX_CONTENT_PARTS content parts together: counted on the parsed JSON, before any part is validated (100,000
+    parts took 0.6 s of the loop)."""
+    n = 0
+    for name in names:
+        items = data.get(name)
+        for m in items if isinstance(items, list) else [items]:
+            if isinstance(m, dict) and isinstance(c := m.get("content"), list):
+                n += len(c)
+    if n > MAX_CONTENT_PARTS:
+        raise APIError(400, f"'{names[0]}' holds {n} content parts; the limit is {MAX_CONTENT_PARTS}",
+                       param=names[0], code="invalid_value")  # fmt: skip
+
+
 class Body(BaseModel):
     """A request body: unknown fields are rejected by name; an unknown field sent as null is absent. The
     list fields of LIST_CAPS are counted before any field is validated."""
 
     model_config = _BODY
     LIST_CAPS: ClassVar[dict[str, int]] = {}
+    PARTS: ClassVar[tuple[str, ...]] = ()  # list fields whose items' content parts are counted (check_parts)
 
     @model_validator(mode="before")
     @classmethod
     def _drop_null_unknowns(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_counts(data, cls.LIST_CAPS)
+            check_parts(data, cls.PARTS)
             return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
         return data
 
@@ -207,6 +225,7 @@ class _Sampling(Body, Guided):
 class ChatCompletionRequest(_Sampling, ToolFields, ChatExtras):
     model_config = _BODY
     LIST_CAPS: ClassVar[dict[str, int]] = {**_Sampling.LIST_CAPS, "messages": MAX_MESSAGES, "tools": MAX_TOOLS}
+    PARTS: ClassVar[tuple[str, ...]] = ("messages", "prediction")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None

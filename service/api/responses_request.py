@@ -33,6 +33,7 @@ class Reasoning(BaseModel):
 
 class ResponsesRequest(Body):
     LIST_CAPS: ClassVar[dict[str, int]] = {"input": MAX_MESSAGES, "tools": MAX_TOOLS}
+    PARTS: ClassVar[tuple[str, ...]] = ("input",)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -198,7 +198,7 @@ async def _respond(request: Request, req: Any, reply: Reply) -> Response:
     if req.stream:
         return StallGuardedStream(reply.sse(req.include_usage), media_type="text/event-stream", headers=_SSE_HEADERS,
                                   stall_timeout=_ctl(request).settings.stream_stall_timeout)  # fmt: skip
-    return JSONResponse(await reply.collect(request.is_disconnected))
+    return await reply.json(request.is_disconnected)
 
 
 async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequest, t0: float) -> Reply:

@@ -4,6 +4,7 @@ away (the generator is cancelled or closed) aborts its request in the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,9 @@ from dsv4_serve.service.api.tool_stream import ToolStream, merged
 from dsv4_serve.service.engine.request import FirstToken, PromptLogprob, TokenEvent
 
 log = logging.getLogger(__name__)
+# Past this many scored prompt positions a body's logprob objects are built, and its JSON written, on a worker
+# thread in pieces: the event loop (and every other stream) gets the GIL back every switch interval.
+OFF_LOOP_POSITIONS = 1024
 
 
 @dataclass
@@ -155,6 +159,13 @@ class Generation:
             self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
     # ---- logprobs in OpenAI shapes -------------------------------------------------------------
+    def _lps(self, s: Step, first: bool) -> dict[str, Any]:
+        """A completion chunk's logprobs; the first's hold the echoed prompt's and vLLM's prompt_logprobs."""
+        out = {"logprobs": self._comp_lp([s], with_prompt=first)}
+        if first and self.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs_field()
+        return out
+
     def _chat_lp(self, s: Step) -> dict[str, Any] | None:
         if not self.logprobs or s.token_id is None or s.logprob is None:
             return None
@@ -235,9 +246,10 @@ class Generation:
                 else:
                     echo = self.echo.text if first and self.echo else ""
                     choice["text"] = echo + s.delta.reasoning + s.delta.content
-                    choice["logprobs"] = self._comp_lp([s], with_prompt=first)
-                    if first and self.prompt_logprobs:
-                        choice["prompt_logprobs"] = self.prompt_logprobs_field()
+                    if first and len(self.scored) > OFF_LOOP_POSITIONS:  # the prompt's logprobs: off the loop
+                        choice.update(await asyncio.to_thread(self._lps, s, first))
+                    else:
+                        choice.update(self._lps(s, first))
                 choice["finish_reason"] = s.finish_reason
                 if s.finish_reason:
                     choice["stop_reason"] = self.stop_reason
@@ -262,6 +274,12 @@ class Generation:
                         break
         finally:
             await gen.aclose()  # a client gone before the end: steps() aborts the request
+        if len(self.scored) > OFF_LOOP_POSITIONS:  # 8,000 scored positions x 20 alternatives: 1 s of dicts
+            return await asyncio.to_thread(self._choice, reasoning, content, steps)
+        return self._choice(reasoning, content, steps)
+
+    def _choice(self, reasoning: list[str], content: list[str], steps: list[Step]) -> dict[str, Any]:
+        """The choice object of a finished generation (plain Python: runs on a worker thread when large)."""
         if self.kind == "chat":
             echo = self.echo.text if self.echo else ""
             msg: dict[str, Any] = {"role": "assistant", "content": echo + "".join(content)}

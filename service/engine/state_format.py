@@ -8,7 +8,7 @@ ids as int32, then the slot copy `slot.<name>` and each page pool's first p // r
 
 Opening checks the cheap, fixed-size things first (magic, version, size), then the HMAC over everything
 (a state nobody with the secret sealed is never parsed further), then the header against `Layout` (the
-importing model's identity and decode-state shapes; the tenant: another key's state is "not found"),
+importing model's identity and decode-state shapes; the tenant: another key's state is refused as a forged one),
 then every value: token ids in the vocabulary, floats finite (score windows may hold -inf: their mark
 for a row not written yet; NaN or +inf never). Pure numpy and hmac: runs off the engine thread.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4_serve.service.engine.request import Namespace, StateError, StateNotFound
+from dsv4_serve.service.engine.request import Namespace, StateError
 
 MAGIC = b"DSV4-STATE\n"
 VERSION = 2
@@ -32,6 +32,10 @@ FIXED = struct.Struct("<II")  # version, header length
 MAC_BYTES = 32
 MAX_HEADER = 1 << 20  # a real header: ~100 bytes an array (a few hundred arrays at most)
 HEADER_KEYS = {"model", "tenant", "salt", "nonce", "tokens", "arrays"}
+# A state altered, forged, sealed under another secret or exported for another API key: one answer for all
+# (another key's genuine export must not be told apart from a forgery).
+UNVERIFIED = ("the state's signature does not verify for this API key: it was altered, truncated, exported for "
+              "another API key, or by a server with another state secret (--state-secret-file)")
 _NUMPY = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int32": "<i4"}
 _SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 _CHUNK = 1 << 22  # elements checked at a time (a bounded temporary)
@@ -79,7 +83,7 @@ def seal(secret: bytes, header: dict[str, Any], raws: list[bytes]) -> bytes:
 
 def open_state(data: bytes | bytearray | memoryview, secret: bytes, layout: Layout, tenant: str) -> Opened:
     """Check a state as this server, for API key `tenant`, would import it. StateError (400) for anything
-    malformed, altered, foreign or non-finite; StateNotFound (404) for another key's state."""
+    malformed, altered, foreign or non-finite; another key's genuine state gets a forged one's StateError."""
     view = memoryview(data).cast("B")
     start = len(MAGIC) + FIXED.size
     if len(view) < start + MAC_BYTES or bytes(view[: len(MAGIC)]) != MAGIC:
@@ -92,15 +96,14 @@ def open_state(data: bytes | bytearray | memoryview, secret: bytes, layout: Layo
         raise StateError(f"the state is larger than any this model can hold ({layout.max_bytes()} bytes)")
     mac = hmac.new(secret, view[:-MAC_BYTES], hashlib.sha256).digest()
     if not hmac.compare_digest(mac, bytes(view[-MAC_BYTES:])):
-        raise StateError("the state's signature does not verify: it was altered, truncated, or exported by a "
-                         "server with another state secret (--state-secret-file)")  # fmt: skip
+        raise StateError(UNVERIFIED)
     if size > MAX_HEADER or start + size > len(view) - MAC_BYTES:
         raise StateError("the state's header length is out of range")
     header = _header(bytes(view[start : start + size]))
     if header["model"] != layout.identity:
         raise StateError("the state is from another model (its model identity does not match this server's)")
-    if header["tenant"] != tenant:
-        raise StateNotFound("this state was exported for another API key")
+    if header["tenant"] != tenant:  # the same answer as a forged state: no oracle for another key's exports
+        raise StateError(UNVERIFIED)
     n = header["tokens"]
     if not 1 <= n < layout.max_len:
         raise StateError(f"the state holds {n} tokens; this server takes 1..{layout.max_len - 1}")

@@ -272,3 +272,32 @@ def test_cli_flags_map_to_settings() -> None:
     assert given == {"max_rows": 3, "served_model_name": "x", "port": 1}
     flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}  # type: ignore[union-attr]
     assert set(Settings.model_fields) <= flags
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2049}]}, "messages"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 1500}] * 2,
+                  "max_tokens": 2}, "messages"),  # fmt: skip
+        ("chat", {"messages": [{"role": "user", "content": "hi"}],
+                  "prediction": {"type": "content", "content": [{"type": "bogus"}] * 2049}}, "messages"),  # fmt: skip
+        ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 2049}]}, "input"),
+    ],
+    ids=["one-message", "two-messages", "prediction", "responses"],
+)
+def test_content_parts_are_counted_before_validation(model: str, body: dict[str, Any], param: str) -> None:
+    """Past 2,048 content parts in a request: a 400 naming the list, before any part is validated (the
+    prediction's bogus parts would fail validation with another message)."""
+    from dsv4_serve.service.api.limits import parse_body
+    from dsv4_serve.service.api.protocol import MAX_CONTENT_PARTS, APIError
+    from dsv4_serve.service.api.responses_request import ResponsesRequest
+
+    cls = ChatCompletionRequest if model == "chat" else ResponsesRequest
+    with pytest.raises(APIError) as e:
+        parse_body(json.dumps(body).encode(), cls)
+    assert e.value.status == 400 and e.value.param == param and f"limit is {MAX_CONTENT_PARTS}" in e.value.message
+    fits = {**body, **({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2048}]}
+                       if model == "chat" else {"input": [{"role": "user", "content": "x"}]})}  # fmt: skip
+    fits.pop("prediction", None)
+    parse_body(json.dumps(fits).encode(), cls)  # at the cap: accepted

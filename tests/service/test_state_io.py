@@ -20,7 +20,7 @@ import pytest
 from dsv4_serve.model.state import StatePools
 from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
-from dsv4_serve.service.engine.request import StateConflict, StateError, StateNotFound
+from dsv4_serve.service.engine.request import StateConflict, StateError
 from dsv4_serve.service.engine.state_format import MAGIC, Layout, open_state, seal
 from dsv4_serve.service.engine.state_io import export_entry, install, layout, model_identity
 from tests.service.test_prefix_cache import CAP, LEN, PAGE, cold_logits
@@ -94,8 +94,11 @@ def test_a_state_moves_between_page_sizes_within_its_namespace_and_refuses_other
     again = open_state(seal(SECRET, *export_entry(cache, cache.lookup(prompt, ns=NS), lay)), SECRET, lay, NS[0])
     with pytest.raises(StateConflict, match="already"):  # a fresh export of the same tokens: never replaces
         install(there, again, nonces)
-    with pytest.raises(StateNotFound, match="another API key"):
+    with pytest.raises(StateError) as cross:  # another key's genuine export: a forged one's error, word for word
         open_state(data, SECRET, lay, "tenant-two")
+    with pytest.raises(StateError) as forged:
+        open_state(bytes(data[:-1]) + bytes([data[-1] ^ 1]), SECRET, lay, NS[0])
+    assert str(cross.value) == str(forged.value)
     assert model_identity(tiny_model(seed=1)[0]) != lay.identity  # other weights, same config
     head, payload = parts(data)
     flipped = [bytearray(data) for _ in range(3)]
