@@ -105,16 +105,20 @@ def test_a_row_over_its_mask_budget_ends_with_a_400_and_the_batch_goes_on(start_
     their rate against B's same request unguided."""
     srv = start_server("--api-key", KA, "--api-key", KB, "--grammar-mask-budget", "0.000001")
     body = {"prompt": PROMPT, "max_tokens": 64, "n": 6, "ignore_eos": False}
-    ended = []
+    ended, spans = [], []
 
     def control() -> None:
+        t0 = time.perf_counter()
         assert post(srv, KB, body).status_code == 200
+        spans.append(time.perf_counter() - t0)
 
-    def attack() -> None:
+    def attack() -> None:  # at the control's request rate (each ends after 3 tokens: unpaced, B sends ~20x more)
+        t0 = time.perf_counter()
         r = post(srv, KB, {**body, "guided_regex": "[a-z ]{0,300}x"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "guided_regex" and r.json()["error"]["code"] == "grammar_too_slow"
         ended.append(r)
+        time.sleep(max(0.0, sum(spans) / len(spans) - (time.perf_counter() - t0)))
 
     base, _, _ = a_streams_beside(srv, control)
     rate, gap, health = a_streams_beside(srv, attack)
