@@ -121,7 +121,7 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
                    "served round robin (default 1)  [DSV4_GRAMMAR_PER_KEY]")  # fmt: skip
     p.add_argument("--grammar-memory-mb", type=int,
                    help="address space a compile process may add past its start (RLIMIT_AS; past it the request "
-                   "gets a 400) (default 1024)  [DSV4_GRAMMAR_MEMORY_MB]")  # fmt: skip
+                   "gets a 400) (default 2048)  [DSV4_GRAMMAR_MEMORY_MB]")  # fmt: skip
     p.add_argument("--grammar-mask-budget", type=float,
                    help="seconds a guided row's token mask may take a step; 3 times over it and the request is "
                    "ended with a 400-class error (default 0.02)  [DSV4_GRAMMAR_MASK_BUDGET]")  # fmt: skip

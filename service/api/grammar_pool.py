@@ -34,7 +34,7 @@ from dsv4_serve.service.engine.request import Guide
 log = logging.getLogger("dsv4.api")
 CACHE_BYTES = 64 * 2**20  # compiled grammars kept for reuse
 SLOW_KEYS = 1024  # grammars that timed out, remembered (digests) to refuse them at once
-MEMORY_BYTES = 1024 * 2**20  # a compile process's address space past what it holds once xgrammar is in
+MEMORY_BYTES = 2048 * 2**20  # a compile process's address space past what it holds once xgrammar is in
 
 
 def _threads(workers: int) -> int:

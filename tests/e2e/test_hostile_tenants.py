@@ -214,18 +214,19 @@ def test_the_memo_times_a_guessed_and_an_unseen_schema_of_another_key_alike(two:
     """Item 6: A's grammar, sent again by A, is a hit; the same grammar from B (a guess) compiles as long as one
     B never sent: the memo tells B nothing of A's requests."""
 
-    def choices(tag: str) -> list[str]:  # ~31 KB, under the 32 KiB cap: ~1 s to compile at 512 ids
-        return [f"{tag} entry {i:05d}" for i in range(1000)]
+    def schema(tag: str) -> dict[str, Any]:  # ~1 s to compile at 512 ids, ~0.4 GB: 60 required integers
+        props = {f"{tag}_{i}": {"type": "integer"} for i in range(60)}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
-    def timed(key: str, c: list[str]) -> float:
+    def timed(key: str, s: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        r = post(two, key, {"prompt": PROMPT, "max_tokens": 1, "guided_choice": c})
+        r = post(two, key, {"prompt": PROMPT, "max_tokens": 1, "guided_json": s})
         assert r.status_code == 200, r.text
         return time.perf_counter() - t0
 
-    secret = choices("contoso patient 4471")
+    secret = schema("contoso_patient_4471")
     a_first, a_hit = timed(KA, secret), timed(KA, secret)
-    b_guess, b_unseen = timed(KB, secret), timed(KB, choices("another patient 9"))
+    b_guess, b_unseen = timed(KB, secret), timed(KB, schema("another_patient_9"))
     assert a_hit < 0.5 * a_first, (a_hit, a_first)  # the memo is there, and the timing would show it
     assert b_guess > 0.5 * b_unseen and b_guess > 2 * a_hit, (b_guess, b_unseen, a_hit)
 
