@@ -184,7 +184,8 @@ class GrammarPool:
         self._cached += size
         self._tenant_bytes[tenant] += size
         while self._cached > self.cache_bytes:
-            big = max(self._tenant_bytes, key=lambda t: self._tenant_bytes[t])
+            # the key holding the most bytes; on a tie, the key storing now
+            big = max(self._tenant_bytes, key=lambda t: (self._tenant_bytes[t], t == tenant))
             old = next(k for k, (t, _) in self._cache.items() if t == big)
             size = int(self._cache.pop(old)[1].memory_size_bytes)
             self._cached -= size

@@ -213,7 +213,8 @@ class PrefixCache:
                 heads.setdefault(ns[0], []).append(head)
         if not heads:
             return None
-        tenant = max(heads, key=lambda t: self._tenant_bytes[t])
+        mine = None if keep is None else keep.ns[0]  # on a tie, the tenant storing now loses
+        tenant = max(heads, key=lambda t: (self._tenant_bytes[t], t == mine))
         return min(heads[tenant], key=lambda e: e.used)
 
     def _touch(self, entry: Entry) -> None:

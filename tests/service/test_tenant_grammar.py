@@ -192,3 +192,64 @@ def test_a_compile_past_its_memory_limit_is_a_400_and_the_pool_goes_on() -> None
         assert peaks and all(p <= lim for p, lim in peaks), peaks[-3:]
 
     asyncio.run(run())
+
+
+def test_past_the_memo_s_budget_the_key_holding_the_most_bytes_loses_its_own_first() -> None:
+    """B's grammars past the budget evict B's oldest, never A's (a hit keeps its compiled object)."""
+    pytest.importorskip("xgrammar")
+    from dsv4_serve.model.tokenizer import build_tiny_tokenizer
+    from dsv4_serve.service.api.grammar_pool import GrammarPool
+    from dsv4_serve.service.engine import grammar
+
+    tok = build_tiny_tokenizer(512)
+    fmts = [grammar.choice_format([f"answer {i} {j}" for j in range(50)]) for i in range(6)]
+
+    async def run() -> None:
+        pool = GrammarPool(timeout=60)
+        try:
+            size = int((await pool.compile(tok, 512, 1, fmts[0], "guided_choice", "sizer")).grammar.memory_size_bytes)
+        finally:
+            await pool.close()
+        pool = GrammarPool(timeout=60, cache_bytes=3 * size + size // 2)  # three of these fit, not four
+        try:
+            a = await pool.compile(tok, 512, 1, fmts[0], "guided_choice", "a")
+            b = [await pool.compile(tok, 512, 1, f, "guided_choice", "b") for f in fmts[1:5]]
+            assert pool.cached_bytes <= pool.cache_bytes
+            assert (await pool.compile(tok, 512, 1, fmts[0], "guided_choice", "a")).grammar is a.grammar  # A's stays
+            assert (await pool.compile(tok, 512, 1, fmts[4], "guided_choice", "b")).grammar is b[3].grammar
+            assert (await pool.compile(tok, 512, 1, fmts[1], "guided_choice", "b")).grammar is not b[0].grammar
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_compile_past_its_cpu_time_limit_ends_its_process() -> None:
+    """RLIMIT_CPU, the backstop of the wall-clock kill: a compile process allowed 1 s of CPU a compile is ended
+    by the kernel (SIGXCPU) on a compile that needs ~10 s (200 required integers at 512 ids)."""
+    pytest.importorskip("xgrammar")
+    import json
+    import signal
+
+    from dsv4_serve.service.api.grammar_worker import CompileWorker
+    from dsv4_serve.service.engine import grammar
+
+    from dsv4_serve.model.tokenizer import build_tiny_tokenizer  # isort: skip
+
+    info = grammar.tokenizer_info(build_tiny_tokenizer(512), 512, 1)
+    props = {f"p{i}": {"type": "integer"} for i in range(200)}
+    slow = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    text = json.dumps({"type": "structural_tag", "format": grammar.json_format(slow)}).encode()
+
+    async def run() -> None:
+        w = CompileWorker({"threads": 1, "memory": 8 * 2**30, "cpu": 1})
+        try:
+            proc = await asyncio.wait_for(w.process(info), 120)
+            t0 = time.perf_counter()
+            with pytest.raises(asyncio.IncompleteReadError):
+                await asyncio.wait_for(w.ask(proc, text), 60)
+            assert await proc.wait() == -signal.SIGXCPU and time.perf_counter() - t0 < 30
+        finally:
+            await w.kill(restart=False)
+
+    asyncio.run(run())
