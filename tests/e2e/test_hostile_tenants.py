@@ -126,6 +126,13 @@ def test_a_row_over_its_mask_budget_ends_with_a_400_and_the_batch_goes_on(start_
     assert ended and rate >= 0.6 * base, (rate, base)
     assert gap < 1.0 and max(health) < 1.0, (gap, max(health))
     assert "mask" in srv.log_tail(20000)
+    # Streamed: the tokens the grammar allowed, then an error event naming the field, then [DONE].
+    sse = {**body, "n": 1, "stream": True, "guided_regex": "[a-z ]{0,300}x"}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={"temperature": 0, **sse}, headers=auth(KB),
+                      timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "grammar_too_slow" and events[-1]["error"]["param"] == "guided_regex"
 
 
 def _children(pid: int) -> list[int]:
