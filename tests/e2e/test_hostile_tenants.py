@@ -121,9 +121,13 @@ def test_a_row_over_its_mask_budget_ends_with_a_400_and_the_batch_goes_on(start_
         ended.append(r)
         time.sleep(max(0.0, sum(spans) / len(spans) - (time.perf_counter() - t0)))
 
+    spans.append(0.0)
+    attack()  # the compile processes start and the grammar is compiled (both CPU-heavy) before any measuring
+    time.sleep(6)
+    spans.clear()
     base, _, _ = a_streams_beside(srv, control)
     rate, gap, health = a_streams_beside(srv, attack)
-    assert ended and rate >= 0.6 * base, (rate, base)
+    assert len(ended) > 1 and rate >= 0.6 * base, (rate, base)
     assert gap < 1.0 and max(health) < 1.0, (gap, max(health))
     assert "mask" in srv.log_tail(20000)
     # Streamed: the tokens the grammar allowed, then an error event naming the field, then [DONE].
