@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ANY = ((0, 0x10FFFF),)
+_ECMA_CLASS = re.compile(r"\\[pP]\{[^}]*\}")
 _CATEGORIES = {
     C.CATEGORY_DIGIT: ((48, 57),),
     C.CATEGORY_SPACE: ((9, 13), (32, 32)),
@@ -113,7 +114,10 @@ def ambiguous(pattern: str) -> bool:
     try:
         tree = P.parse(pattern)
     except (re.error, RecursionError, OverflowError, ValueError):
-        return False
+        try:  # ECMAScript syntax Python lacks (JSON schema patterns): \p{..} classes as any character, (?<name>
+            tree = P.parse(_ECMA_CLASS.sub(".", pattern).replace("(?<", "(?P<"))
+        except (re.error, RecursionError, OverflowError, ValueError):
+            return False
     try:
         _seq(tree)
     except Ambiguous:

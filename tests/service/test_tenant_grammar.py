@@ -15,7 +15,8 @@ from dsv4_serve.service.api.grammar_queue import FairSlots
 from dsv4_serve.service.api.patterns import ambiguous, schema_patterns
 
 REFUSED = [r"([a-z ]*[a-z ]*)*x", r"([a-y ]+)*x", r"([a-y]*)*x", r"([a-y]+[a-y]+)*x", r"([a-y]+[ ]?)*x",
-           r"(a{2,3})+", r"([a-z ]{0,5}[a-z ]{0,5}){0,10}x", r"(.+)*", r"(a+|b)*x"]  # fmt: skip
+           r"(a{2,3})+", r"([a-z ]{0,5}[a-z ]{0,5}){0,10}x", r"(.+)*", r"(a+|b)*x",
+           r"([\p{L} ]*[\p{L} ]*)*x"]  # ECMAScript classes, as JSON schema patterns write them  # fmt: skip
 ACCEPTED = [r"([a-z]+\.)+[a-z]+x", r"([a-y]+ )*x", r"(([a-y]+ )*\.)*x", r"[a-z ]*[a-z ]*x", r"(a|ab|b)*x",
             r"(\d{3})+x", r"(\d{1,3}\.){3}\d{1,3}", r"[A-Z][a-z]+( [A-Z][a-z]+)*x", r"\w+x"]  # fmt: skip
 
