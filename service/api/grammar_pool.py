@@ -56,7 +56,6 @@ class GrammarPool:
         cfg = {"threads": _threads(workers), "memory": memory_bytes, "cpu": 2 * timeout * _threads(workers) + 5}
         self.workers = [CompileWorker(cfg) for _ in range(workers)]
         self._slots = FairSlots(workers, per_key, ready=lambda w: self.workers[w].up)
-        self._pending: set[asyncio.Task[None]] = set()  # releases waiting for a restart
 
     @property
     def cached_bytes(self) -> int:
@@ -86,34 +85,11 @@ class GrammarPool:
                 return Guide(hit, source)
             compiled = await self._compile(self.workers[w], tokenizer, vocab_size, eos_token_id, text, key, source)
         finally:
-            self._release(tenant, w)
+            self._slots.release(tenant, w)
         self._store(key, tenant, compiled)
         return Guide(compiled, source)
 
-    def _release(self, tenant: str, w: int) -> None:
-        """Give worker `w` back; one whose process was killed (a timeout, its memory limit) counts against
-        `tenant` until its fresh process is up, so a key whose compiles keep failing never takes another
-        key's live worker while its own restarts (the request itself returns at once)."""
-        worker = self.workers[w]
-        if worker.up or self._info is None:
-            self._slots.release(tenant, w)
-            return
-
-        async def later() -> None:
-            try:
-                await asyncio.wait_for(worker.process(self._info), START_TIMEOUT)
-            except Exception:  # noqa: BLE001 - the next compile on it reports a start that fails
-                pass
-            finally:
-                self._slots.release(tenant, w)
-
-        task = asyncio.get_running_loop().create_task(later())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
     async def close(self) -> None:
-        for t in list(self._pending):
-            t.cancel()
         for w in self.workers:
             await w.kill(restart=False)
         self._thread.shutdown(wait=False)

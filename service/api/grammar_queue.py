@@ -13,13 +13,16 @@ from collections.abc import Callable
 
 class FairSlots:
     def __init__(self, slots: int, per_key: int, ready: Callable[[int], bool] = lambda w: True) -> None:
-        """`ready(worker)`: whether a worker's process is up (a free one that is goes first)."""
+        """`ready(worker)`: whether a worker's process is up. A key gets back first a worker of its own whose
+        process is restarting (its last compile was killed), then one that is up: a key whose compiles keep
+        being killed waits for its own restarts and never takes the live worker another key needs."""
         if slots < 1 or per_key < 1:
             raise ValueError(f"FairSlots: slots and per_key must be >= 1, got {slots}, {per_key}")
         self.per_key, self._ready = per_key, ready
         self._free: list[int] = list(range(slots))  # worker indexes not taken
         self._waiting: OrderedDict[str, deque[asyncio.Future[int]]] = OrderedDict()  # key -> waiters, RR order
         self.running: Counter[str] = Counter()  # key -> workers it holds
+        self._last: dict[int, str] = {}  # worker -> the key it served last
 
     async def acquire(self, key: str) -> int:
         """A worker index for `key`, once one is free and `key` holds fewer than `per_key`. Cancelling (a
@@ -64,7 +67,11 @@ class FairSlots:
                 self._waiting.move_to_end(key)
             if fut.done():  # cancelled: its waiter is gone
                 continue
-            pick = next((w for w in self._free if self._ready(w)), self._free[0])
+            own = (w for w in self._free if self._last.get(w) == key and not self._ready(w))
+            pick = next(own, None)
+            if pick is None:
+                pick = next((w for w in self._free if self._ready(w)), self._free[0])
             self._free.remove(pick)
+            self._last[pick] = key
             self.running[key] += 1
             fut.set_result(pick)

@@ -129,6 +129,22 @@ def test_one_key_holds_at_most_its_quota_and_waiting_keys_go_round_robin() -> No
     asyncio.run(run())
 
 
+def test_a_key_gets_back_its_own_restarting_worker_and_another_key_the_live_one() -> None:
+    """After A's compile was killed (worker 0 restarting), A's next compile takes worker 0 back and waits for
+    its start; B takes worker 1, which is up."""
+    up = {0: True, 1: True}
+
+    async def run() -> None:
+        slots = FairSlots(2, per_key=1, ready=lambda w: up[w])
+        w = await slots.acquire("a")
+        assert w == 0
+        up[0] = False  # A's compile was killed: its process restarts
+        slots.release("a", w)
+        assert await slots.acquire("a") == 0 and await slots.acquire("b") == 1
+
+    asyncio.run(run())
+
+
 def test_the_compile_memo_is_per_key() -> None:
     """A's repeat is a hit (the same compiled object); B's same grammar compiles anew (not A's object)."""
     pytest.importorskip("xgrammar")
@@ -154,7 +170,8 @@ def test_the_compile_memo_is_per_key() -> None:
 
 def test_a_compile_past_its_memory_limit_is_a_400_and_the_pool_goes_on() -> None:
     """A 4,000-property schema under a 64 MiB address-space allowance: refused (400 grammar_too_complex), the
-    child's peak address space never above its RLIMIT_AS, and the next compile works."""
+    child's peak address space never above its RLIMIT_AS, and the next compile works, in a fresh process (glibc
+    keeps what the failed compile freed mapped: the old one would refuse the next grammar)."""
     pytest.importorskip("xgrammar")
     from dsv4_serve.model.tokenizer import build_tiny_tokenizer
     from dsv4_serve.service.api.grammar_pool import GrammarPool
@@ -182,11 +199,13 @@ def test_a_compile_past_its_memory_limit_is_a_400_and_the_pool_goes_on() -> None
 
         watcher = asyncio.ensure_future(watch())
         try:
+            await pool.compile(tok, 512, 1, grammar.choice_format(["u", "v"]), "guided_choice", "a")
+            pid = pool.workers[0].proc.pid
             with pytest.raises(APIError) as e:
                 await pool.compile(tok, 512, 1, big, "guided_json", "a")
             assert e.value.status == 400 and e.value.code == "grammar_too_complex", e.value
             ok = await pool.compile(tok, 512, 1, grammar.choice_format(["x", "y"]), "guided_choice", "b")
-            assert ok.grammar is not None
+            assert ok.grammar is not None and pool.workers[0].proc.pid != pid  # a fresh process: no memory kept
         finally:
             watcher.cancel()
             await pool.close()
