@@ -146,6 +146,17 @@ def _hardening_flags(p: argparse.ArgumentParser) -> None:
         ("--body-min-rate", float, "KiB/s a request body averages once --body-timeout has passed (default 64)"),
     ):
         p.add_argument(flag, type=kind, help=f"{text}  [DSV4_{flag[2:].replace('-', '_').upper()}]")
+    p.add_argument("--grammar-workers", type=int,
+                   help="grammar compile processes (default 2)  [DSV4_GRAMMAR_WORKERS]")  # fmt: skip
+    p.add_argument("--grammar-per-key", type=int,
+                   help="compile processes one API key may hold at a time; its other compiles queue, keys are "
+                   "served round robin (default 1)  [DSV4_GRAMMAR_PER_KEY]")  # fmt: skip
+    p.add_argument("--grammar-memory-mb", type=int,
+                   help="address space a compile process may add past its start (RLIMIT_AS; past it the request "
+                   "gets a 400) (default 2048)  [DSV4_GRAMMAR_MEMORY_MB]")  # fmt: skip
+    p.add_argument("--grammar-mask-budget", type=float,
+                   help="seconds a guided row's token mask may take a step; 3 times over it and the request is "
+                   "ended with a 400-class error (default 0.02)  [DSV4_GRAMMAR_MASK_BUDGET]")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,6 +65,10 @@ class Settings(BaseModel):
     keep_alive_timeout: float = Field(5.0, gt=0)  # seconds an idle connection has for its next head
     body_timeout: float = Field(30.0, gt=0)  # seconds a body may pause; past them, body_min_rate on average
     body_min_rate: float = Field(64.0, ge=0)  # KiB/s a request body must average after body_timeout; else 408
+    grammar_workers: int = Field(2, ge=1)  # grammar compile processes
+    grammar_per_key: int = Field(1, ge=1)  # compile processes one API key may hold at a time (others queue)
+    grammar_memory_mb: int = Field(2048, ge=64)  # a compile process's address space past its start (RLIMIT_AS)
+    grammar_mask_budget: float = Field(0.02, gt=0)  # seconds a guided row's mask may take a step (3 times: 400)
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": 1..3} drafts with the MTP block
     # (docs/mtp.md); None: no speculation, and the MTP block is not loaded
     speculative_config: dict[str, Any] | None = None

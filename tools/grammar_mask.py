@@ -5,7 +5,11 @@ schema grammar (random allowed tokens): the service's xgrammar masks (`grammar.G
 fill) and, with --llguidance, llguidance's (consume + parallel fill), plus applying the packed mask to
 [8, V] logits in MLX (`sampler.apply_masks`). Prints one table.
 
-    python tools/grammar_mask.py [--steps 200] [--llguidance]
+    python tools/grammar_mask.py [--steps 200] [--llguidance] [--regex PATTERN ...]
+
+--regex: one row walking each pattern (random allowed tokens, none with an 'x', which ends the test patterns):
+its accept + mask time at tokens 10, 50, 100 and 200 (issue 63: an ambiguous repeat's grows with every token;
+service/api/patterns.py refuses those, docs/http.md has the figures).
 """
 
 from __future__ import annotations
@@ -109,12 +113,40 @@ def llg_masks(tok, vocab: int, steps: int) -> float:
     return med_us(ts)
 
 
+def regex_growth(tok, vocab: int, pattern: str, steps: int) -> dict[int, float]:
+    """token index -> ms of one row's accept + mask there, walking `pattern` (stops at 8 s in all)."""
+    import xgrammar as xgr
+
+    from dsv4_serve.service.engine import grammar
+
+    g = grammar.compile_guide(tok, vocab, 1, grammar.regex_format(pattern), "guided_regex")
+    m, out = xgr.GrammarMatcher(g.grammar), np.full((1, (vocab + 31) // 32), -1, dtype=np.int32)
+    rng, ts = np.random.default_rng(0), []
+    while len(ts) < steps and sum(ts) < 8:
+        t0 = time.perf_counter()
+        m.fill_next_token_bitmask(out, 0)
+        allowed = grammar.tokens_allowed(out, 0, vocab)
+        ok = [int(t) for t in allowed if t != 1 and "x" not in (tok.id_to_token(int(t)) or "x")]
+        if not ok or not m.accept_token(int(rng.choice(ok))):
+            break
+        ts.append(time.perf_counter() - t0)
+    return {i: ts[i - 1] * 1e3 for i in (10, 50, 100, 200) if i <= len(ts)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--llguidance", action="store_true", help="also measure llguidance (if installed)")
+    ap.add_argument("--regex", nargs="*", default=[], help="mask cost growth of these patterns (one row)")
     a = ap.parse_args()
     from dsv4_serve.model.tokenizer import build_tiny_tokenizer
+
+    if a.regex:
+        tok = build_tiny_tokenizer(512)
+        for p in a.regex:
+            got = regex_growth(tok, 512, p, 200)
+            print(f"{p!r:40} " + "  ".join(f"token {i}: {ms:.2f} ms" for i, ms in got.items()))
+        return
 
     step = tiny_step(a.steps)
     print(f"tiny model, 8-row decode step (CPU): {step:9.1f} us")

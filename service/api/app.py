@@ -47,6 +47,9 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
             settings.model, group=distributed_group() if settings.distributed else None, **settings.engine_options()
         )
         ctl.engine = engine  # for bytes_in_use() at scrape time (plain Python accounting)
+        from dsv4_serve.service.engine.grammar import Guides  # numpy only: no mlx on this side
+
+        engine.guides = Guides(engine.vocab_size, engine.eos_token_id, settings.grammar_mask_budget)
         return engine, tokenizer
 
     return EngineWorker(
@@ -70,7 +73,8 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
 
 def create_app(settings: Settings, *, worker_builder: WorkerBuilder | None = None) -> FastAPI:
     ctl = Controller(settings, Metrics(lambda: ctl.stats(), settings.max_rows))
-    ctl.grammars = GrammarPool(settings.grammar_timeout)
+    ctl.grammars = GrammarPool(settings.grammar_timeout, workers=settings.grammar_workers,
+                               per_key=settings.grammar_per_key, memory_bytes=settings.grammar_memory_mb * 2**20)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -207,7 +207,8 @@ async def submit_chat(request: Request, ctl: Controller, req: ChatCompletionRequ
     prompt = render(req, tools)
     ids = await _encode(ctl, prompt.text, "messages")
     params = _params(ctl, req, len(ids), "messages", req.logprobs_k, req.prompt_logprobs)
-    params = replace(params, guide=await structured.guide(ctl, req, thinking=prompt.reasoning))
+    params = replace(params, guide=await structured.guide(ctl, req, thinking=prompt.reasoning,
+                                                          tenant=tenant_of(request)))  # fmt: skip
     echo = None if prompt.echo is None else Echo(prompt.echo, [], [], logprobs=False)
     return await _submit(request, ctl, "chat", req, request_id("chat"), [_Prompt(ids, params, echo)],
                          thinking=prompt.reasoning, tools=tools is not None, t0=t0)  # fmt: skip
@@ -248,7 +249,7 @@ async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(ctl, req.model)
         ctl.check_room(len(req.prompts))  # each prompt is a request of the queue: 429 before any is tokenized
-        prompts, guide = [], await structured.guide(ctl, req)
+        prompts, guide = [], await structured.guide(ctl, req, tenant=tenant_of(request))
         for prompt in req.prompts:  # all validated before any is queued
             ids = await _prompt_ids(ctl, prompt)
             params = _params(ctl, req, len(ids), "prompt", req.logprobs, req.prompt_logprobs_k)

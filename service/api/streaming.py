@@ -96,6 +96,9 @@ class Generation:
         base = len(self.echo.text) if self.echo else 0  # generated text_offsets follow the echoed prompt
         try:
             async for ev in self.events:
+                if ev.error and ev.error_param:  # the request's own field ended it (a grammar too slow to mask)
+                    outcome = "error"
+                    raise APIError(400, ev.error, param=ev.error_param, code="grammar_too_slow")
                 if ev.error:
                     outcome = "error"
                     raise APIError(

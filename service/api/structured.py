@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from dsv4_serve.service.api import tools as dsml
+from dsv4_serve.service.api.patterns import ambiguous, schema_patterns
 from dsv4_serve.service.api.protocol import MAX_CHOICES, APIError
 from dsv4_serve.service.engine import grammar
 from dsv4_serve.service.engine.request import Guide
@@ -33,12 +34,23 @@ def _over(param: str, size: int, cap: int, unit: str) -> None:
         raise _bad(f"'{param}' has {size} {unit}; the limit is {cap}", param)
 
 
+def _unambiguous(param: str, pattern: str) -> None:
+    """A regex whose repeats can split a text in more than one way is refused: its token mask's cost grows with
+    every generated token (patterns.py)."""
+    if ambiguous(pattern):
+        raise _bad(f"'{param}' has a repeat of a repeat that can match one text in more than one way ({pattern[:80]!r}"
+                   "): its token mask cannot be bounded. Make it unambiguous, e.g. with a separator between the "
+                   "repeated parts", param)  # fmt: skip
+
+
 def _schema_format(schema: Any, param: str) -> dict[str, Any]:
     try:
         size = len(json.dumps(schema))
     except ValueError as e:  # an integer of more digits than Python converts
         raise _bad(f"{param} is not a usable JSON schema: {e}", param) from None
     _over(param, size, MAX_SCHEMA_BYTES, "bytes as JSON")
+    for pattern in schema_patterns(schema):
+        _unambiguous(param, pattern)
     return grammar.json_format(schema)
 
 
@@ -75,6 +87,7 @@ def _format(req: Any, thinking: bool) -> tuple[dict[str, Any], str] | None:
         asks.append((_schema_format(schema, "guided_json"), "guided_json"))
     if req.guided_regex is not None:
         _over("guided_regex", len(req.guided_regex), MAX_REGEX_CHARS, "characters")
+        _unambiguous("guided_regex", req.guided_regex)
         asks.append((grammar.regex_format(req.guided_regex), "guided_regex"))
     if req.guided_choice is not None:
         _over("guided_choice", len(req.guided_choice), MAX_CHOICES, "entries")
@@ -102,8 +115,8 @@ def _one(asks: list[tuple[dict[str, Any], str]]) -> tuple[dict[str, Any], str] |
     return asks[0] if asks else None
 
 
-async def guide(ctl: Any, req: Any, *, thinking: bool = False) -> Guide | None:
-    """The request's compiled grammar, or None."""
+async def guide(ctl: Any, req: Any, *, thinking: bool = False, tenant: str = "") -> Guide | None:
+    """The request's compiled grammar, or None; `tenant`: the API key's id (the compile memo is per key)."""
     fmt = _format(req, thinking)
     if fmt is None:
         return None
@@ -112,4 +125,4 @@ async def guide(ctl: Any, req: Any, *, thinking: bool = False) -> Guide | None:
     if req.ignore_eos or req.min_tokens:
         raise _bad("ignore_eos and min_tokens cannot be combined with a constrained output", "ignore_eos"
                    if req.ignore_eos else "min_tokens")  # fmt: skip
-    return await ctl.grammars.compile(ctl.tokenizer, ctl.vocab_size, ctl.eos_token_id, fmt[0], fmt[1])
+    return await ctl.grammars.compile(ctl.tokenizer, ctl.vocab_size, ctl.eos_token_id, fmt[0], fmt[1], tenant)

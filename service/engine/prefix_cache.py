@@ -10,10 +10,10 @@ tables in place of its own, and copies the last, partial page into the request's
 request writes its next entries there: copy-before-write). Entries are exact (bytes keys, no hash
 collisions) and live in namespaces, (tenant, cache_salt) of the requests that made them: a lookup sees
 its own namespace only, so neither a hit nor its timing tells one tenant what another sent (and pages are
-shared only inside a namespace). The byte budget is shared fairly: past it, the namespace holding the
-most bytes loses its least recently used entry first, so one tenant's stores and imports evict its own
-entries before anyone else's. Evicting drops only the cache's page references, so a page a running
-request maps stays. Engine thread only.
+shared only inside a namespace). The byte budget is shared fairly: past it, the tenant holding the most
+bytes, counted across all its cache_salts, loses its least recently used entry (of any of its salts) first,
+so one tenant's stores and imports evict its own entries before anyone else's, whatever salts it sends.
+Evicting drops only the cache's page references, so a page a running request maps stays. Engine thread only.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Entry:
     pages: dict[int, tuple[int, ...]]  # ratio -> the pages of the prefix's entries (held by the cache)
     ns: Namespace = SHARED  # the (tenant, cache_salt) of the requests that made it: only they find it
     request_ids: set[str] = field(default_factory=set)  # finished requests whose end state this is
+    used: int = 0  # the cache's use counter at its last store or lookup: LRU order across a tenant's salts
 
     @property
     def length(self) -> int:
@@ -59,6 +60,8 @@ class PrefixCache:
         self._entries: dict[Namespace, OrderedDict[bytes, Entry]] = {}  # per namespace, LRU first
         self._lengths: dict[Namespace, Counter[int]] = {}
         self._ns_bytes: Counter[Namespace] = Counter()  # each namespace's slot copies + pages
+        self._tenant_bytes: Counter[str] = Counter()  # the same summed over each tenant's salts
+        self._uses = 0  # Entry.used's clock
         self._page_holds: Counter[tuple[int, int]] = Counter()  # (ratio, page) -> entries holding it
         self._page_ns: dict[tuple[int, int], Namespace] = {}  # (ratio, page) -> the namespace it counts to
         self._by_request: dict[str, tuple[Namespace, bytes]] = {}
@@ -88,6 +91,9 @@ class PrefixCache:
     def namespace_bytes(self, ns: Namespace) -> int:
         return self._ns_bytes.get(ns, 0)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._tenant_bytes.get(tenant, 0)
+
     def __len__(self) -> int:
         return self._count
 
@@ -106,7 +112,7 @@ class PrefixCache:
         for n in sorted((n for n in self._lengths[ns] if longer_than < n <= len(tokens)), reverse=True):
             entry = entries.get(buf[: 4 * n])
             if entry is not None:
-                entries.move_to_end(entry.key)
+                self._touch(entry)
                 return entry
         return None
 
@@ -153,7 +159,7 @@ class PrefixCache:
             if self._cost(pages) > (self.budget - self.bytes if optional else self.budget):
                 return None
             entry = self._add(Entry(key, self.pools.slot_state(handle.slot), pages, ns))
-        self._entries[ns].move_to_end(key)
+        self._touch(entry)
         if request_id is not None:
             self._by_request[request_id] = (ns, key)
             entry.request_ids.add(request_id)
@@ -182,8 +188,8 @@ class PrefixCache:
         return sum(1 for (r, p), n in self._page_holds.items() if r == ratio and self.pools.page_refs(r, p) == n)
 
     def evict_one(self, keep: Entry | None = None) -> bool:
-        """Drop the least recently used entry (never `keep`) of the namespace holding the most bytes; False when
-        there is none."""
+        """Drop the least recently used entry (never `keep`) of the tenant holding the most bytes across its
+        salts; False when there is none."""
         victim = self._victim(keep)
         if victim is None:
             return False
@@ -197,12 +203,24 @@ class PrefixCache:
                 self._remove(entry)
 
     def _victim(self, keep: Entry | None) -> Entry | None:
-        """The next entry to evict: the LRU one of the namespace holding the most bytes (never `keep`)."""
-        for ns in sorted(self._entries, key=lambda n: self._ns_bytes[n], reverse=True):
-            for entry in self._entries[ns].values():
-                if entry is not keep:
-                    return entry
-        return None
+        """The next entry to evict: the LRU one, over all its salts, of the tenant holding the most bytes
+        (never `keep`). Counting per (tenant, salt) instead would let a tenant that sends a fresh salt a
+        request never hold the largest namespace, and evict everyone else (issue 63)."""
+        heads: dict[str, list[Entry]] = {}  # tenant -> the oldest entry (not `keep`) of each of its salts
+        for ns, entries in self._entries.items():
+            head = next((e for e in entries.values() if e is not keep), None)
+            if head is not None:
+                heads.setdefault(ns[0], []).append(head)
+        if not heads:
+            return None
+        mine = None if keep is None else keep.ns[0]  # on a tie, the tenant storing now loses
+        tenant = max(heads, key=lambda t: (self._tenant_bytes[t], t == mine))
+        return min(heads[tenant], key=lambda e: e.used)
+
+    def _touch(self, entry: Entry) -> None:
+        self._entries[entry.ns].move_to_end(entry.key)
+        self._uses += 1
+        entry.used = self._uses
 
     def _cost(self, pages: dict[int, tuple[int, ...]]) -> int:
         new = sum(self.pools.page_bytes(r) for r, ps in pages.items() for p in ps if (r, p) not in self._page_holds)
@@ -213,6 +231,7 @@ class PrefixCache:
         self.bytes += cost
         self.page_bytes += cost - self.pools.slot_bytes()
         self._ns_bytes[entry.ns] += cost
+        self._tenant_bytes[entry.ns[0]] += cost
         for r, ps in entry.pages.items():
             if not fresh:
                 self.pools.ref_pages(r, ps)
@@ -220,6 +239,7 @@ class PrefixCache:
                 self._page_ns.setdefault((r, p), entry.ns)
             self._page_holds.update((r, p) for p in ps)
         self._entries.setdefault(entry.ns, OrderedDict())[entry.key] = entry
+        self._touch(entry)
         self._lengths.setdefault(entry.ns, Counter())[entry.length] += 1
         self._count += 1
         self.version += 1
@@ -242,6 +262,7 @@ class PrefixCache:
                 del self._by_request[rid]
         self.bytes -= self.pools.slot_bytes()
         self._ns_bytes[entry.ns] -= self.pools.slot_bytes()
+        self._tenant_bytes[entry.ns[0]] -= self.pools.slot_bytes()
         for r, ps in entry.pages.items():
             for p in ps:
                 self._page_holds[(r, p)] -= 1
@@ -249,9 +270,12 @@ class PrefixCache:
                     del self._page_holds[(r, p)]
                     self.bytes -= self.pools.page_bytes(r)
                     self.page_bytes -= self.pools.page_bytes(r)
-                    self._ns_bytes[self._page_ns.pop((r, p))] -= self.pools.page_bytes(r)
+                    owner = self._page_ns.pop((r, p))
+                    self._ns_bytes[owner] -= self.pools.page_bytes(r)
+                    self._tenant_bytes[owner[0]] -= self.pools.page_bytes(r)
             self.pools.unref_pages(r, ps)
         self._ns_bytes = +self._ns_bytes  # drop namespaces down to 0 bytes
+        self._tenant_bytes = +self._tenant_bytes
 
     def _shrink(self, keep: Entry | None = None) -> None:
         while self.bytes > self.budget and self.evict_one(keep):

@@ -99,6 +99,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # With `error`: the request field whose ask ended it (a grammar over its mask budget: a 400 naming it, not
+    # an engine failure).
+    error_param: str | None = None
     # A STOP event's stop token (EOS or a stop id), with `logprob` / `top_logprobs`: never text, but a
     # generated token for usage and logprobs (lm-eval's loglikelihood drops the last generated entry).
     stop_token: int | None = None

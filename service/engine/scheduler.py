@@ -159,14 +159,15 @@ class Scheduler(PromptPlanning):
             return []
         return [TokenEvent(r.request_id, finish_reason=FinishReason.ABORT) for r in (request, *self._finish(request))]
 
-    def fail(self, request_ids: Iterable[str], error: str) -> list[TokenEvent]:
-        """End requests with an error event (a failed step); their state is freed, and so is that of their
-        followers not forked yet."""
+    def fail(self, request_ids: Iterable[str], error: str, param: str | None = None) -> list[TokenEvent]:
+        """End requests with an error event (a failed step; `param`: the request's own field caused it); their
+        state is freed, and so is that of their followers not forked yet."""
         events = []
         for rid in request_ids:
             request = self._find(rid)
             if request is not None:
-                events += [TokenEvent(r.request_id, error=error) for r in (request, *self._finish(request))]
+                events += [TokenEvent(r.request_id, error=error, error_param=param)
+                           for r in (request, *self._finish(request))]  # fmt: skip
         return events
 
     # -- one step ----------------------------------------------------------------------------

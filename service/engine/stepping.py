@@ -171,7 +171,7 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
                 engine, sched, inflight, plan, slice_seconds, rows_layers)  # fmt: skip
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, (logits, ahead.since), pipeline,
                                                     held(inflight))  # fmt: skip
-        out.events += step_events
+        out.events += step_events + end_slow_guides(engine, sched)
         if dt is not None:
             out.rows, out.sampled, out.seconds = len(plan), sampled, dt
         return out, nxt, inflight
@@ -210,10 +210,21 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
         step_events, sampled, dt, nxt = spec_step(engine, sched, plan)
     else:
         step_events, sampled, dt, nxt = decode_step(engine, sched, plan, sample, None, pipeline, held(inflight))
-    out.events += step_events
+    out.events += step_events + end_slow_guides(engine, sched)
     if dt is not None:  # None: the step failed and its rows were failed
         out.rows, out.sampled, out.seconds, out.prompt_steps = len(plan), sampled, dt, prompt_steps
     return out, nxt, inflight
+
+
+def end_slow_guides(engine: Engine, sched: Scheduler) -> list[TokenEvent]:
+    """End the guided rows whose masks went over their budget too often (grammar.Guides.over_budget): an
+    error naming the field that asked for the grammar; the batch's other rows go on."""
+    guides = getattr(engine, "guides", None)
+    events: list[TokenEvent] = []
+    for r, msg in guides.over_budget() if guides is not None else ():
+        log.warning("request %s ended: %s", r.request_id, msg)
+        events += sched.fail([r.request_id], msg, param=r.params.guide.source if r.params.guide else None)
+    return events
 
 
 @dataclass

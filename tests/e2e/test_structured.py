@@ -125,6 +125,10 @@ def test_constrained_row_at_max_tokens_is_length(client: openai.OpenAI) -> None:
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"guided_regex": "([a-z ]*[a-z ]*)*x"}, "guided_regex"),  # ambiguous repeats (issue 63)
+        ({"guided_json": {"type": "string", "pattern": "^(a+)+$"}}, "guided_json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "object", "patternProperties": {"^([a-z]+[0-9]?)*$": {}}}}}}, "response_format"),
     ],
 )
 def test_bad_structured_requests(server: Server, body: dict[str, Any], param: str) -> None:

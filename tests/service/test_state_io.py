@@ -201,6 +201,38 @@ def test_namespaces_see_only_their_entries_and_the_largest_one_is_evicted_first(
     assert cache.evictions == 4 and cache.lookup([15] * 151, ns=b) is not None
 
 
+def test_a_tenant_s_bytes_count_across_its_salts_so_a_fresh_salt_flood_evicts_its_own(tiny) -> None:
+    """Issue 63: a tenant sending a fresh cache_salt a request never held the largest (tenant, salt) namespace,
+    so its flood evicted everyone else. Bytes count per tenant across its salts: the flood evicts its own
+    entries, least recently used first across its salts."""
+    _, args = tiny
+    pools = StatePools(args, max_slots=1, max_positions=CAP, page_size=PAGE, pages={4: 200, 128: 30})
+    one = pools.slot_bytes() + 5 * pools.page_bytes(4) + pools.page_bytes(128)  # a 150-token prefix
+    cache = PrefixCache(pools, 4 * one, interval=0)
+    a = ("key-a", "")
+
+    def store(ns, first: int) -> None:
+        h = pools.alloc(CAP)
+        assert cache.store(h, [first] * 150, ns=ns) is not None
+        pools.free(h)
+
+    store(a, 1)
+    store(a, 2)
+    for k in range(10, 20):  # b: ten prefixes, each under a salt of its own
+        store(("key-b", f"salt-{k}"), k)
+        assert cache.bytes <= cache.budget
+    assert cache.lookup([1] * 151, ns=a).length == 150 and cache.lookup([2] * 151, ns=a).length == 150
+    assert cache.tenant_bytes("key-a") == 2 * one and cache.tenant_bytes("key-b") == 2 * one
+    assert cache.evictions == 8
+    b_left = [k for k in range(10, 20) if cache.has([k] * 150, ("key-b", f"salt-{k}"))]
+    assert b_left == [18, 19]  # b's newest two: its oldest went first, across its salts
+    # A lookup refreshes an entry across salts: b's salt-18 entry used now, salt-19's goes next.
+    assert cache.lookup([18] * 151, ns=("key-b", "salt-18")) is not None
+    store(("key-b", "salt-20"), 20)
+    assert cache.has([18] * 150, ("key-b", "salt-18")) and not cache.has([19] * 150, ("key-b", "salt-19"))
+    assert cache.lookup([1] * 151, ns=a) is not None
+
+
 def test_a_short_or_unreadable_state_secret_file_is_refused(tmp_path) -> None:
     from dsv4_serve.service.settings import Settings
 
