@@ -177,17 +177,23 @@ def test_a_freed_slot_s_values_never_reach_its_next_occupant(tiny, prompt) -> No
     assert np.isfinite(logits).all()
 
 
-def test_namespaces_see_only_their_entries_and_the_largest_one_is_evicted_first(tiny) -> None:
-    _, args = tiny
+def _four_prefix_cache(args):  # noqa: ANN001, ANN202
+    """A cache of four 150-token prefixes' bytes, one prefix's bytes, and store(ns, first): [first] * 150."""
     pools = StatePools(args, max_slots=1, max_positions=CAP, page_size=PAGE, pages={4: 200, 128: 30})
     one = pools.slot_bytes() + 5 * pools.page_bytes(4) + pools.page_bytes(128)  # a 150-token prefix
     cache = PrefixCache(pools, 4 * one, interval=0)
-    a, b = ("key-a", ""), ("key-b", "")
 
-    def store(ns, first: int) -> None:
+    def store(ns, first: int) -> None:  # noqa: ANN001
         h = pools.alloc(CAP)
         assert cache.store(h, [first] * 150, ns=ns) is not None
         pools.free(h)
+
+    return cache, one, store
+
+
+def test_namespaces_see_only_their_entries_and_the_largest_one_is_evicted_first(tiny) -> None:
+    cache, one, store = _four_prefix_cache(tiny[1])
+    a, b = ("key-a", ""), ("key-b", "")
 
     store(a, 1)
     store(a, 2)
@@ -205,16 +211,8 @@ def test_a_tenant_s_bytes_count_across_its_salts_so_a_fresh_salt_flood_evicts_it
     """Issue 63: a tenant sending a fresh cache_salt a request never held the largest (tenant, salt) namespace,
     so its flood evicted everyone else. Bytes count per tenant across its salts: the flood evicts its own
     entries, least recently used first across its salts."""
-    _, args = tiny
-    pools = StatePools(args, max_slots=1, max_positions=CAP, page_size=PAGE, pages={4: 200, 128: 30})
-    one = pools.slot_bytes() + 5 * pools.page_bytes(4) + pools.page_bytes(128)  # a 150-token prefix
-    cache = PrefixCache(pools, 4 * one, interval=0)
+    cache, one, store = _four_prefix_cache(tiny[1])
     a = ("key-a", "")
-
-    def store(ns, first: int) -> None:
-        h = pools.alloc(CAP)
-        assert cache.store(h, [first] * 150, ns=ns) is not None
-        pools.free(h)
 
     store(a, 1)
     store(a, 2)
