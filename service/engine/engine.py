@@ -154,7 +154,6 @@ class Engine:
 
     def release(self, handle: Handle) -> None:
         """Free a request's state; a slot the prefill forward in flight still writes is freed when it ends."""
-        self.touched()
         fwd = self._forward
         if fwd is not None and any(h.slot == handle.slot for h, _, _ in fwd.work):
             self._deferred.append(handle)
