@@ -11,10 +11,12 @@ Replay (`GraphStep.replay`): the rows' ints packed into the staging buffer (one 
 launch after MLX's queued work, a wait; no MLX node is built. A row count without a graph returns None: the
 caller runs the MLX step and counts the reason.
 
-Pools that move: an MLX write to the state (prefill, a slot reset, the prefix cache's copies, an import) may put
-a pool in a new buffer (MLX donates the old one only when nothing else holds it). The engine calls `touched()`
-after such work; the next replay reads the pools' addresses again and captures again the graphs that read a
-pool that moved (docs/cuda_graphs.md).
+Pools that move: an MLX write to the state (prefill, a slot reset, the prefix cache's copies, an import) puts a
+pool in a new buffer unless MLX donates the old one, which on a GPU it almost never can (the encoder holds what a
+queued kernel reads until it completes). The graphs keep each pool's first array as its home: the engine calls
+`touched()` after such work, and the next replay copies each moved pool's bytes back into its home buffer (one
+device-to-device copy) and hands the home array back to the pools; no graph is captured again
+(docs/cuda_graphs.md).
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def pool_arrays(pools: Any) -> dict[str, mx.array]:
     if hc_fused.WORKSPACE is not None:  # the split pre-mix's tickets and partials: made once, reset by its launches
         pool["hc_ws"] = hc_fused.WORKSPACE
     return pool
+
+
+def set_pool(pools: Any, label: str, a: mx.array) -> None:
+    """Put `a` where `pool_arrays(pools)[label]` came from."""
+    if label.startswith("pool"):
+        pools.set_array(int(label[4:]), a)
+    elif label.startswith("comp_ws"):
+        pools.comp_ws[int(label[7:])] = a
+    elif label.startswith("idx_ws"):
+        pools.idx_ws[int(label[6:])] = a
+    elif label == "hc_ws":
+        from dsv4_serve.kernels.cuda import hc_fused
+
+        hc_fused.WORKSPACE = a
+    else:
+        raise KeyError(f"set_pool: no state array {label!r}")
 
 
 def named_arrays(model: Any, pools: Any, batch: RowBatch, tokens: mx.array) -> dict[str, dict[str, mx.array]]:
@@ -142,7 +160,8 @@ class GraphStep:
         self.widths = {r: pools.table_width(r) for r in pools.ratios}
         self.graphs: dict[int, Graph] = {}
         self.reasons: dict[int, str] = {}  # rows -> why that row count keeps the MLX step
-        self.pool_addr: dict[str, int] = {}
+        self.pool_addr: dict[str, int] = {}  # label -> its home buffer's address (what every graph reads)
+        self.home: dict[str, mx.array] = {}  # label -> the pool's home array, held: its buffer never goes back
         self._arena, self._arena_bytes = 0, 0
         self._staging, self._staging_bytes = 0, 0
         self._dirty = False
@@ -174,13 +193,11 @@ class GraphStep:
         mx.eval(g.logits)
         g.pools = tuple(sorted({plan.buffers[r.buffer].label for ln in plan.launches for r in (*ln.inputs, *ln.outputs)
                                 if plan.buffers[r.buffer].kind == "pool"}))  # fmt: skip
-        for label in g.pools:  # as recorded now; a graph captured earlier at another address is captured again
-            addr = plan.addresses[self._bid(plan, label)]
-            if self.pool_addr.get(label, addr) != addr:
-                for other in self.graphs.values():
-                    if label in other.pools:
-                        other.exec = None
-            self.pool_addr[label] = addr
+        current = pool_arrays(self.pools)
+        for label in g.pools:  # the first graph to read a pool makes its buffer the home; later ones read it there
+            if label not in self.home:
+                self.home[label], self.pool_addr[label] = current[label], record.address(current[label])
+        self._bring_home(current)
         self._grow(plan)
         self._build(g)
         self.rt.zero(record.address(g.logits), g.logits.nbytes)
@@ -190,10 +207,6 @@ class GraphStep:
             return "the replayed step differs from MLX's"
         self.graphs[n] = g
         return None
-
-    @staticmethod
-    def _bid(plan: StepPlan, label: str) -> int:
-        return next(b for b, buf in plan.buffers.items() if buf.label == label and buf.kind == "pool")
 
     def _grow(self, plan: StepPlan) -> None:
         """The arena and the staging buffer: one each, as large as the largest plan's (graphs run one at a time)."""
@@ -240,28 +253,33 @@ class GraphStep:
         self._dirty = True
 
     def refresh(self) -> None:
-        """Read the pools' addresses again; a graph that reads one that moved is captured again before its next
-        replay."""
+        """Every pool MLX wrote to a new buffer since the last replay copied back into its home buffer."""
         t0 = time.perf_counter()
         self._dirty = False
-        current = pool_arrays(self.pools)
-        moved = set()
-        for label, old in self.pool_addr.items():
-            a = current.get(label)
-            new = record.address(a) if a is not None else None
-            if new != old:
-                if new is None:
-                    raise RuntimeError(f"decode graphs: pool {label} is gone or strided")
-                moved.add(label)
-                self.pool_addr[label] = new
-        if moved:
-            self.rt.prefetch([current[label] for label in moved])
-            for g in self.graphs.values():
-                if moved.intersection(g.pools):
-                    g.exec = None
-            self.stats["pool_moves"] += len(moved)
+        moved = self._bring_home(pool_arrays(self.pools))
+        self.stats["pool_moves"] += moved
         self.stats["refreshes"] += 1
         self.stats["refresh_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
+
+    def _bring_home(self, current: dict[str, mx.array]) -> int:
+        """Copy each pool that is not its home array into the home buffer and give the pools the home array back
+        (the graphs read and write the home buffers only); how many moved."""
+        moved = [label for label, home in self.home.items() if current.get(label) is not home]
+        if not moved:
+            return 0
+        mx.eval([current[label] for label in moved if label in current])
+        mx.synchronize()  # MLX's writes done before the copies read them
+        srcs = [record.address(current[label]) if label in current else None for label in moved]  # DLPack: managed
+        self.rt.prefetch([current[label] for label, src in zip(moved, srcs, strict=True) if src is not None])
+        for label, src in zip(moved, srcs, strict=True):
+            a, home = current.get(label), self.home[label]
+            if a is None or src is None or a.nbytes != home.nbytes or a.dtype != home.dtype:
+                raise RuntimeError(f"decode graphs: pool {label} is gone, strided or resized")
+            if src != self.pool_addr[label]:
+                self.rt.copy(self.pool_addr[label], src, a.nbytes)
+            set_pool(self.pools, label, home)
+        self.rt.wait()
+        return len(moved)
 
     def replay(self, rows: Sequence[Row], tokens: Sequence[int]) -> mx.array | None:
         """The step's logits [rows, vocab] f32 (valid until the next replay), or None: no graph for this row

@@ -197,6 +197,21 @@ class StatePools(StateCopies):
         self._live[handle.slot] = new
         return new
 
+    def set_array(self, i: int, a: mx.array) -> None:
+        """Put `a` where `arrays()[i]` came from (same order)."""
+        if i < 0:
+            raise IndexError(f"StatePools.set_array: index {i}")
+        if i < len(self.window):
+            self.window[i] = a
+            return
+        i -= len(self.window)
+        for d in (self.comp_kv, self.comp_score, self.idx_kv, self.idx_score, self.ckv, self.ikeys):
+            if i < len(d):
+                d[list(d)[i]] = a
+                return
+            i -= len(d)
+        raise IndexError("StatePools.set_array: index past the last array")
+
     def arrays(self) -> list[mx.array]:
         return [
             *self.window,
