@@ -11,7 +11,8 @@
 #                graph_glue (CUPTI)
 #   PART=graph   the decode graphs: their gpu tests (runtime, a kernel past 48 KiB of shared memory, the replayed step
 #                against MLX's and through the Engine), (REPLAY=1) tools/graph_replay.py at 43 layers, then bench/step.py at rows
-#                1 and 8, 4K, arms fast / graph (CUPTI)
+#                1 and 8, 4K, arms fast / graph (CUPTI); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
+#                gpu tests after the step, in the time left
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth), then 8 layers
 #                with graphs on and off: the fixed prompts' greedy texts must be equal
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
@@ -85,12 +86,14 @@ for part in ${PART:-tests}; do
               tests/model/test_cuda_layer_numerics.py tests/model/test_step_angles.py 2>&1 | tail -6
             timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 8 \
               --profile --arms fast,graph_glue --out "$OUT/replay_step.json" 2>&1 | grep -v Warn | tail -12 ;;
-    graph) timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_graph_runtime.py \
-             tests/model/test_graph_step.py 2>&1 | tail -12
+    graph) [ -z "${SKIP_TESTS:-}" ] && timeout 200 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider \
+             tests/kernels/test_graph_runtime.py tests/model/test_graph_step.py 2>&1 | tail -12
            [ -n "${REPLAY:-}" ] && timeout 200 python3 tools/graph_replay.py --layers 43 --experts 32 --rows 1 \
              --context 4096 --reps 10 --json "$OUT/graph_replay.json" 2>&1 | grep -v Warn | tail -3
            timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
-             --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9 ;;
+             --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9
+           [ -n "${TESTS_AFTER:-}" ] && timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf \
+             -p no:cacheprovider $TESTS_AFTER 2>&1 | tail -8 ;;
     graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \
                  --server-args "$flash --decode-graphs on" --out "$OUT/serve_graphs.json" 2>&1 | tail -6
                small="--load-format dummy --model flash --layers 8 --experts 16"
