@@ -29,9 +29,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "after each slice (default 10; 0: whole forwards)  [DSV4_PREFILL_SLICE_MS]",
     )
     p.add_argument(
-        "--itl-target-ms", type=float,
-        help="while rows stream, a new prompt's prefill is chunked and sliced so their inter-token latency stays "
-        "under this (default 0: off; an empty DSV4_ITL_TARGET_MS: 2x the measured decode step)  [DSV4_ITL_TARGET_MS]",
+        "--itl-target-ms",
+        help="while rows stream, a prompt's prefill forward is built in slices of as many layers as keep their "
+        "inter-token latency under this many ms (default auto: 2x the measured decode step; 0: off, fixed "
+        "--prefill-slice-ms slices)  [DSV4_ITL_TARGET_MS]",
     )
     p.add_argument("--served-model-name", help="model id in the API  [DSV4_SERVED_MODEL_NAME]")
     p.add_argument("--max-state-gib", type=float, help="decode state budget in GiB  [DSV4_MAX_STATE_GIB]")

@@ -33,11 +33,10 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
     prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 2048
     prefill_slice_ms: float = Field(10.0, ge=0)  # host ms of a forward between decode steps while rows stream; 0: whole
-    # while rows stream, prefill slices and chunks keep their inter-token latency under this (service/engine/pacing.py);
-    # None (an empty DSV4_ITL_TARGET_MS): 2x the measured decode step; 0 (default): off, fixed --prefill-slice-ms
-    # slices and --prefill-chunk forwards. Off by default: paced chunks follow the load, and a prompt chunked
-    # otherwise than alone rounds its last bits otherwise (tests/e2e/test_prompt_logprobs.py's batched echo)
-    itl_target_ms: float | None = Field(0.0, ge=0)
+    # while rows stream, prefill slices keep their inter-token latency under this many ms (service/engine/pacing.py;
+    # the chunks stay --prefill-chunk, so a prompt's logits do not depend on the load); "auto" (default): 2x the
+    # measured decode step; 0: off, fixed --prefill-slice-ms slices
+    itl_target_ms: float | Literal["auto"] = "auto"
     served_model_name: str | None = None  # None: "deepseek-v4-tiny" or the model directory's name
     max_state_gib: float | None = Field(None, gt=0)  # decode state budget; None: engine default
     prefix_cache_gib: float | None = Field(None, ge=0)  # prefix cache budget; None: a share of the state, 0: off
@@ -79,6 +78,20 @@ class Settings(BaseModel):
     # The correctness canary (service/engine/canary.py): seconds between checks (0: off); a mismatch's action
     canary_interval: float = Field(300.0, ge=0)
     canary_action: Literal["fail", "warn"] = "fail"
+
+    @field_validator("itl_target_ms", mode="before")
+    @classmethod
+    def _itl_target(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, str | int | float):
+            try:
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"must be 'auto' or a number of ms >= 0, got {v!r}") from None
+            if not v >= 0:  # NaN too
+                raise ValueError(f"must be 'auto' or a number of ms >= 0, got {v!r}")
+        return v
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -325,6 +325,11 @@ class Engine:
         """A prefill forward is in flight (built in slices)."""
         return self._forward is not None
 
+    @property
+    def prefill_rows(self) -> int | None:
+        """The rows (prompt tokens) of the forward in flight; None if none (the pacer sizes its slices by them)."""
+        return None if self._forward is None else self._forward.rows
+
     def warmup(self) -> None:
         """Run a step at every batch size and one prefill so kernels and compiled segments are built before
         /ready says yes."""

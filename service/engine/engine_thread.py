@@ -111,7 +111,6 @@ class EngineThread:
         # Slices paced by the ITL target where forwards are built in slices (a distributed leader's are whole).
         sliced = parallel and bool(getattr(engine, "sliced_prefill", False))
         self._pacer = Pacer(self.itl_target_ms if sliced else 0, self.prefill_slice_ms, self._prefill_budget)
-        sched.short_first = self._pacer.on
         return engine, sched
 
     def _run(self) -> None:
@@ -251,7 +250,8 @@ class EngineThread:
 
     def _step(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> list[TokenEvent]:
         t0, built, layers = time.perf_counter(), *self._built(engine)
-        pace = self._pacer.pace(streaming=any(needs_sample(r) for r in sched.running))
+        pace = self._pacer.pace(streaming=any(needs_sample(r) for r in sched.running),
+                                rows=getattr(engine, "prefill_rows", None))  # the forward in flight's, if any
         out, self._ahead, self._inflight = iterate(
             engine, sched, sample, pace.budget, lambda: self._sync_counts(sched), self._ahead,
             self.pipeline, self._inflight, pace.slice_seconds, pace.rows_layers,

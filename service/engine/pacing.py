@@ -1,19 +1,20 @@
 """Prefill paced by an inter-token latency target (`--itl-target-ms`): while rows stream, each iteration is one
-decode step plus at most one slice of a prompt's forward, and the slice is sized so that the two together stay
-under the target. Pure Python, no mlx: the engine thread feeds it each iteration's wall seconds and the prefill
-it built (rows x layers and layers: `Engine.prefill_rows_layers`, `Engine.prefill_layers`).
+decode step plus at most one slice of a prompt's forward, and the slice holds as many of the forward's layers as
+keep the two together under the target. Pure Python, no mlx: the engine thread feeds it each iteration's wall
+seconds and the prefill it built (rows x layers and layers: `Engine.prefill_rows_layers`, `Engine.prefill_layers`).
+
+Only the slice is paced, never the chunk: every forward takes `--prefill-chunk` prompt tokens (a prompt's pieces
+end where they would alone), so pacing changes when a prompt's logits are computed, not their bits (a prompt
+chunked otherwise differs in its logits' last bits: `tests/e2e/test_prompt_logprobs.py`).
 
 What it measures, as EWMAs of what the streams see (wall time, the GPU's share included: a slice's GPU work is
 waited for by the step after it):
 - the step: iterations that stepped and built no prefill;
 - a layer of a forward, by its rows rounded down to a power of two: an iteration's seconds past the step, over
-  the layers it built. A layer has a large fixed cost (on the tiny model on the CPU a 16-row layer costs about
-  two steps), so the cost is kept per chunk size, not per row.
-The target is `--itl-target-ms`, or 2x the step (None: auto); a slice gets what the step leaves of it (at least
-2x the cost of a MIN_CHUNK layer: where even that misses the target, the prompt still progresses). A forward
-beside streams takes the largest power-of-two chunk whose layer fits that room (few distinct shapes), trying
-twice a chunk while its layer costs at most 3/4 of the room; a slice holds as many of its layers as fit. Before
-any prefill was measured, a forward beside streams starts at MIN_CHUNK tokens, a layer a slice.
+  the layers it built (a layer has a large fixed cost, so the cost is kept per size, not per row).
+The target is `--itl-target-ms`, or 2x the step (None: auto); a slice gets what the step leaves of it and as
+many layers as fit it, at least one (where even one layer misses the target, the prompt still progresses). Before
+a layer of that size was measured, a layer a slice.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from dataclasses import dataclass
 
 ALPHA = 0.25  # EWMA weight of the newest iteration
 AUTO_FACTOR = 2.0  # the automatic target: this many steps
-# The fewest prompt tokens a paced forward takes (a forward has a fixed cost), and the first forward's beside
-# streams, a layer a slice, before any prefill cost was measured.
-MIN_CHUNK = 16
+MIN_CHUNK = 16  # the smallest forward size a layer's cost is kept for (bucket)
 
 
 @dataclass(frozen=True)
@@ -70,27 +69,31 @@ class Pacer:
             return self.target_ms / 1e3
         return None if self.step is None else AUTO_FACTOR * self.step
 
-    def pace(self, streaming: bool) -> Pace:
-        """This iteration's prefill (`streaming`: rows decode beside it; else the forward is built whole)."""
+    def layer_cost(self, rows: int) -> float | None:
+        """Seconds of one layer of a `rows`-row forward: its size's EWMA, else the nearest smaller size measured
+        scaled up by the rows (an over-estimate: fewer layers, never a missed target), else None."""
+        key = bucket(rows)
+        if key in self.layer:
+            return self.layer[key]
+        below = [k for k in self.layer if k < key]
+        if not below:
+            return None
+        k = max(below)
+        return self.layer[k] * rows / k
+
+    def pace(self, streaming: bool, rows: int | None = None) -> Pace:
+        """This iteration's prefill (`streaming`: rows decode beside it, else the forward is built whole; `rows`:
+        the forward in flight's, else a new forward's: the chunk)."""
         target = self.target()
         if target is None or self.step is None or not self.slice_seconds:
             return Pace(self.chunk, self.slice_seconds)
-        room = max(target - self.step, 2 * self.layer.get(MIN_CHUNK, 0.0), 0.1 * self.step)
+        rows = rows or self.chunk
+        cost = self.layer_cost(rows)
+        room = max(target - self.step, cost or 0.0, 0.1 * self.step)
         if not streaming:
             return Pace(self.chunk, room)
-        c, cost = MIN_CHUNK, self.layer.get(MIN_CHUNK)
-        if cost is None:
-            return Pace(min(self.chunk, MIN_CHUNK), room, MIN_CHUNK)
-        while 2 * c <= self.chunk:  # the largest chunk whose layer fits, one size past the measured ones
-            nxt = self.layer.get(2 * c)
-            if (nxt is None and cost > 0.75 * room) or (nxt is not None and nxt > room):
-                break
-            c, cost = 2 * c, nxt
-            if cost is None:
-                break
-        c = min(c, self.chunk)
         layers = max(1, int(room / cost)) if cost else 1
-        return Pace(c, room, c * layers)
+        return Pace(self.chunk, room, rows * layers)
 
     def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0) -> None:
         """One iteration: its wall seconds, whether it ran a decode step, the prefill rows x layers and layers

@@ -36,9 +36,6 @@ class PromptPlanning:
 
     admission: Any
     handles: dict[str, StateHandle]
-    # Pieces by the prompt tokens left, fewest first, instead of oldest first (the worker sets it with an ITL
-    # target: pacing.py): a short prompt then joins the next forward beside a long one's chunk.
-    short_first = False
 
     def reuse_prefix(self, r: Request) -> None:
         """A prefilling request adopts the longest cached prefix of its prompt beyond what it has fed
@@ -60,15 +57,14 @@ class PromptPlanning:
 
     def prefill_work(self, plan: list[Request], budget: int) -> list[Piece]:
         """(request, handle, prompt tokens, start position) to prefill before this step, at most `budget`
-        tokens in all, one piece a request (oldest first, or `short_first`); a prompt's last token is left for
+        tokens in all, one piece a request, oldest first (a prompt's rows then sit where they would alone,
+        which keeps its logits' bits: a row's offset in a forward can change them); a prompt's last token is left for
         the step (its logits are sampled). With a snapshot interval, a piece short of the prompt's end ends at
         the interval's last multiple in it (a prefix cache snapshot follows each piece). Not cut at every
         multiple: each piece would be a forward of its own, and a forward has a large fixed cost (16K-token
         first turn on the H200 with cuts at every 128: 113 s, against 32 s with the cache off, 383f696)."""
         work: list[Piece] = []
         every = getattr(self.admission, "snapshot_interval", 0)
-        if self.short_first:  # the fewest prompt tokens left first: a short prompt never waits out a long one
-            plan = sorted(plan, key=lambda r: len(r.prompt_ids) - r.fed)
         for r in plan:
             start, last = r.fed, len(r.prompt_ids) - 1
             end = start + max(0, min(budget, last - start))

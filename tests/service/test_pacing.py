@@ -18,7 +18,7 @@ import pytest
 
 from dsv4_serve.model.tiny import tiny_model
 from dsv4_serve.service.engine.engine import Engine
-from dsv4_serve.service.engine.pacing import MIN_CHUNK, Pace, Pacer
+from dsv4_serve.service.engine.pacing import Pace, Pacer
 from dsv4_serve.service.engine.request import SamplingParams
 from tests.service.test_worker import run
 
@@ -72,41 +72,34 @@ def test_off_keeps_the_fixed_slices_and_chunks() -> None:
     assert p.pace(True) == p.pace(False) == Pace(2048, 0.010, None)
 
 
-def test_auto_target_is_twice_the_step_and_grows_the_chunk_while_a_layer_fits() -> None:
+def test_auto_target_is_twice_the_step_and_a_slice_holds_the_layers_that_fit() -> None:
     p = Pacer(None, 10.0, 2048)
     assert p.target() is None and p.pace(True) == Pace(2048, 0.010, None)  # nothing measured: as if off
     p.observe(0.010, True, 0)  # a step, no prefill: 10 ms
     assert p.target() == pytest.approx(0.020)
-    # the prefill's cost unknown: a MIN_CHUNK forward beside streams, a layer a slice; the slice gets the target
-    # less the step; nothing streaming: whole forwards of the full chunk
-    assert p.pace(True) == Pace(MIN_CHUNK, pytest.approx(0.010), MIN_CHUNK)
-    assert p.pace(False).budget == 2048
-    p.observe(0.018, True, 4 * 16, 4)  # 8 ms past the step for 4 layers of 16 rows: 2 ms a layer
-    assert p.layer == {16: pytest.approx(0.002)}
-    assert p.pace(True) == Pace(32, pytest.approx(0.010), 32)  # 2 ms <= 3/4 of the 10 ms room: try 32
-    p.observe(0.016, True, 2 * 32, 2)  # 3 ms a layer of 32 rows
-    assert p.pace(True) == Pace(64, pytest.approx(0.010), 64)
-    p.observe(0.019, True, 64, 1)  # 9 ms a layer of 64 rows: it fits, 128 is not tried (9 > 7.5)
-    assert p.pace(True) == Pace(64, pytest.approx(0.010), 64)
-    p.observe(0.015, True, 64, 1)  # the EWMA moves a quarter of the way: 8 ms
-    assert p.layer[64] == pytest.approx(0.008) and p.pace(True).budget == 64
-    p.observe(0.015, True, 64, 1)  # 7.25 ms: 128 is tried
-    assert p.pace(True) == Pace(128, pytest.approx(0.010), 128)
+    # the layer's cost unknown: a layer a slice; the slice gets the target less the step; the chunk never changes
+    assert p.pace(True) == Pace(2048, pytest.approx(0.010), 2048)
+    assert p.pace(True, rows=300) == Pace(2048, pytest.approx(0.010), 300)
+    assert p.pace(False) == Pace(2048, pytest.approx(0.010))
+    p.observe(0.014, True, 2 * 256, 2)  # 4 ms past the step for 2 layers of 256 rows: 2 ms a layer
+    assert p.layer == {256: pytest.approx(0.002)}
+    assert p.pace(True, rows=300) == Pace(2048, pytest.approx(0.010), 300 * 5)  # 10 ms room / 2 ms: 5 layers
+    # a larger forward, not measured yet: the 256-row layer scaled by the rows (1024 / 256 x 2 ms = 8 ms): 1 layer
+    assert p.pace(True, rows=1024) == Pace(2048, pytest.approx(0.010), 1024)
+    p.observe(0.016, True, 1024, 1)  # 6 ms a 1,024-row layer
+    assert p.layer_cost(1024) == pytest.approx(0.006) and p.pace(True, rows=1500).rows_layers == 1500
     p.observe(0.030, False, 0)  # no step, no prefill (an idle pass): nothing learned
     assert p.step == pytest.approx(0.010)
     p.observe(0.012, True, 0)  # the step's EWMA: 10.5 ms
     assert p.step == pytest.approx(0.0105) and p.target() == pytest.approx(0.021)
 
 
-def test_a_target_no_layer_meets_gets_twice_the_smallest_layer_and_the_chunk_caps() -> None:
+def test_a_target_no_layer_meets_still_gets_one_layer_a_slice() -> None:
     p = Pacer(15.0, 10.0, 2048)
     p.observe(0.010, True, 0)
     p.observe(0.018, True, 16, 1)  # 8 ms a 16-row layer: over the 5 ms the 15 ms target leaves
-    assert p.pace(True) == Pace(32, pytest.approx(0.016), 32)  # 2x that layer: the prompt still progresses
-    p = Pacer(None, 10.0, 16)
-    p.observe(0.010, True, 0)
-    p.observe(0.011, True, 16, 1)
-    assert p.pace(True) == Pace(16, pytest.approx(0.010), 16 * 10)  # --prefill-chunk caps it; 10 layers a slice
+    assert p.pace(True, rows=16) == Pace(2048, pytest.approx(0.008), 16)  # that layer: the prompt progresses
+    assert p.layer_cost(8) == pytest.approx(0.008)  # under the smallest size: its bucket's
 
 
 def test_streams_beside_a_long_prompt_keep_under_the_target(tiny) -> None:
