@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import plot_serve, provenance  # noqa: E402
 from bench.server_metrics import engine_host, host_ms_per_step, scrape, ttft_split  # noqa: E402
 
+STARTUP_LINES = ("warm-up took", "decode graph")  # printed once ready: the warm-up after the weights, the graphs
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -48,23 +51,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, extra: list[str], timeout: float = 120, python_args: Sequence[str] = ()
-                 ) -> subprocess.Popen:  # fmt: skip
+def start_server(port: int, extra: list[str], timeout: float = 120, python_args: Sequence[str] = (),
+                 log: str | os.PathLike | None = None) -> subprocess.Popen:  # fmt: skip
     """`dsv4-serve serve` on 127.0.0.1:port with `extra` flags (and the interpreter's `python_args`, e.g. a
-    profiler), returned once /ready says 200."""
+    profiler), returned once /ready says 200; its log (stderr) goes to `log` (default: a temporary file), and its
+    start-up's lines are printed (the model's build, the warm-up, each decode graph's capture)."""
     cmd = [sys.executable, *python_args, "-m", "dsv4_serve.service", "serve", "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = Path(log) if log is not None else Path(tempfile.mkstemp(prefix="dsv4-serve-", suffix=".log")[1])
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"))  # a file: never fills
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                print(f"server ready in {time.time() - deadline + timeout:.1f} s", flush=True)
+                print(f"server ready in {time.time() - deadline + timeout:.1f} s (log: {log})", flush=True)
+                for line in log.read_text(errors="replace").splitlines():
+                    if any(k in line for k in STARTUP_LINES):
+                        print("  " + line[-200:], flush=True)
                 return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"server exited: {log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"server not ready within {timeout} s")
@@ -200,7 +208,8 @@ def main() -> None:
     url = opt.url
     if url is None:
         port = free_port()
-        proc = start_server(port, opt.server_args.split(), timeout=900)  # a full-size dummy model builds first
+        proc = start_server(port, opt.server_args.split(), timeout=900,  # a full-size dummy model builds first
+                            log=Path(opt.out).with_suffix(".log"))  # fmt: skip
         url = f"http://127.0.0.1:{port}"
     try:
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
