@@ -104,12 +104,13 @@ def release_bytes(name: str, size: int) -> float:
 
 
 def floor_bytes(model: DeepseekV4, rows: int, ctx: int) -> tuple[float, float]:
-    """(weight bytes, state bytes) one step must read at least, at the release's precision."""
+    """(weight bytes, state bytes) one step must read at least, at the release's precision (the MTP block's
+    weights not: the plain step never runs it)."""
     a = model.args
     dense = expert = 0.0
     for name, p in tree_flatten(model.parameters()):
-        if name.startswith("embed."):
-            continue  # B rows of it
+        if name.startswith(("embed.", "mtp.")):
+            continue  # B rows of the embedding; the MTP block runs only when speculating
         # logical parameter count: a packed uint32 holds 4 (mxfp8) or 8 (mxfp4) values
         n = p.size * (8 if ".ffn.experts.w" in name else 4) if p.dtype == mx.uint32 else p.size
         b = release_bytes(name, n)
