@@ -90,8 +90,8 @@ for part in ${PART:-tests}; do
              tests/kernels/test_graph_runtime.py tests/model/test_graph_step.py 2>&1 | tail -12
            [ -n "${REPLAY:-}" ] && timeout 200 python3 tools/graph_replay.py --layers 43 --experts 32 --rows 1 \
              --context 4096 --reps 10 --json "$OUT/graph_replay.json" 2>&1 | grep -v Warn | tail -3
-           timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 \
-             --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9
+           timeout ${STEP_TIMEOUT:-$((590 - SECONDS))} python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
+             --reps 10 --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9
            [ -n "${TESTS_AFTER:-}" ] && timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf \
              -p no:cacheprovider $TESTS_AFTER 2>&1 | tail -8 ;;
     graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \
