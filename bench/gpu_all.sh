@@ -13,8 +13,9 @@
 #                against MLX's and through the Engine), (REPLAY=1) tools/graph_replay.py at 43 layers, then bench/step.py at rows
 #                1 and 8, 4K, arms fast / graph (CUPTI); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
 #                gpu tests after the step, in the time left
-#   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth), then 8 layers:
-#                bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
+#   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
+#   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
+#                (AGREE_ARMS=glue: the first two only)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -95,17 +96,18 @@ for part in ${PART:-tests}; do
            [ -n "${TESTS_AFTER:-}" ] && timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf \
              -p no:cacheprovider $TESTS_AFTER 2>&1 | tail -8 ;;
     graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \
-                 --server-args "$flash --decode-graphs on" --out "$OUT/serve_graphs.json" 2>&1 | tail -9
-               # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
+                 --server-args "$flash --decode-graphs on" --out "$OUT/serve_graphs.json" 2>&1 | tail -9 ;;
+    agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (bench/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"
                for arm in on glue off; do
                  g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
-                 env "${env[@]}" timeout 150 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
+                 env "${env[@]}" timeout 200 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
                    --out "$OUT/agree_$arm.json" 2>&1 | tail -1
+                 [ -n "${AGREE_ARMS:-}" ] && [ $arm = "${AGREE_ARMS}" ] && break
                done
-               python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_glue.json"
-               python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_off.json" ;;
+               for arm in glue off; do [ -f "$OUT/agree_$arm.json" ] && \
+                 python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
