@@ -221,7 +221,3 @@ def address(a: mx.array) -> int | None:
         return None
     return int(n.ctypes.data)
 
-
-def contiguous(a: mx.array) -> bool:
-    """Row-contiguous as the launch reads it (`ensure_row_contiguous`: MLX copies anything else first)."""
-    return a.nbytes == 0 or bool(_numpy(a).flags.c_contiguous)
