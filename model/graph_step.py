@@ -169,8 +169,11 @@ class GraphStep:
 
     # ---- capture ------------------------------------------------------------------------------
     def capture(self, handles: Sequence[Any]) -> None:
-        """One graph for each row count 1..len(handles) (the handles: admitted, their state scratch)."""
-        for n in range(1, len(handles) + 1):
+        """One graph for each row count 1..len(handles) (the handles: admitted, their state scratch). The largest
+        first: its plan sizes the shared arena and staging buffer, which then never grow (a buffer that grows
+        leaves every graph captured before it to be captured again at its first replay: 44 ms each at 43 layers
+        on the H100, on a first request's tokens)."""
+        for n in range(len(handles), 0, -1):
             t0 = time.perf_counter()
             try:
                 why = self._capture(handles[:n])

@@ -342,6 +342,7 @@ class Engine:
 
             precompile_model(self.args, self.model.dtype, self.pools.page_size,
                              inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip
+        phases = {"kernels": time.perf_counter() - t0}  # where a start's warm-up goes (the log line below)
         handles = [self.admit(2) for _ in range(self.max_rows)]
         try:
             # Every batch size once: the compiled layer segments are traced per batch size.
@@ -350,6 +351,7 @@ class Engine:
         finally:
             for h in handles:
                 self.release(h)
+        phases["steps"] = time.perf_counter() - t0 - sum(phases.values())
         # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
         # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
         # on a fresh H200), which would otherwise land on the first request's time to first token.
@@ -361,6 +363,9 @@ class Engine:
                 mx.eval(self.pools.arrays())
             finally:
                 self.release(h)
+        phases["prefill"] = time.perf_counter() - t0 - sum(phases.values())
         if self.graphs is not None:
             self.graphs.capture()
-        log.info("warm-up took %.2f s", time.perf_counter() - t0)
+            phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
+        log.info("warm-up took %.2f s (%s)", time.perf_counter() - t0,
+                 ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))  # fmt: skip
