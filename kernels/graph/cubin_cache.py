@@ -78,15 +78,29 @@ class CubinCache:
         self.hits = self.builds = self.rebuilt = 0
         self._version: str | None = None
 
+    def _entry(self, source: str, name: str, arch: str) -> tuple[bytes, Path]:
+        """The kernel's key and its file (the cache has a directory)."""
+        if self._version is None:
+            self._version = nvrtc_version()
+        k = key(source, name, arch, self._version)
+        return k, self.dir / f"{k.hex()[:40]}.cubin"  # type: ignore[operator]
+
+    def has(self, source: str, name: str, arch: str) -> bool:
+        """A valid entry for this kernel is on disk (read and checked as `get` would)."""
+        if self.dir is None:
+            return False
+        k, path = self._entry(source, name, arch)
+        try:
+            return decode(path.read_bytes(), k) is not None
+        except OSError:
+            return False
+
     def get(self, source: str, name: str, arch: str,
             build: Callable[[], tuple[bytes, str]]) -> tuple[bytes, str]:  # fmt: skip
         if self.dir is None:
             self.builds += 1
             return build()
-        if self._version is None:
-            self._version = nvrtc_version()
-        k = key(source, name, arch, self._version)
-        path = self.dir / f"{k.hex()[:40]}.cubin"
+        k, path = self._entry(source, name, arch)
         try:
             data = path.read_bytes()
         except OSError:

@@ -70,8 +70,22 @@ class Runtime:
         major, minor = self.device.compute_capability
         self.arch = nvrtc.arch(major, minor)
         self._kernels: dict[str, Any] = {}
+        self._built: dict[str, tuple[bytes, str]] = {}  # prebuild's (cubin, lowered name) by translation unit
         self.cubins = CubinCache(cache_dir)  # None: every start builds with NVRTC
         self._buffers: list[Any] = []  # cuda.core allocations the graphs use: they live as long as the runtime
+
+    def prebuild(self, launches: Sequence[RawLaunch], workers: int | None = None) -> int:
+        """Build every kernel of `launches` that is neither loaded nor in the cubin cache at once
+        (`nvrtc.compile_many`); `kernel` then takes them. How many were built."""
+        todo: dict[str, str] = {}
+        for ln in launches:
+            src = translation_unit(ln.kernel, ln.template, ln.inputs, [o.dtype for o in ln.outputs])
+            if src not in self._kernels and src not in self._built and src not in todo:
+                name = entry(ln.kernel)
+                if not self.cubins.has(src, name, self.arch):
+                    todo[src] = name
+        self._built.update(nvrtc.compile_many(todo, self.arch, workers))
+        return len(todo)
 
     def kernel(self, launch: RawLaunch) -> Any:
         """The launch's kernel, built with NVRTC (`nvrtc.py`: the same build the CPU suite checks) the first time its
@@ -84,7 +98,9 @@ class Runtime:
         k = self._kernels.get(src)
         if k is None:
             name = entry(launch.kernel)
-            cubin, lowered = self.cubins.get(src, name, self.arch, lambda: nvrtc.compile_cubin(src, name, self.arch))
+            built = self._built.pop(src, None)  # prebuild's, stored in the cache by `get`
+            cubin, lowered = self.cubins.get(src, name, self.arch,
+                                             lambda: built or nvrtc.compile_cubin(src, name, self.arch))  # fmt: skip
             k = ObjectCode.from_cubin(cubin, name=launch.kernel.name).get_kernel(lowered)
             if launch.kernel.shared_memory > DEFAULT_SHARED:
                 attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

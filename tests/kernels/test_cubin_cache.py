@@ -79,3 +79,25 @@ def test_no_directory_builds_every_time_and_an_unwritable_one_still_serves(tmp_p
     blocked.write_text("not a directory")
     cache = CubinCache(blocked / "cubins")
     assert _get(cache, 3)[1] == "k3" and cache.builds == 1
+
+
+def test_has_says_what_get_would_load(tmp_path: Path) -> None:
+    cache = CubinCache(tmp_path)
+    src = SRC % (3, 3)
+    assert not cache.has(src, "k3", "sm_90a")
+    _get(cache, 3)
+    assert cache.has(src, "k3", "sm_90a") and not cache.has(src, "k3", "sm_80")
+    _entry(tmp_path, 3).write_bytes(b"\0" * 64)  # damaged: get would rebuild it
+    assert not cache.has(src, "k3", "sm_90a")
+    assert not CubinCache(None).has(src, "k3", "sm_90a")
+
+
+def test_compile_many_gives_what_compile_cubin_gives_one_by_one() -> None:
+    from dsv4_serve.kernels.graph.nvrtc import compile_cubin, compile_many
+
+    units = {SRC % (i, i): f"k{i}" for i in range(4, 7)}
+    got = compile_many(units, "sm_90a", workers=3)
+    assert list(got) == list(units)
+    for src, name in units.items():
+        assert got[src] == compile_cubin(src, name, "sm_90a")
+    assert compile_many({}, "sm_90a") == {}
