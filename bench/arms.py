@@ -14,6 +14,8 @@ retrace after each switch).
   other arm runs without them, whatever DSV4_GRAPH_GLUE says;
 - `graph`: the step replayed as one CUDA graph (model/graph_step.py: `graph_glue`'s launches, captured once a row
   count), then the engine's greedy read-back (bench/step.py's `graph_loop`).
+- `graph_dag`: `graph` with each launch waiting only for the launches it depends on (kernels/graph/deps.py), not
+  for the one before it (`DSV4_GRAPH_DAG=1` in the engine).
 Each arm holds the f32-multiplied weights as it reads them (bf16 as stored for the skinny kernels, f32
 copies for MLX's matmuls: both kept).
 """
@@ -29,7 +31,7 @@ SKINNY_OPS = ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear
               "experts_gate_up_rows", "experts_down_rows", "grouped_qlinear_rows")  # fmt: skip
 GLUE_OPS = ("rms_norm_rows", "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "hc_pre_norm_rows",
             "moe_combine_post_rows", "rms_rope_rows")  # fmt: skip
-ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", "graph_glue", "graph")
+ARMS = ("fast", "unfused", "mlx_mm", "no_glue", "hc_one", "graph_glue", "graph", "graph_dag")
 _as_held: dict[bool, list[tuple[str, mx.array]]] = {}
 
 
@@ -94,7 +96,7 @@ def set_arm(arm: str, model: Any) -> None:
         from dsv4_serve.kernels.cuda import set_graph_glue
 
         kh.set_split(arm != "hc_one")
-        set_graph_glue(arm in ("graph_glue", "graph"))
+        set_graph_glue(arm in ("graph_glue", "graph", "graph_dag"))
         fast = _fast_ops() | (_unfused() if arm == "unfused" else {})
     for op in SKINNY_OPS + GLUE_OPS:
         if op in fast and (skinny if op in SKINNY_OPS else arm != "no_glue"):

@@ -11,7 +11,8 @@
 #                graph_glue (CUPTI)
 #   PART=graph   the decode graphs: their gpu tests (runtime, a kernel past 48 KiB of shared memory, the replayed step
 #                against MLX's and through the Engine), (REPLAY=1) tools/graph_replay.py at 43 layers, then bench/step.py at rows
-#                1 and 8, 4K, arms fast / graph (CUPTI); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
+#                1 and 8, 4K, arms fast / graph (CUPTI; GRAPH_ARMS=fast,graph,graph_dag: the launches as a
+#                dependency graph too); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
 #                gpu tests after the step, in the time left
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
@@ -92,7 +93,7 @@ for part in ${PART:-tests}; do
            [ -n "${REPLAY:-}" ] && timeout 200 python3 tools/graph_replay.py --layers 43 --experts 32 --rows 1 \
              --context 4096 --reps 10 --json "$OUT/graph_replay.json" 2>&1 | grep -v Warn | tail -3
            timeout ${STEP_TIMEOUT:-$((590 - SECONDS))} python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
-             --reps 10 --profile --arms fast,graph --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9
+             --reps 10 --profile --arms ${GRAPH_ARMS:-fast,graph} --out "$OUT/graph_step.json" 2>&1 | grep -v Warn | tail -9
            [ -n "${TESTS_AFTER:-}" ] && timeout $((590 - SECONDS)) python3 -m pytest -m gpu -q --tb=short -rf \
              -p no:cacheprovider $TESTS_AFTER 2>&1 | tail -8 ;;
     graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \

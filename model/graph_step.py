@@ -22,6 +22,7 @@ device-to-device copy) and hands the home array back to the pools; no graph is c
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dsv4_serve.kernels.graph import record
+from dsv4_serve.kernels.graph.deps import dependencies
 from dsv4_serve.kernels.graph.plan import StepPlan, fallback_reason
 from dsv4_serve.kernels.graph.record import RawLaunch, Recorder
 from dsv4_serve.kernels.graph.staging import Staging, step_values
@@ -149,12 +151,17 @@ class Graph:
     staging: Staging
     exec: Any = None
     pools: tuple[str, ...] = ()  # labels of the pools its launches touch
+    deps: list[tuple[int, ...]] | None = None  # each launch's, for a graph of dependencies (GraphStep(dag=True))
 
 
 class GraphStep:
-    def __init__(self, model: Any, pools: Any, recorder: Recorder, cache_dir: Path | None = None) -> None:
+    def __init__(self, model: Any, pools: Any, recorder: Recorder, cache_dir: Path | None = None,
+                 dag: bool | None = None) -> None:  # fmt: skip
+        """`dag`: each graph's launches wait only for those they depend on (kernels/graph/deps.py), not each for
+        the one before; None: `DSV4_GRAPH_DAG=1` (off by default until measured against the chain)."""
         from dsv4_serve.kernels.graph.runtime import Runtime
 
+        self.dag = os.environ.get("DSV4_GRAPH_DAG", "0").strip() == "1" if dag is None else dag
         self.model, self.pools, self.rec = model, pools, recorder
         self.rt = Runtime(cache_dir)
         self.widths = {r: pools.table_width(r) for r in pools.ratios}
@@ -252,7 +259,12 @@ class GraphStep:
             return base + ref.offset
 
         args = [[at(r) for r in (*ln.inputs, *ln.outputs)] for ln in plan.launches]
-        g.exec = self.rt.capture_at(g.launches, args)
+        if self.dag:
+            if g.deps is None:
+                g.deps = dependencies(plan, [ln.kernel for ln in g.launches])
+            g.exec = self.rt.capture_dag(g.launches, args, g.deps)
+        else:
+            g.exec = self.rt.capture_at(g.launches, args)
 
     def _launch(self, g: Graph, values: dict[str, np.ndarray]) -> None:
         host = g.staging.pack(values)

@@ -156,6 +156,39 @@ class Runtime:
             launch(gb, cfg, k, *at)
         return gb.end_building().complete()
 
+    def capture_dag(self, launches: Sequence[RawLaunch], args: Sequence[Sequence[int]],
+                    deps: Sequence[Sequence[int]]) -> Any:  # fmt: skip
+        """`capture_at`'s graph with launch i waiting only for the launches `deps[i]` (`deps.dependencies`)
+        instead of for the one before it: built node by node (cuda.core's GraphDefinition), not captured."""
+        from cuda.core import LaunchConfig
+        from cuda.core import graph as cgraph
+
+        kernels = [self.kernel(ln) for ln in launches]
+        gd = cgraph.GraphDefinition()
+        nodes: list[Any] = []
+        for ln, k, at, d in zip(launches, kernels, args, deps, strict=True):
+            if len(at) != len(ln.inputs) + len(ln.outputs):
+                raise ValueError(f"{ln.kernel.name}: {len(at)} addresses for {len(ln.inputs) + len(ln.outputs)} "
+                                 "arguments")  # fmt: skip
+            pred = [nodes[j] for j in d]
+            if ln.init_value is not None:  # MLX's fill of the outputs, as memset nodes the launch waits for
+                fills = []
+                for o, a in zip(ln.outputs, at[len(ln.inputs) :], strict=True):
+                    if o.dtype not in WORDS:
+                        raise ValueError(f"{ln.kernel.name}: init_value on a {o.dtype} output (4-byte words only)")
+                    m = gd.memset(a, np.array(ln.init_value, dtype=WORDS[o.dtype]).tobytes(), o.nbytes // 4)
+                    if pred:
+                        m.pred = pred
+                    fills.append(m)
+                pred = pred + fills
+            blocks = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup, strict=True))  # MLX's grid is threads
+            node = gd.launch(LaunchConfig(grid=blocks, block=ln.threadgroup, shmem_size=ln.kernel.shared_memory), k,
+                             *at)  # fmt: skip
+            if pred:
+                node.pred = pred
+            nodes.append(node)
+        return gd.instantiate()
+
     def upload(self, address: int, host: np.ndarray) -> None:
         """Host bytes to device memory on the runtime's stream (a pageable source: the call returns once the
         bytes are staged, so the host buffer may be reused at once)."""

@@ -59,6 +59,14 @@ def test_replayed_chain_equals_mlx() -> None:
         rt.replay(graph)
         rt.wait()
         assert mx.array_equal(outs[-1] + 0, y).item()  # `+ 0`: MLX reads the buffer the graph wrote
+        # the same launches built node by node with their dependencies (kernels/graph/deps.py's form)
+        for o in outs:
+            rt.zero(mlx_address(o), o.nbytes)
+        args = [[address[id(a)] for a in (*ln.inputs, *ln.outputs)] for ln in rec.launches]
+        dag = rt.capture_dag(rec.launches, args, [(), (0,), (1,)])
+        rt.replay(dag)
+        rt.wait()
+        assert mx.array_equal(outs[-1] + 0, y).item()
     finally:
         mx.fast.cuda_kernel = base
         common._kernels.clear()

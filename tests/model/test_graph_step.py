@@ -63,7 +63,8 @@ def _model(layers: int = 4):
     return random_model(flash_args(layers, 16))
 
 
-def test_replay_equals_the_mlx_step_bit_for_bit(graphs_on, tmp_path) -> None:
+@pytest.mark.parametrize("dag", [False, True], ids=["chain", "dag"])
+def test_replay_equals_the_mlx_step_bit_for_bit(graphs_on, tmp_path, dag: bool) -> None:
     from bench.step import fill_state
     from dsv4_serve.model.graph_step import GraphStep, pool_arrays
     from dsv4_serve.model.state import StatePools
@@ -72,7 +73,7 @@ def test_replay_equals_the_mlx_step_bit_for_bit(graphs_on, tmp_path) -> None:
     pools = StatePools(model.args, max_slots=4, max_positions=1024, page_size=64, dtype=model.dtype)
     handles = [pools.alloc(1024) for _ in range(3)]
     fill_state(pools, 700)
-    g = GraphStep(model, pools, graphs_on, tmp_path)
+    g = GraphStep(model, pools, graphs_on, tmp_path, dag=dag)
     g.capture(handles)
     assert sorted(g.graphs) == [1, 2, 3], g.reasons
     pos = [517, 300, 655]
