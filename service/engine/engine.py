@@ -22,6 +22,7 @@ from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
 from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
 from dsv4_serve.service.engine.speculator import Speculator
+from dsv4_serve.service.engine.warmup import warm_up
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.
@@ -331,41 +332,5 @@ class Engine:
         return None if self._forward is None else self._forward.rows
 
     def warmup(self) -> None:
-        """Run a step at every batch size and one prefill so kernels and compiled segments are built before
-        /ready says yes."""
-        t0 = time.perf_counter()
-        from dsv4_serve.kernels import backend
-
-        if backend.name() == "cuda":  # NVRTC compiles each variant once per process: do it before /ready
-            from dsv4_serve.kernels.cuda import precompile_model
-            from dsv4_serve.model import attention
-
-            precompile_model(self.args, self.model.dtype, self.pools.page_size,
-                             inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip
-        phases = {"kernels": time.perf_counter() - t0}  # where a start's warm-up goes (the log line below)
-        handles = [self.admit(2) for _ in range(self.max_rows)]
-        try:
-            # Every batch size once: the compiled layer segments are traced per batch size.
-            for width in range(1, self.max_rows + 1):
-                mx.eval(self.step([(h, 0, 0) for h in handles[:width]]))
-        finally:
-            for h in handles:
-                self.release(h)
-        phases["steps"] = time.perf_counter() - t0 - sum(phases.values())
-        # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
-        # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
-        # on a fresh H200), which would otherwise land on the first request's time to first token.
-        n = min(self.max_model_len, 1 + max(self.args.compress_ratios, default=0))
-        if self.parallel_prefill and self.fits_ever(n):
-            h = self.admit(n)
-            try:
-                self.prefill(h, [0] * n, 0)  # token 0, as the steps above
-                mx.eval(self.pools.arrays())
-            finally:
-                self.release(h)
-        phases["prefill"] = time.perf_counter() - t0 - sum(phases.values())
-        if self.graphs is not None:
-            self.graphs.capture()
-            phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
-        log.info("warm-up took %.2f s (%s)", time.perf_counter() - t0,
-                 ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))  # fmt: skip
+        """Build every kernel and compiled segment a request needs before /ready says yes (warmup.py)."""
+        warm_up(self)

@@ -1,0 +1,55 @@
+"""The engine's warm-up (`Engine.warmup`): what a start does after the weights are loaded and before /ready."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from dsv4_serve.service.engine.engine import Engine
+
+log = logging.getLogger("dsv4.engine")
+
+
+def warm_up(eng: Engine) -> None:
+    """A step at every batch size and one prefill, so kernels and compiled segments are built before /ready says
+    yes; then the decode graphs, if on. Its log line splits the time by phase."""
+    t0 = time.perf_counter()
+    from dsv4_serve.kernels import backend
+
+    if backend.name() == "cuda":  # NVRTC compiles each variant once per process: do it before /ready
+        from dsv4_serve.kernels.cuda import precompile_model
+        from dsv4_serve.model import attention
+
+        precompile_model(eng.args, eng.model.dtype, eng.pools.page_size,
+                         inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip
+    phases = {"kernels": time.perf_counter() - t0}  # where a start's warm-up goes (the log line below)
+    handles = [eng.admit(2) for _ in range(eng.max_rows)]
+    try:
+        # Every batch size once: the compiled layer segments are traced per batch size.
+        for width in range(1, eng.max_rows + 1):
+            mx.eval(eng.step([(h, 0, 0) for h in handles[:width]]))
+    finally:
+        for h in handles:
+            eng.release(h)
+    phases["steps"] = time.perf_counter() - t0 - sum(phases.values())
+    # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
+    # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
+    # on a fresh H200), which would otherwise land on the first request's time to first token.
+    n = min(eng.max_model_len, 1 + max(eng.args.compress_ratios, default=0))
+    if eng.parallel_prefill and eng.fits_ever(n):
+        h = eng.admit(n)
+        try:
+            eng.prefill(h, [0] * n, 0)  # token 0, as the steps above
+            mx.eval(eng.pools.arrays())
+        finally:
+            eng.release(h)
+    phases["prefill"] = time.perf_counter() - t0 - sum(phases.values())
+    if eng.graphs is not None:
+        eng.graphs.capture()
+        phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
+    log.info("warm-up took %.2f s (%s)", time.perf_counter() - t0,
+             ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))  # fmt: skip
