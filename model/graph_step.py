@@ -172,6 +172,7 @@ class GraphStep:
         self._arena, self._arena_bytes = 0, 0
         self._staging, self._staging_bytes = 0, 0
         self._dirty = False
+        self.last_wait = 0.0  # seconds the last replay waited for the GPU
         self.stats: Counter[str] = Counter()  # replays, recaptures, refreshes; seconds as *_ms
 
     # ---- capture ------------------------------------------------------------------------------
@@ -271,7 +272,9 @@ class GraphStep:
         mx.synchronize()  # MLX's queued work (state writes, the last step's sampler) before the graph
         self.rt.upload(self._staging, host)
         g.exec.launch(self.rt.stream)
+        t0 = time.perf_counter()
         self.rt.wait()
+        self.last_wait = time.perf_counter() - t0  # the GPU's share of the replay call, for the host split
 
     # ---- replay -------------------------------------------------------------------------------
     def touched(self) -> None:

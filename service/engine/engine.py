@@ -227,8 +227,10 @@ class Engine:
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
         if self.graphs is not None:  # one replayed graph (it has run when this returns), or the MLX step below
             logits = self.graphs.step(feeds, tokens)
-            if logits is not None:
-                self.host_seconds["encode"] += time.perf_counter() - t0
+            if logits is not None:  # the host's part of the replay call, and its wait for the GPU
+                wait = self.graphs.last_wait
+                self.host_seconds["encode"] += time.perf_counter() - t0 - wait
+                self.host_seconds["wait"] += wait
                 return logits
             self.touched()
         handles = [f[0] for f in feeds]

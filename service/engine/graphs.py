@@ -107,6 +107,11 @@ class DecodeGraphs:
             self.fallbacks[g.reasons.get(len(feeds), "no graph for this row count")] += 1
         return logits
 
+    @property
+    def last_wait(self) -> float:
+        """Seconds the last replay waited for the GPU (the engine counts them as `wait`, the rest as `encode`)."""
+        return 0.0 if self.graphs is None else self.graphs.last_wait
+
     def stats(self) -> dict[str, Any]:
         """Plain numbers for /metrics: graphs captured, replays, recaptures, pool moves, fallbacks by reason."""
         g = self.graphs
