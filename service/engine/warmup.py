@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import mlx.core as mx
-
-if TYPE_CHECKING:
-    from dsv4_serve.service.engine.engine import Engine
 
 log = logging.getLogger("dsv4.engine")
 
 
-def warm_up(eng: Engine) -> None:
+def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports this module)
     """A step at every batch size and one prefill, so kernels and compiled segments are built before /ready says
     yes; then the decode graphs, if on. Its log line splits the time by phase."""
     t0 = time.perf_counter()
