@@ -13,6 +13,9 @@ bench/step.py's build / encode split.
     python bench/serve.py --out bench-serve.json [--concurrency 1,2,4,8,16] [--input-len 32 --output-len 64]
         [--plot serve.png] [--url http://host:8000] [--long-prompt 16384 --long-delay 1]
 
+`--request-rate R` sends the prompts as Poisson arrivals at R requests/s (vLLM's flag; each then waits for a free
+slot of the concurrency), for TTFT with arrivals spread over time; every cell also reports the median TTFT of its
+first wave (the first `concurrency` requests: a burst when the rate is inf, the default).
 `--long-prompt N` sends one N-token prompt into each cell and splits the streams' ITL by its prefill (issue 30's
 "7 streams keep streaming while a 16K prompt prefills": `--concurrency 7 --output-len 512 --long-prompt 16384`).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -112,15 +116,23 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
 
 
 async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, long_prompt=None,
-               long_delay=1.0) -> tuple[dict, list[dict]]:  # fmt: skip
+               long_delay=1.0, rate=math.inf, seed=0) -> tuple[dict, list[dict]]:  # fmt: skip
     """The cell's prompts at `concurrency`; with `long_prompt`, one more request of it (1 output token) sent
-    `long_delay` s in, whose prefill the streams' ITL is then split by (`interference`)."""
+    `long_delay` s in, whose prefill the streams' ITL is then split by (`interference`). `rate` (requests/s, as
+    vLLM's --request-rate): the prompts arrive as a Poisson process at that rate, each then waiting for a free
+    slot of `concurrency`; inf: all at once (the first `concurrency` are a burst)."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        t += rng.expovariate(rate) if math.isfinite(rate) else 0.0
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         await asyncio.gather(*(one(client, url, model, p, out_len) for p in prompts[:warmups]))
 
-        async def guarded(p):
+        async def guarded(p, at: float):
+            await asyncio.sleep(at)
             async with sem:
                 return await one(client, url, model, p, out_len)
 
@@ -132,10 +144,15 @@ async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, l
 
         t0 = time.perf_counter()
         long_task = asyncio.create_task(long_request()) if long_prompt else None
-        results = await asyncio.wait_for(asyncio.gather(*(guarded(p) for p in prompts)), time_limit)
+        results = await asyncio.wait_for(asyncio.gather(*(guarded(p, at) for p, at in zip(prompts, arrivals,
+                                                                                                 strict=True))),
+                                         time_limit)  # fmt: skip
         duration = time.perf_counter() - t0
         window = await long_task if long_task else None
     summary = summarize(results, duration, concurrency)
+    first = [r["ttft"] for r in results[:concurrency] if r["ok"]]  # the first wave: a burst when rate is inf
+    summary |= {"request_rate": rate if math.isfinite(rate) else "inf",
+                "median_ttft_first_wave_ms": statistics.median(first) * 1e3 if first else 0.0}
     if window:
         sent, done, long = window
         summary |= interference(results, sent, done, len(long_prompt), long)
@@ -199,6 +216,9 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="tokens of one more prompt sent into each cell (its ITL split by its prefill; 0: none)")
     ap.add_argument("--long-delay", type=float, default=1.0, help="seconds into the cell to send it")
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="requests/s, Poisson arrivals (vLLM's --request-rate), each waiting for a free slot of the "
+                    "concurrency; default inf: all at once")
     ap.add_argument("--time-limit", type=float, default=600, help="seconds per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "serve.json"))
@@ -225,7 +245,7 @@ def main() -> None:
             long_prompt = [rng.randrange(2, vocab_hi) for _ in range(opt.long_prompt)] or None
             summary, results = asyncio.run(
                 cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit, long_prompt,
-                     opt.long_delay)  # fmt: skip
+                     opt.long_delay, opt.request_rate, opt.seed)  # fmt: skip
             )
             after = scrape(url)
             summary["engine_host_ms_per_step"] = host_ms_per_step(engine_host(before), engine_host(after))
@@ -234,8 +254,9 @@ def main() -> None:
             cells.append(summary)
             host = " ".join(f"{k} {v:.2f}" for k, v in summary["engine_host_ms_per_step"].items())
             print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
-                  f"median TTFT {summary['median_ttft_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms; "
-                  f"engine host ms a step: {host}", flush=True)
+                  f"TTFT median {summary['median_ttft_ms']:.1f} / p99 {summary['p99_ttft_ms']:.1f} / first wave "
+                  f"{summary['median_ttft_first_wave_ms']:.1f} ms, median TPOT {summary['median_tpot_ms']:.2f} ms, "
+                  f"ITL p99 {summary['p99_itl_ms']:.1f} ms; engine host ms a step: {host}", flush=True)
             split = ", ".join(f"{p} {v['median_ms']:.1f} / {v['mean_ms']:.1f}"
                               for p, v in summary["ttft_phases_ms"].items())  # fmt: skip
             print(f"  TTFT by phase, median / mean ms: {split}", flush=True)
