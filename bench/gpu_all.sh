@@ -15,6 +15,8 @@
 #                dependency graph too); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
 #                gpu tests after the step, in the time left
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
+#   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
+#                p99 and first wave (issue 59)
 #   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
 #                (AGREE_ARMS=glue: the first two only)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
@@ -98,6 +100,10 @@ for part in ${PART:-tests}; do
              -p no:cacheprovider $TESTS_AFTER 2>&1 | tail -8 ;;
     graphhttp) timeout 330 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 2 \
                  --server-args "$flash --decode-graphs on" --out "$OUT/serve_graphs.json" 2>&1 | tail -9 ;;
+    ttft)      # issue 59's TTFT: 1 stream, then 8 with Poisson arrivals at 4 requests/s (each cell's first wave: a
+               # burst), against the graph engine (full depth)
+               timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
+                 --request-rate 4 --server-args "$flash --decode-graphs on" --out "$OUT/serve_ttft.json" 2>&1 | tail -9 ;;
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (bench/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"
