@@ -15,6 +15,7 @@ that run's JSON, whose meta has the copy; else `--copy-gbs`), then the step's GP
 (bench/step.py's floor_bytes over the copy). Writes JSON where `--out` says.
 
     python bench/roofline.py --layers 4 --experts 16 --rows 1,8                         # the byte table, any machine
+    python bench/roofline.py --experts 32 --rows 1,8 --from-profile --step-json step.json  # a --profile run's times
     python3 bench/roofline.py --experts 32 --rows 1,8 --contexts 4096 --trace $OUT/traces \
         --step-json $OUT/step_graph.json --out $OUT/roofline.json                       # after the GPU run
 """
@@ -40,6 +41,7 @@ from bench.roofline_table import (  # noqa: E402
     Pool,
     byte_table,
     join,
+    kernel_class,
     layer_of_launches,
     steps_in,
     trace_table,
@@ -105,6 +107,21 @@ def record(model, rec, rows: int, ctx: int):  # noqa: ANN001, ANN201 - (plan, na
     return plan, names, inits, pool_info(pools)
 
 
+def profile_table(step_json: Path, arm: str, rows: int, ctx: int) -> tuple[dict[str, list[float]], float]:
+    """`trace_table`'s (class -> [launches, us], busy us) for one step, from bench/step.py's JSON: the arm's CUPTI
+    profile at `rows` and `ctx` (its `top` list: kernel name, launches a step, ms a step)."""
+    for cell in json.loads(step_json.read_text())["results"]:
+        if cell["arm"] == arm and cell["rows"] == rows and cell["context"] == ctx and "top" in cell:
+            by: dict[str, list[float]] = {}
+            for name, n, ms in cell["top"]:
+                cls = "memcpy" if name.startswith("Memcpy") else kernel_class(name)
+                c = by.setdefault(cls, [0, 0.0])
+                c[0] += n
+                c[1] += ms * 1e3
+            return by, cell["gpu_busy_ms_per_step"] * 1e3
+    raise SystemExit(f"roofline.py: {step_json} has no profile of arm {arm} at {rows} rows, context {ctx}")
+
+
 def trace_path(trace: Path, ctx: int, rows: int, arm: str) -> Path:
     return trace / f"trace_{ctx}_{rows}_{arm}.json" if trace.is_dir() else trace
 
@@ -139,6 +156,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps a trace holds (0: from its launches)")
     ap.add_argument("--step-json", type=Path, help="the traced run's bench/step.py JSON (its copy bandwidth)")
     ap.add_argument("--copy-gbs", type=float, default=0.0, help="the copy's GB/s (else --step-json's)")
+    ap.add_argument("--from-profile", action="store_true",
+                    help="no trace: each class's GPU time from --step-json's CUPTI profile of --arm (its `top` "
+                    "kernels a step and busy time: bench/step.py --profile), for a run whose traces were not kept")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     opt = ap.parse_args()
     mx.set_default_device(mx.cpu)  # the plan is the same on any device; the CPU's is the one tests/bench checks
@@ -146,7 +166,9 @@ def main() -> None:
     from bench.step import flash_args, floor_bytes, random_model
 
     copy = opt.copy_gbs * 1e9
-    if opt.trace and not copy:
+    if opt.from_profile and not opt.step_json:
+        raise SystemExit("roofline.py: --from-profile needs --step-json")
+    if (opt.trace or opt.from_profile) and not copy:
         if not opt.step_json:
             raise SystemExit("roofline.py: --trace needs the run's copy bandwidth: --step-json or --copy-gbs")
         copy = json.loads(opt.step_json.read_text())["meta"]["copy_bw_GBs"] * 1e9
@@ -171,7 +193,12 @@ def main() -> None:
             wb, sb = floor_bytes(model, rows, ctx)
             total["floor_GB"] = (wb + sb) / 1e9
             trace, steps = {}, 1
-            if opt.trace:
+            if opt.from_profile:
+                trace, busy = profile_table(opt.step_json, opt.arm, rows, ctx)
+                total |= {"busy_ms": busy / 1e3, "copy_GBs": copy / 1e9, "floor_ms": (wb + sb) / copy * 1e3}
+                total["busy_x_floor"] = total["busy_ms"] / total["floor_ms"]
+                total["x_copy"] = total["bytes"] / (total["busy_ms"] / 1e3) / copy
+            elif opt.trace:
                 path = trace_path(opt.trace, ctx, rows, opt.arm)
                 if not path.is_file():
                     raise SystemExit(f"roofline.py: no trace {path} (bench/step.py --arms {opt.arm} --traces)")
