@@ -106,3 +106,13 @@ def test_bench_median_interpolates_in_the_median_bucket() -> None:
     got = ttft_split(before, after)["queue"]
     # the 2nd of 4 lies in (1, 2.5] ms, which holds the 2nd and 3rd: halfway from its lower edge to the 3rd
     assert got == {"count": 4.0, "mean_ms": pytest.approx(2.5), "median_ms": pytest.approx(1.75)}
+
+
+def test_pacing_is_on_by_default_at_twice_the_measured_step(server) -> None:
+    """A server started with no flag paces prefill slices (`--itl-target-ms auto`): once it has stepped, its target
+    in /metrics is set (twice the EWMA of its iterations with a step and no prefill), not 0 (off)."""
+    streamed_ttft(server.url, [5, 6, 7], max_tokens=24)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name == "dsv4_itl_target_seconds"}  # fmt: skip
+    assert 0 < got["dsv4_itl_target_seconds"] < 5.0, got
