@@ -191,7 +191,11 @@ class GraphStep:
                 log.exception("graph recording at %d rows failed", n)
                 recorded[n] = f"recording failed: {type(e).__name__}: {e}"
         t1 = time.perf_counter()
-        built = self.rt.prebuild([ln for got in recorded.values() if not isinstance(got, str) for ln in got[1]])
+        try:
+            built = self.rt.prebuild([ln for got in recorded.values() if not isinstance(got, str) for ln in got[1]])
+        except Exception:  # noqa: BLE001 - each capture builds what it lacks, and a failure there has its row count
+            log.exception("decode graphs: building the kernels at once failed; each capture builds its own")
+            built = 0
         t2 = time.perf_counter()
         for n, got in recorded.items():
             t3 = time.perf_counter()
