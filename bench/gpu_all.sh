@@ -17,6 +17,7 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
+#   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
 #                (AGREE_ARMS=glue: the first two only)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
@@ -104,6 +105,10 @@ for part in ${PART:-tests}; do
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
                  --request-rate 4 --server-args "$flash --decode-graphs on" --out "$OUT/serve_ttft.json" 2>&1 | tail -9 ;;
+    spec)      # issue 61's "before": one user's tok/s with MTP speculation, drafts forced right (1.0) or at 0.7 a draft,
+               # against the plain engine and the plain graph engine (bench/spec_decode.py)
+               timeout 560 python3 bench/spec_decode.py --experts 32 --prompt 4096 --tokens 48 --ks 1,3 \
+                 --accept 1.0,0.7 --graph --out "$OUT/spec_decode.json" 2>&1 | grep -v Warn | tail -8 ;;
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (bench/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"

@@ -62,3 +62,17 @@ def test_step_and_kernels_plots(tmp_path: Path) -> None:
            for op, ctx, us in [("indexer_rows", 8192, 28.7), ("indexer_rows", 131072, 63.6),
                                ("sparse_attention_rows", 8192, 31.2)]]  # fmt: skip
     assert png_size(plot_kernels(ops, meta, tmp_path / "kernels.png")) == (1200, 480)
+
+
+@pytest.mark.slow
+def test_spec_decode_forced_drafts_keep_the_plain_tokens(tmp_path: Path) -> None:
+    """bench/spec_decode.py on the tiny model: with drafts forced right (acceptance 1.0) and forced wrong half the
+    time, each arm's greedy tokens are the plain engine's, every forced-right draft is accepted."""
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, "bench/spec_decode.py", "--tiny", "--prompt", "8", "--tokens", "10", "--ks", "2",
+           "--accept", "1.0,0.5", "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cells = json.loads(out.read_text())["results"]
+    assert [c["arm"] for c in cells] == ["plain", "spec", "spec"] and all(c["exact"] for c in cells)
+    assert cells[1]["accepted_per_draft"] == 1.0 and cells[2]["accepted_per_draft"] < 1.0
