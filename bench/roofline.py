@@ -2,7 +2,7 @@
 fraction of a plain copy's bandwidth it reaches (issue 60's first bullet).
 
 The bytes come from the CUDA graph plan of the V4-Flash step (43 layers, mxfp8 + mxfp4 as released, `--experts N`
-routed experts a layer as bench/step.py runs it): `model/graph_step.record_step` records each row count's launches
+routed experts a layer as bench/step.py runs it): `model/graph_record.record_step` records each row count's launches
 with every kernel stood in for (bench/stand_in.py: the GPU's launch list for the same shapes, on any machine, the
 weights zeros) and the plan sorts each argument into weights, state, intermediates. bench/roofline_table.py's
 model turns them into bytes a step at each context (its docstring: the routed experts' expected distinct experts of
@@ -69,8 +69,8 @@ def stand_in_recorder():  # noqa: ANN201 - kernels.graph.record.Recorder (import
 
 
 def pool_info(pools) -> dict[str, Pool]:  # noqa: ANN001 - model.state.StatePools
-    """The plan's pool labels (model/graph_step.pool_arrays) -> what each is."""
-    from dsv4_serve.model.graph_step import pool_arrays
+    """The plan's pool labels (model/graph_record.pool_arrays) -> what each is."""
+    from dsv4_serve.model.graph_record import pool_arrays
 
     ratios = pools.args.compress_ratios
     what = {}
@@ -92,7 +92,7 @@ def pool_info(pools) -> dict[str, Pool]:  # noqa: ANN001 - model.state.StatePool
 def record(model, rec, rows: int, ctx: int):  # noqa: ANN001, ANN201 - (plan, names, inits, pools)
     """The plan of a step of `rows` rows over pools sized as bench/step.py sizes them for context `ctx` (the table
     widths pick kernels: the indexer's form, attention's split), its launches' input names and fills, its pools."""
-    from dsv4_serve.model.graph_step import record_step
+    from dsv4_serve.model.graph_record import record_step
     from dsv4_serve.model.state import StatePools
 
     cap = ctx + 4 * 12 + 64  # bench/step.py's capacity at its default --reps

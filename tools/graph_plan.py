@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from dsv4_serve.model.graph_step import named_arrays, pool_arrays  # noqa: E402
+from dsv4_serve.model.graph_record import named_arrays, pool_arrays  # noqa: E402
 from tools.build_profile import _stand_in, zero_weights  # noqa: E402
 
 

@@ -37,7 +37,7 @@ class Staging:
 
 
 def step_values(rows: Sequence[Row], tokens: Sequence[int], table_width: Mapping[int, int]) -> dict[str, np.ndarray]:
-    """The step's inputs by the names `model/graph_step.named_arrays` gives them, as RowBatch.build lays them out:
+    """The step's inputs by the names `model/graph_record.named_arrays` gives them, as RowBatch.build lays them out:
     tokens, slots, positions, q_rows [B] and each ratio's block table [B, width] padded with the trash page 0."""
     out = {"tokens": np.asarray(tokens, np.int32), "slots": np.asarray([r.slot for r in rows], np.int32),
            "positions": np.asarray([r.position for r in rows], np.int32),

@@ -106,7 +106,7 @@ set_graph_glue(True)
 zero_weights()
 from bench.step import flash_args, random_model
 from dsv4_serve.kernels.graph.deps import dependencies, written_inputs
-from dsv4_serve.model.graph_step import record_step
+from dsv4_serve.model.graph_record import record_step
 from dsv4_serve.model.state import StatePools
 model = random_model(flash_args(4, 16))
 pools = StatePools(model.args, max_slots=3, max_positions=512, page_size=64, dtype=model.dtype)

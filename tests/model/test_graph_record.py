@@ -1,4 +1,4 @@
-"""model/graph_step.record_step on the CPU: the engine's graph capture records the V4-Flash step (the CUDA path with
+"""model/graph_record.record_step on the CPU: the engine's graph capture records the V4-Flash step (the CUDA path with
 each kernel stood in for, as tools/graph_plan.py does) into a plan with no gap at every row count, its logits the
 last launch's output. It once recorded on the batch its warm-up step had used, whose memoized RoPE tables were then
 no launch's output (468 gaps on the H100, 2026-12-06): the recording takes a fresh batch."""
@@ -26,7 +26,7 @@ backend._use_fast = lambda: True
 set_graph_glue(True)
 zero_weights()
 from bench.step import flash_args, random_model
-from dsv4_serve.model.graph_step import record_step
+from dsv4_serve.model.graph_record import record_step
 from dsv4_serve.model.state import StatePools
 model = random_model(flash_args(4, 16))
 pools = StatePools(model.args, max_slots=3, max_positions=512, page_size=64, dtype=model.dtype)

@@ -66,7 +66,8 @@ def _model(layers: int = 4):
 @pytest.mark.parametrize("dag", [False, True], ids=["chain", "dag"])
 def test_replay_equals_the_mlx_step_bit_for_bit(graphs_on, tmp_path, dag: bool) -> None:
     from bench.step import fill_state
-    from dsv4_serve.model.graph_step import GraphStep, pool_arrays
+    from dsv4_serve.model.graph_record import pool_arrays
+    from dsv4_serve.model.graph_step import GraphStep
     from dsv4_serve.model.state import StatePools
 
     model = _model()

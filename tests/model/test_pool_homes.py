@@ -1,4 +1,4 @@
-"""model/graph_step.set_pool and StatePools.set_array on the CPU: every state array a graph reads (the pools in
+"""model/graph_record.set_pool and StatePools.set_array on the CPU: every state array a graph reads (the pools in
 `StatePools.arrays()` order, the kernels' workspaces) can be put back where it came from by its label; the decode
 graphs hand each moved pool's home array back this way (docs/cuda_graphs.md)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dsv4_serve.model.graph_step import pool_arrays, set_pool
+from dsv4_serve.model.graph_record import pool_arrays, set_pool
 from dsv4_serve.model.state import StatePools
 from dsv4_serve.model.tiny import tiny_model
 
