@@ -1,11 +1,12 @@
 """The decode step replayed as CUDA graphs: one graph per row count over the weights and state MLX owns.
 
 Capture (`GraphStep.capture`, at warm-up, on the engine thread): a step of R rows runs once through MLX with
-`kernels.graph.record.Recorder` keeping its launches (model/graph_record.py's `record_step`) (MLX's compile off, so every launch is seen); its plan
-(`kernels/graph/plan.py`) sorts every argument into weights, pools and constants (their addresses as MLX keeps
-them), step inputs (a staging buffer the host fills), and intermediates (one static arena). The step's logits, the
-last launch's output, go to a persistent MLX array the sampler reads. The graph is then replayed once over the
-same inputs and must give MLX's logits bit for bit, or the row count keeps the MLX step (its reason kept).
+`kernels.graph.record.Recorder` keeping its launches (MLX's compile off, so every launch is seen:
+model/graph_record.py's `record_step`); its plan (`kernels/graph/plan.py`) sorts every argument into weights,
+pools and constants (their addresses as MLX keeps them), step inputs (a staging buffer the host fills), and
+intermediates (one static arena). The step's logits, the last launch's output, go to a persistent MLX array the
+sampler reads. The graph is then replayed once over the same inputs and must give MLX's logits bit for bit, or the
+row count keeps the MLX step (its reason kept).
 
 Replay (`GraphStep.replay`): the rows' ints packed into the staging buffer (one host-to-device copy), one graph
 launch after MLX's queued work, a wait; no MLX node is built. A row count without a graph returns None: the
@@ -80,12 +81,12 @@ class GraphStep:
 
     # ---- capture ------------------------------------------------------------------------------
     def capture(self, handles: Sequence[Any]) -> None:
-        """One graph for each row count 1..len(handles) (the handles: admitted, their state scratch). The largest
-        first: its plan sizes the shared arena and staging buffer, which then never grow (a buffer that grows
-        leaves every graph captured before it to be captured again at its first replay: 44 ms each at 43 layers
-        on the H100, on a first request's tokens). Every row count is recorded first, then the kernels none of
-        them has built yet are built at once, NVRTC in parallel threads (each row count has ~10 kernels of its own:
-        301 s for 8 one after the other at 43 layers on the H100), then each graph is captured and checked."""
+        """One graph for each row count 1..len(handles) (the handles: admitted, their state scratch). Every row
+        count is recorded first; then the kernels none of them has built yet are built at once, NVRTC in parallel
+        threads (each row count has ~10 kernels of its own: 301 s for 8 one after the other at 43 layers on the
+        H100); then the shared arena and staging buffer are sized for the largest plan, so they never grow (a
+        buffer that grows leaves every graph captured before it to be captured again at its first replay: 44 ms
+        each at 43 layers on the H100, on a first request's tokens); then each graph is captured and checked."""
         t0, recorded = time.perf_counter(), {}
         for n in range(len(handles), 0, -1):  # a step at position 0 gives the same logits whatever the state
             try:
@@ -100,6 +101,9 @@ class GraphStep:
             log.exception("decode graphs: building the kernels at once failed; each capture builds its own")
             built = 0
         t2 = time.perf_counter()
+        for got in recorded.values():  # the arena and staging buffer as large as the largest plan's before any graph
+            if not isinstance(got, str):
+                self._grow(got[0])
         for n, got in recorded.items():
             t3 = time.perf_counter()
             try:
