@@ -89,8 +89,8 @@ class _EngineCollector(Collector):
             ("spec_accepted_tokens_total", "spec_accepted_tokens", "Draft tokens accepted"),
             ("spec_verify_steps_total", "spec_verify_steps", "Request-steps that verified drafts"),
             ("graph_replays", "graph_replays", "Decode steps run as one replayed CUDA graph"),
-            ("graph_recaptures", "graph_recaptures", "Decode graphs captured again because a state pool moved"),
-            ("graph_pool_moves", "graph_pool_moves", "State pools found in a new buffer before a replay"),
+            ("graph_recaptures", "graph_recaptures", "Decode graphs captured again (their arena grew)"),
+            ("graph_pool_moves", "graph_pool_moves", "State pools MLX moved, copied back home before a replay"),
             ("canary_checks_total", "canary_checks", "Correctness canary checks compared with the start-up decode"),
             ("canary_failures_total", "canary_failures", "Correctness canary checks whose tokens or logprobs differed"),
         ):
