@@ -46,26 +46,9 @@ from bench.roofline_table import (  # noqa: E402
     steps_in,
     trace_table,
 )
+from bench.stand_in import stand_in_recorder  # noqa: E402
 
 FAMILIES = ("window", "comp_kv", "comp_score", "idx_kv", "idx_score", "ckv", "ikeys")  # StatePools.arrays()' order
-
-
-def stand_in_recorder():  # noqa: ANN201 - kernels.graph.record.Recorder (imported after the stand-in)
-    """The recorder over stand-in kernels, installed before kernels.cuda makes its kernel objects; the backend picks
-    the fast ops and the glue kernels (the graph step's launches, as service/engine/graphs.prepare sets them)."""
-    from bench.stand_in import stand_in, zero_weights
-    from dsv4_serve.kernels.graph.record import Recorder
-
-    rec = Recorder(stand_in)
-    rec.install()
-    import dsv4_serve.kernels.cuda  # noqa: F401  (registers the fast ops, their kernels through the recorder)
-    from dsv4_serve.kernels import backend
-    from dsv4_serve.kernels.cuda import set_graph_glue
-
-    backend._use_fast = lambda: True
-    set_graph_glue(True)
-    zero_weights()
-    return rec
 
 
 def pool_info(pools) -> dict[str, Pool]:  # noqa: ANN001 - model.state.StatePools
@@ -162,7 +145,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "roofline.json"))
     opt = ap.parse_args()
     mx.set_default_device(mx.cpu)  # the plan is the same on any device; the CPU's is the one tests/bench checks
-    rec = stand_in_recorder()
+    rec = stand_in_recorder()  # bench/stand_in.py
     from bench.step import flash_args, floor_bytes, random_model
 
     copy = opt.copy_gbs * 1e9

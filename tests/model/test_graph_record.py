@@ -15,23 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 import mlx.core as mx
-from tools.build_profile import _stand_in, zero_weights
-from dsv4_serve.kernels.graph.record import Recorder
-rec = Recorder(_stand_in)
-rec.install()
-import dsv4_serve.kernels.cuda
-from dsv4_serve.kernels import backend
-from dsv4_serve.kernels.cuda import set_graph_glue
-backend._use_fast = lambda: True
-set_graph_glue(True)
-zero_weights()
-from bench.step import flash_args, random_model
+from bench.stand_in import stand_in_recorder
+rec = stand_in_recorder()
+from bench.stand_in import flash_rows
 from dsv4_serve.model.graph_record import record_step
-from dsv4_serve.model.state import StatePools
-model = random_model(flash_args(4, 16))
-pools = StatePools(model.args, max_slots=3, max_positions=512, page_size=64, dtype=model.dtype)
-handles = [pools.alloc(512) for _ in range(3)]
-widths = {r: pools.table_width(r) for r in pools.ratios}
+model, pools, handles, widths = flash_rows()
 out = {}
 for n in (1, 2, 3):
     got = record_step(model, pools, rec, handles[:n], widths)
