@@ -113,16 +113,12 @@ def hardening_flags(p: argparse.ArgumentParser) -> None:
                    help="a file of >= 32 bytes keying the HMAC of exported states (GET /v1/state); servers that "
                    "share it import each other's exports (default: a random key at start: exports do not "
                    "outlive the process)  [DSV4_STATE_SECRET_FILE]")  # fmt: skip
-    p.add_argument("--stream-queue", type=int,
-                   help="token events held for one slow stream before it is aborted (default 1024)  "
-                   "[DSV4_STREAM_QUEUE]")  # fmt: skip
-    p.add_argument("--stream-stall-timeout", type=float,
-                   help="seconds one stream write may block before the request is aborted (default 60)  "
-                   "[DSV4_STREAM_STALL_TIMEOUT]")  # fmt: skip
-    p.add_argument("--grammar-timeout", type=float,
-                   help="seconds one grammar compile (response_format, guided_*, tool_choice) may take before it "
-                   "is killed and the request gets a 400 (default 10)  [DSV4_GRAMMAR_TIMEOUT]")  # fmt: skip
-    for flag, kind, text in (  # connections and bodies under a hostile client (service/api/connections.py)
+    for flag, kind, text in (  # streams, connections and bodies, grammar compiles under a hostile client
+        ("--stream-queue", int, "token events held for one slow stream before it is aborted (default 1024)"),
+        ("--stream-stall-timeout", float, "seconds one stream write may block before the request is aborted "
+         "(default 60)"),
+        ("--grammar-timeout", float, "seconds one grammar compile (response_format, guided_*, tool_choice) may take "
+         "before it is killed and the request gets a 400 (default 10)"),
         ("--max-connections", int, "client connections held at once; past it the longest-idle one is closed "
          "(default: the open-file limit less a quarter)"),
         ("--head-timeout", float, "seconds a new connection has to send its request head (default 10)"),
@@ -130,16 +126,12 @@ def hardening_flags(p: argparse.ArgumentParser) -> None:
         ("--body-timeout", float, "seconds a request body may pause; past them it must average --body-min-rate, "
          "else 408 (default 30)"),
         ("--body-min-rate", float, "KiB/s a request body averages once --body-timeout has passed (default 64)"),
+        ("--grammar-workers", int, "grammar compile processes (default 2)"),
+        ("--grammar-per-key", int, "compile processes one API key may hold at a time; its other compiles queue, "
+         "keys are served round robin (default 1)"),
+        ("--grammar-memory-mb", int, "address space a compile process may add past its start (RLIMIT_AS; past it "
+         "the request gets a 400) (default 2048)"),
+        ("--grammar-mask-budget", float, "seconds a guided row's token mask may take a step; 3 times over it and "
+         "the request is ended with a 400-class error (default 0.02)"),
     ):
         p.add_argument(flag, type=kind, help=f"{text}  [DSV4_{flag[2:].replace('-', '_').upper()}]")
-    p.add_argument("--grammar-workers", type=int,
-                   help="grammar compile processes (default 2)  [DSV4_GRAMMAR_WORKERS]")  # fmt: skip
-    p.add_argument("--grammar-per-key", type=int,
-                   help="compile processes one API key may hold at a time; its other compiles queue, keys are "
-                   "served round robin (default 1)  [DSV4_GRAMMAR_PER_KEY]")  # fmt: skip
-    p.add_argument("--grammar-memory-mb", type=int,
-                   help="address space a compile process may add past its start (RLIMIT_AS; past it the request "
-                   "gets a 400) (default 2048)  [DSV4_GRAMMAR_MEMORY_MB]")  # fmt: skip
-    p.add_argument("--grammar-mask-budget", type=float,
-                   help="seconds a guided row's token mask may take a step; 3 times over it and the request is "
-                   "ended with a 400-class error (default 0.02)  [DSV4_GRAMMAR_MASK_BUDGET]")  # fmt: skip
