@@ -276,8 +276,6 @@ def main() -> None:
         "model": model, "input_len": opt.input_len, "output_len": opt.output_len,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "greedy_c1_equals_c8": same,
-        # the fixed prompts' texts (the widest cell's): another server's run compares with them (gpu_all.sh graphhttp)
-        "greedy_texts": check[max(check)] if check else None,
     } | provenance()
     try:
         import mlx.core as mx
