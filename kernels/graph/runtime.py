@@ -60,6 +60,28 @@ def _ok(result: object, what: str) -> None:
         raise RuntimeError(f"{what}: {err}")
 
 
+def _config(ln: RawLaunch) -> Any:
+    """The launch's cuda.core LaunchConfig (MLX's grid counts threads, CUDA's blocks)."""
+    from cuda.core import LaunchConfig
+
+    blocks = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup, strict=True))
+    return LaunchConfig(grid=blocks, block=ln.threadgroup, shmem_size=ln.kernel.shared_memory)
+
+
+def _fills(ln: RawLaunch, at: Sequence[int]) -> list[tuple[int, bytes, int]]:
+    """MLX's `init_value` fill of the launch's outputs as (address, 4-byte word, words); checks the addresses."""
+    if len(at) != len(ln.inputs) + len(ln.outputs):
+        raise ValueError(f"{ln.kernel.name}: {len(at)} addresses for {len(ln.inputs) + len(ln.outputs)} arguments")
+    if ln.init_value is None:
+        return []
+    out = []
+    for o, a in zip(ln.outputs, at[len(ln.inputs) :], strict=True):
+        if o.dtype not in WORDS:
+            raise ValueError(f"{ln.kernel.name}: init_value on a {o.dtype} output (4-byte words only)")
+        out.append((a, np.array(ln.init_value, dtype=WORDS[o.dtype]).tobytes(), o.nbytes // 4))
+    return out
+
+
 class Runtime:
     def __init__(self, cache_dir: Path | None = None) -> None:
         from cuda.core import Device
@@ -137,55 +159,37 @@ class Runtime:
         """One graph of `launches`, launch i's inputs then outputs at the device addresses `args[i]` (the engine's
         graphs: persistent arrays where MLX keeps them, intermediates in the arena, step inputs in staging)."""
         from cuda.bindings import driver
-        from cuda.core import LaunchConfig, launch
+        from cuda.core import launch
 
         kernels = [self.kernel(ln) for ln in launches]  # built before the capture: NVRTC is not capturable
         gb = self.stream.create_graph_builder().begin_building()
         for ln, k, at in zip(launches, kernels, args, strict=True):
-            if len(at) != len(ln.inputs) + len(ln.outputs):
-                raise ValueError(f"{ln.kernel.name}: {len(at)} addresses for {len(ln.inputs) + len(ln.outputs)} "
-                                 "arguments")  # fmt: skip
-            if ln.init_value is not None:  # MLX's fill of the outputs, as a memset node
-                for o, a in zip(ln.outputs, at[len(ln.inputs) :], strict=True):
-                    if o.dtype not in WORDS:
-                        raise ValueError(f"{ln.kernel.name}: init_value on a {o.dtype} output (4-byte words only)")
-                    bits = int(np.array(ln.init_value, dtype=WORDS[o.dtype]).view(np.uint32))
-                    _ok(driver.cuMemsetD32Async(a, bits, o.nbytes // 4, gb.stream.handle), "cuMemsetD32Async")
-            blocks = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup, strict=True))  # MLX's grid is threads
-            cfg = LaunchConfig(grid=blocks, block=ln.threadgroup, shmem_size=ln.kernel.shared_memory)
-            launch(gb, cfg, k, *at)
+            for a, word, n in _fills(ln, at):  # MLX's fill of the outputs, as a memset node
+                bits = int(np.frombuffer(word, np.uint32)[0])
+                _ok(driver.cuMemsetD32Async(a, bits, n, gb.stream.handle), "cuMemsetD32Async")
+            launch(gb, _config(ln), k, *at)
         return gb.end_building().complete()
 
     def capture_dag(self, launches: Sequence[RawLaunch], args: Sequence[Sequence[int]],
                     deps: Sequence[Sequence[int]]) -> Any:  # fmt: skip
         """`capture_at`'s graph with launch i waiting only for the launches `deps[i]` (`deps.dependencies`)
         instead of for the one before it: built node by node (cuda.core's GraphDefinition), not captured."""
-        from cuda.core import LaunchConfig
         from cuda.core import graph as cgraph
 
         kernels = [self.kernel(ln) for ln in launches]
         gd = cgraph.GraphDefinition()
         nodes: list[Any] = []
         for ln, k, at, d in zip(launches, kernels, args, deps, strict=True):
-            if len(at) != len(ln.inputs) + len(ln.outputs):
-                raise ValueError(f"{ln.kernel.name}: {len(at)} addresses for {len(ln.inputs) + len(ln.outputs)} "
-                                 "arguments")  # fmt: skip
             pred = [nodes[j] for j in d]
-            if ln.init_value is not None:  # MLX's fill of the outputs, as memset nodes the launch waits for
-                fills = []
-                for o, a in zip(ln.outputs, at[len(ln.inputs) :], strict=True):
-                    if o.dtype not in WORDS:
-                        raise ValueError(f"{ln.kernel.name}: init_value on a {o.dtype} output (4-byte words only)")
-                    m = gd.memset(a, np.array(ln.init_value, dtype=WORDS[o.dtype]).tobytes(), o.nbytes // 4)
-                    if pred:
-                        m.pred = pred
-                    fills.append(m)
-                pred = pred + fills
-            blocks = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup, strict=True))  # MLX's grid is threads
-            node = gd.launch(LaunchConfig(grid=blocks, block=ln.threadgroup, shmem_size=ln.kernel.shared_memory), k,
-                             *at)  # fmt: skip
-            if pred:
-                node.pred = pred
+            fills = []
+            for a, word, n in _fills(ln, at):  # MLX's fill of the outputs, as memset nodes the launch waits for
+                m = gd.memset(a, word, n)
+                if pred:
+                    m.pred = pred
+                fills.append(m)
+            node = gd.launch(_config(ln), k, *at)
+            if pred or fills:
+                node.pred = pred + fills
             nodes.append(node)
         return gd.instantiate()
 
