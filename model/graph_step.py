@@ -76,6 +76,7 @@ class GraphStep:
         self._arena, self._arena_bytes = 0, 0
         self._staging, self._staging_bytes = 0, 0
         self._dirty = False
+        self.pending = False  # a replay launched and not yet waited for (`settle`)
         self.last_wait = 0.0  # seconds the last replay waited for the GPU
         self.stats: Counter[str] = Counter()  # replays, recaptures, refreshes; seconds as *_ms
 
@@ -178,18 +179,31 @@ class GraphStep:
         else:
             g.exec = self.rt.capture_at(g.launches, args)
 
-    def _launch(self, g: Graph, values: dict[str, np.ndarray]) -> None:
+    def _launch(self, g: Graph, values: dict[str, np.ndarray], wait: bool = True) -> None:
+        self.settle()  # one replay in flight at a time: its logits are read before the next overwrites them
         host = g.staging.pack(values)
         mx.synchronize()  # MLX's queued work (state writes, the last step's sampler) before the graph
         self.rt.upload(self._staging, host)
         g.exec.launch(self.rt.stream)
+        self.pending, self.last_wait = True, 0.0
+        if wait:
+            self.settle()
+
+    def settle(self) -> float:
+        """Wait for the replay in flight, if any (before MLX reads its logits or touches the state it writes);
+        the seconds waited (`last_wait`: the GPU's share, for the host split)."""
+        if not self.pending:
+            return 0.0
         t0 = time.perf_counter()
         self.rt.wait()
-        self.last_wait = time.perf_counter() - t0  # the GPU's share of the replay call, for the host split
+        self.pending, self.last_wait = False, time.perf_counter() - t0
+        return self.last_wait
 
     # ---- replay -------------------------------------------------------------------------------
     def touched(self) -> None:
-        """MLX wrote the state: pools may have moved (read again before the next replay)."""
+        """MLX is about to write the state: the replay in flight ends first (it writes the same pools), and pools
+        may move (read again before the next replay)."""
+        self.settle()
         self._dirty = True
 
     def refresh(self) -> None:
@@ -221,9 +235,9 @@ class GraphStep:
         self.rt.wait()
         return len(moved)
 
-    def replay(self, rows: Sequence[Row], tokens: Sequence[int]) -> mx.array | None:
+    def replay(self, rows: Sequence[Row], tokens: Sequence[int], wait: bool = True) -> mx.array | None:
         """The step's logits [rows, vocab] f32 (valid until the next replay), or None: no graph for this row
-        count (`reasons`)."""
+        count (`reasons`). `wait` False: the graph is left running (`settle` before MLX reads the logits)."""
         g = self.graphs.get(len(rows))
         if g is None:
             return None
@@ -234,6 +248,6 @@ class GraphStep:
             self._build(g)
             self.stats["recaptures"] += 1
             self.stats["recapture_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
-        self._launch(g, step_values(rows, tokens, self.widths))
+        self._launch(g, step_values(rows, tokens, self.widths), wait)
         self.stats["replays"] += 1
         return g.logits

@@ -87,8 +87,9 @@ class Engine:
         rec = engine_graphs.prepare(decode_graphs, speculative)
         self.graphs = None if rec is None else engine_graphs.DecodeGraphs(self, rec, decode_graphs, graph_cache_dir)
         if self.graphs is not None:
-            # a replay reads its tokens from the host (the staging copy): no step queued on device-side tokens
-            self.pipeline_decode = False
+            # a replay reads its tokens from the host (the staging copy): the next step is queued with the host's
+            # tokens once a step is read back, before its events go out (stepping.decode_step), not on the device's
+            self.pipeline_decode, self.pipeline_host = False, True
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its
@@ -148,10 +149,16 @@ class Engine:
         return self.pools.alloc(n_tokens)
 
     def touched(self) -> None:
-        """MLX work wrote (or may have written) the state pools: the decode graphs read their addresses again
-        before the next replay (a pool MLX wrote may be a new buffer)."""
+        """MLX work is about to write the state pools: a replay left running ends first, and the decode graphs read
+        the pools' addresses again before the next replay (a pool MLX wrote may be a new buffer)."""
         if self.graphs is not None:
+            self.settle()
             self.graphs.touched()
+
+    def settle(self) -> None:
+        """Wait for a step left running (`step(wait=False)`) before MLX reads its logits or the state it writes."""
+        if self.graphs is not None:
+            self.host_seconds["wait"] += self.graphs.settle()
 
     def release(self, handle: Handle) -> None:
         """Free a request's state; a slot the prefill forward in flight still writes is freed when it ends."""
@@ -194,6 +201,7 @@ class Engine:
         cache = self.prefix_cache
         if cache is None or not fed:
             return
+        self.settle()
         if fed == len(prompt_ids) - 1:
             cache.store(handle, prompt_ids[:fed], ns=namespace)
         elif cache.interval and (fed % cache.interval == 0 or fed == first_turn(prompt_ids, self.snapshot_token)):
@@ -201,6 +209,7 @@ class Engine:
 
     def retire(self, handle: Handle, tokens: Sequence[int], request_id: str, namespace: Namespace = SHARED) -> None:
         """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""
+        self.settle()  # a step left running may still write this state (it fed the request's last token)
         try:
             if self.prefix_cache is not None and tokens:
                 self.prefix_cache.store(handle, tokens, request_id, ns=namespace)
@@ -217,20 +226,24 @@ class Engine:
     # token ids must be known on the host first (the distributed leader sends its followers the sampled
     # tokens by an all_sum inside the step instead: service/engine/follower.py).
     pipeline_decode = True
+    # The replayed graphs' form of it (their tokens come from the host): the next step queued once a step's tokens
+    # are read back, before the host publishes them (`step(wait=False)`, then `settle`).
+    pipeline_host = False
 
-    def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None) -> mx.array:
+    def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None,
+             wait: bool = True) -> mx.array:  # fmt: skip
         """One batched step: row i feeds token feeds[i][1] (or tokens[i], an int32 device array) at position
         feeds[i][2]. Returns logits [B, V] f32; the state update is already scheduled with them, so the
-        sampler's one sync covers both."""
+        sampler's one sync covers both. `wait` False: a replayed step may be left running (`settle` first)."""
         t0 = time.perf_counter()
         if not 1 <= len(feeds) <= self.max_rows:
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
-        if self.graphs is not None:  # one replayed graph (it has run when this returns), or the MLX step below
-            logits = self.graphs.step(feeds, tokens)
+        if self.graphs is not None:  # one replayed graph (run when this returns, unless `wait` is False), or MLX's
+            logits = self.graphs.step(feeds, tokens, wait)
             if logits is not None:  # the host's part of the replay call, and its wait for the GPU
-                wait = self.graphs.last_wait
-                self.host_seconds["encode"] += time.perf_counter() - t0 - wait
-                self.host_seconds["wait"] += wait
+                waited = self.graphs.last_wait if wait else 0.0
+                self.host_seconds["encode"] += time.perf_counter() - t0 - waited
+                self.host_seconds["wait"] += waited
                 return logits
             self.touched()
         handles = [f[0] for f in feeds]

@@ -6,7 +6,9 @@
   step's glue runs as its own kernels (`DSV4_GRAPH_GLUE`), which a gapless plan needs.
 - `DecodeGraphs.capture` (the engine's warm-up, after the MLX step is built): one graph per row count.
 - `DecodeGraphs.step`: the replayed step's logits, or None where a step cannot replay (the engine then runs the
-  MLX step); each such step counts its reason (`dsv4_graph_fallback_total{reason}`).
+  MLX step); each such step counts its reason (`dsv4_graph_fallback_total{reason}`). A step may be left running
+  (`wait=False`: the worker's next step, queued with the host's tokens before this one's events go out) until
+  `settle`, which the engine calls before MLX reads its logits or touches the state.
 """
 
 from __future__ import annotations
@@ -88,8 +90,10 @@ class DecodeGraphs:
         if self.graphs is not None:
             self.graphs.touched()
 
-    def step(self, feeds: Sequence[tuple[Any, int | None, int]], tokens: mx.array | None) -> mx.array | None:
-        """The replayed step's logits for `feeds` (handle, token, position), or None: run the MLX step."""
+    def step(self, feeds: Sequence[tuple[Any, int | None, int]], tokens: mx.array | None,
+             wait: bool = True) -> mx.array | None:  # fmt: skip
+        """The replayed step's logits for `feeds` (handle, token, position), or None: run the MLX step. `wait`
+        False: the graph is left running; `settle` before anything reads the logits or touches the state."""
         from dsv4_serve.kernels.rows import Row
 
         g = self.graphs
@@ -102,10 +106,14 @@ class DecodeGraphs:
             if not 0 <= p < h.capacity:
                 raise ValueError(f"decode: position {p} is outside the request's capacity {h.capacity}")
         rows = [Row(slot=h.slot, position=int(p), q_row=i, tables=h.tables) for i, (h, _, p) in enumerate(feeds)]
-        logits = g.replay(rows, [int(t) for _, t, _ in feeds])  # type: ignore[arg-type]
+        logits = g.replay(rows, [int(t) for _, t, _ in feeds], wait)  # type: ignore[arg-type]
         if logits is None:
             self.fallbacks[g.reasons.get(len(feeds), "no graph for this row count")] += 1
         return logits
+
+    def settle(self) -> float:
+        """Wait for a replay left running; the seconds waited."""
+        return 0.0 if self.graphs is None else self.graphs.settle()
 
     @property
     def last_wait(self) -> float:

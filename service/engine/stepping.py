@@ -52,10 +52,27 @@ def can_pipeline(engine: Engine, sched: Scheduler, plan: list[Request], held: in
     and none reaches a length limit now. A row that stops on EOS / a stop id delays the head's
     admission by one step. `held`: running rows left out of the plan by a prefill forward in flight (its
     next slice is built in the iteration that reads the step queued ahead)."""
-    if not (getattr(engine, "pipeline_decode", False) and len(plan) + held == sched.num_running
+    if not ((getattr(engine, "pipeline_decode", False) or getattr(engine, "pipeline_host", False))
+            and len(plan) + held == sched.num_running
             and all(needs_sample(r) and r.output_ids for r in plan)):  # fmt: skip
         return False
     return not sched.num_waiting or (sched.num_running >= sched.max_rows and all(map(sched.will_continue, plan)))
+
+
+def queue_host(engine: Engine, sched: Scheduler, plan: list[Request], sampled: dict[str, Any],
+               ) -> tuple[Ahead | None, tuple[list[Request], Exception] | None]:  # fmt: skip
+    """pipeline_host: the rows' next step, fed the tokens just read back, left running while the host publishes
+    this step's (the same rows as the device form: those that continue, a stop token fed as there); (the step
+    queued, or the rows it failed with the error)."""
+    rows = [r for r in plan if sched.will_continue(r)]
+    if not rows:
+        return None, None
+    try:
+        feeds = [(sched.handles[r.request_id], int(sampled[r.request_id][0]), r.fed + 1) for r in rows]
+        return Ahead(rows, engine.step(feeds, wait=False), 0.0), None
+    except Exception as e:  # noqa: BLE001 - those rows fail after this step's tokens
+        log.exception("engine step (queued ahead) failed (%d rows)", len(rows))
+        return None, (rows, e)
 
 
 def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: Callable[..., Pending],
@@ -75,6 +92,9 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
     spec_failed: tuple[list[Request], Exception] | None = None
     try:
         logits = engine.step(sched.feeds(plan)) if ahead is None else ahead[0]
+        settle = getattr(engine, "settle", None)
+        if settle is not None:  # a replayed step queued ahead (pipeline_host) has run before MLX reads its logits
+            settle()
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
         # A prompt token fed through the step (not the parallel prefill) of a row that scores its prompt.
@@ -97,7 +117,7 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
             )
             if host is not None:
                 host["sample"] += time.perf_counter() - ts
-            if pipeline and can_pipeline(engine, sched, plan, held):
+            if pipeline and getattr(engine, "pipeline_decode", False) and can_pipeline(engine, sched, plan, held):
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
                 if keep:
                     nrows = [plan[i] for i in keep]
@@ -116,6 +136,9 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
         else:
             mx.eval(logits)  # a prefill-only step still has to run
         scored = [sched.scored(r, p.result()) for r, p in prompt_lps]
+        if pipeline and nxt is None and getattr(engine, "pipeline_host", False) and can_pipeline(engine, sched, plan,
+                                                                                                  held):  # fmt: skip
+            nxt, spec_failed = queue_host(engine, sched, plan, sampled)
     except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
         log.exception("engine step failed (%d rows)", len(plan))
         events = sched.fail([r.request_id for r in plan], f"engine step failed: {type(e).__name__}: {e}")

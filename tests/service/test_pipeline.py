@@ -14,34 +14,47 @@ import gc
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from dsv4_serve.service.engine.request import FinishReason, SamplingParams, TokenEvent
-from tests.service.test_worker import GREEDY, ControlledEngine, collect, make_engine, reference, run, tokens
+from tests.service.test_worker import GREEDY, ControlledEngine, collect, reference, run, tokens
 from tests.service.test_worker import tiny as tiny  # noqa: F401 - the module-scoped model fixture
 
 
 class RecordingEngine(ControlledEngine):
-    """The real engine; notes which steps were fed device tokens, and can fail those (`fail_ahead`)."""
+    """The real engine; notes which steps were queued ahead (fed device tokens, or left running with the host's:
+    `host=True` makes it pipeline as the replayed graphs do, pipeline_host), and can fail those (`fail_ahead`)."""
 
-    def __init__(self, model, *, fail_ahead: bool = False, **kw) -> None:
+    def __init__(self, model, *, fail_ahead: bool = False, host: bool = False, **kw) -> None:
         super().__init__(model, **kw)
         self.fail_ahead = fail_ahead
         self.ahead_steps = 0
         self.host_steps = 0
+        self.settles = 0
+        if host:
+            self.pipeline_decode, self.pipeline_host = False, True
 
-    def step(self, feeds, tokens=None):
-        if tokens is None:
+    def step(self, feeds, tokens=None, wait=True):
+        if tokens is None and wait:
             self.host_steps += 1
         else:
+            assert (tokens is None) is self.pipeline_host  # each form queues ahead its own way
             self.ahead_steps += 1
             if self.fail_ahead:
                 raise RuntimeError("step ahead failed on purpose")
-        return super().step(feeds, tokens)
+        return super().step(feeds, tokens, wait)
+
+    def settle(self):
+        self.settles += 1
+        super().settle()
 
 
 def recording(tiny, **kw) -> RecordingEngine:  # noqa: F811
     model = tiny[0]
     return RecordingEngine(model, max_rows=8, max_model_len=128, page_size=64, **kw)
+
+
+MODES = ("device", "host")  # the MLX step's pipelining (device tokens) and the replayed graphs' (host tokens)
 
 
 def shape(e: TokenEvent) -> tuple:
@@ -65,7 +78,8 @@ def mixed_requests(tiny) -> list[tuple[list[int], SamplingParams]]:  # noqa: F81
     ]
 
 
-def test_pipelined_equals_read_back_every_step(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_equals_read_back_every_step(tiny, mode) -> None:  # noqa: F811
     reqs = mixed_requests(tiny)
 
     async def body(w, eng):
@@ -77,7 +91,7 @@ def test_pipelined_equals_read_back_every_step(tiny) -> None:  # noqa: F811
 
     runs = {}
     for pipeline in (True, False):
-        eng = recording(tiny)
+        eng = recording(tiny, host=mode == "host")
         runs[pipeline] = run(body, eng, pipeline=pipeline)
         assert (eng.ahead_steps > 0) is pipeline
     for on, off in zip(runs[True], runs[False], strict=True):
@@ -90,21 +104,23 @@ def test_pipelined_equals_read_back_every_step(tiny) -> None:  # noqa: F811
     assert stopped[-1].finish_reason is FinishReason.STOP and len(tokens(stopped)) == 2
 
 
-def test_pipelined_greedy_equals_the_model_alone(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_greedy_equals_the_model_alone(tiny, mode) -> None:  # noqa: F811
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = [reference(tiny, p, params)[0] for p in ([3, 4, 5], [7, 8])]
 
     async def body(w, eng):
         return await asyncio.gather(collect(w, [3, 4, 5], params), collect(w, [7, 8], params))
 
-    eng = recording(tiny)
+    eng = recording(tiny, host=mode == "host")
     outs = run(body, eng)  # pipelining is the worker's default
     assert [tokens(o) for o in outs] == want
     # after the first (prefilled) step, the rest are queued ahead with device tokens
     assert eng.ahead_steps >= 6
 
 
-def test_pipelined_with_requests_waiting_for_a_row(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_pipelined_with_requests_waiting_for_a_row(tiny, mode) -> None:  # noqa: F811
     """Ten streams on eight rows: the two waiting ones cannot be admitted while every row is taken, so
     steps are still queued ahead; each waiting stream starts once a row frees, and every output is
     what the model gives the request alone."""
@@ -116,27 +132,29 @@ def test_pipelined_with_requests_waiting_for_a_row(tiny) -> None:  # noqa: F811
     async def body(w, eng):
         return await asyncio.gather(*(collect(w, p, s) for p, s in zip(prompts, params, strict=True)))
 
-    eng = recording(tiny)
+    eng = recording(tiny, host=mode == "host")
     outs = run(body, eng)
     assert [tokens(o) for o in outs] == want
     assert eng.ahead_steps > 0
 
 
-def test_no_step_ahead_past_max_tokens(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_no_step_ahead_past_max_tokens(tiny, mode) -> None:  # noqa: F811
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     want, _ = reference(tiny, [3, 4, 5], params)
 
     async def body(w, eng):
         return await collect(w, [3, 4, 5], params)
 
-    eng = recording(tiny)
+    eng = recording(tiny, host=mode == "host")
     out = run(body, eng)
     # token 1 comes from the prefill's step and token 2 from the next, read back at once (a first token
     # waits for no step ahead); tokens 3..5 from steps queued ahead, none after
     assert tokens(out) == want and eng.ahead_steps == 3
 
 
-def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny, mode) -> None:  # noqa: F811
     want, _ = reference(tiny, [5, 6], GREEDY)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never queues a step ahead
 
@@ -146,14 +164,15 @@ def test_failed_step_ahead_fails_its_rows_and_serving_goes_on(tiny) -> None:  # 
         good = await collect(w, [5, 6], one)
         return bad, in_use, good
 
-    bad, in_use, good = run(body, recording(tiny, fail_ahead=True))
+    bad, in_use, good = run(body, recording(tiny, fail_ahead=True, host=mode == "host"))
     # the first two tokens (the first is never pipelined; the second is read back before the failure of
     # the step queued with it is reported) arrive, then the error
     assert tokens(bad) == want[:2] and "step ahead failed on purpose" in bad[-1].error and in_use == 0
     assert tokens(good) == want[:1] and good[-1].finish_reason is FinishReason.LENGTH
 
 
-def test_abort_while_a_step_is_queued_ahead(tiny) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_abort_while_a_step_is_queued_ahead(tiny, mode) -> None:  # noqa: F811
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     want, _ = reference(tiny, [5, 6], GREEDY)
 
@@ -165,8 +184,9 @@ def test_abort_while_a_step_is_queued_ahead(tiny) -> None:  # noqa: F811
         mx.synchronize()
         return got, ok, eng.bytes_in_use()
 
-    got, ok, in_use = run(body, make_engine(tiny))
-    assert len(tokens(got)) == 3 and tokens(ok) == want and in_use == 0
+    eng = recording(tiny, host=mode == "host")
+    got, ok, in_use = run(body, eng)
+    assert len(tokens(got)) == 3 and tokens(ok) == want and in_use == 0 and eng.ahead_steps > 0
 
 
 def test_a_step_queued_ahead_updates_the_pools_in_place() -> None:

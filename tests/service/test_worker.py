@@ -52,11 +52,11 @@ class ControlledEngine(Engine):
         self.gate = threading.Event()
         self.gate.set()
 
-    def step(self, feeds, tokens=None):
+    def step(self, feeds, tokens=None, wait=True):
         self.gate.wait()
         if self.fail_token is not None and any(tok == self.fail_token for _, tok, _ in feeds):
             raise RuntimeError(f"step fed token {self.fail_token}")
-        return super().step(feeds, tokens)
+        return super().step(feeds, tokens, wait)
 
     def prefill_batch(self, work, **kw):  # prompts reach the model here first
         self.gate.wait()
