@@ -19,7 +19,7 @@
 #                p99 and first wave (issue 59)
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
-#                (AGREE_ARMS=glue: the first two only)
+#                (AGREE_ARMS="on off": those arms only)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -112,11 +112,10 @@ for part in ${PART:-tests}; do
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (bench/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"
-               for arm in on glue off; do
+               for arm in ${AGREE_ARMS:-on glue off}; do
                  g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
-                 env "${env[@]}" timeout 200 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
+                 env "${env[@]}" timeout 250 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
                    --out "$OUT/agree_$arm.json" 2>&1 | tail -1
-                 [ -n "${AGREE_ARMS:-}" ] && [ $arm = "${AGREE_ARMS}" ] && break
                done
                for arm in glue off; do [ -f "$OUT/agree_$arm.json" ] && \
                  python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
