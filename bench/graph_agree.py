@@ -111,7 +111,7 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     graph = {ln.split()[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
-             if ln.startswith("dsv4_graph") and not ln.startswith("#")}  # fmt: skip
+             if ln.startswith(("dsv4_graph", "dsv4_decode_steps_ahead")) and not ln.startswith("#")}  # fmt: skip
     got["meta"] = {"server_args": opt.server_args, "graph_metrics": graph} | provenance()
     Path(opt.out).write_text(json.dumps(got))
     errors = [r["error"] for part in ("joins_and_leaves", "prefix_hits") for r in got[part] if "error" in r]
