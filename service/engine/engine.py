@@ -20,7 +20,7 @@ from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
-from dsv4_serve.service.engine.sizing import free_device_bytes, pools_for_budget
+from dsv4_serve.service.engine.sizing import default_state_budget, pools_for_budget
 from dsv4_serve.service.engine.speculator import Speculator
 from dsv4_serve.service.engine.warmup import warm_up
 
@@ -68,15 +68,10 @@ class Engine:
         self.vocab_size = args.vocab_size
         self.eos_token_id = args.eos_token_id
         if state_budget_bytes is None:
-            # Default: what every row reaching max_model_len needs, but never more than 90% of free memory.
-            full = pools_for_budget(args, max_rows=max_rows, max_model_len=1, budget_bytes=None,
-                                    dtype=model.dtype, page_size=page_size, mtp=bool(speculative))
-            need = max_rows * full.bytes_for(self.max_model_len)
-            spare = int(0.9 * free_device_bytes())
-            if prefix_cache_bytes != 0 and self.parallel_prefill:  # the cache's slot copies: outside the pools
-                spare = int(spare * (1 - PREFIX_SHARE / (1 + PREFIX_SHARE)))
-            state_budget_bytes = None if need <= spare else spare
-            del full
+            state_budget_bytes = default_state_budget(
+                args, max_rows=max_rows, max_model_len=self.max_model_len, dtype=model.dtype, page_size=page_size,
+                mtp=bool(speculative), cache_share=PREFIX_SHARE if prefix_cache_bytes != 0 and self.parallel_prefill
+                else 0.0)  # fmt: skip
         self.pools = pools_for_budget(
             args, max_rows=max_rows, max_model_len=self.max_model_len, budget_bytes=state_budget_bytes,
             dtype=model.dtype, page_size=page_size, mtp=bool(speculative),

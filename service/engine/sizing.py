@@ -37,6 +37,18 @@ def pools_for_budget(
     )
 
 
+def default_state_budget(args: ModelArgs, *, max_rows: int, max_model_len: int, dtype: mx.Dtype, page_size: int,
+                         mtp: bool, cache_share: float) -> int | None:  # fmt: skip
+    """The state budget when none is given: what every row reaching max_model_len needs (None), unless that is more
+    than 90% of free memory (less `cache_share` / (1 + cache_share) of it for the prefix cache's slot copies,
+    which live outside the pools): then that much."""
+    full = pools_for_budget(args, max_rows=max_rows, max_model_len=1, budget_bytes=None, dtype=dtype,
+                            page_size=page_size, mtp=mtp)  # fmt: skip
+    need = max_rows * full.bytes_for(max_model_len)
+    spare = int(0.9 * free_device_bytes() * (1 - cache_share / (1 + cache_share)))
+    return None if need <= spare else spare
+
+
 def free_device_bytes() -> int:
     """Memory still free for decode state after the weights are loaded: the accelerator's, or the host's."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
