@@ -82,9 +82,11 @@ class Engine:
         rec = engine_graphs.prepare(decode_graphs, speculative)
         self.graphs = None if rec is None else engine_graphs.DecodeGraphs(self, rec, decode_graphs, graph_cache_dir)
         if self.graphs is not None:
-            # a replay reads its tokens from the host (the staging copy): the next step is queued with the host's
-            # tokens once a step is read back, before its events go out (stepping.decode_step), not on the device's
-            self.pipeline_decode, self.pipeline_host = False, True
+            # a replay reads its tokens from the host (the staging copy): no step queued on the device's tokens. With
+            # DSV4_GRAPH_PIPELINE=1 the next step is queued with the host's once a step is read back, before its
+            # events go out (stepping.decode_step); opt-in until its greedy agreement has run on a GPU.
+            self.pipeline_decode = False
+            self.pipeline_host = os.environ.get("DSV4_GRAPH_PIPELINE", "0").strip() == "1"
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its
