@@ -19,7 +19,7 @@
 #                p99 and first wave (issue 59)
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
-#                (AGREE_ARMS="on off": those arms only)
+#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -114,10 +114,11 @@ for part in ${PART:-tests}; do
                small="--load-format dummy --model flash --layers 8 --experts 16"
                for arm in ${AGREE_ARMS:-on glue off}; do
                  g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
+                 [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
                  env "${env[@]}" timeout 250 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
                    --out "$OUT/agree_$arm.json" 2>&1 | tail -1
                done
-               for arm in glue off; do [ -f "$OUT/agree_$arm.json" ] && \
+               for arm in glue off pipe; do [ -f "$OUT/agree_$arm.json" ] && \
                  python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
