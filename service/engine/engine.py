@@ -20,7 +20,7 @@ from dsv4_serve.service.engine.prefix_cache import PrefixCache
 from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.prompt_plan import first_turn
 from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
-from dsv4_serve.service.engine.sizing import default_state_budget, pools_for_budget
+from dsv4_serve.service.engine.sizing import default_state_budget, free_device_bytes, pools_for_budget
 from dsv4_serve.service.engine.speculator import Speculator
 from dsv4_serve.service.engine.warmup import warm_up
 
@@ -67,19 +67,19 @@ class Engine:
         self.max_model_len = max_model_len or limit
         self.vocab_size = args.vocab_size
         self.eos_token_id = args.eos_token_id
+        # The decode step as replayed CUDA graphs (service/engine/graphs.py): the recorder goes in before any
+        # kernel object is made; the graphs are captured at the end of the warm-up.
+        rec = engine_graphs.prepare(decode_graphs, speculative)
         if state_budget_bytes is None:
             state_budget_bytes = default_state_budget(
                 args, max_rows=max_rows, max_model_len=self.max_model_len, dtype=model.dtype, page_size=page_size,
                 mtp=bool(speculative), cache_share=PREFIX_SHARE if prefix_cache_bytes != 0 and self.parallel_prefill
-                else 0.0)  # fmt: skip
+                else 0.0, free_bytes=free_device_bytes(), copies=1 if rec is None else 2)  # fmt: skip
         self.pools = pools_for_budget(
             args, max_rows=max_rows, max_model_len=self.max_model_len, budget_bytes=state_budget_bytes,
             dtype=model.dtype, page_size=page_size, mtp=bool(speculative),
         )
         self.speculator = Speculator(speculative, max_rows) if speculative else None
-        # The decode step as replayed CUDA graphs (service/engine/graphs.py): the recorder goes in before any
-        # kernel object is made; the graphs are captured at the end of the warm-up.
-        rec = engine_graphs.prepare(decode_graphs, speculative)
         self.graphs = None if rec is None else engine_graphs.DecodeGraphs(self, rec, decode_graphs, graph_cache_dir)
         if self.graphs is not None:
             # a replay reads its tokens from the host (the staging copy): no step queued on the device's tokens. With

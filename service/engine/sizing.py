@@ -38,14 +38,17 @@ def pools_for_budget(
 
 
 def default_state_budget(args: ModelArgs, *, max_rows: int, max_model_len: int, dtype: mx.Dtype, page_size: int,
-                         mtp: bool, cache_share: float) -> int | None:  # fmt: skip
+                         mtp: bool, cache_share: float, free_bytes: int, copies: int = 1) -> int | None:  # fmt: skip
     """The state budget when none is given: what every row reaching max_model_len needs (None), unless that is more
-    than 90% of free memory (less `cache_share` / (1 + cache_share) of it for the prefix cache's slot copies,
-    which live outside the pools): then that much."""
+    than 90% of `free_bytes` (less `cache_share` / (1 + cache_share) of it for the prefix cache's slot copies,
+    which live outside the pools) over `copies`, the pools' bytes that can be live at once: 2 with the decode
+    graphs, which hold each pool's home while MLX writes a copy of it (docs/cuda_graphs.md#serving-at-full-depth)."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
     full = pools_for_budget(args, max_rows=max_rows, max_model_len=1, budget_bytes=None, dtype=dtype,
                             page_size=page_size, mtp=mtp)  # fmt: skip
     need = max_rows * full.bytes_for(max_model_len)
-    spare = int(0.9 * free_device_bytes() * (1 - cache_share / (1 + cache_share)))
+    spare = int(0.9 * free_bytes * (1 - cache_share / (1 + cache_share)) / copies)
     return None if need <= spare else spare
 
 
