@@ -16,8 +16,8 @@ Pools that move: an MLX write to the state (prefill, a slot reset, the prefix ca
 pool in a new buffer unless MLX donates the old one, which on a GPU it almost never can (the encoder holds what a
 queued kernel reads until it completes). The graphs keep each pool's first array as its home: the engine calls
 `touched()` after such work, and the next replay copies each moved pool's bytes back into its home buffer (one
-device-to-device copy) and hands the home array back to the pools; no graph is captured again
-(docs/cuda_graphs.md).
+kernel on MLX's stream: kernels/cuda/copy_into.py) and hands the home array back to the pools; no graph is
+captured again (docs/cuda_graphs.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from dsv4_serve.kernels.cuda.copy_into import copy_into
 from dsv4_serve.kernels.graph import record
 from dsv4_serve.kernels.graph.deps import dependencies
 from dsv4_serve.kernels.graph.plan import StepPlan
@@ -116,6 +117,8 @@ class GraphStep:
                 self.reasons[n] = why
             log.info("decode graph %d/%d rows: %s (%.2f s)", n, len(handles), "captured" if why is None else why,
                      time.perf_counter() - t3)  # fmt: skip
+        scratch = [mx.zeros((16,), mx.uint8) + 0 for _ in range(2)]  # the copy home's kernel built now, not at the
+        mx.eval(copy_into(*scratch))  # first request's refresh
         log.info("decode graphs: %d of %d row counts captured in %.2f s (recording %.2f s; NVRTC: %d kernels built "
                  "in %.2f s, %d from the cubin cache)", len(self.graphs), len(handles), time.perf_counter() - t0,
                  t1 - t0, built, t2 - t1, self.rt.cubins.hits)  # fmt: skip
@@ -217,22 +220,21 @@ class GraphStep:
 
     def _bring_home(self, current: dict[str, mx.array]) -> int:
         """Copy each pool that is not its home array into the home buffer and give the pools the home array back
-        (the graphs read and write the home buffers only); how many moved."""
+        (the graphs read and write the home buffers only); how many moved. The copies run on MLX's stream after the
+        writes that moved the pools (`copy_into`: the new buffers are never exported, which would move each into
+        managed memory), and the next replay's `mx.synchronize()` orders the graph after them."""
         moved = [label for label, home in self.home.items() if current.get(label) is not home]
         if not moved:
             return 0
-        mx.eval([current[label] for label in moved if label in current])
-        mx.synchronize()  # MLX's writes done before the copies read them
-        srcs = [record.address(current[label]) if label in current else None for label in moved]  # DLPack: managed
-        self.rt.prefetch([current[label] for label, src in zip(moved, srcs, strict=True) if src is not None])
-        for label, src in zip(moved, srcs, strict=True):
+        tokens = []
+        for label in moved:
             a, home = current.get(label), self.home[label]
-            if a is None or src is None or a.nbytes != home.nbytes or a.dtype != home.dtype:
-                raise RuntimeError(f"decode graphs: pool {label} is gone, strided or resized")
-            if src != self.pool_addr[label]:
-                self.rt.copy(self.pool_addr[label], src, a.nbytes)
-            set_pool(self.pools, label, home)
-        self.rt.wait()
+            if a is None or a.shape != home.shape or a.dtype != home.dtype:
+                raise RuntimeError(f"decode graphs: pool {label} is gone or resized")
+            tokens.append(copy_into(home, a))
+        mx.eval(tokens)
+        for label in moved:
+            set_pool(self.pools, label, self.home[label])
         return len(moved)
 
     def replay(self, rows: Sequence[Row], tokens: Sequence[int], wait: bool = True) -> mx.array | None:
