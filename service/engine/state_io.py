@@ -70,6 +70,9 @@ def layout(engine: Engine) -> Layout:
 def export_for(engine: Engine, state_id: str, tenant: str) -> tuple[dict[str, Any], list[bytes]]:
     """GET /v1/state/{id} on the engine thread: the header and raw arrays of the end state of finished request
     `state_id`, when API key `tenant` made it (for `state_format.seal`, off this thread)."""
+    settle = getattr(engine, "settle", None)  # a replayed step left running writes the pools: it ends first
+    if settle is not None:
+        settle()
     cache, lay = _cache(engine), layout(engine)
     entry = cache.by_request(state_id)
     if entry is None or entry.ns[0] != tenant:
