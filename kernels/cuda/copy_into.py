@@ -20,9 +20,10 @@ from dsv4_serve.kernels.cuda.common import kernel
 THREADS = 256
 MAX_BLOCKS = 1024  # a grid-stride loop past this: enough blocks to keep every SM's loads in flight
 
-# src_shape[0]: the bytes (MLX passes an input's shape by value when the source names it: no read of memory).
+# src_shape: [leading dim, its bytes a row] (MLX passes an input's shape by value when the source names it: no read
+# of memory; its dims are int32, so a pool past 2 GiB could not be one flat dim).
 SOURCE = r"""
-  const size_t n = (size_t)src_shape[0], words = n / 16;
+  const size_t n = (size_t)src_shape[0] * (size_t)src_shape[1], words = n / 16;
   const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
   uint8_t* d8 = const_cast<uint8_t*>(dst);
   uint4* d = reinterpret_cast<uint4*>(d8);
@@ -34,7 +35,8 @@ SOURCE = r"""
 
 
 def _flat(a: mx.array) -> mx.array:
-    return a.reshape(-1).view(mx.uint8)  # a view of the same buffer (the array is row-contiguous)
+    """[leading dim, its bytes]: a view of the same buffer (the array is row-contiguous)."""
+    return a.reshape(a.shape[0] if a.ndim else 1, -1).view(mx.uint8)
 
 
 def copy_into(dst: mx.array, src: mx.array) -> mx.array:

@@ -20,14 +20,14 @@ def bits(a: mx.array) -> np.ndarray:
 @pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, mx.int32, mx.uint8])
-@pytest.mark.parametrize("n", [1, 7, 16, 33, 4096, 1_000_003])
-def test_copy_into_writes_the_home_in_place(dtype: mx.Dtype, n: int) -> None:
+@pytest.mark.parametrize("shape", [(1,), (7,), (16,), (33,), (4096,), (1_000_003,), (5, 3, 17), (24, 64, 512)])
+def test_copy_into_writes_the_home_in_place(dtype: mx.Dtype, shape: tuple[int, ...]) -> None:
     from dsv4_serve.kernels.cuda.copy_into import copy_into
     from dsv4_serve.kernels.graph.record import address
 
-    rng = np.random.default_rng(n)
-    home = mx.array(rng.integers(0, 255, size=n), dtype=dtype) + 0
-    src = mx.array(rng.integers(0, 255, size=n), dtype=dtype) * 3 + 1  # a new buffer, as an MLX write leaves
+    rng = np.random.default_rng(len(shape) * 1000 + shape[-1])
+    home = mx.array(rng.integers(0, 255, size=shape), dtype=dtype) + 0
+    src = mx.array(rng.integers(0, 255, size=shape), dtype=dtype) * 3 + 1  # a new buffer, as an MLX write leaves
     mx.eval(home, src)
     where = address(home)  # the graphs read the home here (exported once, as at capture)
     want = bits(src)  # read before the copy (an export of src, unlike the engine's path: only the test's)
