@@ -17,9 +17,9 @@ from dsv4_serve.model.speculative import MAX_DRAFTS
 from dsv4_serve.model.state import StateHandle
 from dsv4_serve.service.engine import graphs as engine_graphs
 from dsv4_serve.service.engine.prefix_cache import PrefixCache
+from dsv4_serve.service.engine.prefix_ops import PrefixOps
 from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
-from dsv4_serve.service.engine.prompt_plan import first_turn
-from dsv4_serve.service.engine.request import SHARED, Namespace, PromptLogprob
+from dsv4_serve.service.engine.request import PromptLogprob
 from dsv4_serve.service.engine.sizing import default_state_budget, free_device_bytes, pools_for_budget
 from dsv4_serve.service.engine.speculator import Speculator
 from dsv4_serve.service.engine.warmup import warm_up
@@ -37,7 +37,7 @@ PREFIX_MIN_BYTES = 64 << 20  # ... but at least this much
 SLICE_ROWS_LAYERS = int(os.environ.get("DSV4_PREFILL_SLICE_ROWS", "4096"))
 
 
-class Engine:
+class Engine(PrefixOps):
     def __init__(
         self,
         model: DeepseekV4,
@@ -164,58 +164,6 @@ class Engine:
             self._deferred.append(handle)
             return
         self.pools.free(handle)
-
-    # ---- the prefix cache (service/engine/prefix_cache.py) -------------------------------------
-    @property
-    def prefix_enabled(self) -> bool:
-        return self.prefix_cache is not None
-
-    @property
-    def snapshot_interval(self) -> int:
-        """Prefill pieces end at multiples of this (a snapshot each); 0: no snapshots inside prompts."""
-        return self.prefix_cache.interval if self.prefix_cache is not None else 0
-
-    def prefix_version(self) -> int:
-        return self.prefix_cache.version if self.prefix_cache is not None else 0
-
-    def reuse(self, handle: Handle, prompt_ids: Sequence[int], fed: int,
-              namespace: Namespace = SHARED) -> tuple[Handle, int] | None:  # fmt: skip
-        """Adopt the longest cached prefix of the prompt in its namespace (never its last token: the step feeds
-        that one) longer than the `fed` tokens the request has; (its new handle, prefix length) or None."""
-        cache = self.prefix_cache
-        self.touched()  # an adoption copies the entry's slot state in
-        entry = None if cache is None else cache.lookup(prompt_ids[:-1], longer_than=fed, ns=namespace)
-        new = None if entry is None else cache.adopt(handle, entry)  # type: ignore[union-attr]
-        return None if new is None else (new, entry.length)  # type: ignore[union-attr]
-
-    # The first user turn's marker (`<｜User｜>`, set from the tokenizer by the worker): a prefill piece may end
-    # right before it (Scheduler.prefill_work), and the state there is snapshotted like an interval boundary's.
-    snapshot_token: int | None = None
-
-    def prefilled(self, handle: Handle, prompt_ids: Sequence[int], fed: int, namespace: Namespace = SHARED) -> None:
-        """After a prefill piece: a snapshot at the prompt's end, and at every interval boundary and before the
-        first user turn if it fits the budget as it is (those never evict another entry)."""
-        cache = self.prefix_cache
-        if cache is None or not fed:
-            return
-        self.settle()
-        if fed == len(prompt_ids) - 1:
-            cache.store(handle, prompt_ids[:fed], ns=namespace)
-        elif cache.interval and (fed % cache.interval == 0 or fed == first_turn(prompt_ids, self.snapshot_token)):
-            cache.store(handle, prompt_ids[:fed], optional=True, ns=namespace)
-
-    def retire(self, handle: Handle, tokens: Sequence[int], request_id: str, namespace: Namespace = SHARED) -> None:
-        """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""
-        self.settle()  # a step left running may still write this state (it fed the request's last token)
-        try:
-            if self.prefix_cache is not None and tokens:
-                self.prefix_cache.store(handle, tokens, request_id, ns=namespace)
-        except Exception:  # noqa: BLE001 - a failed snapshot must not keep the state
-            log.exception("prefix cache store failed")
-        self.release(handle)
-
-    def prefix_stats(self) -> dict[str, int]:
-        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
 
     # ---- the step ------------------------------------------------------------------------------
     # The worker may queue step N + 1 with step N's sampled tokens still on the device (`tokens`), so
