@@ -200,12 +200,6 @@ class Runtime:
 
         _ok(driver.cuMemcpyHtoDAsync(address, host.ctypes.data, host.nbytes, self.stream.handle), "cuMemcpyHtoDAsync")
 
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Device bytes to device bytes on the runtime's stream (a pool MLX wrote elsewhere, back home)."""
-        from cuda.bindings import driver
-
-        _ok(driver.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream.handle), "cuMemcpyDtoDAsync")
-
     def zero(self, address: int, nbytes: int) -> None:
         from cuda.bindings import driver
 

@@ -185,8 +185,8 @@ class Engine(PrefixOps):
             raise ValueError(f"step: rows must be 1..{self.max_rows}, got {len(feeds)}")
         if self.graphs is not None:  # one replayed graph (run when this returns, unless `wait` is False), or MLX's
             logits = self.graphs.step(feeds, tokens, wait)
-            if logits is not None:  # the host's part of the replay call, and its wait for the GPU
-                waited = self.graphs.last_wait if wait else 0.0
+            if logits is not None:  # the host's part of the replay call, and its wait for the GPU (0: left running)
+                waited = self.graphs.last_wait
                 self.host_seconds["encode"] += time.perf_counter() - t0 - waited
                 self.host_seconds["wait"] += waited
                 return logits

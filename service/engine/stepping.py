@@ -95,6 +95,8 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
         settle = getattr(engine, "settle", None)
         if settle is not None:  # a replayed step queued ahead (pipeline_host) has run before MLX reads its logits
             settle()
+        # Queue the next step ahead (before this one is read back on the device's tokens, or right after on the host's)?
+        ahead_next = pipeline and can_pipeline(engine, sched, plan, held)
         idx = [i for i, r in enumerate(plan) if needs_sample(r)]
         sampled = {}
         # A prompt token fed through the step (not the parallel prefill) of a row that scores its prompt.
@@ -117,7 +119,7 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
             )
             if host is not None:
                 host["sample"] += time.perf_counter() - ts
-            if pipeline and getattr(engine, "pipeline_decode", False) and can_pipeline(engine, sched, plan, held):
+            if ahead_next and getattr(engine, "pipeline_decode", False):
                 keep = [i for i, r in enumerate(plan) if sched.will_continue(r)]
                 if keep:
                     nrows = [plan[i] for i in keep]
@@ -136,8 +138,7 @@ def decode_step(engine: Engine, sched: Scheduler, plan: list[Request], sample: C
         else:
             mx.eval(logits)  # a prefill-only step still has to run
         scored = [sched.scored(r, p.result()) for r, p in prompt_lps]
-        if pipeline and nxt is None and getattr(engine, "pipeline_host", False) and can_pipeline(engine, sched, plan,
-                                                                                                  held):  # fmt: skip
+        if ahead_next and nxt is None and getattr(engine, "pipeline_host", False):
             nxt, spec_failed = queue_host(engine, sched, plan, sampled)
     except Exception as e:  # noqa: BLE001 - the step's rows fail, everyone else keeps going
         log.exception("engine step failed (%d rows)", len(plan))
