@@ -4,7 +4,7 @@ The byte floor is a plain copy's bandwidth, measured in the same run. On a CUDA 
 16-byte-per-thread kernel (`mx.fast.cuda_kernel`): MLX's own `x + 0` reads about half of it on the H200
 (1.84 against 3.80 TB/s in one run), which would understate every `x floor` ratio. Elsewhere (the CPU in
 CI) it is `x + 0`. Each timed eval carries MLX's eval cost (~50 us on the H200's host), so the copy is
-2 GiB: that cost is then ~2% of it (512 MB read 2.97 TB/s where bench/kernels.py's 2 GiB read 3.54 in
+2 GiB: that cost is then ~2% of it (512 MB read 2.97 TB/s where the since removed bench/kernels.py's 2 GiB read 3.54 in
 the same run).
 
 Provenance: the git commit where there is a current .git, and a digest of the sources. The device machine
@@ -149,27 +149,6 @@ def plot_step(results: Sequence[dict[str, Any]], meta: dict[str, Any], path: str
         ax.set_xticks([p[0] for p in floor])
         ax.legend()
     fig.suptitle(_title(meta, f"bench/step.py, {rs[0]['layers']} layers, {rs[0]['experts']} experts, mxfp8 + mxfp4"))
-    return _save(fig, plt, path)
-
-
-def plot_kernels(rows: Sequence[dict[str, Any]], meta: dict[str, Any], path: str | Path) -> Path:
-    """bench/kernels.py: each op's compiled fast call against its floors (bytes, launch), per context."""
-    plt = _pyplot()
-    rows = [r for r in rows if "fast_c_median_us" in r]
-    ops = list(dict.fromkeys(r["op"] for r in rows))
-    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops, strict=True):
-        rs = [r for r in rows if r["op"] == op]
-        for ctx in sorted({r["ctx"] for r in rs}):
-            pts = sorted((r["rows"], r["fast_c_median_us"], r["byte_floor_us"]) for r in rs if r["ctx"] == ctx)
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}")[0]
-            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
-        launch = rs[0].get("launch_floor_us")
-        if launch:
-            ax.axhline(launch, color="k", ls="--", label="launch floor")
-        ax.set(xlabel="rows", ylabel="us a call (dotted: bytes floor)", yscale="log", title=op)
-        ax.legend(fontsize="small")
-    fig.suptitle(_title(meta, "bench/kernels.py, compiled chains"))
     return _save(fig, plt, path)
 
 

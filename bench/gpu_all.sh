@@ -41,11 +41,10 @@
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
 #   PART=step    bench/step.py: the full-depth decode step (43 layers, mxfp8 + mxfp4, 32 experts), rows 1-8, 4K
 #                and 64K, fast vs mlx_mm, against the release-precision byte floor, with the CUPTI profile
-#   PART=kernels bench/kernels.py: the row-batched ops and the 43-layer chain against their floors
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
 #   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
 #
-#   PART="step kernels" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
+#   PART="step graph" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -192,12 +191,11 @@ for part in ${PART:-tests}; do
               --out "$OUT/prefix_turn.json" 2>&1 | tail -8 ;;
     step) timeout 560 python3 bench/step.py --experts 32 --profile --out "$OUT/step.json" --plot "$OUT/step.png" \
             2>&1 | tail -40 ;;
-    kernels) timeout 560 python3 bench/kernels.py --reps 5 --rows 8 --out "$OUT" --plot "$OUT/kernels.png" 2>&1 | tail -30 ;;
     serve) timeout 250 python3 bench/serve.py --concurrency 1,8 --out "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 | tail -6
            timeout 250 python3 bench/serve.py --concurrency 1,8 --server-args=--no-pipeline \
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step kernels serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

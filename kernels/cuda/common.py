@@ -94,7 +94,7 @@ CUDA_TYPES = {
 
 # `mx.compile` around each op's launches (per launch plan): a call after the first replays the traced
 # graph instead of rebuilding each `cuda_kernel` node (MLX rebuilds the kernel's source string per
-# call). `DSV4_CUDA_COMPILE=0` turns it off; bench/kernels.py times both.
+# call). `DSV4_CUDA_COMPILE=0` turns it off.
 COMPILE = os.environ.get("DSV4_CUDA_COMPILE", "0").strip() not in ("0", "")
 
 _kernels: dict[tuple[str, str, int], Any] = {}

@@ -21,6 +21,15 @@ from dsv4_serve.model.state import StatePools  # noqa: E402
 from dsv4_serve.model.tiny import tiny_model  # noqa: E402
 
 
+def functional(*args, after=None, workspace=None, **kw):
+    """The functional CUDA compressor (kernel + pool scatter, new arrays) in the in-place op's shape (its calls
+    return no token, so `after` is always None; it has no scratch, so `workspace` goes unused)."""
+    import dsv4_serve.kernels.cuda as kc
+
+    assert after is None, "functional: the functional op does not wait for an in-place write"
+    return (*kc.compressor_rows_cuda(*args, **kw), None)
+
+
 def run(model, args, prompt: list[int], prefill: bool, n: int = 6, settle: bool = False) -> list[int]:
     pools = StatePools(args, max_slots=1, max_positions=128, page_size=64, dtype=model.dtype)
     h = pools.alloc(len(prompt) + n)
@@ -95,7 +104,6 @@ def main() -> None:
     print(mx.default_device(), backend.name(), args.compress_ratios)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11]
     import dsv4_serve.model.attention as att
-    from bench.cases import functional
 
     att.INPLACE_COMPRESSOR = True
     res = {}
