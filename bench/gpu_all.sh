@@ -18,7 +18,7 @@
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
-#   PART=agree   8 layers: bench/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
+#   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
 #                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
@@ -110,16 +110,16 @@ for part in ${PART:-tests}; do
                timeout 560 python3 bench/spec_decode.py --experts 32 --prompt 4096 --tokens 48 --ks 1,3 \
                  --accept 1.0,0.7 --graph --out "$OUT/spec_decode.json" 2>&1 | grep -v Warn | tail -8 ;;
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
-               # against the default MLX step: joins, leaves and prefix hits at ~4K (bench/graph_agree.py)
+               # against the default MLX step: joins, leaves and prefix hits at ~4K (tools/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"
                for arm in ${AGREE_ARMS:-on glue off}; do
                  g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
                  [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
-                 env "${env[@]}" timeout 250 python3 bench/graph_agree.py --server-args "$small --decode-graphs $g" \
+                 env "${env[@]}" timeout 250 python3 tools/graph_agree.py --server-args "$small --decode-graphs $g" \
                    --out "$OUT/agree_$arm.json" 2>&1 | tail -1
                done
                for arm in glue off pipe; do [ -f "$OUT/agree_$arm.json" ] && \
-                 python3 bench/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
+                 python3 tools/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches

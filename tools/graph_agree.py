@@ -6,9 +6,9 @@ sharing a 3,584-token prefix, sent 0.25 s apart with 64..256 output tokens, so r
 batch at every row count; then the same 8 prompts again, all at once, 256 tokens each: prefix-cache hits (their
 `cached_tokens` recorded). The token ids come from each stream's logprobs.
 
-    python bench/graph_agree.py --server-args "--load-format dummy --model flash --layers 8 --experts 16 \
+    python tools/graph_agree.py --server-args "--load-format dummy --model flash --layers 8 --experts 16 \
         --decode-graphs on" --out on.json
-    python bench/graph_agree.py --compare on.json off.json      # exit 1 at the first differing token
+    python tools/graph_agree.py --compare on.json off.json      # exit 1 at the first differing token
 """
 
 from __future__ import annotations
