@@ -6,7 +6,7 @@ The model is the tiny one with the release's structure where it sets the graph: 
 Sinkhorn iterations, 8 output groups, 6 routed experts per token. Each part is traced under
 mx.compile (as the model runs it) and its graph exported (`mx.export_to_dot`) and counted. The
 kernel dispatches (compressor / indexer / attention) are not counted here: on CUDA they are 1-3
-nodes each (bench/kernels.py, removed at 3aa6037). Prints a table, writes JSON.
+nodes each (bench/kernels.py, removed after 3aa6037). Prints a table, writes JSON.
 
     python tools/step_nodes.py [--out step-nodes.json]
 """
