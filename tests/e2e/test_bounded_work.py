@@ -26,17 +26,27 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> set[int]:
+    """The process's live children, from each of its threads' /proc list; a thread that ends between the listing
+    and the read has none (its file is gone: a FileNotFoundError here once failed a full-suite run)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out.update(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """cpu_seconds of the process and of its live children (the grammar compile process)."""
     total = cpu_seconds(pid)
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            total += cpu_seconds(int(child))
+    for child in children(pid):
+        try:
+            total += cpu_seconds(child)
+        except FileNotFoundError:  # it ended meanwhile
+            continue
     return total
-
-
-def children(pid: int) -> set[int]:
-    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
 
 
 def _quiet(pid: int, timeout: float = 30.0) -> None:
