@@ -3,8 +3,9 @@
 Slots: a slot's fixed-size state (window ring, compressor windows) copied out (`slot_state`), back in
 (`load_slot`), to another slot (`copy_slot`, n > 1 sampling), or reset for a new occupant (`_reset_slot`).
 Pages: a page copied before a shared partial page is written (`copy_page`), and a table's entries read and
-written by name (`read_entries` / `write_entries`: the prefix cache and state export). Every update of a whole
-pool goes through mx.contiguous, so the pools stay row-major buffers the in-place CUDA kernels write through.
+written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
+`kernels.write_rows` (in place on CUDA, queued at once); every other update of a whole pool goes through
+mx.contiguous, so the pools stay row-major buffers the in-place CUDA kernels write through.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.model.config import ModelArgs
 
 
@@ -45,13 +47,22 @@ class StateCopies:
     def pages_for(self, positions: int, ratio: int) -> int:
         raise NotImplementedError  # StatePools'
 
+    def _write_rows(self, pools: dict[int, mx.array], layer: int, rows: mx.array, values: mx.array) -> None:
+        """Rows of a page pool written (in place on CUDA: no copy of the whole pool, and the decode graphs' buffer
+        stays the pool's); the write is queued now, so whatever is evaluated later reads it."""
+        pools[layer] = commit(*write_rows(pools[layer], rows, values.astype(self.dtype)))
+
+    def _page_rows(self, pages: list[int] | tuple[int, ...]) -> mx.array:
+        """The flat rows ([pages x page_size, d] view) of whole pages."""
+        p = self.page_size
+        return mx.array([q * p + i for q in pages for i in range(p)], dtype=mx.int32)
+
     def copy_page(self, ratio: int, src: int, dst: int) -> None:
         """Page `src` -> page `dst` in every pool of `ratio` (copy-before-write of a shared partial page)."""
+        src_rows, dst_rows = self._page_rows([src]), self._page_rows([dst])
         for _, pools, layer in self._page_fields(ratio):
-            page = pools[layer][src] * 1  # its own buffer first: the update may then reuse the pool's
-            mx.eval(page)
-            pools[layer][dst] = page
-            pools[layer] = mx.contiguous(pools[layer])
+            d = pools[layer].shape[-1]
+            self._write_rows(pools, layer, dst_rows, pools[layer].reshape(-1, d)[src_rows])
 
     def _page_fields(self, ratio: int) -> list[tuple[str, dict[int, mx.array], int]]:
         """(name, pools, layer) of every page pool of `ratio`: `ckv<layer>`, `ikeys<layer>`."""
@@ -78,9 +89,8 @@ class StateCopies:
             if not x.shape[0]:
                 continue
             ids = mx.arange(x.shape[0], dtype=mx.int32)
-            pages = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size]
-            pools[layer][pages, ids % self.page_size] = x.astype(self.dtype)
-            pools[layer] = mx.contiguous(pools[layer])
+            rows = mx.array(list(table) or [0], dtype=mx.int32)[ids // self.page_size] * self.page_size
+            self._write_rows(pools, layer, rows + ids % self.page_size, x)
 
     # ---- slot copies ---------------------------------------------------------------------------
     def _slot_fields(self) -> list[tuple[str, list[mx.array] | dict[int, mx.array], int]]:
@@ -137,10 +147,9 @@ class StateCopies:
             for layer in pools:
                 n = self.pages_for(positions, ratios[layer])
                 if n:
-                    r = ratios[layer]
-                    from_ = mx.array(src.tables[r][:n], dtype=mx.int32)
-                    pools[layer][mx.array(dst.tables[r][:n], dtype=mx.int32)] = pools[layer][from_]
-                    pools[layer] = mx.contiguous(pools[layer])
+                    r, d = ratios[layer], pools[layer].shape[-1]
+                    from_ = pools[layer].reshape(-1, d)[self._page_rows(src.tables[r][:n])]
+                    self._write_rows(pools, layer, self._page_rows(dst.tables[r][:n]), from_)
 
     def _reset_slot(self, slot: int) -> None:
         # A new occupant starts from a clean slot: compressor scores back to -inf (window 0's "previous half"

@@ -71,6 +71,7 @@ from dsv4_serve.kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from dsv4_serve.kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
+from dsv4_serve.kernels.cuda.pool_rows import write_rows_cuda
 from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
 from dsv4_serve.kernels.cuda.rope import rms_rope_rows_cuda
 from dsv4_serve.kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
@@ -109,6 +110,8 @@ backend.register("compressor_rows_inplace", compressor_rows_inplace_cuda)
 backend.register("compressor_pair_rows_inplace", compressor_pair_rows_inplace_cuda)
 backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
+# State pools' rows written in place (kernels/pool_rows.py): no copy of a whole pool a prefill chunk
+backend.register("write_rows", write_rows_cuda)
 # Prefill's attention on CUDA (kernels/cuda/prefill_attention.py: `HEADS`, or with DSV4_PREFILL_ATTN=dsplit each
 # query a row of decode's kernel). On unless DSV4_PREFILL_ATTN=0 (the plain masked f32 ops, ATTN_BLOCK queries at a
 # time).
@@ -266,6 +269,9 @@ def precompile(
         # the model's form: its scratch in the layer's workspace (StatePools.idx_ws), no fill node
         calls.append(indexer_rows_cuda(batch, qi, mx.ones((1, index_heads)), keys, topk=topk,
                                        workspace=new_workspace(1, batch.tables[4].shape[1] * page_size)))  # fmt: skip
+    for d in sorted({head_dim, index_dim}):  # the page pools' rows written in place (prefill, copies, imports)
+        calls.append(write_rows_cuda(mx.zeros((2, page_size, d), dtype) + 0, mx.array([1], mx.int32),
+                                     mx.ones((1, d), dtype))[1])  # fmt: skip
     mx.eval(calls)
     return len(calls)
 

@@ -1,0 +1,61 @@
+"""write_rows: rows of a state pool written in place (prefill's page entries, page and slot copies, imports).
+
+`write_rows(pool, rows, values) -> (pool, token)`: `pool` [a, b, d] seen as a * b rows of d, `rows` [E] int32
+distinct row ids in 0..a*b-1, `values` [E, d] in the pool's dtype; row rows[e] becomes values[e].
+
+Why in place: MLX's scatter (`a[idx] = v`, `put_along_axis`) copies the whole pool whenever it cannot donate the
+buffer, and on a GPU it almost never can (its encoder keeps the buffers of queued kernels), so every prefill
+chunk copied every page pool it wrote: bytes in proportion to the state, not the prompt. And a pool that moved
+must be copied back into the buffer the decode graphs replay (docs/cuda_graphs.md#buffers-that-move-under-mlx).
+The CUDA path (kernels/cuda/pool_rows.py) writes the rows into the pool's own buffer and returns the pool
+itself and a 1-element token: every later reader of those rows takes the token (`kernels.rows.ordered`), or the
+caller evaluates it before anything else is queued. The plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is
+MLX's functional scatter: a new pool and no token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.rows import fail
+
+OP = "write_rows"
+
+
+def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array) -> None:
+    for name, a in (("pool", pool), ("rows", rows), ("values", values)):
+        if not isinstance(a, mx.array):
+            raise fail(OP, name, f"must be an mx.array, got {type(a).__name__}")
+    if pool.ndim != 3:
+        raise fail(OP, "pool", f"must have 3 dims [a, b, d], got shape {tuple(pool.shape)}")
+    if rows.dtype != mx.int32 or rows.ndim != 1:
+        raise fail(OP, "rows", f"must be int32 [E], got {rows.dtype} {tuple(rows.shape)}")
+    want = (rows.shape[0], pool.shape[2])
+    if tuple(values.shape) != want:
+        raise fail(OP, "values", f"must be [{want[0]}, {want[1]}] (a row per id), got {tuple(values.shape)}")
+    if values.dtype != pool.dtype:
+        raise fail(OP, "values", f"dtype must be the pool's {pool.dtype}, got {values.dtype}")
+
+
+def write_rows_reference(pool: mx.array, rows: mx.array, values: mx.array) -> tuple[mx.array, mx.array | None]:
+    """MLX's scatter: a new pool (row-major, as the in-place kernels need it) and no token."""
+    check_write_rows(pool, rows, values)
+    if not rows.shape[0]:
+        return pool, None
+    a, b, d = pool.shape
+    flat = mx.put_along_axis(pool.reshape(a * b, d), rows[:, None], values, axis=0)
+    return mx.contiguous(flat.reshape(a, b, d)), None
+
+
+def write_rows(pool: mx.array, rows: mx.array, values: mx.array) -> tuple[mx.array, mx.array | None]:
+    """-> (the pool after the write, a token its readers must take or None): see the module's docstring."""
+    return backend.pick(OP, write_rows_reference)(pool, rows, values)
+
+
+def commit(pool: mx.array, token: mx.array | None) -> mx.array:
+    """The pool after a write whose readers are not in the same graph: the token queued now (on MLX's stream
+    every later evaluation runs after it)."""
+    if token is not None:
+        mx.async_eval(token)
+    return pool

@@ -1,0 +1,96 @@
+"""write_rows (kernels/pool_rows.py): rows of a state pool written, in place on CUDA.
+
+The plain twin against numpy's row assignment; its checks by name; on a GPU the kernel against the twin bit for
+bit, the pool keeping its buffer (the decode graphs' address), rows of every V4 width and odd ones, aligned and
+not, an empty write, and a reader ordered after the write through the token."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dsv4_serve.kernels import backend
+from dsv4_serve.kernels.pool_rows import write_rows, write_rows_reference
+from dsv4_serve.kernels.rows import ordered
+
+NEEDS_GPU = pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
+CASES = [((9, 64, 512), 37), ((5, 64, 128), 64), ((3, 4, 7), 5), ((2, 8, 1), 16), ((4, 16, 512), 0)]
+
+
+def case(shape: tuple[int, int, int], e: int, dtype: mx.Dtype, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    pool = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype) + 0
+    rows = mx.array(rng.permutation(shape[0] * shape[1])[:e].astype(np.int32))
+    values = mx.array(rng.standard_normal((e, shape[2])).astype(np.float32)).astype(dtype)
+    mx.eval(pool, rows, values)
+    return pool, rows, values
+
+
+def expected(pool: mx.array, rows: mx.array, values: mx.array) -> np.ndarray:
+    want = np.array(pool.astype(mx.float32)).reshape(-1, pool.shape[2])
+    want[np.array(rows)] = np.array(values.astype(mx.float32))
+    return want.reshape(pool.shape)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("shape", "e"), CASES)
+def test_the_twin_writes_exactly_the_rows(shape: tuple[int, int, int], e: int, dtype: mx.Dtype) -> None:
+    pool, rows, values = case(shape, e, dtype, seed=e + shape[2])
+    want = expected(pool, rows, values)
+    out, token = write_rows_reference(pool, rows, values)
+    assert token is None
+    assert np.array_equal(np.array(out.astype(mx.float32)), want)
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    pool = mx.zeros((2, 4, 8), mx.bfloat16)
+    ok_rows, ok_vals = mx.array([1, 2], mx.int32), mx.zeros((2, 8), mx.bfloat16)
+    for args, name in [
+        ((pool.reshape(8, 8), ok_rows, ok_vals), "pool"),
+        ((pool, ok_rows.astype(mx.int64), ok_vals), "rows"),
+        ((pool, ok_rows[:, None], ok_vals), "rows"),
+        ((pool, ok_rows, mx.zeros((3, 8), mx.bfloat16)), "values"),
+        ((pool, ok_rows, mx.zeros((2, 7), mx.bfloat16)), "values"),
+        ((pool, ok_rows, ok_vals.astype(mx.float32)), "values"),
+        ((pool, [1, 2], ok_vals), "rows"),
+    ]:
+        with pytest.raises(ValueError, match=f"write_rows: {name}:"):
+            write_rows(*args)
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("shape", "e"), CASES)
+def test_the_kernel_writes_the_pool_in_place(shape: tuple[int, int, int], e: int, dtype: mx.Dtype) -> None:
+    from dsv4_serve.kernels.cuda.pool_rows import write_rows_cuda
+    from dsv4_serve.kernels.graph.record import address
+
+    pool, rows, values = case(shape, e, dtype, seed=e + shape[2])
+    want = expected(pool, rows, values)
+    where = address(pool)
+    out, token = write_rows_cuda(pool, rows, values)
+    assert out is pool
+    if e:
+        mx.eval(token)
+    assert address(pool) == where
+    assert np.array_equal(np.array(pool.astype(mx.float32)), want)
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_unaligned_values_and_a_reader_after_the_token() -> None:
+    from dsv4_serve.kernels.cuda.pool_rows import write_rows_cuda
+
+    pool, rows, values = case((6, 64, 512), 20, mx.bfloat16, seed=3)
+    flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), values.reshape(-1)])
+    mx.eval(flat)
+    shifted = flat[1:].reshape(20, 512)  # a view 2 bytes into its buffer: the element-wise path
+    mx.eval(shifted)
+    want = expected(pool, rows, shifted)
+    _, token = write_rows_cuda(pool, rows, shifted)
+    read = pool.reshape(-1, 512)[ordered(rows, token)]  # queued with the write; runs after it
+    mx.eval(read)
+    assert np.array_equal(np.array(read.astype(mx.float32)), np.array(shifted.astype(mx.float32)))
+    assert np.array_equal(np.array(pool.astype(mx.float32)), want)
