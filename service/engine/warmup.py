@@ -26,11 +26,14 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
     phases = {"kernels": time.perf_counter() - t0}  # where a start's warm-up goes (the log line below)
     handles = [eng.admit(2) for _ in range(eng.max_rows)]
     widths: list[float] = []  # each batch size's first step: the first one also loads what MLX built before
+    built: list[float] = []  # of which the host's build of the lazy step (tracing the compiled segments)
     try:
         # Every batch size once: the compiled layer segments are traced per batch size.
         for width in range(1, eng.max_rows + 1):
             t = time.perf_counter()
-            mx.eval(eng.step([(h, 0, 0) for h in handles[:width]]))
+            out = eng.step([(h, 0, 0) for h in handles[:width]])
+            built.append(time.perf_counter() - t)
+            mx.eval(out)
             widths.append(time.perf_counter() - t)
     finally:
         for h in handles:
@@ -51,5 +54,6 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
     if eng.graphs is not None:
         eng.graphs.capture()
         phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
-    log.info("warm-up took %.2f s (%s; the steps by batch size: %s s)", time.perf_counter() - t0,
-             ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), " ".join(f"{w:.2f}" for w in widths))  # fmt: skip
+    log.info("warm-up took %.2f s (%s; the steps by batch size: %s s, of which building them: %s s)",
+             time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
+             " ".join(f"{w:.2f}" for w in widths), " ".join(f"{b:.2f}" for b in built))  # fmt: skip
