@@ -8,9 +8,11 @@ buffer, and on a GPU it almost never can (its encoder keeps the buffers of queue
 chunk copied every page pool it wrote: bytes in proportion to the state, not the prompt. And a pool that moved
 must be copied back into the buffer the decode graphs replay (docs/cuda_graphs.md#buffers-that-move-under-mlx).
 The CUDA path (kernels/cuda/pool_rows.py) writes the rows into the pool's own buffer and returns the pool
-itself and a 1-element token: every later reader of those rows takes the token (`kernels.rows.ordered`), or the
-caller evaluates it before anything else is queued. The plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is
-MLX's functional scatter: a new pool and no token.
+itself and a token: a copy of `carry` (an int32 array a reader of the rows takes anyway: a block table, gather
+rows) made by the same launch, so the reader that takes it in its place runs after the write at no extra node
+(`kernels.rows.ordered` costs ~4 a use); without `carry`, a 1-element token the caller evaluates (`commit`)
+before anything else is queued. The plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is MLX's functional
+scatter: a new pool, and `carry` itself (None without).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from dsv4_serve.kernels.rows import fail
 OP = "write_rows"
 
 
-def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array) -> None:
+def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None) -> None:
     for name, a in (("pool", pool), ("rows", rows), ("values", values)):
         if not isinstance(a, mx.array):
             raise fail(OP, name, f"must be an mx.array, got {type(a).__name__}")
+    if carry is not None and (not isinstance(carry, mx.array) or carry.dtype != mx.int32 or carry.ndim != 1):
+        raise fail(OP, "carry", "must be None or an int32 [C] array")
     if pool.ndim != 3:
         raise fail(OP, "pool", f"must have 3 dims [a, b, d], got shape {tuple(pool.shape)}")
     if rows.dtype != mx.int32 or rows.ndim != 1:
@@ -38,19 +42,22 @@ def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array) -> None:
         raise fail(OP, "values", f"dtype must be the pool's {pool.dtype}, got {values.dtype}")
 
 
-def write_rows_reference(pool: mx.array, rows: mx.array, values: mx.array) -> tuple[mx.array, mx.array | None]:
-    """MLX's scatter: a new pool (row-major, as the in-place kernels need it) and no token."""
-    check_write_rows(pool, rows, values)
+def write_rows_reference(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None
+                         ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """MLX's scatter: a new pool (row-major, as the in-place kernels need it) and `carry` as it is."""
+    check_write_rows(pool, rows, values, carry)
     if not rows.shape[0]:
-        return pool, None
+        return pool, carry
     a, b, d = pool.shape
     flat = mx.put_along_axis(pool.reshape(a * b, d), rows[:, None], values, axis=0)
-    return mx.contiguous(flat.reshape(a, b, d)), None
+    return mx.contiguous(flat.reshape(a, b, d)), carry
 
 
-def write_rows(pool: mx.array, rows: mx.array, values: mx.array) -> tuple[mx.array, mx.array | None]:
-    """-> (the pool after the write, a token its readers must take or None): see the module's docstring."""
-    return backend.pick(OP, write_rows_reference)(pool, rows, values)
+def write_rows(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None
+               ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """-> (the pool after the write, the token its readers take: `carry` after the write, or None / a 1-element
+    token without it): see the module's docstring."""
+    return backend.pick(OP, write_rows_reference)(pool, rows, values, carry)
 
 
 def commit(pool: mx.array, token: mx.array | None) -> mx.array:

@@ -25,8 +25,7 @@ from dsv4_serve.kernels import prefill_attention
 from dsv4_serve.kernels.compressor import pooled_entry
 from dsv4_serve.kernels.indexer import topk_ids
 from dsv4_serve.kernels.indexer_scores import indexer_scores
-from dsv4_serve.kernels.pool_rows import write_rows
-from dsv4_serve.kernels.rows import ordered
+from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.model.attention import Attention, Compressor
 from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
@@ -72,11 +71,11 @@ def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
 
 def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
               pool: mx.array, slot: int, table: Sequence[int], start: int, page: int,
-              eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
+              eps: float, carry: mx.array | None) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
     """`compressor_rows` for positions start..start+T-1 of one slot: every window that ends in the
     chunk emits its entry; the slot's state ends as T single steps would leave it (stale rows too).
-    -> (kv_state, score_state, pool, token): the entries go into the pool in place on CUDA (`write_rows`), and
-    whatever reads them takes the token (None where the write made a new pool or nothing was emitted).
+    -> (kv_state, score_state, pool, carry): the entries go into the pool in place on CUDA (`write_rows`), and
+    what reads them takes the returned `carry` (the int32 array it reads them through) in its place.
 
     Every row it reads is a row of ext = [the slot's S state rows; the chunk's T rows] (a CSA row's two
     halves are rows 2 i and 2 i + 1 of its [2 (S + T), d] view), so the windows' rows, the new state rows
@@ -113,27 +112,27 @@ def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, sc
     own = slice(slot, slot + 1)  # the slot's rows as a view (an integer index is a gather kernel)
     ext_kv = mx.concatenate([kv_state[own].reshape(n_state, -1), kv])
     ext_s = mx.concatenate([score_state[own].reshape(n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
-    token = None
     if ends:
         g = ix[cut[3] :].reshape(len(ends), coff * m)
         vals, gates = ext_kv.reshape(-1, d)[g], ext_s.reshape(-1, d)[g]  # [E, coff m, d]
         x = _pooled(eps, pool.dtype)(vals, gates, comp.norm.weight, cos[sel], sin[sel])
-        pool, token = write_rows(pool, dest_rows, x)
+        pool, got = write_rows(pool, dest_rows, x, carry)
+        if carry is None:  # nothing reads the entries in this forward: the write queued now
+            commit(pool, got)
+        else:
+            carry = got
     kv_state[slot] = ext_kv[state_rows]
     score_state[slot] = ext_s[state_rows]
-    return kv_state, score_state, pool, token
+    return kv_state, score_state, pool, carry
 
 
-def _entries(pool: mx.array, table: Sequence[int], n: int, after: mx.array | None = None) -> mx.array:
-    """The request's first n compressed entries in the pool's dtype, through rows made on the host from its
-    table (one gather, after the write whose token is `after`), then the first entry again up to a multiple of
-    KEY_ROWS: [ceil(n / KEY_ROWS) x KEY_ROWS, d]. The top-k never picks those (each query sees its first vis <= n
-    entries)."""
-    page, d = pool.shape[1], pool.shape[2]
+def _entry_rows(table: Sequence[int], n: int, page: int) -> mx.array:
+    """The pool rows ([pages x page, d] view) of the request's first n compressed entries, made on the host from
+    its table, then the first entry's again up to a multiple of KEY_ROWS: [ceil(n / KEY_ROWS) x KEY_ROWS]. The
+    top-k never picks those (each query sees its first vis <= n entries)."""
     rows = (np.asarray(table[: -(-n // page)], dtype=np.int32)[:, None] * page + np.arange(page, dtype=np.int32))
     rows = rows.reshape(-1)[:n]
-    rows = np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
-    return pool.reshape(-1, d)[ordered(mx.array(rows), after)]
+    return mx.array(np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)]))
 
 
 def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
@@ -154,25 +153,26 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle
     ring = win[slot : slot + 1].reshape(win.shape[1:])  # view, where an integer index is a gather kernel
     tail = list(range(start, start + t))[-min(t, wl) :]
     pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
-    ckv_token = ikeys_token = None  # the in-place entry writes' tokens: their readers below take them
+    n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
+    # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
+    # hands back: the attention's block table, the indexer's key rows (they share the ratio-4 table).
+    table = mx.array(list(tables[r]), dtype=mx.int32) if r else None
+    key_rows = _entry_rows(tables[4], n, pools.page_size) if r == 4 and n else None
     if r:
-        pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], ckv_token = _compress(
+        pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = _compress(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], slot,
-            tables[r], start, pools.page_size, a.rms_norm_eps,
+            tables[r], start, pools.page_size, a.rms_norm_eps, table,
         )  # fmt: skip
     if r == 4:
         ix = attn.indexer
-        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], ikeys_token = _compress(
+        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = _compress(
             ix.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            slot, tables[4], start, pools.page_size, a.rms_norm_eps,
+            slot, tables[4], start, pools.page_size, a.rms_norm_eps, key_rows,
         )  # fmt: skip
-    n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
-    # the attention reads the pool through its table: ordered after the entries' write (n == 0: nothing written)
-    table = ordered(mx.array(list(tables[r]), dtype=mx.int32), ckv_token) if r else None
     ids = None
     if r == 4 and n:
         vis = mx.arange(start + 1, start + t + 1, dtype=mx.int32) // r  # entries each token can see
-        ikeys = _entries(pools.ikeys[layer], tables[4], n, ikeys_token)  # the keys share the ratio-4 table
+        ikeys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows]
         ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
     return prefill_attention(q, ring, kv, start, pools.ckv[layer] if r else None, table, ids, attn.attn_sink,
                              scale=a.head_dim**-0.5, ratio=r or None)  # fmt: skip

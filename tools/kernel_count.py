@@ -68,6 +68,8 @@ STANDINS = {
     "experts_down_rows": lambda h, i, w2, s2: one([((*i.shape, w2.shape[1]), h.dtype)], h, i, w2, s2)[0],
     "grouped_qlinear_rows": lambda x, w, s: one([((*x.shape[:2], w.shape[1]), x.dtype)], x, w, s)[0],
     "hc_pre_mix": lambda m, sc, ba, h, *, iters, eps: pre_mix(h, m, sc, ba),
+    "write_rows": lambda pool, rows, values, carry=None: (pool, one([((1,) if carry is None else carry.shape,
+                                                                      mx.int32)], pool, rows, values)[0]),  # fmt: skip
 }
 GLUE = {
     "rms_norm_rows": lambda x, w, *, eps, out_dtype=None: one([(x.shape, out_dtype or x.dtype)], x, w)[0],

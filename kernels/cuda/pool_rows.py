@@ -1,9 +1,10 @@
 """write_rows on CUDA: rows of a state pool written into the pool's own buffer (kernels/pool_rows.py).
 
 One launch: a grid-stride loop over (row, 16-byte word) pairs, `uint4` stores where both rows are 16-byte
-aligned (every pool row of V4's dims is: 512 or 128 bf16), element by element otherwise. The pool is an input
-written through a `const_cast`, as the in-place compressor writes its pages: its Python array and buffer stay
-the same, and the 1-element token orders the readers. A row id outside the pool writes nothing.
+aligned (every pool row of V4's dims is: 512 or 128 bf16), element by element otherwise; the same threads copy
+`carry` into the token. The pool is an input written through a `const_cast`, as the in-place compressor writes
+its pages: its Python array and buffer stay the same, and the token (complete only when the launch is) orders
+the readers. A row id outside the pool writes nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import mlx.core as mx
 
 from dsv4_serve.kernels.cuda.common import kernel
 from dsv4_serve.kernels.pool_rows import check_write_rows
+from dsv4_serve.kernels.upload import upload
 
 THREADS = 256
 MAX_BLOCKS = 1024
@@ -38,19 +40,22 @@ SOURCE = r"""
       dst[(size_t)r * D + k] = values[e * D + k];
     }
   }
-  if (tid == 0) token[0] = 1;
+  for (size_t i = tid; i < (size_t)carry_shape[0]; i += step) token[i] = carry[i];
 """
 
 
-def write_rows_cuda(pool: mx.array, rows: mx.array, values: mx.array) -> tuple[mx.array, mx.array | None]:
-    check_write_rows(pool, rows, values)
+def write_rows_cuda(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None
+                    ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    check_write_rows(pool, rows, values, carry)
     if not rows.shape[0]:
-        return pool, None
+        return pool, carry
+    if carry is None:
+        carry = upload([1])
     d = pool.shape[2]
-    words = rows.shape[0] * max(1, d * pool.dtype.size // 16)
+    words = max(rows.shape[0] * max(1, d * pool.dtype.size // 16), carry.shape[0])
     blocks = max(1, min(MAX_BLOCKS, -(-words // THREADS)))
-    (token,) = kernel("write_rows", ("pool", "rows", "values"), ("token",), SOURCE)(
-        inputs=[pool, rows, values], template=[("T", pool.dtype), ("D", d)], grid=(blocks * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32],
+    (token,) = kernel("write_rows", ("pool", "rows", "values", "carry"), ("token",), SOURCE)(
+        inputs=[pool, rows, values, carry], template=[("T", pool.dtype), ("D", d)], grid=(blocks * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1), output_shapes=[carry.shape], output_dtypes=[mx.int32],
     )  # fmt: skip
     return pool, token

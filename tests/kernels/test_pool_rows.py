@@ -41,6 +41,8 @@ def test_the_twin_writes_exactly_the_rows(shape: tuple[int, int, int], e: int, d
     out, token = write_rows_reference(pool, rows, values)
     assert token is None
     assert np.array_equal(np.array(out.astype(mx.float32)), want)
+    carry = mx.array([3, 1, 4], mx.int32)
+    assert write_rows_reference(pool, rows, values, carry)[1] is carry  # the readers' array, as it is
 
 
 def test_bad_arguments_are_refused_by_name() -> None:
@@ -54,6 +56,8 @@ def test_bad_arguments_are_refused_by_name() -> None:
         ((pool, ok_rows, mx.zeros((2, 7), mx.bfloat16)), "values"),
         ((pool, ok_rows, ok_vals.astype(mx.float32)), "values"),
         ((pool, [1, 2], ok_vals), "rows"),
+        ((pool, ok_rows, ok_vals, mx.zeros((2,), mx.float32)), "carry"),
+        ((pool, ok_rows, ok_vals, mx.zeros((2, 1), mx.int32)), "carry"),
     ]:
         with pytest.raises(ValueError, match=f"write_rows: {name}:"):
             write_rows(*args)
@@ -89,8 +93,13 @@ def test_unaligned_values_and_a_reader_after_the_token() -> None:
     shifted = flat[1:].reshape(20, 512)  # a view 2 bytes into its buffer: the element-wise path
     mx.eval(shifted)
     want = expected(pool, rows, shifted)
-    _, token = write_rows_cuda(pool, rows, shifted)
-    read = pool.reshape(-1, 512)[ordered(rows, token)]  # queued with the write; runs after it
+    _, token = write_rows_cuda(pool, rows, shifted, carry=rows)
+    read = pool.reshape(-1, 512)[token]  # the rows as the launch hands them back: read after the write
     mx.eval(read)
+    assert np.array_equal(np.array(token), np.array(rows))
     assert np.array_equal(np.array(read.astype(mx.float32)), np.array(shifted.astype(mx.float32)))
     assert np.array_equal(np.array(pool.astype(mx.float32)), want)
+    _, token = write_rows_cuda(pool, rows[:3], shifted[:3] * 2)
+    later = pool.reshape(-1, 512)[ordered(rows[:3], token)]  # without a carry: the 1-element token, ordered
+    mx.eval(later)
+    assert np.array_equal(np.array(later.astype(mx.float32)), np.array((shifted[:3] * 2).astype(mx.float32)))
