@@ -17,6 +17,7 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
+#   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
 #                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1)
@@ -106,6 +107,12 @@ for part in ${PART:-tests}; do
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
                  --request-rate 4 --server-args "$flash --decode-graphs on" --out "$OUT/serve_ttft.json" 2>&1 | tail -9 ;;
+    startup)   # where a start's warm-up goes: the same warm-up twice in two processes (the second with MLX's kernel
+               # cache as the first left it), cProfile and MLX_PTX_CACHE_DIR's listing each (tools/startup_profile.py)
+               for run in cold warm; do
+                 timeout $(((590 - SECONDS) / 2)) python3 tools/startup_profile.py --experts 32 \
+                   --graphs ${STARTUP_GRAPHS:-off} --top 30 --json "$OUT/startup_$run.json" 2>&1 | grep -v Warn | tail -48
+               done ;;
     spec)      # issue 61's "before": one user's tok/s with MTP speculation, drafts forced right (1.0) or at 0.7 a draft,
                # against the plain engine and the plain graph engine (bench/spec_decode.py)
                timeout 560 python3 bench/spec_decode.py --experts 32 --prompt 4096 --tokens 48 --ks 1,3 \
@@ -197,6 +204,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
