@@ -65,3 +65,15 @@ def host_ms_per_step(before: tuple[float, dict[str, float]], after: tuple[float,
         parts = ("build", "encode", "sample", "wait", "prefill")
         ms["other"] = ms.get("loop", 0.0) - sum(ms.get(k, 0.0) for k in parts)
     return ms
+
+
+def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[str, dict[str, str], float]],
+           ) -> dict[str, float]:  # fmt: skip
+    """Prefill pacing over a cell: slices built beside a step and their mean layers, the pacer's measured step and
+    its target at the cell's end (ms)."""
+    b, a = ({n: v for n, _, v in s} for s in (before, after))
+    slices = a.get("dsv4_prefill_slices_total", 0.0) - b.get("dsv4_prefill_slices_total", 0.0)
+    layers = a.get("dsv4_prefill_slice_layers_total", 0.0) - b.get("dsv4_prefill_slice_layers_total", 0.0)
+    return {"slices": slices, "layers_a_slice": layers / slices if slices else 0.0,
+            "step_ms": 1e3 * a.get("dsv4_pacer_step_seconds", 0.0),
+            "target_ms": 1e3 * a.get("dsv4_itl_target_seconds", 0.0)}  # fmt: skip

@@ -71,6 +71,7 @@ class _EngineCollector(Collector):
             ("canary_max_logprob_diff", "canary_max_logprob_diff",
              "The last canary check's largest logprob difference from the start-up decode (nats)"),
             ("itl_target_seconds", "itl_target_seconds", "The inter-token latency prefill is paced by (0: off)"),
+            ("pacer_step_seconds", "pacer_step_seconds", "A decode iteration without prefill, as pacing measures it"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))
@@ -88,6 +89,8 @@ class _EngineCollector(Collector):
             ("spec_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens (MTP) verified by the target model"),
             ("spec_accepted_tokens_total", "spec_accepted_tokens", "Draft tokens accepted"),
             ("spec_verify_steps_total", "spec_verify_steps", "Request-steps that verified drafts"),
+            ("prefill_slices_total", "prefill_slices", "Iterations that built a slice of a forward beside a step"),
+            ("prefill_slice_layers_total", "prefill_slice_layers", "Layers those slices built (a forward's per row)"),
             ("graph_replays", "graph_replays", "Decode steps run as one replayed CUDA graph"),
             ("graph_recaptures", "graph_recaptures", "Decode graphs captured again (their arena grew)"),
             ("graph_pool_moves", "graph_pool_moves", "State pools MLX moved, copied back home before a replay"),

@@ -56,18 +56,21 @@ class Pacer:
         self.slice_seconds = slice_ms / 1e3 if slice_ms else None
         self.step: float | None = None  # seconds of an iteration with a step and no prefill
         self.layer: dict[int, float] = {}  # seconds of a forward's layer, by bucket(rows)
+        self.slices = self.slice_layers = 0  # iterations that built a slice beside a step, and its layers (/metrics)
 
     @property
     def on(self) -> bool:
         return self.target_ms != 0
 
-    def target(self) -> float | None:
-        """The inter-token latency target in seconds; None while off or not measured yet."""
+    def target(self, step: float | None = None) -> float | None:
+        """The inter-token latency target in seconds (auto: from `step`, else the measured step); None while off or
+        not measured yet."""
+        step = self.step if step is None else step
         if not self.on:
             return None
         if self.target_ms is not None:
             return self.target_ms / 1e3
-        return None if self.step is None else AUTO_FACTOR * self.step
+        return None if step is None else AUTO_FACTOR * step
 
     def layer_cost(self, rows: int) -> float | None:
         """Seconds of one layer of a `rows`-row forward: its size's EWMA, else the nearest smaller size measured
@@ -95,6 +98,13 @@ class Pacer:
         layers = max(1, int(room / cost)) if cost else 1
         return Pace(self.chunk, room, rows * layers)
 
+    def stats(self) -> dict[str, float]:
+        """For /metrics (the engine thread writes these, a scrape reads them: one read of the step for both): slices
+        built beside a step and their layers (their ratio: layers a slice), the measured step, the target."""
+        step = self.step
+        return {"prefill_slices_total": self.slices, "prefill_slice_layers_total": self.slice_layers,
+                "pacer_step_seconds": step or 0.0, "itl_target_seconds": self.target(step) or 0.0}  # fmt: skip
+
     def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0) -> None:
         """One iteration: its wall seconds, whether it ran a decode step, the prefill rows x layers and layers
         it built."""
@@ -104,6 +114,8 @@ class Pacer:
             if stepped:
                 self.step = ewma(self.step, seconds)
             return
+        if stepped and layers:
+            self.slices, self.slice_layers = self.slices + 1, self.slice_layers + layers
         cost = seconds - ((self.step or 0.0) if stepped else 0.0)
         if cost > 0 and layers:
             key = bucket(rows_layers // layers)

@@ -257,9 +257,9 @@ class EngineWorker(EngineThread):
             s["host_seconds_total"] = dict(host)
         if self._canary is not None:  # plain ints and a float, written by the engine thread
             s.update(self._canary.stats())
-        target = getattr(self, "_pacer", None) and self._pacer.target()  # pacing.py, once the engine started
-        if target:
-            s["itl_target_seconds"] = target
+        pacer = getattr(self, "_pacer", None)  # pacing.py, once the engine started
+        if pacer is not None:
+            s.update(pacer.stats())
         spec = getattr(getattr(self, "_engine", None), "speculator", None)  # speculation.Speculator: plain ints
         if spec is not None:
             s.update(spec.stats())

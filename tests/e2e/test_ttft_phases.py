@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_metrics import scrape, ttft_split
+from bench.server_metrics import pacing, scrape, ttft_split
 from tests.e2e.conftest import MODEL
 
 PHASES = ("tokenize", "queue", "prefill", "first_step", "first_byte")
@@ -108,11 +108,27 @@ def test_bench_median_interpolates_in_the_median_bucket() -> None:
     assert got == {"count": 4.0, "mean_ms": pytest.approx(2.5), "median_ms": pytest.approx(1.75)}
 
 
+def test_bench_pacing_is_the_cells_slices_and_the_last_step() -> None:
+    """Hand-made scrapes: 5 slices of 12 layers over the cell, the pacer's step and target as the cell ended."""
+    before = [("dsv4_prefill_slices_total", {}, 10.0), ("dsv4_prefill_slice_layers_total", {}, 40.0),
+              ("dsv4_pacer_step_seconds", {}, 0.020)]  # fmt: skip
+    after = [("dsv4_prefill_slices_total", {}, 15.0), ("dsv4_prefill_slice_layers_total", {}, 52.0),
+             ("dsv4_pacer_step_seconds", {}, 0.014), ("dsv4_itl_target_seconds", {}, 0.028)]  # fmt: skip
+    got = pacing(before, after)
+    assert got == {"slices": 5.0, "layers_a_slice": pytest.approx(2.4), "step_ms": pytest.approx(14.0),
+                   "target_ms": pytest.approx(28.0)}  # fmt: skip
+    assert pacing(after, after)["layers_a_slice"] == 0.0  # no slice in the cell
+
+
 def test_pacing_is_on_by_default_at_twice_the_measured_step(server) -> None:
     """A server started with no flag paces prefill slices (`--itl-target-ms auto`): once it has stepped, its target
     in /metrics is set (twice the EWMA of its iterations with a step and no prefill), not 0 (off)."""
     streamed_ttft(server.url, [5, 6, 7], max_tokens=24)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-           if s.name == "dsv4_itl_target_seconds"}  # fmt: skip
+    names = ("dsv4_itl_target_seconds", "dsv4_pacer_step_seconds", "dsv4_prefill_slices_total",
+             "dsv4_prefill_slice_layers_total")  # fmt: skip
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names}
     assert 0 < got["dsv4_itl_target_seconds"] < 5.0, got
+    # the step pacing measured, published beside it (one scrape: the target is twice it); slices are counted
+    assert got["dsv4_itl_target_seconds"] == pytest.approx(2 * got["dsv4_pacer_step_seconds"]), got
+    assert 0 <= got["dsv4_prefill_slices_total"] <= got["dsv4_prefill_slice_layers_total"], got

@@ -92,6 +92,10 @@ def test_auto_target_is_twice_the_step_and_a_slice_holds_the_layers_that_fit() -
     assert p.step == pytest.approx(0.010)
     p.observe(0.012, True, 0)  # the step's EWMA: 10.5 ms
     assert p.step == pytest.approx(0.0105) and p.target() == pytest.approx(0.021)
+    p.observe(0.050, False, 4096, 4)  # a forward built with no step beside it: not a slice
+    # /metrics: the two slices beside a step above (2 layers, 1 layer), the step as measured
+    assert p.stats() == {"prefill_slices_total": 2, "prefill_slice_layers_total": 3,
+                         "pacer_step_seconds": pytest.approx(0.0105), "itl_target_seconds": pytest.approx(0.021)}
 
 
 def test_a_target_no_layer_meets_still_gets_one_layer_a_slice() -> None:
