@@ -17,7 +17,7 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
-#   PART=graphpace 8 streams against the graph engine, prefill paced (auto) and not (0), two servers (cubins warm)
+#   PART=graphpace 8 streams against the graph engine, prefill paced (auto) or whole forwards, two servers
 #   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
@@ -108,12 +108,13 @@ for part in ${PART:-tests}; do
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
                  --request-rate 4 --server-args "$flash --decode-graphs on" --out "$OUT/serve_ttft.json" 2>&1 | tail -9 ;;
-    graphpace) # 8 streams against the graph engine with prefill paced (auto) and not (0): which costs the streams
-               # less, and the slices each cell built (bench/serve.py prints them)
+    graphpace) # 8 streams against the graph engine with prefill paced (auto) and in whole forwards (0 and 0): which
+               # costs the streams less, and the slices each cell built (bench/serve.py prints them)
                for t in auto 0; do
                  timeout $(((590 - SECONDS) / 2)) python3 bench/serve.py --concurrency 8 --output-len 128 \
-                   --prompts-per-concurrency 2 --server-args "$flash --decode-graphs on --itl-target-ms $t" \
-                   --out "$OUT/serve_pace_$t.json" 2>&1 | grep -v Warn | tail -5
+                   --prompts-per-concurrency 2 --out "$OUT/serve_pace_$t.json" --server-args \
+                   "$flash --decode-graphs on --itl-target-ms $t $([ $t = 0 ] && echo --prefill-slice-ms 0)" \
+                   2>&1 | grep -v Warn | tail -5
                done ;;
     startup)   # where a start's warm-up goes: the same warm-up twice in two processes (the second with MLX's kernel
                # cache as the first left it), cProfile and MLX_PTX_CACHE_DIR's listing each (tools/startup_profile.py)
