@@ -118,8 +118,9 @@ for part in ${PART:-tests}; do
                done ;;
     startup)   # where a start's warm-up goes: the same warm-up twice in two processes (the second with MLX's kernel
                # cache as the first left it), cProfile and MLX_PTX_CACHE_DIR's listing each (tools/startup_profile.py)
-               for run in cold warm; do
-                 timeout $(((590 - SECONDS) / 2)) python3 tools/startup_profile.py --experts 32 \
+               for run in cold warm; do  # DSV4_KERNEL_CACHE=1 (default here): the first run fills MLX's cache
+                 DSV4_KERNEL_CACHE=${KERNEL_CACHE:-1} timeout $(((590 - SECONDS) / 2)) python3 tools/startup_profile.py \
+                   --experts 32 \
                    --graphs ${STARTUP_GRAPHS:-off} --top 30 --json "$OUT/startup_$run.json" 2>&1 | grep -v Warn | tail -48
                done ;;
     spec)      # issue 61's "before": one user's tok/s with MTP speculation, drafts forced right (1.0) or at 0.7 a draft,

@@ -5,7 +5,8 @@ our kernels' precompile, a step at each batch size, a prefill, the decode graphs
 cProfile, and prints the warm-up's log line, the functions that held the time (cumulative), and the listing of
 `MLX_PTX_CACHE_DIR` before and after (files, bytes, files by suffix). Run it twice in a row on one machine
 (`PART=startup`): if the second run's first step still takes as long and the cache did not grow, MLX does not
-load those kernels from its cache (docs/cuda_graphs.md#start-up).
+load those kernels from its cache (docs/cuda_graphs.md#start-up). With `DSV4_KERNEL_CACHE=1` the first run also
+writes MLX's cache entries for our kernels (kernels/cuda/mlx_cache.py; waited for here), which the second loads.
 
     MLX_PTX_CACHE_DIR=/tmp/ptxcache python tools/startup_profile.py [--layers 43] [--experts 32] [--graphs off]
         [--top 25] [--json out.json]
@@ -22,6 +23,7 @@ import os
 import pstats
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -68,11 +70,16 @@ def main() -> None:
     eng.warmup()
     prof.disable()
     warm = time.perf_counter() - t1
+    filling = [t for t in threading.enumerate() if t.name == "dsv4-kernel-cache"]  # DSV4_KERNEL_CACHE=1: let it end
+    for t in filling:
+        t.join()
+    filled = time.perf_counter() - t1 - warm
     after = listing(cache)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
     print(out.getvalue())
-    print(f"engine built in {built:.1f} s, warm-up {warm:.1f} s")
+    fill = f", MLX's kernel cache filled {filled:.1f} s after it" if filling else ""
+    print(f"engine built in {built:.1f} s, warm-up {warm:.1f} s{fill}")
     print(f"MLX_PTX_CACHE_DIR before: {before}\nMLX_PTX_CACHE_DIR after:  {after}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": provenance(), "built_s": built, "warmup_s": warm,

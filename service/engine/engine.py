@@ -22,7 +22,7 @@ from dsv4_serve.service.engine.prompt_logprobs import PendingPrompt, score_lazy
 from dsv4_serve.service.engine.request import PromptLogprob
 from dsv4_serve.service.engine.sizing import default_state_budget, free_device_bytes, pools_for_budget
 from dsv4_serve.service.engine.speculator import Speculator
-from dsv4_serve.service.engine.warmup import warm_up
+from dsv4_serve.service.engine.warmup import install_kernel_noter, warm_up
 
 # The engine thread's host time, by phase: the step's graph built in Python, MLX encoding and launching it
 # (async_eval), the sampler's graph, the wait for the sampled tokens.
@@ -68,7 +68,9 @@ class Engine(PrefixOps):
         self.vocab_size = args.vocab_size
         self.eos_token_id = args.eos_token_id
         # The decode step as replayed CUDA graphs (service/engine/graphs.py): the recorder goes in before any
-        # kernel object is made; the graphs are captured at the end of the warm-up.
+        # kernel object is made, over the kernel cache's noter (DSV4_KERNEL_CACHE=1); the graphs are captured at the
+        # end of the warm-up, MLX's kernel cache filled after it.
+        self.kernel_noter = install_kernel_noter()
         rec = engine_graphs.prepare(decode_graphs, speculative)
         if state_budget_bytes is None:
             state_budget_bytes = default_state_budget(

@@ -3,12 +3,54 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from typing import Any
 
 import mlx.core as mx
 
 log = logging.getLogger("dsv4.engine")
+
+
+def install_kernel_noter() -> Any:
+    """With DSV4_KERNEL_CACHE=1 on CUDA, kernels/cuda/mlx_cache.py's Noter in place of `mx.fast.cuda_kernel` before
+    any kernel object the engine launches is made (the objects made so far are dropped); else None."""
+    from dsv4_serve.kernels import backend
+
+    if os.environ.get("DSV4_KERNEL_CACHE", "0").strip() != "1" or backend.name() != "cuda":
+        return None
+    from dsv4_serve.kernels import upload
+    from dsv4_serve.kernels.cuda import common, mlx_cache
+
+    noter = mlx_cache.Noter()
+    noter.install()
+    common._kernels.clear()
+    common._retired.extend(common._plans.values())  # as graphs.prepare: their compiled launches are kept
+    common._plans.clear()
+    upload._kernels.clear()
+    return noter
+
+
+def fill_kernel_cache(noter: Any) -> threading.Thread:
+    """After the warm-up: write MLX's kernel cache entries for the variants it launched, in the background (NVRTC
+    releases the GIL); the next start loads them (kernels/cuda/mlx_cache.py)."""
+    from dsv4_serve.kernels.cuda import mlx_cache
+    from dsv4_serve.kernels.graph import nvrtc
+
+    noter.noting = False
+    info = mx.device_info()
+    arch = nvrtc.arch(int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        written, failed = noter.populate(mlx_cache.cache_dir(), arch)
+        log.info("kernel cache: %d of %d variants written to %s in %.1f s (%d failed; MLX loads them next start)",
+                 written, len(noter.variants), mlx_cache.cache_dir(), time.perf_counter() - t0, failed)  # fmt: skip
+
+    t = threading.Thread(target=run, name="dsv4-kernel-cache", daemon=True)
+    t.start()
+    return t
 
 
 def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports this module)
@@ -54,6 +96,8 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
     if eng.graphs is not None:
         eng.graphs.capture()
         phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
+    if getattr(eng, "kernel_noter", None) is not None:
+        fill_kernel_cache(eng.kernel_noter)
     log.info("warm-up took %.2f s (%s; the steps by batch size: %s s, of which building them: %s s)",
              time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
              " ".join(f"{w:.2f}" for w in widths), " ".join(f"{b:.2f}" for b in built))  # fmt: skip
