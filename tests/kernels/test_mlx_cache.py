@@ -120,3 +120,15 @@ def test_populate_builds_and_writes_an_entry_mlx_can_load(tmp_path: Path) -> Non
     name, lowered = ptx.with_suffix(".txt").read_text().rstrip("\n").split("\t")
     assert name == f"mlx::core::cu::{func}" and lowered.startswith("_ZN3mlx4core2cu") and func in lowered
     assert noter.populate(tmp_path, "sm_90a") == (0, 0)  # there already: nothing built again
+
+
+def test_the_noter_goes_in_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for where MLX has no CUDA GPU (this machine, CI): nothing replaces `mx.fast.cuda_kernel`."""
+    from dsv4_serve.kernels import backend
+    from dsv4_serve.service.engine.warmup import install_kernel_noter
+
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", "1")
+    factory = mx.fast.cuda_kernel
+    if backend.name() == "cuda":
+        pytest.skip("a CUDA machine: the noter goes in there")
+    assert install_kernel_noter() is None and mx.fast.cuda_kernel is factory
