@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.mtp import draft_streams
 from dsv4_serve.model.prefill import _layers, check_work
@@ -98,7 +99,8 @@ def snapshot(pools: StatePools, handle: StateHandle, first: int, last: int) -> S
 
 def rollback(pools: StatePools, snap: Snapshot, kept: int) -> None:
     """Undo positions first + kept..last of `snap` (the rejected drafts): the state is as if only the positions
-    before them had run. Lazy, like a step's updates (pools stay row-major buffers: mx.contiguous)."""
+    before them had run. Lazy, like a step's updates (pools stay row-major buffers: mx.contiguous), but for the
+    page entries' writes, queued at once."""
     undone = list(range(snap.first + kept, snap.last + 1))
     if not undone:
         return
@@ -115,10 +117,16 @@ def rollback(pools: StatePools, snap: Snapshot, kept: int) -> None:
         ix = mx.array(rows, dtype=mx.int32)
         arrays[layer][slot, ix] = snap.comp[(name, layer)][ix]
         arrays[layer] = mx.contiguous(arrays[layer])
+    # the page pools' entries back, one write a pool (kernels.write_rows: in place on CUDA, where MLX's scatter
+    # copied the whole pool each time; queued now)
+    restore: dict[tuple[int, int], tuple[dict[int, mx.array], int, list[int], list[mx.array]]] = {}
     for arrays, layer, q, pg, off, value in snap.entries:
         if q in undone:
-            arrays[layer][pg, off] = value
-            arrays[layer] = mx.contiguous(arrays[layer])
+            _, _, rows, values = restore.setdefault((id(arrays), layer), (arrays, layer, [], []))
+            rows.append(pg * pools.page_size + off)
+            values.append(value)
+    for arrays, layer, rows, values in restore.values():
+        arrays[layer] = commit(*write_rows(arrays[layer], mx.array(rows, dtype=mx.int32), mx.stack(values)))
 
 
 def draft_rows(model, pools: StatePools, handles: Sequence[StateHandle], positions: Sequence[int],
