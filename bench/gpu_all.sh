@@ -17,6 +17,7 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
+#   PART=graphab  bench/serve.py at 1 and 8 streams against --decode-graphs off, then on (cubins warm), one call
 #   PART=graphpace 8 streams against the graph engine, prefill paced (auto) or whole forwards, two servers
 #   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
@@ -108,6 +109,14 @@ for part in ${PART:-tests}; do
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
                  --request-rate 4 --server-args "$flash --decode-graphs on" --out "$OUT/serve_ttft.json" 2>&1 | tail -9 ;;
+    graphab)   # the default's A/B: the same cells against --decode-graphs off, then on, one call (run it after a graph
+               # server has filled the cubin cache, e.g. after PART=graphhttp, so both starts fit)
+               for g in off on; do
+                 share=1; [ $g = off ] && share=2  # the off server gets half of what is left
+                 timeout $(((590 - SECONDS) / share)) python3 bench/serve.py --concurrency 1,8 \
+                   --output-len 128 --prompts-per-concurrency 2 --server-args "$flash --decode-graphs $g" \
+                   --out "$OUT/serve_ab_$g.json" 2>&1 | grep -v Warn | tail -7
+               done ;;
     graphpace) # 8 streams against the graph engine with prefill paced (auto) and in whole forwards (0 and 0): which
                # costs the streams less, and the slices each cell built (bench/serve.py prints them)
                for t in auto 0; do
@@ -214,6 +223,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
