@@ -19,10 +19,8 @@ import cProfile
 import io
 import json
 import logging
-import os
 import pstats
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -53,12 +51,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    import mlx.core as mx
-
+    from dsv4_serve.kernels.cuda.mlx_cache import cache_dir
     from dsv4_serve.service.engine.build import build_engine
 
-    # MLX's default when the variable is unset (mlx/backend/cuda/jit_module.cpp: ptx_cache_dir)
-    cache = os.environ.get("MLX_PTX_CACHE_DIR") or str(Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx")
+    cache = str(cache_dir())  # MLX_PTX_CACHE_DIR, else MLX's default
     before = listing(cache)
     t0 = time.perf_counter()
     eng, _ = build_engine(args.model, load_format="dummy", experts=args.experts, layers=args.layers,

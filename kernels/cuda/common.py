@@ -90,6 +90,8 @@ CUDA_TYPES = {
     mx.int32: "int32_t",
     mx.uint32: "uint32_t",
     mx.uint8: "uint8_t",
+    mx.int64: "int64_t",
+    mx.bool_: "bool",
 }
 
 # `mx.compile` around each op's launches (per launch plan): a call after the first replays the traced
@@ -231,6 +233,15 @@ _plans: dict[tuple[Any, ...], Any] = {}
 # Plans dropped from `_plans`, kept: a plan's `mx.compile(self.launch)` freed could leave its traces in another
 # thread's compile cache for a new plan at its address to replay (model/block.py, issue 57).
 _retired: list[Any] = []
+
+
+def forget_kernels() -> None:
+    """Drop every kernel object and launch plan made so far, so the next launches make them again through whatever
+    stands in for `mx.fast.cuda_kernel` now (the graphs' recorder, the kernel cache's noter). The plans' compiled
+    launches are kept (`_retired`)."""
+    _kernels.clear()
+    _retired.extend(_plans.values())
+    _plans.clear()
 
 
 def plan_cached(key: tuple[Any, ...], make: Any) -> Any:

@@ -28,6 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from dsv4_serve.kernels.cuda.common import CUDA_TYPES, template_lines
+
 log = logging.getLogger("dsv4.kernels")
 
 ENABLED = os.environ.get("DSV4_KERNEL_CACHE", "0").strip() == "1"
@@ -35,12 +37,10 @@ MASK = (1 << 64) - 1
 MUL = (0xC6A4A793 << 32) + 0x5BD1E995
 SEED = 0xC70F6907
 DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-# mlx/backend/common/compiled.cpp get_type_string (the template hash) and mlx/backend/cuda/utils.cpp
-# dtype_to_cuda_type (the signature), for the dtypes our kernels take
+# mlx/backend/common/compiled.cpp get_type_string (the template hash; the signature's types are common.CUDA_TYPES,
+# its dtype_to_cuda_type), for the dtypes our kernels take
 TYPE_STRING = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.int32: "int32_t",
                mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t", mx.bool_: "bool"}  # fmt: skip
-CUDA_TYPE = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-             mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t", mx.bool_: "bool"}  # fmt: skip
 MAX_NAME = 245  # mlx/backend/cuda/jit_module.cpp get_ptx_path: longer module names become directories
 
 
@@ -76,22 +76,14 @@ def mlx_source(func: str, header: str, source: str, inputs: Sequence[tuple[str, 
     out = [DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
            f"__global__ void {func}(\n"]  # fmt: skip
     for n, dtype, ndim in inputs:
-        out.append(f"    const {CUDA_TYPE[dtype]}* {n},\n")
+        out.append(f"    const {CUDA_TYPES[dtype]}* {n},\n")
         if ndim > 0:
             for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
                 if n + suffix in source:
                     out.append(f"    const __grid_constant__ {kind} {n}{suffix},\n")
     for i, (n, dtype) in enumerate(outputs):
-        out.append(f"    {CUDA_TYPE[dtype]}* {n}" + (",\n" if i < len(outputs) - 1 else ") {\n"))
-    for n, v in template:
-        if isinstance(v, bool):
-            out.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
-        elif isinstance(v, int):
-            out.append(f"  constexpr int {n} = {v};\n")
-        else:
-            out.append(f"  using {n} = {CUDA_TYPE[v]};\n")
-    if template:
-        out.append("\n")
+        out.append(f"    {CUDA_TYPES[dtype]}* {n}" + (",\n" if i < len(outputs) - 1 else ") {\n"))
+    out += [line + "\n" for line in template_lines(template)] + (["\n"] if template else [])
     return "".join([*out, source, "\n}\n\n} // namespace mlx::core::cu\n"])
 
 

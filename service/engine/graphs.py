@@ -55,9 +55,7 @@ def prepare(mode: str, speculative: int = 0) -> Recorder | None:
 
     rec = Recorder()
     rec.install()
-    common._kernels.clear()  # kernel objects made before the recorder stood in would launch unseen
-    common._retired.extend(common._plans.values())  # their compiled launches are never freed (docs/engine.md)
-    common._plans.clear()
+    common.forget_kernels()  # kernel objects made before the recorder stood in would launch unseen
     set_graph_glue(True)
     return rec
 

@@ -25,9 +25,7 @@ def install_kernel_noter() -> Any:
 
     noter = mlx_cache.Noter()
     noter.install()
-    common._kernels.clear()
-    common._retired.extend(common._plans.values())  # as graphs.prepare: their compiled launches are kept
-    common._plans.clear()
+    common.forget_kernels()
     upload._kernels.clear()
     return noter
 

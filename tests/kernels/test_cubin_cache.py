@@ -9,22 +9,12 @@ import pytest
 
 from dsv4_serve.kernels.graph import cubin_cache
 from dsv4_serve.kernels.graph.cubin_cache import CubinCache
+from tests.kernels.nvrtc_here import NEEDS_NVRTC
 
 SRC = 'extern "C" __global__ void k%d(float* y) { y[threadIdx.x] = %d.0f; }'
 
 
-def _nvrtc() -> str | None:
-    try:
-        from dsv4_serve.kernels.graph.nvrtc import include_dirs
-
-        include_dirs()
-        cubin_cache.nvrtc_version()
-    except Exception as e:  # noqa: BLE001 - the reason is the skip message
-        return f"no NVRTC here: {type(e).__name__}: {e}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_nvrtc() is not None, reason=str(_nvrtc()))
+pytestmark = NEEDS_NVRTC
 
 
 def _get(cache: CubinCache, i: int) -> tuple[bytes, str]:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 
 from dsv4_serve.kernels.graph.runtime import unavailable
+from tests.kernels.nvrtc_here import NEEDS_NVRTC
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,17 +123,7 @@ GLUE_KERNELS = ("rope_tables0", "rope_tables4", "rope_tables128", "rms_rope_ring
                 "embed_streams", "hc_head")  # fmt: skip
 
 
-def _nvrtc_missing() -> str | None:
-    try:
-        from dsv4_serve.kernels.graph.nvrtc import include_dirs
-
-        include_dirs()
-    except Exception as e:  # noqa: BLE001 - the reason is the skip message
-        return f"no NVRTC here: {type(e).__name__}: {e}"
-    return None
-
-
-@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+@NEEDS_NVRTC
 @pytest.mark.parametrize("glue", [False, True], ids=["plain", "glue"])
 def test_every_step_kernel_builds_with_nvrtc(tmp_path: Path, glue: bool) -> None:
     """Every translation unit the runtime would build for a V4-Flash step (4 layers: sliding, CSA, HCA; 8 rows),
@@ -163,7 +154,7 @@ def test_every_step_kernel_builds_with_nvrtc(tmp_path: Path, glue: bool) -> None
     assert not failed, failed
 
 
-@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+@NEEDS_NVRTC
 def test_a_clean_build_leaves_python_s_shared_bytes_alone() -> None:
     """A kernel that builds without a warning has a one-byte log ("\\0"). NVRTC writes it into the buffer it is
     given; were that `b" " * 1`, CPython's shared b" " would become b"\\0" for the whole process (every later

@@ -14,6 +14,7 @@ import pytest
 
 from dsv4_serve.kernels.cuda import mlx_cache
 from dsv4_serve.kernels.cuda.pool_rows import SOURCE as WRITE_ROWS
+from tests.kernels.nvrtc_here import NEEDS_NVRTC
 
 # printf("%zx", std::hash<std::string>{}(s)) compiled with g++ 11 (x86-64); the last: 1,000 bytes (i * 7 + 3)
 HASHES = [(b"", 0x553E93901E462A6E), (b"a", 0x454DDEE488C1ED6B), (b"abcdefg", 0xDEEE6830A3AF82AF),
@@ -89,19 +90,7 @@ def test_the_noter_notes_each_variant_once_while_noting() -> None:
     k(**{**call, "inputs": [object()]})  # a launch the noter cannot read still launches (noting back on)
 
 
-def _nvrtc() -> str | None:
-    try:
-        from dsv4_serve.kernels.graph import cubin_cache
-        from dsv4_serve.kernels.graph.nvrtc import include_dirs
-
-        include_dirs()
-        cubin_cache.nvrtc_version()
-    except Exception as e:  # noqa: BLE001 - the reason is the skip message
-        return f"no NVRTC here: {type(e).__name__}: {e}"
-    return None
-
-
-@pytest.mark.skipif(_nvrtc() is not None, reason=str(_nvrtc()))
+@NEEDS_NVRTC
 def test_populate_builds_and_writes_an_entry_mlx_can_load(tmp_path: Path) -> None:
     """write_rows as kernels/cuda/common.py hands it to MLX: built with MLX's signature, our prelude, sm_90a."""
     from dsv4_serve.kernels.cuda.common import HEADER, minify
