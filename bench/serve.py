@@ -261,8 +261,10 @@ def main() -> None:
                               for p, v in summary["ttft_phases_ms"].items())  # fmt: skip
             pc = summary["pacing"]
             print(f"  TTFT by phase, median / mean ms: {split}; prefill slices beside a step {pc['slices']:.0f}, "
-                  f"{pc['layers_a_slice']:.1f} layers each (step {pc['step_ms']:.1f} ms, target {pc['target_ms']:.1f})",
-                  flush=True)  # fmt: skip
+                  f"{pc['layers_a_slice']:.1f} layers each (step {pc['step_ms']:.1f} ms, "
+                  f"target {pc['target_ms']:.1f}); "
+                  f"graph refreshes {pc['graph_refreshes']:.0f} of {pc['graph_refresh_ms']:.2f} ms, "
+                  f"{pc['graph_pool_moves']:.0f} pools moved", flush=True)  # fmt: skip
             if "long_prompt" in summary:
                 print(f"  with a {opt.long_prompt}-token prompt ({summary['long_prompt_s']:.2f} s): ITL p99 during "
                       f"{summary['p99_itl_during_ms']:.1f} ms over {summary['itl_during_long']} gaps, median "

@@ -70,10 +70,16 @@ def host_ms_per_step(before: tuple[float, dict[str, float]], after: tuple[float,
 def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[str, dict[str, str], float]],
            ) -> dict[str, float]:  # fmt: skip
     """Prefill pacing over a cell: slices built beside a step and their mean layers, the pacer's measured step and
-    its target at the cell's end (ms)."""
+    its target at the cell's end (ms); with decode graphs, their refreshes, the mean ms of one and the pools moved."""
     b, a = ({n: v for n, _, v in s} for s in (before, after))
     slices = a.get("dsv4_prefill_slices_total", 0.0) - b.get("dsv4_prefill_slices_total", 0.0)
     layers = a.get("dsv4_prefill_slice_layers_total", 0.0) - b.get("dsv4_prefill_slice_layers_total", 0.0)
+    refreshes = a.get("dsv4_graph_refreshes_total", 0.0) - b.get("dsv4_graph_refreshes_total", 0.0)
+    refresh_s = a.get("dsv4_graph_refresh_seconds_total", 0.0) - b.get("dsv4_graph_refresh_seconds_total", 0.0)
+    moves = a.get("dsv4_graph_pool_moves_total", 0.0) - b.get("dsv4_graph_pool_moves_total", 0.0)
     return {"slices": slices, "layers_a_slice": layers / slices if slices else 0.0,
             "step_ms": 1e3 * a.get("dsv4_pacer_step_seconds", 0.0),
-            "target_ms": 1e3 * a.get("dsv4_itl_target_seconds", 0.0)}  # fmt: skip
+            "target_ms": 1e3 * a.get("dsv4_itl_target_seconds", 0.0),
+            # the graph engine's refreshes (moved pools brought home before a replay) and their mean ms
+            "graph_refreshes": refreshes, "graph_refresh_ms": 1e3 * refresh_s / refreshes if refreshes else 0.0,
+            "graph_pool_moves": moves}  # fmt: skip

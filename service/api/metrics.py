@@ -94,6 +94,7 @@ class _EngineCollector(Collector):
             ("graph_replays", "graph_replays", "Decode steps run as one replayed CUDA graph"),
             ("graph_recaptures", "graph_recaptures", "Decode graphs captured again (their arena grew)"),
             ("graph_pool_moves", "graph_pool_moves", "State pools MLX moved, copied back home before a replay"),
+            ("graph_refreshes", "graph_refreshes", "Replays that first brought moved pools home"),
             ("canary_checks_total", "canary_checks", "Correctness canary checks compared with the start-up decode"),
             ("canary_failures_total", "canary_failures", "Correctness canary checks whose tokens or logprobs differed"),
         ):
@@ -106,6 +107,11 @@ class _EngineCollector(Collector):
             n = float(s["spec_verify_steps_total"])
             g.add_metric([], 1 + float(s["spec_accepted_tokens_total"]) / n if n else 0.0)
             yield g
+        if "graph_refresh_ms" in s:  # the host's wait for MLX's queued state writes and the copies home
+            c = CounterMetricFamily(f"{PREFIX}_graph_refresh_seconds", "Seconds the replays spent bringing moved pools "
+                                    "home (MLX's queued writes waited for, then the copies)")  # fmt: skip
+            c.add_metric([], float(s["graph_refresh_ms"]) / 1e3)
+            yield c
         if "graph_fallbacks" in s:
             c = CounterMetricFamily(f"{PREFIX}_graph_fallback", "Decode steps run through MLX instead of a replayed "
                                     "graph, by reason", labels=["reason"])  # fmt: skip

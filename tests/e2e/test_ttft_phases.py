@@ -113,10 +113,13 @@ def test_bench_pacing_is_the_cells_slices_and_the_last_step() -> None:
     before = [("dsv4_prefill_slices_total", {}, 10.0), ("dsv4_prefill_slice_layers_total", {}, 40.0),
               ("dsv4_pacer_step_seconds", {}, 0.020)]  # fmt: skip
     after = [("dsv4_prefill_slices_total", {}, 15.0), ("dsv4_prefill_slice_layers_total", {}, 52.0),
-             ("dsv4_pacer_step_seconds", {}, 0.014), ("dsv4_itl_target_seconds", {}, 0.028)]  # fmt: skip
+             ("dsv4_pacer_step_seconds", {}, 0.014), ("dsv4_itl_target_seconds", {}, 0.028),
+             ("dsv4_graph_refreshes_total", {}, 4.0), ("dsv4_graph_refresh_seconds_total", {}, 0.010),
+             ("dsv4_graph_pool_moves_total", {}, 24.0)]  # fmt: skip
     got = pacing(before, after)
     assert got == {"slices": 5.0, "layers_a_slice": pytest.approx(2.4), "step_ms": pytest.approx(14.0),
-                   "target_ms": pytest.approx(28.0)}  # fmt: skip
+                   "target_ms": pytest.approx(28.0), "graph_refreshes": 4.0, "graph_refresh_ms": pytest.approx(2.5),
+                   "graph_pool_moves": 24.0}  # fmt: skip
     assert pacing(after, after)["layers_a_slice"] == 0.0  # no slice in the cell
 
 
