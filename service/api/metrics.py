@@ -72,6 +72,10 @@ class _EngineCollector(Collector):
              "The last canary check's largest logprob difference from the start-up decode (nats)"),
             ("itl_target_seconds", "itl_target_seconds", "The inter-token latency prefill is paced by (0: off)"),
             ("pacer_step_seconds", "pacer_step_seconds", "A decode iteration without prefill, as pacing measures it"),
+            ("pacer_slice_fixed_seconds", "pacer_slice_fixed_seconds",
+             "A prefill slice's fixed cost past the step, whatever its layers (pacing's fit, the last forward size)"),
+            ("pacer_layer_seconds", "pacer_layer_seconds",
+             "A prefill slice's cost a layer past its fixed cost (pacing's fit, the last forward size)"),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             g.add_metric([], float(s.get(key) or 0))

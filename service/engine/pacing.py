@@ -7,23 +7,37 @@ Only the slice is paced, never the chunk: every forward takes `--prefill-chunk` 
 end where they would alone), so pacing changes when a prompt's logits are computed, not their bits (a prompt
 chunked otherwise differs in its logits' last bits: `tests/e2e/test_prompt_logprobs.py`).
 
-What it measures, as EWMAs of what the streams see (wall time, the GPU's share included: a slice's GPU work is
-waited for by the step after it):
-- the step: iterations that stepped and built no prefill;
-- a layer of a forward, by its rows rounded down to a power of two: an iteration's seconds past the step, over
-  the layers it built (a layer has a large fixed cost, so the cost is kept per size, not per row).
-The target is `--itl-target-ms`, or 2x the step (None: auto); a slice gets what the step leaves of it and as
-many layers as fit it, at least one (where even one layer misses the target, the prompt still progresses). Before
-a layer of that size was measured, a layer a slice.
+A slice of L layers costs the streams F + c*L past the step: c a layer's work, F what a slice costs whatever its
+layers (with the CUDA-graph step: a synchronize, the moved state pools copied home, a host build the replay cannot
+overlap). A cost a layer alone (F folded into c) made one-layer slices look dear and kept them at one layer for
+good: a 43-layer forward in 43 steps, 5-7 s to a first token beside 8 streams on an H100. Measured as wall time
+(what the streams see: a slice's GPU work is waited for by the step after it):
+- the step: an EWMA of iterations that stepped and built no prefill;
+- F and c by forward size (rows rounded down to a power of two): a least-squares line through the (L, seconds past
+  the step) of slices and the (L, seconds) of forwards built whole, forgetting at ALPHA. A line with c <= 0 or F
+  under 0 (past noise) says no fixed cost: F = 0 and c = seconds / L. Where the recent L vary too little to part F
+  from c, the last verdict stands (a slope kept, F following the level); before any, F = 0 and c = seconds / L, and
+  a slice probes one layer more than the last (L must vary to be fitted) where that one came in under the room or
+  was one layer, and more layers would be chosen were F as large as a step (a synchronize and copies are of a
+  step's order; a probe that can't pay even then would only cost the streams a gap).
+The target is `--itl-target-ms`, or 2x the step (None: auto); the room is the target less the step, and a slice
+gets L = floor((room - F) / c), at least one (and once F and c are parted, at most twice the most layers measured:
+a line is trusted about as far as it was seen). Where even one layer misses (room - F < c) no slice meets the target;
+then L = ceil(F / c): F is at most the layers' cost, so the prompt goes at least half as fast as built whole, and a
+stream's gap stays within the step + 2F + c. Before a forward of that size (or a smaller one) was measured, a layer
+a slice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ALPHA = 0.25  # EWMA weight of the newest iteration
 AUTO_FACTOR = 2.0  # the automatic target: this many steps
-MIN_CHUNK = 16  # the smallest forward size a layer's cost is kept for (bucket)
+MIN_CHUNK = 16  # the smallest forward size a slice's cost is kept for (bucket)
+VARY = 0.1  # the least (EWMA) variance of L, in layers^2, that parts F from c
+EPS = 1e-9  # slack for floor / ceil of layer counts computed in floating point
 
 
 @dataclass(frozen=True)
@@ -41,8 +55,41 @@ def ewma(old: float | None, new: float) -> float:
 
 
 def bucket(rows: int) -> int:
-    """A forward's rows rounded down to a power of two (at least MIN_CHUNK): the key of its layer's cost."""
+    """A forward's rows rounded down to a power of two (at least MIN_CHUNK): the key of its slices' cost."""
     return 1 << (max(MIN_CHUNK, rows).bit_length() - 1)
+
+
+class Fit:
+    """One forward size's slice cost F + c*L (seconds past the step): EWMAs of L, L^2, y, L*y and y/L (y: the
+    seconds), so a weighted least-squares line; `est` = (F, c), `parted`: F and c told apart (else F = 0)."""
+
+    def __init__(self) -> None:
+        self.m: list[float] | None = None
+        self.slope: float | None = None  # c as last parted from F (0: no fixed cost found), None: not yet
+        self.est, self.parted = (0.0, 0.0), False
+        self.last: tuple[int, float] | None = None  # the last slice beside a step: (L, y)
+        self.top = 0  # the most layers measured
+
+    def add(self, layers: int, y: float) -> None:
+        new = (layers, layers * layers, y, layers * y, y / layers)
+        self.top = max(self.top, layers)
+        self.m = list(new) if self.m is None else [ewma(a, b) for a, b in zip(self.m, new, strict=True)]
+        l1, l2, mean, ly, ratio = self.m
+        var = l2 - l1 * l1
+        if var >= VARY:  # a fit; a fixed cost a little under 0 (noise about none) reads as 0
+            c = (ly - l1 * mean) / var
+            self.slope = c if c > 0 and mean - c * l1 >= -c / 4 else 0.0
+        c, self.parted = self.slope, self.slope is not None
+        self.est = (max(0.0, mean - c * l1), c) if c and mean - c * l1 >= -c / 4 else (0.0, ratio)
+
+
+def layers_for(room: float, fixed: float, per: float) -> int:
+    """The layers of a slice with `room` seconds past the step: those that fit it, at least one; where even one
+    layer misses, as many as make the fixed cost at most their own (the target cannot be met)."""
+    fits = (room - fixed) / per
+    if fits >= 1 - EPS:
+        return int(fits + EPS)
+    return max(1, math.ceil(fixed / per - EPS))
 
 
 class Pacer:
@@ -55,7 +102,8 @@ class Pacer:
         self.target_ms, self.chunk = target_ms, chunk
         self.slice_seconds = slice_ms / 1e3 if slice_ms else None
         self.step: float | None = None  # seconds of an iteration with a step and no prefill
-        self.layer: dict[int, float] = {}  # seconds of a forward's layer, by bucket(rows)
+        self.fits: dict[int, Fit] = {}  # a slice's cost, by bucket(rows)
+        self.recent: Fit | None = None  # the fit observed last (/metrics)
         self.slices = self.slice_layers = 0  # iterations that built a slice beside a step, and its layers (/metrics)
 
     @property
@@ -72,17 +120,23 @@ class Pacer:
             return self.target_ms / 1e3
         return None if step is None else AUTO_FACTOR * step
 
-    def layer_cost(self, rows: int) -> float | None:
-        """Seconds of one layer of a `rows`-row forward: its size's EWMA, else the nearest smaller size measured
-        scaled up by the rows (an over-estimate: fewer layers, never a missed target), else None."""
+    def slice_cost(self, rows: int) -> tuple[float, float] | None:
+        """(F, c) of a slice of a `rows`-row forward: its size's fit, else the nearest smaller size's with c scaled
+        up by the rows (an over-estimate: fewer layers), else None."""
         key = bucket(rows)
-        if key in self.layer:
-            return self.layer[key]
-        below = [k for k in self.layer if k < key]
+        if key in self.fits:
+            return self.fits[key].est
+        below = [k for k in self.fits if k < key]
         if not below:
             return None
         k = max(below)
-        return self.layer[k] * rows / k
+        fixed, per = self.fits[k].est
+        return fixed, per * rows / k
+
+    def layer_cost(self, rows: int) -> float | None:
+        """Seconds of one more layer of a `rows`-row forward's slice (c of `slice_cost`), else None."""
+        cost = self.slice_cost(rows)
+        return None if cost is None else cost[1]
 
     def pace(self, streaming: bool, rows: int | None = None) -> Pace:
         """This iteration's prefill (`streaming`: rows decode beside it, else the forward is built whole; `rows`:
@@ -91,19 +145,36 @@ class Pacer:
         if target is None or self.step is None or not self.slice_seconds:
             return Pace(self.chunk, self.slice_seconds)
         rows = rows or self.chunk
-        cost = self.layer_cost(rows)
-        room = max(target - self.step, cost or 0.0, 0.1 * self.step)
-        if not streaming:
-            return Pace(self.chunk, room)
-        layers = max(1, int(room / cost)) if cost else 1
-        return Pace(self.chunk, room, rows * layers)
+        room = max(target - self.step, 0.1 * self.step)
+        cost = self.slice_cost(rows)
+        if not streaming or cost is None:
+            return Pace(self.chunk, room, rows if streaming else None)
+        fixed, per = cost
+        layers = layers_for(room, fixed, per)
+        fit = self.fits.get(bucket(rows))
+        if fit is not None and fit.parted:  # a line is trusted about as far as it was measured
+            layers = min(layers, 2 * fit.top)
+        elif fit is not None and fit.last is not None and self.pays(room, *fit.last):
+            layers = max(layers, fit.last[0] + 1)  # a probe: L must vary to part F from c
+        return Pace(self.chunk, max(room, fixed + per * layers), rows * layers)
+
+    def pays(self, room: float, last: int, extra: float) -> bool:
+        """Whether one layer more than the `last` (which took `extra` seconds past the step) may pay: under the room
+        or from one layer, more layers would be chosen were F as large as a step (its order: a synchronize, copies)."""
+        if extra > room and last > 1:
+            return False  # over the room: the fit's fewer layers vary L as well
+        fixed = min(self.step or 0.0, extra)
+        return extra <= fixed or layers_for(room, fixed, (extra - fixed) / last) > last
 
     def stats(self) -> dict[str, float]:
         """For /metrics (the engine thread writes these, a scrape reads them: one read of the step for both): slices
-        built beside a step and their layers (their ratio: layers a slice), the measured step, the target."""
-        step = self.step
+        built beside a step and their layers (their ratio: layers a slice), the measured step, the target, and the
+        slice cost (F, c) of the forward size observed last."""
+        step, fit = self.step, self.recent
+        fixed, per = fit.est if fit is not None else (0.0, 0.0)
         return {"prefill_slices_total": self.slices, "prefill_slice_layers_total": self.slice_layers,
-                "pacer_step_seconds": step or 0.0, "itl_target_seconds": self.target(step) or 0.0}  # fmt: skip
+                "pacer_step_seconds": step or 0.0, "itl_target_seconds": self.target(step) or 0.0,
+                "pacer_slice_fixed_seconds": fixed, "pacer_layer_seconds": per}  # fmt: skip
 
     def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0) -> None:
         """One iteration: its wall seconds, whether it ran a decode step, the prefill rows x layers and layers
@@ -116,7 +187,10 @@ class Pacer:
             return
         if stepped and layers:
             self.slices, self.slice_layers = self.slices + 1, self.slice_layers + layers
-        cost = seconds - ((self.step or 0.0) if stepped else 0.0)
-        if cost > 0 and layers:
-            key = bucket(rows_layers // layers)
-            self.layer[key] = ewma(self.layer.get(key), cost / layers)
+        extra = seconds - ((self.step or 0.0) if stepped else 0.0)
+        if extra > 0 and layers:
+            fit = self.fits.setdefault(bucket(rows_layers // layers), Fit())
+            fit.add(layers, extra)
+            if stepped:
+                fit.last = (layers, extra)
+            self.recent = fit

@@ -129,9 +129,12 @@ def test_pacing_is_on_by_default_at_twice_the_measured_step(server) -> None:
     streamed_ttft(server.url, [5, 6, 7], max_tokens=24)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     names = ("dsv4_itl_target_seconds", "dsv4_pacer_step_seconds", "dsv4_prefill_slices_total",
-             "dsv4_prefill_slice_layers_total")  # fmt: skip
+             "dsv4_prefill_slice_layers_total", "dsv4_pacer_slice_fixed_seconds",
+             "dsv4_pacer_layer_seconds")  # fmt: skip
     got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names}
     assert 0 < got["dsv4_itl_target_seconds"] < 5.0, got
     # the step pacing measured, published beside it (one scrape: the target is twice it); slices are counted
     assert got["dsv4_itl_target_seconds"] == pytest.approx(2 * got["dsv4_pacer_step_seconds"]), got
     assert 0 <= got["dsv4_prefill_slices_total"] <= got["dsv4_prefill_slice_layers_total"], got
+    # the slice cost pacing fitted (F + c x layers; 0 before a prefill was measured) is published too
+    assert got["dsv4_pacer_slice_fixed_seconds"] >= 0 and got["dsv4_pacer_layer_seconds"] >= 0, got

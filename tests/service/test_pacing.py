@@ -68,7 +68,7 @@ def test_off_keeps_the_fixed_slices_and_chunks() -> None:
     p = Pacer(0, 10.0, 2048)
     p.observe(0.010, True, 0)
     p.observe(0.050, True, 64, 4)
-    assert not p.on and p.target() is None and p.step is None and p.layer == {}
+    assert not p.on and p.target() is None and p.step is None and p.fits == {}
     assert p.pace(True) == p.pace(False) == Pace(2048, 0.010, None)
 
 
@@ -82,28 +82,122 @@ def test_auto_target_is_twice_the_step_and_a_slice_holds_the_layers_that_fit() -
     assert p.pace(True, rows=300) == Pace(2048, pytest.approx(0.010), 300)
     assert p.pace(False) == Pace(2048, pytest.approx(0.010))
     p.observe(0.014, True, 2 * 256, 2)  # 4 ms past the step for 2 layers of 256 rows: 2 ms a layer
-    assert p.layer == {256: pytest.approx(0.002)}
+    assert p.slice_cost(256) == pytest.approx((0.0, 0.002))  # one L seen: no fixed cost told apart, 4 ms / 2
     assert p.pace(True, rows=300) == Pace(2048, pytest.approx(0.010), 300 * 5)  # 10 ms room / 2 ms: 5 layers
     # a larger forward, not measured yet: the 256-row layer scaled by the rows (1024 / 256 x 2 ms = 8 ms): 1 layer
     assert p.pace(True, rows=1024) == Pace(2048, pytest.approx(0.010), 1024)
     p.observe(0.016, True, 1024, 1)  # 6 ms a 1,024-row layer
-    assert p.layer_cost(1024) == pytest.approx(0.006) and p.pace(True, rows=1500).rows_layers == 1500
+    # 10 ms / 6 ms is 1 layer, but that slice came in under the room and one L can't part a fixed cost: a probe, 2
+    assert p.layer_cost(1024) == pytest.approx(0.006) and p.pace(True, rows=1500).rows_layers == 2 * 1500
     p.observe(0.030, False, 0)  # no step, no prefill (an idle pass): nothing learned
     assert p.step == pytest.approx(0.010)
     p.observe(0.012, True, 0)  # the step's EWMA: 10.5 ms
     assert p.step == pytest.approx(0.0105) and p.target() == pytest.approx(0.021)
-    p.observe(0.050, False, 4096, 4)  # a forward built with no step beside it: not a slice
-    # /metrics: the two slices beside a step above (2 layers, 1 layer), the step as measured
+    p.observe(0.050, False, 4096, 4)  # a forward built with no step beside it: not a slice, but 4 layers of 1,024
+    # rows for 50 ms: the line through (1, 6 ms) and (4, 50 ms) has a fixed cost under 0, so F = 0 and c the EWMA
+    # of the seconds a layer: 0.75 x 6 + 0.25 x 12.5 = 7.625 ms
+    assert p.slice_cost(1024) == pytest.approx((0.0, 0.007625))
+    # /metrics: the two slices beside a step above (2 layers, 1 layer), the step as measured, the last size's cost
     assert p.stats() == {"prefill_slices_total": 2, "prefill_slice_layers_total": 3,
-                         "pacer_step_seconds": pytest.approx(0.0105), "itl_target_seconds": pytest.approx(0.021)}
+                         "pacer_step_seconds": pytest.approx(0.0105), "itl_target_seconds": pytest.approx(0.021),
+                         "pacer_slice_fixed_seconds": 0.0, "pacer_layer_seconds": pytest.approx(0.007625)}
 
 
 def test_a_target_no_layer_meets_still_gets_one_layer_a_slice() -> None:
     p = Pacer(15.0, 10.0, 2048)
     p.observe(0.010, True, 0)
     p.observe(0.018, True, 16, 1)  # 8 ms a 16-row layer: over the 5 ms the 15 ms target leaves
-    assert p.pace(True, rows=16) == Pace(2048, pytest.approx(0.008), 16)  # that layer: the prompt progresses
+    # one L seen, one layer over the room that took under two steps (8 < 20 ms): a probe at 2 (F and c are parted
+    # only where L varies); its seconds cap: 2 x 8 ms
+    assert p.pace(True, rows=16) == Pace(2048, pytest.approx(0.016), 32)
+    p.observe(0.026, True, 32, 2)  # 16 ms for 2 layers: no fixed cost, 8 ms a layer
+    assert p.slice_cost(16) == pytest.approx((0.0, 0.008), abs=1e-9)
+    # no slice meets the target, and with no fixed cost the fewest layers are best: one, the prompt progresses
+    assert p.pace(True, rows=16) == Pace(2048, pytest.approx(0.008), 16)
     assert p.layer_cost(8) == pytest.approx(0.008)  # under the smallest size: its bucket's
+
+
+def chosen(p: Pacer, fixed: float, per: float, step: float, n: int = 12, rows: int = 16) -> list[int]:
+    """`n` iterations beside a stream, each taking the step + fixed + per x its slice's layers: the layers paced."""
+    out = []
+    for _ in range(n):
+        rows_layers = p.pace(True, rows=rows).rows_layers
+        assert rows_layers is not None and rows_layers % rows == 0
+        out.append(rows_layers // rows)
+        p.observe(step + fixed + per * out[-1], True, rows_layers, out[-1])
+    return out
+
+
+def auto(step: float) -> Pacer:
+    p = Pacer(None, 10.0, 2048)
+    p.observe(step, True, 0)
+    return p
+
+
+def test_a_fixed_cost_over_the_room_takes_the_layers_that_cost_as_much() -> None:
+    """F = 15 ms, c = 4 ms beside a 17 ms step (auto target 34 ms, room 17 ms): (17 - 15) / 4 < 1 layer fits, the
+    target can't be met; L = ceil(15 / 4) = 4 (a proportional cost stuck at one layer: 19 ms > 17 ms, forever)."""
+    p = auto(0.017)
+    # 1 (nothing measured), 2 (a probe: one layer over the room), then the line through (1, 19 ms), (2, 23 ms)
+    assert chosen(p, 0.015, 0.004, 0.017, n=24) == [1, 2] + [4] * 22  # 22: long past the L's variance fading
+    assert p.slice_cost(16) == pytest.approx((0.015, 0.004))
+    assert p.stats()["pacer_slice_fixed_seconds"] == pytest.approx(0.015)
+    assert p.stats()["pacer_layer_seconds"] == pytest.approx(0.004)
+
+
+def test_a_small_fixed_cost_takes_what_the_room_leaves() -> None:
+    """F = 2 ms, c = 3 ms, room 17 ms: floor((17 - 2) / 3) = 5 layers, 17 ms, on the target."""
+    p = auto(0.017)
+    # 1; 3 (5 ms a layer as far as one L tells: 17 / 5); then F and c from (1, 5 ms), (3, 11 ms)
+    assert chosen(p, 0.002, 0.003, 0.017) == [1, 3] + [5] * 10
+    assert p.slice_cost(16) == pytest.approx((0.002, 0.003))
+
+
+def test_no_fixed_cost_paces_as_a_cost_a_layer() -> None:
+    """F = 0, c = 3 ms, room 17 ms: floor(17 / 3) = 5 layers, as a cost a layer alone had it."""
+    p = auto(0.017)
+    assert chosen(p, 0.0, 0.003, 0.017) == [1] + [5] * 11
+    assert p.slice_cost(16) == pytest.approx((0.0, 0.003), abs=1e-9)
+
+
+def test_no_probe_past_two_steps_and_a_line_under_zero_is_no_fixed_cost() -> None:
+    """A step of 10 ms (auto target 20 ms, room 10 ms)."""
+    p = auto(0.010)
+    # one layer over the room that took 30 ms, over two steps: a fixed cost of a step's order can't outweigh such a
+    # layer, so no probe: F = 0, c = 30 ms, no slice meets the target, one layer (its seconds cap: 30 ms)
+    p.observe(0.040, True, 16, 1)
+    assert p.pace(True, rows=16) == Pace(2048, pytest.approx(0.030), 16)
+    # 64 rows: 3.5 ms for one layer (under the room: 10 / 3.5, 2 layers), then 9.8 ms for two: the line's F is
+    # -2.8 ms (slope 6.3 ms), under -c/4: no fixed cost; c = 0.75 x 3.5 + 0.25 x 4.9 = 3.85 ms, 10 / 3.85: 2
+    # layers, and no probe at 3 now that L varied
+    p.observe(0.0135, True, 64, 1)
+    assert p.pace(True, rows=64).rows_layers == 2 * 64
+    p.observe(0.0198, True, 2 * 64, 2)
+    assert p.slice_cost(64) == pytest.approx((0.0, 0.00385))
+    assert p.pace(True, rows=64).rows_layers == 2 * 64
+
+
+def test_a_line_is_trusted_about_as_far_as_it_was_measured() -> None:
+    """Slices of 1 and 2 layers beside a 10 ms step (room 10 ms) taking 2 and 3 ms: the line 1 ms + 1 ms a layer
+    fits (10 - 1) / 1 = 9 layers, but it was measured to 2: at most twice that, 4."""
+    p = auto(0.010)
+    p.observe(0.012, True, 256, 1)
+    p.observe(0.013, True, 2 * 256, 2)
+    assert p.slice_cost(256) == pytest.approx((0.001, 0.001))
+    assert p.pace(True, rows=256) == Pace(2048, pytest.approx(0.010), 4 * 256)
+
+
+def test_the_fit_recovers_the_fixed_and_the_layer_cost() -> None:
+    """Noiseless slices of 2, 6 and 3 layers beside a 10 ms step and one forward built whole (no step, 43 layers),
+    each F = 12 ms + c = 5 ms a layer: (F, c) within 10%."""
+    p = Pacer(40.0, 10.0, 2048)
+    p.observe(0.010, True, 0)
+    for layers, seconds, stepped in ((2, 0.032, True), (6, 0.052, True), (43, 0.227, False), (3, 0.037, True)):
+        p.observe(seconds, stepped, 64 * layers, layers)
+    assert p.slice_cost(64) == pytest.approx((0.012, 0.005), rel=0.1)
+    assert p.layer_cost(127) == pytest.approx(0.005, rel=0.1)  # the same size (64 .. 127 rows)
+    fixed, per = p.slice_cost(256)  # a larger size not measured: c scaled by the rows (x 4), F kept
+    assert (fixed, per) == pytest.approx((0.012, 0.020), rel=0.1)
 
 
 def test_streams_beside_a_long_prompt_keep_under_the_target(tiny) -> None:
