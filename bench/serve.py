@@ -262,7 +262,7 @@ def main() -> None:
             pc = summary["pacing"]
             print(f"  TTFT by phase, median / mean ms: {split}; prefill slices beside a step {pc['slices']:.0f}, "
                   f"{pc['layers_a_slice']:.1f} layers each (step {pc['step_ms']:.1f} ms, "
-                  f"target {pc['target_ms']:.1f}); "
+                  f"target {pc['target_ms']:.1f}, slice {pc['fixed_ms']:.1f} + {pc['layer_ms']:.2f} a layer); "
                   f"graph refreshes {pc['graph_refreshes']:.0f} of {pc['graph_refresh_ms']:.2f} ms, "
                   f"{pc['graph_pool_moves']:.0f} pools moved", flush=True)  # fmt: skip
             if "long_prompt" in summary:

@@ -80,6 +80,8 @@ def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[st
     return {"slices": slices, "layers_a_slice": layers / slices if slices else 0.0,
             "step_ms": 1e3 * a.get("dsv4_pacer_step_seconds", 0.0),
             "target_ms": 1e3 * a.get("dsv4_itl_target_seconds", 0.0),
+            "fixed_ms": 1e3 * a.get("dsv4_pacer_slice_fixed_seconds", 0.0),  # the fitted slice: fixed + per layer
+            "layer_ms": 1e3 * a.get("dsv4_pacer_layer_seconds", 0.0),
             # the graph engine's refreshes (moved pools brought home before a replay) and their mean ms
             "graph_refreshes": refreshes, "graph_refresh_ms": 1e3 * refresh_s / refreshes if refreshes else 0.0,
             "graph_pool_moves": moves}  # fmt: skip
