@@ -22,7 +22,8 @@
 #   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
-#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1)
+#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; AGREE_PARALLEL=1: every
+#                arm's server started at once, each --max-state-gib AGREE_STATE_GIB (10), compared with the first arm)
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -139,7 +140,32 @@ for part in ${PART:-tests}; do
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (tools/graph_agree.py)
                small="--load-format dummy --model flash --layers 8 --experts 16"
-               for arm in ${AGREE_ARMS:-on glue off}; do
+               arms=(${AGREE_ARMS:-on glue off})
+               if [ -n "${AGREE_PARALLEL:-}" ]; then  # every arm's server started at once (their start-ups overlap,
+                 i=0                                  # each with a fixed state budget), then the scenario on each
+                 for arm in "${arms[@]}"; do
+                   g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
+                   [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
+                   env "${env[@]}" python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $((8700 + i)) $small \
+                     --decode-graphs $g --max-state-gib ${AGREE_STATE_GIB:-10} > "$OUT/agree_$arm.log" 2>&1 &
+                   i=$((i + 1))
+                 done
+                 i=0
+                 for arm in "${arms[@]}"; do
+                   until python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$((8700 + i))/ready').status_code != 200)" 2>/dev/null; do
+                     [ $SECONDS -gt ${AGREE_READY_S:-420} ] && { echo "agree: $arm not ready"; tail -3 "$OUT/agree_$arm.log"; break; }
+                     sleep 2
+                   done
+                   echo "agree: $arm ready at $SECONDS s"
+                   timeout $((580 - SECONDS)) python3 tools/graph_agree.py --url "http://127.0.0.1:$((8700 + i))" \
+                     --out "$OUT/agree_$arm.json" 2>&1 | tail -1
+                   i=$((i + 1))
+                 done
+                 for arm in "${arms[@]:1}"; do [ -f "$OUT/agree_$arm.json" ] && \
+                   python3 tools/graph_agree.py --compare "$OUT/agree_${arms[0]}.json" "$OUT/agree_$arm.json"; done
+                 kill $(jobs -p) 2>/dev/null; continue
+               fi
+               for arm in "${arms[@]}"; do
                  g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
                  [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
                  env "${env[@]}" timeout 250 python3 tools/graph_agree.py --server-args "$small --decode-graphs $g" \
