@@ -130,11 +130,15 @@ def write_entry(cache: Path, module: str, func: str, cubin: bytes, lowered: str)
 
 class Noter:
     """Stands in for `mx.fast.cuda_kernel` (over MLX's or the graphs' recorder's): each kernel object it makes
-    notes the variants it launches while `noting` (the warm-up), for `populate`."""
+    notes the variants it launches while `noting`, for `populate`. Once `warmed` (the warm-up over), a variant
+    noted for the first time is logged and counted (`late`): MLX builds it with NVRTC in a request's path (~1-2.5 s
+    on an H100), which is what a warm-up that missed a serving shape costs a user."""
 
     def __init__(self) -> None:
         self.base: Callable[..., Any] | None = None
         self.noting = True
+        self.warmed = False
+        self.late = 0  # variants first launched after the warm-up
         self.variants: dict[str, tuple[str, str]] = {}  # module name -> (kernel name, MLX's source)
         self.lock = threading.Lock()
 
@@ -161,6 +165,11 @@ class Noter:
             text = mlx_source(func, header, source, ins, outs, template)
             with self.lock:
                 self.variants[module_name(func, text)] = (func, text)
+                if self.warmed:
+                    self.late += 1
+            if self.warmed:
+                log.warning("kernel variant first launched after the warm-up (built in a request's path): %s %s",
+                            func, [(n, dt, nd) for n, dt, nd in ins])  # fmt: skip
 
         def launch(*args: Any, **call: Any) -> Any:
             if self.noting:

@@ -36,7 +36,7 @@ def fill_kernel_cache(noter: Any) -> threading.Thread:
     from dsv4_serve.kernels.cuda import mlx_cache
     from dsv4_serve.kernels.graph import nvrtc
 
-    noter.noting = False
+    noter.warmed = True  # it goes on noting: a variant first launched while serving is logged (a late build)
     info = mx.device_info()
     arch = nvrtc.arch(int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
 

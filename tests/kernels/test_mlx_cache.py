@@ -84,9 +84,14 @@ def test_the_noter_notes_each_variant_once_while_noting() -> None:
     assert len(noter.variants) == 3
     ((func, text),) = [v for v in noter.variants.values() if v[0].endswith("_4") and "const float* x" in v[1]]
     assert func == "custom_kernel_dsv4_w_1_4" and "const __grid_constant__ Shape x_shape" in text
+    noter.warmed = True  # after the warm-up: a new variant is still noted, and counted as late; a known one is not
+    k(**call)
+    assert noter.late == 0
+    k(**{**call, "template": [("N", 32)]})
+    assert len(noter.variants) == 4 and noter.late == 1
     noter.noting = False
     k(**{**call, "template": [("N", 16)]})
-    assert len(noter.variants) == 3
+    assert len(noter.variants) == 4 and noter.late == 1
     k(**{**call, "inputs": [object()]})  # a launch the noter cannot read still launches (noting back on)
 
 
