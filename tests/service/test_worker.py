@@ -220,10 +220,11 @@ def test_engine_not_ready_before_start(tiny) -> None:
     asyncio.run(main())
 
 
-def test_warmup_steps_every_width_and_prefills_once(tiny) -> None:
+def test_warmup_steps_every_width_and_prefills_twice(tiny) -> None:
     """Warm-up builds every path a request takes (GPU: MLX JIT-compiles on first use) and gives all
-    state back: a step at each batch size, one prefill long enough for every compressor to emit."""
-    fed: list[tuple[str, int]] = []
+    state back: a step at each batch size, one prefill long enough for every compressor to emit, then one
+    forward of two 32-token prompts (the products' short-forward path, a batch of arrivals)."""
+    fed: list[tuple[str, object]] = []
 
     class Recording(ControlledEngine):
         def step(self, feeds):
@@ -234,11 +235,19 @@ def test_warmup_steps_every_width_and_prefills_once(tiny) -> None:
             fed.append(("prefill", len(token_ids)))
             return super().prefill(handle, token_ids, start)
 
+        def prefill_batch(self, work, **kw):
+            fed.append(("prefill_batch", [(len(t), s) for _, t, s in work]))
+            return super().prefill_batch(work, **kw)
+
     eng = Recording(tiny[0], max_rows=4, max_model_len=MAX_LEN, page_size=PAGE)
     eng.warmup()
     want_len = min(MAX_LEN, 1 + max(tiny[1].compress_ratios))
-    assert fed == [("step", w) for w in range(1, 5)] + [("prefill", want_len)]
+    assert fed == [("step", w) for w in range(1, 5)] + [("prefill", want_len), ("prefill_batch", [(32, 0), (32, 0)])]
     assert eng.bytes_in_use() == 0 and eng.can_admit(MAX_LEN)
+    one_row = Recording(tiny[0], max_rows=1, max_model_len=MAX_LEN, page_size=PAGE)  # two prompts never fit
+    fed.clear()
+    one_row.warmup()
+    assert fed == [("step", 1), ("prefill", want_len)] and one_row.bytes_in_use() == 0
 
 
 def test_abort_running_request_frees_its_row(tiny) -> None:
