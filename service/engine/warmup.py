@@ -96,7 +96,8 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
             eng.release(h)
     # Then two short prompts in one forward, as serving batches arrivals: a forward of at most MANY_ROWS rows runs
     # its products as the skinny kernels' 8-row slices (kernels/matmul.py), a path the prompt above never takes.
-    # On an H100 without it, the first 32-token request after /ready spent ~5.8 s in prefill (95f7932).
+    # On an H100 without it, the first 32-token request after /ready spent 5-6 s in prefill (95f7932: the prefill
+    # phase's sum over its cell less the other requests' TTFTs).
     if eng.parallel_prefill and hasattr(eng, "prefill_batch") and eng.fits_ever(SHORT_PROMPT, rows=2):
         pair = [eng.admit(SHORT_PROMPT) for _ in range(2)]
         try:
