@@ -40,6 +40,10 @@ class Recording(Engine):
         self.calls: list[tuple[str, int]] = []
         self.on_advance = lambda n: None
 
+    def warmup(self):  # the log is of serving: the warm-up's own forwards and steps are not in it
+        super().warmup()
+        self.calls.clear()
+
     def step(self, feeds, tokens=None):
         self.calls.append(("step", len(feeds)))
         return super().step(feeds, tokens)
