@@ -264,7 +264,8 @@ def main() -> None:
                   f"{pc['layers_a_slice']:.1f} layers each (step {pc['step_ms']:.1f} ms, "
                   f"target {pc['target_ms']:.1f}, slice {pc['fixed_ms']:.1f} + {pc['layer_ms']:.2f} a layer); "
                   f"graph refreshes {pc['graph_refreshes']:.0f} of {pc['graph_refresh_ms']:.2f} ms, "
-                  f"{pc['graph_pool_moves']:.0f} pools moved", flush=True)  # fmt: skip
+                  f"{pc['graph_pool_moves']:.0f} pools moved; kernels built late {pc['kernels_late']:.0f}",
+                  flush=True)  # fmt: skip
             if "long_prompt" in summary:
                 print(f"  with a {opt.long_prompt}-token prompt ({summary['long_prompt_s']:.2f} s): ITL p99 during "
                       f"{summary['p99_itl_during_ms']:.1f} ms over {summary['itl_during_long']} gaps, median "

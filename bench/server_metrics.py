@@ -84,4 +84,6 @@ def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[st
             "layer_ms": 1e3 * a.get("dsv4_pacer_layer_seconds", 0.0),
             # the graph engine's refreshes (moved pools brought home before a replay) and their mean ms
             "graph_refreshes": refreshes, "graph_refresh_ms": 1e3 * refresh_s / refreshes if refreshes else 0.0,
-            "graph_pool_moves": moves}  # fmt: skip
+            "graph_pool_moves": moves,
+            # kernel variants first built while serving (the noter's, DSV4_KERNEL_CACHE=1): NVRTC in a request's path
+            "kernels_late": a.get("dsv4_kernels_late_total", 0.0) - b.get("dsv4_kernels_late_total", 0.0)}  # fmt: skip

@@ -1,5 +1,6 @@
-"""The decode graphs' counters as /metrics renders them (service/api/metrics.py) from the engine's stats: the stats
-here are written by hand, as `DecodeGraphs.stats()` gives them on a GPU (the graphs themselves need CUDA)."""
+"""The decode graphs' counters and the kernel noter's late builds as /metrics renders them (service/api/metrics.py)
+from the engine's stats: the stats here are written by hand, as `DecodeGraphs.stats()` and the worker give them on a
+GPU (the graphs and the noter need CUDA)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def test_refreshes_and_their_seconds_are_counters() -> None:
     assert got["dsv4_graph_refreshes_total"] == 3.0
     assert got["dsv4_graph_refresh_seconds_total"] == 0.0075  # ms in the stats, seconds in /metrics
     assert got["dsv4_graph_pool_moves_total"] == 12.0 and got["dsv4_graph_replays_total"] == 40.0
+
+
+def test_late_kernel_builds_are_a_counter() -> None:
+    assert rendered({"kernels_late_total": 3})["dsv4_kernels_late_total"] == 3.0  # the noter's, when it runs
 
 
 def test_no_graphs_no_refresh_seconds() -> None:
