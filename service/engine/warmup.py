@@ -94,10 +94,10 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
             mx.eval(eng.pools.arrays())
         finally:
             eng.release(h)
-    # Then two short prompts in one forward, as serving batches arrivals: a forward of at most MANY_ROWS rows runs
-    # its products as the skinny kernels' 8-row slices (kernels/matmul.py), a path the prompt above never takes.
-    # On an H100 without it, the first 32-token request after /ready spent 5-6 s in prefill (95f7932: the prefill
-    # phase's sum over its cell less the other requests' TTFTs).
+    # Then two short prompts in one forward, serving's commonest shape: a forward of at most MANY_ROWS rows runs its
+    # products as 8-row slices joined by MLX (kernels/matmul.py), a path the prompt above never takes. It adds no
+    # variant of our kernels (tools/warmup_variants.py); it is there for MLX's own first-use builds on that path.
+    # (On an H100 the first 32-token request after /ready spent 5-6 s in prefill without it, 95f7932: cause unknown.)
     if eng.parallel_prefill and hasattr(eng, "prefill_batch") and eng.fits_ever(SHORT_PROMPT, rows=2):
         pair = [eng.admit(SHORT_PROMPT) for _ in range(2)]
         try:
