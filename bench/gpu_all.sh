@@ -23,7 +23,8 @@
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
 #                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; AGREE_PARALLEL=1: every
-#                arm's server started at once, each --max-state-gib AGREE_STATE_GIB (10), compared with the first arm)
+#                arm's server started at once, each --max-state-gib AGREE_STATE_GIB (10), compared with the first arm;
+#                AGREE_MODEL: the servers' model flags, "" the tiny model: the flow checked on a CPU with AGREE_ARMS="off glue")
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -140,7 +141,7 @@ for part in ${PART:-tests}; do
                  --accept 1.0,0.7 --graph --out "$OUT/spec_decode.json" 2>&1 | grep -v Warn | tail -8 ;;
     agree)     # greedy tokens with graphs on against the MLX step with the same kernels (the glue kernels on), then
                # against the default MLX step: joins, leaves and prefix hits at ~4K (tools/graph_agree.py)
-               small="--load-format dummy --model flash --layers 8 --experts 16"
+               small=${AGREE_MODEL-"--load-format dummy --model flash --layers 8 --experts 16"}
                arms=(${AGREE_ARMS:-on glue off})
                if [ -n "${AGREE_PARALLEL:-}" ]; then  # every arm's server started at once (their start-ups overlap,
                  i=0                                  # each with a fixed state budget), then the scenario on each
