@@ -22,8 +22,8 @@
 #   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
-#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; AGREE_PARALLEL=1: every
-#                arm's server started at once, each --max-state-gib AGREE_STATE_GIB (10), compared with the first arm;
+#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; each server
+#                --max-state-gib AGREE_STATE_GIB (10), compared with the first arm; AGREE_PARALLEL=1: all started at once;
 #                AGREE_MODEL: the servers' model flags, "" the tiny model: the flow checked on a CPU with AGREE_ARMS="off glue")
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
@@ -143,38 +143,31 @@ for part in ${PART:-tests}; do
                # against the default MLX step: joins, leaves and prefix hits at ~4K (tools/graph_agree.py)
                small=${AGREE_MODEL-"--load-format dummy --model flash --layers 8 --experts 16"}
                arms=(${AGREE_ARMS:-on glue off})
-               if [ -n "${AGREE_PARALLEL:-}" ]; then  # every arm's server started at once (their start-ups overlap,
-                 i=0                                  # each with a fixed state budget), then the scenario on each
-                 for arm in "${arms[@]}"; do
-                   g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
-                   [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
-                   env "${env[@]}" python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $((8700 + i)) $small \
-                     --decode-graphs $g --max-state-gib ${AGREE_STATE_GIB:-10} > "$OUT/agree_$arm.log" 2>&1 &
-                   i=$((i + 1))
-                 done
-                 i=0
-                 for arm in "${arms[@]}"; do
-                   until python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$((8700 + i))/ready').status_code != 200)" 2>/dev/null; do
-                     [ $SECONDS -gt ${AGREE_READY_S:-420} ] && { echo "agree: $arm not ready"; tail -3 "$OUT/agree_$arm.log"; break; }
-                     sleep 2
-                   done
-                   echo "agree: $arm ready at $SECONDS s"
-                   timeout $((580 - SECONDS)) python3 tools/graph_agree.py --url "http://127.0.0.1:$((8700 + i))" \
-                     --out "$OUT/agree_$arm.json" 2>&1 | tail -1
-                   i=$((i + 1))
-                 done
-                 for arm in "${arms[@]:1}"; do [ -f "$OUT/agree_$arm.json" ] && \
-                   python3 tools/graph_agree.py --compare "$OUT/agree_${arms[0]}.json" "$OUT/agree_$arm.json"; done
-                 kill $(jobs -p) 2>/dev/null; continue
-               fi
-               for arm in "${arms[@]}"; do
-                 g=$arm; env=(); [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
+               start() {  # arm index: its server on port 8700 + index (glue: off with DSV4_GRAPH_GLUE; pipe: on with
+                 local arm=${arms[$1]} g=${arms[$1]} env=()  # DSV4_GRAPH_PIPELINE), a fixed state budget
+                 [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
                  [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
-                 env "${env[@]}" timeout 250 python3 tools/graph_agree.py --server-args "$small --decode-graphs $g" \
-                   --out "$OUT/agree_$arm.json" 2>&1 | tail -1
-               done
-               for arm in glue off pipe; do [ -f "$OUT/agree_$arm.json" ] && \
-                 python3 tools/graph_agree.py --compare "$OUT/agree_on.json" "$OUT/agree_$arm.json"; done ;;
+                 env "${env[@]}" python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $((8700 + $1)) $small \
+                   --decode-graphs $g --max-state-gib ${AGREE_STATE_GIB:-10} > "$OUT/agree_$arm.log" 2>&1 &
+               }
+               run() {  # arm index: wait for its server, the scenario on it, then stop it
+                 local arm=${arms[$1]} url="http://127.0.0.1:$((8700 + $1))"
+                 until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
+                   [ $SECONDS -gt ${AGREE_READY_S:-420} ] && { echo "agree: $arm not ready"; tail -3 "$OUT/agree_$arm.log"; return; }
+                   sleep 2
+                 done
+                 echo "agree: $arm ready at $SECONDS s"
+                 timeout $((580 - SECONDS)) python3 tools/graph_agree.py --url "$url" --out "$OUT/agree_$arm.json" 2>&1 | tail -1
+               }
+               if [ -n "${AGREE_PARALLEL:-}" ]; then  # every server started at once: their start-ups overlap
+                 for i in "${!arms[@]}"; do start $i; done
+                 for i in "${!arms[@]}"; do run $i; done
+               else
+                 for i in "${!arms[@]}"; do start $i; run $i; kill %% 2>/dev/null; wait 2>/dev/null; done
+               fi
+               kill $(jobs -p) 2>/dev/null
+               for arm in "${arms[@]:1}"; do [ -f "$OUT/agree_$arm.json" ] && \
+                 python3 tools/graph_agree.py --compare "$OUT/agree_${arms[0]}.json" "$OUT/agree_$arm.json"; done ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches

@@ -45,8 +45,8 @@ class _NotCpu:
 
 def fake_cuda() -> object:
     """CUDA as the kernels' Python sees it, each launch noted; the Noter."""
-    from dsv4_serve.kernels import backend, upload
-    from dsv4_serve.kernels.cuda import common, mlx_cache
+    from dsv4_serve.kernels import backend
+    from dsv4_serve.kernels.cuda import mlx_cache
 
     def factory(**_: object) -> object:
         def launch(*, output_shapes: list, output_dtypes: list, **__: object) -> list[mx.array]:
@@ -57,10 +57,7 @@ def fake_cuda() -> object:
     backend.cuda_available = lambda: True
     mx.default_device = lambda: _NotCpu()  # Python's callers only: MLX itself still runs on the CPU
     noter = mlx_cache.Noter()
-    noter.base = factory
-    mx.fast.cuda_kernel = noter.factory
-    common.forget_kernels()  # kernel objects made before the Noter stood in
-    upload._kernels.clear()
+    noter.install(factory)
     return noter
 
 

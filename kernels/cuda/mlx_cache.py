@@ -32,7 +32,6 @@ from dsv4_serve.kernels.cuda.common import CUDA_TYPES, template_lines
 
 log = logging.getLogger("dsv4.kernels")
 
-ENABLED = os.environ.get("DSV4_KERNEL_CACHE", "0").strip() == "1"
 MASK = (1 << 64) - 1
 MUL = (0xC6A4A793 << 32) + 0x5BD1E995
 SEED = 0xC70F6907
@@ -142,9 +141,16 @@ class Noter:
         self.variants: dict[str, tuple[str, str]] = {}  # module name -> (kernel name, MLX's source)
         self.lock = threading.Lock()
 
-    def install(self) -> None:
-        self.base = mx.fast.cuda_kernel
+    def install(self, base: Callable[..., Any] | None = None) -> None:
+        """In place of `mx.fast.cuda_kernel`, over `base` (default: the factory there now); the kernel objects made
+        so far are dropped, so that every later launch goes through it."""
+        from dsv4_serve.kernels import upload
+        from dsv4_serve.kernels.cuda.common import forget_kernels
+
+        self.base = base or mx.fast.cuda_kernel
         mx.fast.cuda_kernel = self.factory
+        forget_kernels()
+        upload._kernels.clear()
 
     def factory(self, *, name: str, input_names: list[str], output_names: list[str], source: str,
                 header: str = "", **kw: Any) -> Callable[..., Any]:  # fmt: skip
@@ -163,13 +169,13 @@ class Noter:
             func = kernel_name(name, template)
             outs = list(zip(output_names, call["output_dtypes"], strict=True))
             text = mlx_source(func, header, source, ins, outs, template)
+            late = self.warmed
             with self.lock:
                 self.variants[module_name(func, text)] = (func, text)
-                if self.warmed:
-                    self.late += 1
-            if self.warmed:
+                self.late += late
+            if late:
                 log.warning("kernel variant first launched after the warm-up (built in a request's path): %s %s",
-                            func, [(n, dt, nd) for n, dt, nd in ins])  # fmt: skip
+                            func, ins)  # fmt: skip
 
         def launch(*args: Any, **call: Any) -> Any:
             if self.noting:

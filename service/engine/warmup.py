@@ -20,13 +20,10 @@ def install_kernel_noter() -> Any:
 
     if os.environ.get("DSV4_KERNEL_CACHE", "0").strip() != "1" or backend.name() != "cuda":
         return None
-    from dsv4_serve.kernels import upload
-    from dsv4_serve.kernels.cuda import common, mlx_cache
+    from dsv4_serve.kernels.cuda import mlx_cache
 
     noter = mlx_cache.Noter()
     noter.install()
-    common.forget_kernels()
-    upload._kernels.clear()
     return noter
 
 
