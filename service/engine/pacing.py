@@ -66,9 +66,13 @@ class Fit:
     def __init__(self) -> None:
         self.m: list[float] | None = None
         self.slope: float | None = None  # c as last parted from F (0: no fixed cost found), None: not yet
-        self.est, self.parted = (0.0, 0.0), False
+        self.est = (0.0, 0.0)
         self.last: tuple[int, float] | None = None  # the last slice beside a step: (L, y)
         self.top = 0  # the most layers measured
+
+    @property
+    def parted(self) -> bool:
+        return self.slope is not None
 
     def add(self, layers: int, y: float) -> None:
         new = (layers, layers * layers, y, layers * y, y / layers)
@@ -79,7 +83,7 @@ class Fit:
         if var >= VARY:  # a fit; a fixed cost a little under 0 (noise about none) reads as 0
             c = (ly - l1 * mean) / var
             self.slope = c if c > 0 and mean - c * l1 >= -c / 4 else 0.0
-        c, self.parted = self.slope, self.slope is not None
+        c = self.slope
         self.est = (max(0.0, mean - c * l1), c) if c and mean - c * l1 >= -c / 4 else (0.0, ratio)
 
 
