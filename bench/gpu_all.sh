@@ -25,6 +25,8 @@
 #                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; each server
 #                --max-state-gib AGREE_STATE_GIB (10), compared with the first arm; AGREE_PARALLEL=1: all started at once;
 #                AGREE_MODEL: the servers' model flags, "" the tiny model: the flow checked on a CPU with AGREE_ARMS="off glue")
+#   PART=verify  8 layers, one cold call: graph_agree's greedy tokens, graphs with host pipelining against the MLX
+#                step (which fills MLX's kernel cache), then both restarted from the caches: ready times, tokens
 #   PART=http    bench/serve.py at 1 and 8 streams against `serve --load-format dummy --model flash --experts 32`
 #                (with the engine thread's host ms a step by phase)
 #   PART=dispatch the decode dispatch's gpu tests (matmul, pair, in-place, indexer, workspace, plans) + numerics
@@ -168,6 +170,41 @@ for part in ${PART:-tests}; do
                kill $(jobs -p) 2>/dev/null
                for arm in "${arms[@]:1}"; do [ -f "$OUT/agree_$arm.json" ] && \
                  python3 tools/graph_agree.py --compare "$OUT/agree_${arms[0]}.json" "$OUT/agree_$arm.json"; done ;;
+    verify)    # one cold call: greedy tokens of the graph step with host pipelining (pipe) against the MLX step (off,
+               # DSV4_KERNEL_CACHE=1: it fills MLX's kernel cache after its warm-up); then two restarts from what those
+               # left: off again (warm: MLX's kernel cache) and the graph step without pipelining (on: the cubin
+               # cache); each one's ready time and tokens against off's (tools/graph_agree.py's scenario)
+               small=${AGREE_MODEL-"--load-format dummy --model flash --layers 8 --experts 32"}
+               serve() {  # name port graphs [VAR=value ...]: a server, its log under $OUT
+                 local name=$1 port=$2 g=$3; shift 3
+                 env "$@" python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port $small --decode-graphs $g \
+                   --max-state-gib ${AGREE_STATE_GIB:-10} > "$OUT/verify_$name.log" 2>&1 &
+                 eval "pid_$name=$!"
+               }
+               scenario() {  # name port: wait for its /ready, then the scenario on it
+                 local name=$1 url="http://127.0.0.1:$2"
+                 until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
+                   [ $SECONDS -gt 560 ] && { echo "verify: $name not ready"; tail -3 "$OUT/verify_$name.log"; return; }
+                   sleep 1
+                 done
+                 echo "verify: $name ready at $SECONDS s"
+                 timeout $((585 - SECONDS)) python3 tools/graph_agree.py --url "$url" --out "$OUT/verify_$name.json" \
+                   2>&1 | tail -1
+               }
+               serve off 8700 off DSV4_KERNEL_CACHE=1
+               on=${VERIFY_ON:-on}  # off: the flow checked on a CPU (AGREE_MODEL="": the tiny model)
+               serve pipe 8701 $on DSV4_GRAPH_PIPELINE=1
+               scenario off 8700
+               until grep -q "kernel cache:" "$OUT/verify_off.log" || [ $SECONDS -gt 300 ]; do sleep 2; done
+               kill $pid_off; serve warm 8702 off DSV4_KERNEL_CACHE=1
+               scenario pipe 8701
+               kill $pid_pipe; serve on 8703 $on
+               scenario warm 8702
+               scenario on 8703
+               kill $(jobs -p) 2>/dev/null
+               grep -h "warm-up took\|kernel cache:\|decode graphs:\|late" "$OUT"/verify_*.log | cut -c1-400
+               for arm in pipe warm on; do [ -f "$OUT/verify_$arm.json" ] && \
+                 python3 tools/graph_agree.py --compare "$OUT/verify_off.json" "$OUT/verify_$arm.json"; done ;;
     http) timeout 560 python3 bench/serve.py --concurrency 1,8 --server-args "$flash" \
             --out "$OUT/serve_flash.json" 2>&1 | tail -6 ;;  # 260 s did not reach the 8-stream cell (2026-12-02)
     dispatch) # the decode step's Python dispatch (launch caches, views of one output): the kernels it launches
@@ -244,6 +281,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
