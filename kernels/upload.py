@@ -110,10 +110,20 @@ def upload(values: Any, dtype: mx.Dtype = mx.int32) -> mx.array:
     return out
 
 
+ROW_VALUES = 8  # the most values of an array of one value a row: kernels/rows.py MAX_ROWS (a test holds them equal)
+
+
 def warm() -> None:
-    """Compile every upload kernel variant (start-up, not the first request)."""
+    """Build every upload kernel variant serving launches (start-up, not the first request): MLX builds one per
+    piece count and input dtype. int32 (rows, tables, tokens): every count and the copy; uint32 (seeds, grammar
+    masks) and float32 (sampling parameters): up to a value a row, and the copy. (On an H100 a float32 variant
+    the warm-up missed was built in a request's path: 2026-12-07, c6e72db.)"""
     if not (ENABLED and cuda_available()):
         return
-    outs = [upload(np.arange(2 * b, dtype=np.int32) + 7919) for b in BUCKETS]
-    outs.append(upload(np.arange(2 * MAX_PIECES + 1, dtype=np.int32) + 7919))
+    row_pieces = next(b for b in BUCKETS if 2 * b >= ROW_VALUES)
+    outs = []
+    for dt, np_dt in ((mx.int32, np.int32), (mx.uint32, np.uint32), (mx.float32, np.float32)):
+        counts = [b for b in BUCKETS if dt == mx.int32 or b <= row_pieces]
+        outs += [upload(np.arange(2 * b, dtype=np_dt) + 7919, dt) for b in counts]
+        outs.append(upload(np.arange(2 * MAX_PIECES + 1, dtype=np_dt) + 7919, dt))
     mx.eval(outs)

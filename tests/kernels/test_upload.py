@@ -56,3 +56,42 @@ def test_upload_on_cuda_uses_the_pieces_and_the_copy() -> None:
     assert set(upload._kernels) == {*upload.BUCKETS, 0}  # every variant compiled by warm()
     for n in SIZES:
         check(np.arange(n, dtype=np.int32) * 7 - 3, mx.int32)
+
+
+def test_warm_launches_every_variant_that_serving_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA MLX builds an upload kernel once per piece count and input dtype (~1 s each): a variant warm() misses
+    is built in a request's path (an H100 server built the float32 one of 5..8 values, a sampling parameter a row,
+    for a user's request). The kernels stand in here (each launch noted), so this holds on any machine: every
+    upload of up to a value a row, of every dtype, and a long one of each, launches a variant warm() launched."""
+    launched: set[tuple[int, mx.Dtype]] = set()
+
+    def kernel(k: int):  # noqa: ANN202 - upload._kernel's launch, noting (piece count, input dtype)
+        def launch(*, inputs: list[mx.array], output_shapes: list, output_dtypes: list, **_: object) -> list:
+            launched.add((k, inputs[0].dtype))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return launch
+
+    monkeypatch.setattr(upload, "_kernel", kernel)
+    monkeypatch.setattr(upload, "cuda_available", lambda: True)
+    monkeypatch.setattr(upload, "ENABLED", True)
+    monkeypatch.setattr(upload, "_zero", {})
+    upload.clear()
+    upload.warm()
+    warmed = set(launched)
+    launched.clear()
+    for dtype in (mx.int32, mx.uint32, mx.float32):
+        for n in range(1, upload.ROW_VALUES + 1):
+            upload.upload(np.arange(n) + 3, dtype)
+        upload.upload(np.arange(1000) + 3, dtype)  # a grammar mask's words, a block table
+    for n in SIZES:
+        upload.upload(np.arange(n) + 5)  # int32 (tables, slots, tokens): every size
+    upload.clear()
+    assert launched and launched <= warmed, sorted(launched - warmed, key=str)
+    assert (4, mx.float32) in warmed  # the one the H100 built late
+
+
+def test_row_values_is_the_row_limit() -> None:
+    from dsv4_serve.kernels.rows import MAX_ROWS
+
+    assert upload.ROW_VALUES == MAX_ROWS
