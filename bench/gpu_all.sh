@@ -22,7 +22,7 @@
 #   PART=startup tools/startup_profile.py twice (cold, then warm): where the warm-up goes, MLX's kernel cache
 #   PART=spec    bench/spec_decode.py: one user's tok/s with speculation, drafts forced (issue 61's bench arm)
 #   PART=agree   8 layers: tools/graph_agree.py's greedy tokens with graphs on, off with the glue kernels, and off
-#                (AGREE_ARMS="on off pipe": those arms; pipe: on with DSV4_GRAPH_PIPELINE=1; each server
+#                (AGREE_ARMS="on off nopipe": those arms; nopipe: on with DSV4_GRAPH_PIPELINE=0; each server
 #                --max-state-gib AGREE_STATE_GIB (10), compared with the first arm; AGREE_PARALLEL=1: all started at once;
 #                AGREE_MODEL: the servers' model flags, "" the tiny model: the flow checked on a CPU with AGREE_ARMS="off glue")
 #   PART=verify  8 layers, one cold call: graph_agree's greedy tokens, graphs with host pipelining against the MLX
@@ -145,10 +145,10 @@ for part in ${PART:-tests}; do
                # against the default MLX step: joins, leaves and prefix hits at ~4K (tools/graph_agree.py)
                small=${AGREE_MODEL-"--load-format dummy --model flash --layers 8 --experts 16"}
                arms=(${AGREE_ARMS:-on glue off})
-               start() {  # arm index: its server on port 8700 + index (glue: off with DSV4_GRAPH_GLUE; pipe: on with
-                 local arm=${arms[$1]} g=${arms[$1]} env=()  # DSV4_GRAPH_PIPELINE), a fixed state budget
+               start() {  # arm index: its server on port 8700 + index (glue: off with DSV4_GRAPH_GLUE; nopipe: on
+                 local arm=${arms[$1]} g=${arms[$1]} env=()  # without host pipelining), a fixed state budget
                  [ $arm = glue ] && { g=off; env=(DSV4_GRAPH_GLUE=1); }
-                 [ $arm = pipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=1); }
+                 [ $arm = nopipe ] && { g=on; env=(DSV4_GRAPH_PIPELINE=0); }
                  env "${env[@]}" python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $((8700 + $1)) $small \
                    --decode-graphs $g --max-state-gib ${AGREE_STATE_GIB:-10} > "$OUT/agree_$arm.log" 2>&1 &
                }
@@ -173,7 +173,8 @@ for part in ${PART:-tests}; do
     verify)    # one cold call: greedy tokens of the graph step with host pipelining (pipe) against the MLX step (off,
                # DSV4_KERNEL_CACHE=1: it fills MLX's kernel cache after its warm-up); then two restarts from what those
                # left: off again (warm: MLX's kernel cache) and the graph step without pipelining (on: the cubin
-               # cache); each one's ready time and tokens against off's (tools/graph_agree.py's scenario)
+               # cache); each one's ready time and tokens against off's (tools/graph_agree.py's scenario). Each arm's
+               # environment is explicit (the defaults as of 2026-12-07 c6e72db, when it first ran)
                small=${AGREE_MODEL-"--load-format dummy --model flash --layers 8 --experts 32"}
                serve() {  # name port graphs [VAR=value ...]: a server, its log under $OUT
                  local name=$1 port=$2 g=$3; shift 3
@@ -198,7 +199,7 @@ for part in ${PART:-tests}; do
                until grep -q "kernel cache:" "$OUT/verify_off.log" || [ $SECONDS -gt 300 ]; do sleep 2; done
                kill $pid_off; serve warm 8702 off DSV4_KERNEL_CACHE=1
                scenario pipe 8701
-               kill $pid_pipe; serve on 8703 $on
+               kill $pid_pipe; serve on 8703 $on DSV4_GRAPH_PIPELINE=0
                scenario warm 8702
                scenario on 8703
                kill $(jobs -p) 2>/dev/null

@@ -85,5 +85,5 @@ def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[st
             # the graph engine's refreshes (moved pools brought home before a replay) and their mean ms
             "graph_refreshes": refreshes, "graph_refresh_ms": 1e3 * refresh_s / refreshes if refreshes else 0.0,
             "graph_pool_moves": moves,
-            # kernel variants first built while serving (the noter's, DSV4_KERNEL_CACHE=1): NVRTC in a request's path
+            # variants first built while serving (the noter's, DSV4_KERNEL_CACHE=watch): NVRTC in a request's path
             "kernels_late": a.get("dsv4_kernels_late_total", 0.0) - b.get("dsv4_kernels_late_total", 0.0)}  # fmt: skip

@@ -100,7 +100,7 @@ class _EngineCollector(Collector):
             ("graph_pool_moves", "graph_pool_moves", "State pools MLX moved, copied back home before a replay"),
             ("graph_refreshes", "graph_refreshes", "Replays that first brought moved pools home"),
             ("kernels_late_total", "kernels_late",
-             "Kernel variants first launched after the warm-up (DSV4_KERNEL_CACHE=1): built in a request's path"),
+             "Kernel variants first launched after the warm-up (DSV4_KERNEL_CACHE=watch): built in a request's path"),
             ("canary_checks_total", "canary_checks", "Correctness canary checks compared with the start-up decode"),
             ("canary_failures_total", "canary_failures", "Correctness canary checks whose tokens or logprobs differed"),
         ):

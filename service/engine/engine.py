@@ -68,8 +68,8 @@ class Engine(PrefixOps):
         self.vocab_size = args.vocab_size
         self.eos_token_id = args.eos_token_id
         # The decode step as replayed CUDA graphs (service/engine/graphs.py): the recorder goes in before any
-        # kernel object is made, over the kernel cache's noter (DSV4_KERNEL_CACHE=1); the graphs are captured at the
-        # end of the warm-up, MLX's kernel cache filled after it.
+        # kernel object is made, over the kernel cache's noter (unless DSV4_KERNEL_CACHE=0); the graphs are captured
+        # at the end of the warm-up, MLX's kernel cache filled after it.
         self.kernel_noter = install_kernel_noter()
         rec = engine_graphs.prepare(decode_graphs, speculative)
         if state_budget_bytes is None:
@@ -84,11 +84,12 @@ class Engine(PrefixOps):
         self.speculator = Speculator(speculative, max_rows) if speculative else None
         self.graphs = None if rec is None else engine_graphs.DecodeGraphs(self, rec, decode_graphs, graph_cache_dir)
         if self.graphs is not None:
-            # a replay reads its tokens from the host (the staging copy): no step queued on the device's tokens. With
-            # DSV4_GRAPH_PIPELINE=1 the next step is queued with the host's once a step is read back, before its
-            # events go out (stepping.decode_step); opt-in until its greedy agreement has run on a GPU.
+            # a replay reads its tokens from the host (the staging copy): no step queued on the device's tokens. The
+            # next step is queued with the host's once a step is read back, before its events go out
+            # (stepping.decode_step; DSV4_GRAPH_PIPELINE=0: not): greedy tokens equal to the MLX step's on an H100
+            # (bench/gpu_all.sh PART=verify, 2026-12-07), one stream's TPOT 10.49 -> 10.15 ms (docs/cuda_graphs.md).
             self.pipeline_decode = False
-            self.pipeline_host = os.environ.get("DSV4_GRAPH_PIPELINE", "0").strip() == "1"
+            self.pipeline_host = os.environ.get("DSV4_GRAPH_PIPELINE", "1").strip() != "0"
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its

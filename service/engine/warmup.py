@@ -13,12 +13,24 @@ import mlx.core as mx
 log = logging.getLogger("dsv4.engine")
 
 
+CACHE_MODES = ("0", "1", "watch")  # DSV4_KERNEL_CACHE: off; on (the default); on and noting while serving too
+
+
+def kernel_cache_mode() -> str:
+    """DSV4_KERNEL_CACHE: `1` (default) MLX's kernel cache filled after the warm-up, `watch` that and every variant
+    first launched while serving logged and counted (~1-4 us of Python a launch), `0` off."""
+    mode = os.environ.get("DSV4_KERNEL_CACHE", "1").strip() or "1"
+    if mode not in CACHE_MODES:
+        raise ValueError(f"DSV4_KERNEL_CACHE must be one of {CACHE_MODES}, got {mode!r}")
+    return mode
+
+
 def install_kernel_noter() -> Any:
-    """With DSV4_KERNEL_CACHE=1 on CUDA, kernels/cuda/mlx_cache.py's Noter in place of `mx.fast.cuda_kernel` before
+    """On CUDA unless DSV4_KERNEL_CACHE=0, kernels/cuda/mlx_cache.py's Noter in place of `mx.fast.cuda_kernel` before
     any kernel object the engine launches is made (the objects made so far are dropped); else None."""
     from dsv4_serve.kernels import backend
 
-    if os.environ.get("DSV4_KERNEL_CACHE", "0").strip() != "1" or backend.name() != "cuda":
+    if kernel_cache_mode() == "0" or backend.name() != "cuda":
         return None
     from dsv4_serve.kernels.cuda import mlx_cache
 
@@ -33,7 +45,8 @@ def fill_kernel_cache(noter: Any) -> threading.Thread:
     from dsv4_serve.kernels.cuda import mlx_cache
     from dsv4_serve.kernels.graph import nvrtc
 
-    noter.warmed = True  # it goes on noting: a variant first launched while serving is logged (a late build)
+    noter.warmed = True  # watch: it goes on noting, a variant first launched while serving logged (a late build)
+    noter.noting = kernel_cache_mode() == "watch"  # else a launch costs one Python call more, not a key's making
     info = mx.device_info()
     arch = nvrtc.arch(int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
 

@@ -266,7 +266,7 @@ class EngineWorker(EngineThread):
         graphs = getattr(getattr(self, "_engine", None), "graphs", None)  # engine.graphs.DecodeGraphs
         if graphs is not None:
             s.update(graphs.stats())
-        noter = getattr(getattr(self, "_engine", None), "kernel_noter", None)  # DSV4_KERNEL_CACHE=1 on CUDA
+        noter = getattr(getattr(self, "_engine", None), "kernel_noter", None)  # on CUDA unless DSV4_KERNEL_CACHE=0
         if noter is not None:
             s["kernels_late_total"] = noter.late
         return s

@@ -126,3 +126,36 @@ def test_the_noter_goes_in_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None
     if backend.name() == "cuda":
         pytest.skip("a CUDA machine: the noter goes in there")
     assert install_kernel_noter() is None and mx.fast.cuda_kernel is factory
+
+
+@pytest.mark.parametrize(("value", "mode"), [(None, "1"), ("", "1"), ("1", "1"), ("watch", "watch"), ("0", "0")])
+def test_the_kernel_cache_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                                   mode: str) -> None:  # fmt: skip
+    """DSV4_KERNEL_CACHE: on by default (a warm restart's warm-up 120.6 -> 1.3 s on an H100, the tokens equal to a
+    cold server's: docs/cuda_graphs.md#start-up); anything but its three values stops the start."""
+    from dsv4_serve.service.engine.warmup import kernel_cache_mode
+
+    if value is None:
+        monkeypatch.delenv("DSV4_KERNEL_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_KERNEL_CACHE", value)
+    assert kernel_cache_mode() == mode
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", "yes")
+    with pytest.raises(ValueError, match="DSV4_KERNEL_CACHE must be one of"):
+        kernel_cache_mode()
+
+
+@pytest.mark.parametrize(("mode", "noting"), [("1", False), ("watch", True)])
+def test_after_the_warm_up_the_noter_notes_only_when_watching(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                               noting: bool) -> None:  # fmt: skip
+    """Making a variant's key costs ~1-4 us of Python a launch (a decode step through MLX launches ~1,100): after the
+    warm-up only `watch` keeps noting; the cache is filled from what the warm-up noted either way."""
+    from dsv4_serve.service.engine import warmup
+
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", mode)
+    monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": 9, "compute_capability_minor": 0})
+    filled: list[str] = []
+    noter = mlx_cache.Noter()
+    monkeypatch.setattr(noter, "populate", lambda cache, arch: (filled.append(arch), (0, 0))[1])
+    warmup.fill_kernel_cache(noter).join(10)
+    assert noter.warmed and noter.noting is noting and filled == ["sm_90a"]
