@@ -6,9 +6,11 @@ to f32 summation order. Each layer runs its projections and MoE for the T tokens
 attends through `kernels.prefill_attention` (causal masks in plain MLX; T rows of the decode
 kernel on CUDA): the window (W keys before the chunk + the chunk), the entries each token's
 indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
-Entries a window emits inside the chunk are pooled together (`_compress`) before anything reads
-them, and each token only sees those emitted at or before its position. Several requests' chunks
-share one forward (`prefill_batch`): the row-wise parts over all their tokens, attention per request.
+Entries a window emits inside the chunk are pooled together (model/prefill_compress.py) before anything reads
+them, and each token only sees those emitted at or before its position. Several requests' chunks share one
+forward (`prefill_batch`): the row-wise parts over all their tokens, the window rings' writes and each compressor
+in one call for every request (its kernels do not grow with the requests), the indexer's picks and the attention
+per request.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dsv4_serve.kernels import prefill_attention
 from dsv4_serve.kernels.compressor import pooled_entry
 from dsv4_serve.kernels.indexer import topk_ids
 from dsv4_serve.kernels.indexer_scores import indexer_scores
-from dsv4_serve.kernels.pool_rows import commit, write_rows
-from dsv4_serve.model.attention import Attention, Compressor
+from dsv4_serve.model.attention import Attention
 from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
+from dsv4_serve.model.prefill_compress import Chunk, compress_chunks
 from dsv4_serve.model.state import StateHandle, StatePools
 
 KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
@@ -69,70 +71,20 @@ def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
     return _compiled(("pooled_entry", eps, dtype), fn)
 
 
-def _compress(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
-              pool: mx.array, slot: int, table: Sequence[int], start: int, page: int,
-              eps: float, carry: mx.array | None) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
-    """`compressor_rows` for positions start..start+T-1 of one slot: every window that ends in the
-    chunk emits its entry; the slot's state ends as T single steps would leave it (stale rows too).
-    -> (kv_state, score_state, pool, carry): the entries go into the pool in place on CUDA (`write_rows`), and
-    what reads them takes the returned `carry` (the int32 array it reads them through) in its place.
-
-    Every row it reads is a row of ext = [the slot's S state rows; the chunk's T rows] (a CSA row's two
-    halves are rows 2 i and 2 i + 1 of its [2 (S + T), d] view), so the windows' rows, the new state rows
-    and the entries' destinations are index lists made on the host and uploaded once: 40 kernels a call
-    where per-window gathers and concatenations took 52, 22 with `compiled()` (`tools/prefill_count.py`)."""
-    kv, score, cos, sin = proj
-    m, d, t, n_state = comp.ratio, comp.dim, kv.shape[0], kv_state.shape[1]
-    coff = 2 if m == 4 else 1
-    # seq index i <-> position base + i: the state rows still in use, then the chunk's rows (as rows of ext)
-    base = (start // m) * m - (coff - 1) * m
-    old = np.r_[np.arange(m), m + np.arange(start % m)] if coff == 2 else np.arange(start % m)
-    ext = np.concatenate([old, n_state + np.arange(t)])
-    pos = start + np.arange(t)
-    ends = np.flatnonzero(pos % m == m - 1)  # chunk rows that end a window
-    firsts = pos[ends] - (m - 1) - base  # seq index of each emitted window's first row
-    win = firsts[:, None] + np.arange(m)
-    # CSA: the previous window's first half + this window's second half
-    gidx = np.concatenate([2 * ext[win - m], 2 * ext[win] + 1], axis=1) if coff == 2 else ext[win]
-    # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each later
-    # position p overwrites row (coff - 1) m + p % m (the last write wins: only the last m positions matter).
-    if coff == 2 and len(ends):
-        state = ext[firsts[-1] + np.arange(n_state) % m]
-        later = pos[ends[-1] + 1 :]
-    else:
-        state, later = np.arange(n_state), pos
-    later = later[-m:]
-    state[(coff - 1) * m + later % m] = ext[later - base]
-    w = pos[ends] // m
-    dest = np.asarray(table, dtype=np.int64)[w // page] * page + w % page
-    ix = mx.array(np.concatenate([pos % m, state, ends, dest, gidx.reshape(-1)]).astype(np.int32))
-    ends = ends.tolist()
-    cut = [t, t + n_state, t + n_state + len(ends), t + n_state + 2 * len(ends)]
-    ape_rows, state_rows, sel, dest_rows = ix[: cut[0]], ix[cut[0] : cut[1]], ix[cut[1] : cut[2]], ix[cut[2] : cut[3]]
-    own = slice(slot, slot + 1)  # the slot's rows as a view (an integer index is a gather kernel)
-    ext_kv = mx.concatenate([kv_state[own].reshape(n_state, -1), kv])
-    ext_s = mx.concatenate([score_state[own].reshape(n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
-    if ends:
-        g = ix[cut[3] :].reshape(len(ends), coff * m)
-        vals, gates = ext_kv.reshape(-1, d)[g], ext_s.reshape(-1, d)[g]  # [E, coff m, d]
-        x = _pooled(eps, pool.dtype)(vals, gates, comp.norm.weight, cos[sel], sin[sel])
-        pool, got = write_rows(pool, dest_rows, x, carry)
-        if carry is None:  # nothing reads the entries in this forward: the write queued now
-            commit(pool, got)
-        else:
-            carry = got
-    kv_state[slot] = ext_kv[state_rows]
-    score_state[slot] = ext_s[state_rows]
-    return kv_state, score_state, pool, carry
-
-
-def _entry_rows(table: Sequence[int], n: int, page: int) -> mx.array:
+def _entry_rows(table: Sequence[int], n: int, page: int) -> np.ndarray:
     """The pool rows ([pages x page, d] view) of the request's first n compressed entries, made on the host from
     its table, then the first entry's again up to a multiple of KEY_ROWS: [ceil(n / KEY_ROWS) x KEY_ROWS]. The
     top-k never picks those (each query sees its first vis <= n entries)."""
     rows = (np.asarray(table[: -(-n // page)], dtype=np.int32)[:, None] * page + np.arange(page, dtype=np.int32))
     rows = rows.reshape(-1)[:n]
-    return mx.array(np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)]))
+    return np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
+
+
+def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | None, list[int]]:
+    """Each request's int32 array as one (all empty and not `empty`: None) and where each starts in it (a slice of
+    it is a view)."""
+    offs = np.cumsum([0, *map(len, parts)]).tolist()
+    return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
 
 
 def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
@@ -142,40 +94,57 @@ def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) 
     return _compiled(("topk_ids", topk), lambda s, v: topk_ids(s, v, topk))(score, vis[:, None])
 
 
-def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, handle: StateHandle,
-            start: int) -> mx.array:  # fmt: skip
-    """`Attention.attend`'s kernel part for T tokens of one request: the window ring's update, the compressors'
-    entries, the indexer's picks (CSA), then `prefill_attention`; o [T, nh, D] in the pool dtype."""
+def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
+            chunks: Sequence[Chunk]) -> mx.array:  # fmt: skip
+    """`Attention.attend`'s kernel part for the forward's requests (`chunks`: each one's rows of proj): the window
+    rings' update, the compressors' entries (every request in one call each: model/prefill_compress.py), the
+    indexer's picks (CSA), then `prefill_attention` for each request on its rows; o [T, nh, D] in the pool dtype."""
     a, layer, r = attn.args, attn.layer, attn.ratio
     q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
-    t, wl, slot, tables = q.shape[0], a.sliding_window, handle.slot, handle.tables
-    win = pools.window[layer]  # the ring as it was before the chunk (the write below makes a new array); a slice
-    ring = win[slot : slot + 1].reshape(win.shape[1:])  # view, where an integer index is a gather kernel
-    tail = list(range(start, start + t))[-min(t, wl) :]
-    pools.window[layer][slot, mx.array([p % wl for p in tail])] = kv[t - len(tail) :]
-    n = (start + t) // r if r else 0  # entries emitted up to the chunk's last token
+    wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
+    win = pools.window[layer]  # the rings as they were before the chunks (the write below makes a new array); each
+    rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
+    tails = [[p for p in range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0)] for c in chunks]
+    if one:
+        pools.window[layer][chunks[0].slot, mx.array([p % wl for p in tails[0]])] = kv[kv.shape[0] - len(tails[0]) :]
+    else:  # one scatter for every request's ring rows
+        slots = mx.array([c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail], dtype=mx.int32)
+        at = mx.array([p % wl for tail in tails for p in tail], dtype=mx.int32)
+        rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
+        pools.window[layer][slots, at] = kv if rows == list(range(kv.shape[0])) else kv[mx.array(rows, dtype=mx.int32)]
+    ns = [(c.start + c.b1 - c.b0) // r if r else 0 for c in chunks]  # entries emitted up to each chunk's last token
     # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
-    # hands back: the attention's block table, the indexer's key rows (they share the ratio-4 table).
-    table = mx.array(list(tables[r]), dtype=mx.int32) if r else None
-    key_rows = _entry_rows(tables[4], n, pools.page_size) if r == 4 and n else None
+    # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
+    table, t_offs = _carry([np.asarray(c.table, np.int32) for c in chunks]) if r else (None, [])
+    key_rows, k_offs = None, []
+    if r == 4:
+        key_rows, k_offs = _carry([_entry_rows(c.table, n, page) if n else np.zeros(0, np.int32)
+                                   for c, n in zip(chunks, ns, strict=True)], empty=False)  # fmt: skip
+    eps, pooled = a.rms_norm_eps, _pooled(a.rms_norm_eps, pools.ckv[layer].dtype if r else pools.dtype)
     if r:
-        pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = _compress(
-            attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], slot,
-            tables[r], start, pools.page_size, a.rms_norm_eps, table,
+        pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = compress_chunks(
+            attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], chunks,
+            page, eps, table, pooled,
         )  # fmt: skip
     if r == 4:
-        ix = attn.indexer
-        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = _compress(
-            ix.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            slot, tables[4], start, pools.page_size, a.rms_norm_eps, key_rows,
+        pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = compress_chunks(
+            attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
+            chunks, page, eps, key_rows, _pooled(eps, pools.ikeys[layer].dtype),
         )  # fmt: skip
-    ids = None
-    if r == 4 and n:
-        vis = mx.arange(start + 1, start + t + 1, dtype=mx.int32) // r  # entries each token can see
-        ikeys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows]
-        ids = _select(proj[8].astype(pools.dtype), proj[9], ikeys, vis, attn.indexer.topk)  # [T, topk]
-    return prefill_attention(q, ring, kv, start, pools.ckv[layer] if r else None, table, ids, attn.attn_sink,
-                             scale=a.head_dim**-0.5, ratio=r or None)  # fmt: skip
+    outs = []
+    for i, c in enumerate(chunks):
+        rows_i = slice(c.b0, c.b1)
+        qi, kvi = (q, kv) if one else (q[rows_i], kv[rows_i])
+        ids = None
+        if r == 4 and ns[i]:
+            vis = mx.arange(c.start + 1, c.start + c.b1 - c.b0 + 1, dtype=mx.int32) // r  # entries each token sees
+            keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows[k_offs[i] : k_offs[i + 1]]]
+            iq, iw = (proj[8], proj[9]) if one else (proj[8][rows_i], proj[9][rows_i])
+            ids = _select(iq.astype(pools.dtype), iw, keys, vis, attn.indexer.topk)  # [T, topk]
+        tab = table[t_offs[i] : t_offs[i + 1]] if r else None
+        outs.append(prefill_attention(qi, rings[i], kvi, c.start, pools.ckv[layer] if r else None, tab, ids,
+                                      attn.attn_sink, scale=a.head_dim**-0.5, ratio=r or None))  # fmt: skip
+    return outs[0] if one else mx.concatenate(outs)
 
 
 def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
@@ -220,13 +189,9 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
         # T costs about what building the uncompiled graph does, and its elementwise chains run fused)
         before, after = block._segments() if compiled() else (block.before, block.after)
         post, comb, *proj = before(hs, *angles[r][:-1])
-        if len(work) == 1:
-            o = _attend(block.attn, proj, pools, work[0][0], work[0][2])
-        else:
-            o = mx.concatenate([
-                _attend(block.attn, [p[b0:b1] for p in proj], pools, handle, start)
-                for (handle, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)
-            ])  # fmt: skip
+        chunks = [Chunk(h.slot, h.tables[r] if r else (), start, b0, b1)
+                  for (h, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+        o = _attend(block.attn, proj, pools, chunks)
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
     if mtp_next is not None:
@@ -305,9 +270,10 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
     (with `logits=False` the others get None, or the whole result is None when none asks).
 
     The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
-    row-wise, each row at its own position and token id) run once over the T rows; the attention with
-    its window ring, compressors and indexer (`_attend`) runs per request on its rows, its slot and its
-    block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale with
+    row-wise, each row at its own position and token id) run once over the T rows, and so do the window rings'
+    writes and each compressor (`_attend`: index lists made per request on the host); the indexer's picks and
+    the attention run per request on its rows, its slot and its block tables, so no request's keys, entries or
+    masks ever meet another's. Work buffers scale with
     the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
     prompt; the entries' views grow with the context (n = context / ratio). `Forward` builds it in slices.
     `mtp_next` (one token a chunk: the prompt's next one) runs the MTP block's ring over the chunks' positions.

@@ -11,8 +11,12 @@ pooling, the indexer's scores) runs as it does on CUDA. The forward's graph (`mx
 counted, views apart: on CUDA each other primitive is about one kernel. Models of 2-3 layers at small dims
 with the release's structure; the count of a layer kind is what one more layer of it adds to a forward.
 
-    python tools/prefill_count.py [--tokens 32,256] [--start 0] [--build]   (--build: also the host ms to build
-        a 43-layer forward's graph, Python and MLX's graph making; on the H200 MLX's encode adds ~10 us a kernel)
+    python tools/prefill_count.py [--tokens 32,256] [--start 0] [--prompts 1] [--build]
+        (--prompts: requests in the forward, --tokens each; --build: also the host ms to build a 43-layer forward's
+        graph, Python and MLX's graph making; on the H200 MLX's encode adds ~10 us a kernel)
+
+8 prompts of 32 tokens (2026-12-07): 24,580 kernels a V4-Flash forward when each request's compressors ran on their
+own, 10,900 since every request goes through one call (model/prefill_compress.py); one prompt 5,909 both ways.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dsv4_serve.kernels import backend  # noqa: E402
 from dsv4_serve.kernels import matmul as kmatmul  # noqa: E402
 from dsv4_serve.model.config import ModelArgs  # noqa: E402
 from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
-from dsv4_serve.model.prefill import prefill_chunk  # noqa: E402
+from dsv4_serve.model.prefill import prefill_batch, prefill_chunk  # noqa: E402
 from dsv4_serve.model.state import StatePools  # noqa: E402
 from tools.kernel_count import STANDINS, counted, one, release_structure, standins  # noqa: E402
 
@@ -114,34 +118,36 @@ def model_of(ratios: list[int]) -> tuple[DeepseekV4, ModelArgs]:
     return release_structure(ratios, hidden_size=256, moe_intermediate_size=128)
 
 
-def forward_count(ratios: list[int], tokens: int, start: int) -> collections.Counter:
+def forward_count(ratios: list[int], tokens: int, start: int, prompts: int = 1) -> collections.Counter:
+    """Kernels of one forward of `prompts` requests, `tokens` each at position `start`."""
     model, a = model_of(ratios)
-    pools = StatePools(a, max_slots=1, max_positions=start + tokens + 8, page_size=16, dtype=mx.bfloat16)
-    h = pools.alloc(start + tokens)
+    pools = StatePools(a, max_slots=prompts, max_positions=start + tokens + 8, page_size=16, dtype=mx.bfloat16)
+    hs = [pools.alloc(start + tokens) for _ in range(prompts)]
     mx.eval(*pools.arrays())
-    ids = [i % a.vocab_size for i in range(start + tokens)]
+    ids = [[(i + 7 * j) % a.vocab_size for i in range(start + tokens)] for j in range(prompts)]
     with cuda_prefill():
         if start:  # the state of the tokens before, evaluated: not part of the counted forward
-            mx.eval(prefill_chunk(model, pools, h, ids[:start], 0), *pools.arrays())
-        out = prefill_chunk(model, pools, h, ids[start:], start)
-        return counted([out, *pools.arrays()])
+            mx.eval(prefill_batch(model, pools, [(h, s[:start], 0) for h, s in zip(hs, ids, strict=True)]),
+                    *pools.arrays())  # fmt: skip
+        out = prefill_batch(model, pools, [(h, s[start:], start) for h, s in zip(hs, ids, strict=True)])
+        return counted([*out, *pools.arrays()])
 
 
-def layer_counts(tokens: int, start: int = 0) -> dict[str, collections.Counter]:
+def layer_counts(tokens: int, start: int = 0, prompts: int = 1) -> dict[str, collections.Counter]:
     """Per layer kind, the kernels one more layer of that kind adds to a forward (its RoPE tables are made
     once a kind a forward, as the model's first layer of the kind does)."""
     out = {}
     for kind, r in (("sliding", 0), ("CSA", 4), ("HCA", 128)):
-        c = forward_count([0, r, r], tokens, start)
-        c.subtract(forward_count([0, r], tokens, start))
+        c = forward_count([0, r, r], tokens, start, prompts)
+        c.subtract(forward_count([0, r], tokens, start, prompts))
         out[kind] = +c
     return out
 
 
-def flash_estimate(tokens: int, start: int = 0) -> int:
+def flash_estimate(tokens: int, start: int = 0, prompts: int = 1) -> int:
     """Kernels a V4-Flash forward (43 layers: 2 sliding, 21 CSA, 20 HCA) by this count."""
-    per = {k: sum(c.values()) for k, c in layer_counts(tokens, start).items()}
-    first = {r: sum(forward_count([0, r], tokens, start).values()) for r in (0, 4, 128)}
+    per = {k: sum(c.values()) for k, c in layer_counts(tokens, start, prompts).items()}
+    first = {r: sum(forward_count([0, r], tokens, start, prompts).values()) for r in (0, 4, 128)}
     return first[4] + (first[128] - first[0]) + per["sliding"] + 20 * per["CSA"] + 19 * per["HCA"]
 
 
@@ -169,14 +175,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32,256")
     ap.add_argument("--start", type=int, default=0, help="tokens already prefilled (the chunk's first position)")
+    ap.add_argument("--prompts", type=int, default=1, help="requests in the forward, --tokens each")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--build", action="store_true", help="also time the host build of a 43-layer forward")
     opt = ap.parse_args()
     print(f"{'tokens':>6} {'layer':8} {'kernels':>7}  most common")
     for t in (int(x) for x in opt.tokens.split(",")):
-        for kind, c in layer_counts(t, opt.start).items():
+        for kind, c in layer_counts(t, opt.start, opt.prompts).items():
             print(f"{t:6d} {kind:8} {sum(c.values()):7d}  " + ", ".join(f"{n} {k}" for n, k in c.most_common(opt.top)))
-        print(f"{t:6d} {'V4-Flash':8} {flash_estimate(t, opt.start):7d}  (43 layers, the embedding and the head)")
+        print(f"{t:6d} {'V4-Flash':8} {flash_estimate(t, opt.start, opt.prompts):7d}  (43 layers, the embedding and "
+              f"the head; {opt.prompts} prompt(s) of {t} tokens)")
         if opt.build:
             ms, n = build_ms(t)
             print(f"{t:6d} {'build':8} {n:7d}  {ms:.1f} ms of host to build the forward (43 layers, small dims)")

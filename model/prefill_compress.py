@@ -1,0 +1,106 @@
+"""A compressor's part of a prefill forward: every window that ends in a request's chunk emits its entry, and each
+request's slot is left as its chunk's single decode steps would leave it; all the forward's requests at once.
+
+Every row the compressor reads is a row of one matrix, ext = [each request's S state rows; the forward's T rows]
+(a CSA row's two halves are rows 2 i and 2 i + 1 of its [2 (R S + T), d] view), so the windows' rows, the slots' new
+state rows and the entries' destinations are index lists made on the host and uploaded once, and the kernels a
+call launches do not grow with the requests: one concatenation, one gather each of the windows' values and gates,
+one pooling, one pool write and one state update, where a call a request took ~25 MLX nodes each (on a GPU each
+node costs ~20 us of host: a forward of 8 prompts of 32 tokens cost 5x one prompt's, docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4_serve.kernels.pool_rows import commit, write_rows
+from dsv4_serve.model.attention import Compressor
+
+
+class Chunk(NamedTuple):
+    """One request's rows b0..b1 of the forward, at positions start.., in `slot`, with its block table."""
+
+    slot: int
+    table: Sequence[int]
+    start: int
+    b0: int
+    b1: int
+
+
+def _plan(m: int, coff: int, n_state: int, c: Chunk, r: int, n_req: int, page: int) -> tuple[np.ndarray, ...]:
+    """Request r's indices: (each row's ape row, the slot's new state rows in ext, the forward rows that end a window,
+    their entries' pool rows, the windows' rows in ext (CSA: of the halves' view))."""
+    t = c.b1 - c.b0
+    # seq index i <-> position base + i: the state rows still in use, then the chunk's rows (as rows of ext)
+    base = (c.start // m) * m - (coff - 1) * m
+    old = np.r_[np.arange(m), m + np.arange(c.start % m)] if coff == 2 else np.arange(c.start % m)
+    ext = np.concatenate([r * n_state + old, n_req * n_state + c.b0 + np.arange(t)])
+    pos = c.start + np.arange(t)
+    ends = np.flatnonzero(pos % m == m - 1)  # chunk rows that end a window
+    firsts = pos[ends] - (m - 1) - base  # seq index of each emitted window's first row
+    win = firsts[:, None] + np.arange(m)
+    # CSA: the previous window's first half + this window's second half
+    gidx = np.concatenate([2 * ext[win - m], 2 * ext[win] + 1], axis=1) if coff == 2 else ext[win]
+    # The slot's rows afterwards: after the last emission both CSA halves hold that window; then each later
+    # position p overwrites row (coff - 1) m + p % m (the last write wins: only the last m positions matter).
+    if coff == 2 and len(ends):
+        state = ext[firsts[-1] + np.arange(n_state) % m]
+        later = pos[ends[-1] + 1 :]
+    else:
+        state, later = r * n_state + np.arange(n_state), pos
+    later = later[-m:]
+    state[(coff - 1) * m + later % m] = ext[later - base]
+    w = pos[ends] // m
+    dest = np.asarray(c.table, dtype=np.int64)[w // page] * page + w % page
+    return pos % m, state, c.b0 + ends, dest, gidx.reshape(-1)
+
+
+Arrays4 = tuple[mx.array, mx.array, mx.array, mx.array | None]
+
+
+def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
+                    pool: mx.array, chunks: Sequence[Chunk], page: int, eps: float, carry: mx.array | None,
+                    pooled: Callable[..., mx.array]) -> Arrays4:  # fmt: skip
+    """`compressor_rows` for every chunk of the forward (proj = kv, score, cos, sin over its T rows) ->
+    (kv_state, score_state, pool, carry): the entries go into the pool in place on CUDA (`write_rows`), and what
+    reads them takes the returned `carry` (the int32 array it reads them through) in its place. `pooled`: the
+    entries' pooling (vals, gates, norm, cos, sin), compiled or not by the caller."""
+    kv, score, cos, sin = proj
+    m, d, n_state, n_req = comp.ratio, comp.dim, kv_state.shape[1], len(chunks)
+    coff = 2 if m == 4 else 1
+    plans = [_plan(m, coff, n_state, c, r, n_req, page) for r, c in enumerate(chunks)]
+    ape, state, sel, dest, gidx = (np.concatenate(p) for p in zip(*plans, strict=True))
+    n_ent = len(sel)
+    ix = mx.array(np.concatenate([ape, state, sel, dest, gidx]).astype(np.int32))
+    cut = np.cumsum([0, len(ape), len(state), n_ent, n_ent]).tolist()
+    ape_rows, state_rows, sel_rows, dest_rows = (ix[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True))
+    if n_req == 1:  # the slot's rows as a view (an integer index is a gather kernel)
+        slot = chunks[0].slot
+        slots: mx.array | int = slot
+        own_kv, own_s = kv_state[slot : slot + 1], score_state[slot : slot + 1]
+    else:
+        slots = mx.array([c.slot for c in chunks], dtype=mx.int32)
+        own_kv, own_s = kv_state[slots], score_state[slots]
+    ext_kv = mx.concatenate([own_kv.reshape(n_req * n_state, -1), kv])
+    ext_s = mx.concatenate([own_s.reshape(n_req * n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
+    if n_ent:
+        g = ix[cut[4] :].reshape(n_ent, coff * m)
+        vals, gates = ext_kv.reshape(-1, d)[g], ext_s.reshape(-1, d)[g]  # [E, coff m, d]
+        x = pooled(vals, gates, comp.norm.weight, cos[sel_rows], sin[sel_rows])
+        pool, got = write_rows(pool, dest_rows, x, carry)
+        if carry is None:  # nothing reads the entries in this forward: the write queued now
+            commit(pool, got)
+        else:
+            carry = got
+    new_kv, new_s = ext_kv[state_rows], ext_s[state_rows]
+    if n_req == 1:
+        kv_state[slots] = new_kv
+        score_state[slots] = new_s
+    else:
+        kv_state[slots] = new_kv.reshape(n_req, n_state, -1)
+        score_state[slots] = new_s.reshape(n_req, n_state, -1)
+    return kv_state, score_state, pool, carry
