@@ -67,16 +67,22 @@ def order_key(score: mx.array, valid: mx.array) -> mx.array:
     return (desc.astype(mx.uint64) << 32) | ids
 
 
-def topk_ids(score: mx.array, n: mx.array, topk: int) -> mx.array:
+def topk_ids(score: mx.array, n: mx.array, topk: int, lo: mx.array | None = None) -> mx.array:
     """Per row of `score [R, cap]`: the ids of the top `min(topk, n)` of its first `n [R, 1]` entries
-    (ties to the lowest id) in ascending id order, -1 padded to `[R, topk]`."""
+    (ties to the lowest id) in ascending id order, -1 padded to `[R, topk]`. `lo [R, 1]`: a row's entries are
+    columns lo .. lo + n - 1 instead (several requests' keys side by side), its ids counted from lo."""
     r, cap = score.shape
-    key = order_key(score, mx.arange(cap)[None, :] < n)
+    col = mx.arange(cap)[None, :]
+    key = order_key(score, col < n if lo is None else (col >= lo) & (col < lo + n))
     k = min(topk, cap)
     if k < cap:  # keys are unique, so the partition's first k are exactly the k smallest
         key = mx.partition(key, kth=k - 1, axis=-1)[:, :k]
     ids = (key & 0xFFFFFFFF).astype(mx.int32)  # the top k (and, when n < k, k - n masked entries)
-    ids = mx.sort(mx.where(ids < n, ids, cap), axis=-1)  # ascending; masked ones last
+    if lo is None:
+        ids = mx.sort(mx.where(ids < n, ids, cap), axis=-1)  # ascending; masked ones last
+    else:  # a masked entry's id, from lo, is outside 0 .. n - 1
+        ids = ids - lo
+        ids = mx.sort(mx.where((ids >= 0) & (ids < n), ids, cap), axis=-1)
     ids = mx.where(ids < n, ids, -1)
     if k < topk:
         ids = mx.concatenate([ids, mx.full((r, topk - k), -1, dtype=mx.int32)], axis=1)

@@ -9,75 +9,32 @@ indexer picks (CSA) or every emitted entry (HCA), sinks in the denominator.
 Entries a window emits inside the chunk are pooled together (model/prefill_compress.py) before anything reads
 them, and each token only sees those emitted at or before its position. Several requests' chunks share one
 forward (`prefill_batch`): the row-wise parts over all their tokens, the window rings' writes and each compressor
-in one call for every request (its kernels do not grow with the requests), the indexer's picks and the attention
-per request.
+in one call for every request (its kernels do not grow with the requests), the indexer's picks in one call too
+where the scores stay small (model/prefill_indexer.py), the attention per request.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from dsv4_serve.kernels import matmul as kmatmul
 from dsv4_serve.kernels import prefill_attention
-from dsv4_serve.kernels.compressor import pooled_entry
-from dsv4_serve.kernels.indexer import topk_ids
-from dsv4_serve.kernels.indexer_scores import indexer_scores
 from dsv4_serve.model.attention import Attention
 from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
 from dsv4_serve.model.prefill_compress import Chunk, compress_chunks
+from dsv4_serve.model.prefill_indexer import compiled, entry_rows, pooled, select, select_all
 from dsv4_serve.model.state import StateHandle, StatePools
 
-KEY_ROWS = 128  # the indexer's keys padded to a multiple of this (kernels/cuda/tiles_mm.py's rows a block)
 # Layers a forward builds before it starts evaluating them (mx.async_eval of the residual stream): the GPU runs
 # the first layers while Python builds the next (one eval at the end left the whole build, ~40 ms of host a
 # V4-Flash forward, before any kernel). 0: build all, then evaluate (bench/prefill.py --arms sync_build).
 EVAL_EVERY = int(os.environ.get("DSV4_PREFILL_EVAL_EVERY", "4"))
-
-
-_compiled_fns: dict[tuple[object, ...], Callable[..., mx.array]] = {}
-
-
-def compiled() -> bool:
-    """`DSV4_PREFILL_COMPILE=1`: the forward's layers through their compiled segments (as decode runs them) and
-    its per-request pure parts (pooled entries, the indexer's scores and top-k) compiled: 4,272 kernels a
-    256-token V4-Flash forward instead of 6,083 by tools/prefill_count.py's count. Off by default: on the
-    H200 its warm-up took 150 s (the fused kernels' NVRTC compiles; PART=check, 2f03c20, 2026-12-02)."""
-    return os.environ.get("DSV4_PREFILL_COMPILE", "0").strip() == "1" and os.environ.get("DSV4_COMPILE", "1") != "0"
-
-
-def _compiled(key: tuple[object, ...], fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """`fn` compiled once per key where `compiled()` (its elementwise ops and reductions fuse into a few
-    kernels: prefill's per-request attention part is host-bound at a few hundred tokens), else as is."""
-    if not compiled():
-        return fn
-    got = _compiled_fns.get(key)
-    if got is None:
-        got = _compiled_fns[key] = mx.compile(fn)
-    return got
-
-
-def _pooled(eps: float, dtype: mx.Dtype) -> Callable[..., mx.array]:
-    """`pooled_entry` (vals, gates, norm, cos, sin), compiled per eps and pool dtype."""
-
-    def fn(vals: mx.array, gates: mx.array, norm: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        return pooled_entry(vals, gates, norm, eps, cos, sin, dtype)
-
-    return _compiled(("pooled_entry", eps, dtype), fn)
-
-
-def _entry_rows(table: Sequence[int], n: int, page: int) -> np.ndarray:
-    """The pool rows ([pages x page, d] view) of the request's first n compressed entries, made on the host from
-    its table, then the first entry's again up to a multiple of KEY_ROWS: [ceil(n / KEY_ROWS) x KEY_ROWS]. The
-    top-k never picks those (each query sees its first vis <= n entries)."""
-    rows = (np.asarray(table[: -(-n // page)], dtype=np.int32)[:, None] * page + np.arange(page, dtype=np.int32))
-    rows = rows.reshape(-1)[:n]
-    return np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
 
 
 def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | None, list[int]]:
@@ -85,13 +42,6 @@ def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | 
     it is a view)."""
     offs = np.cumsum([0, *map(len, parts)]).tolist()
     return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
-
-
-def _select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int) -> mx.array:
-    """`indexer_rows` for T queries of one request over its n entries, query t seeing the first `vis[t]`:
-    [T, topk] ids, -1 padded."""
-    score = _compiled(("indexer_scores",), indexer_scores)(q, w, keys)  # [T, n] f32
-    return _compiled(("topk_ids", topk), lambda s, v: topk_ids(s, v, topk))(score, vis[:, None])
 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
@@ -118,29 +68,35 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
     table, t_offs = _carry([np.asarray(c.table, np.int32) for c in chunks]) if r else (None, [])
     key_rows, k_offs = None, []
     if r == 4:
-        key_rows, k_offs = _carry([_entry_rows(c.table, n, page) if n else np.zeros(0, np.int32)
+        key_rows, k_offs = _carry([entry_rows(c.table, n, page) if n else np.zeros(0, np.int32)
                                    for c, n in zip(chunks, ns, strict=True)], empty=False)  # fmt: skip
-    eps, pooled = a.rms_norm_eps, _pooled(a.rms_norm_eps, pools.ckv[layer].dtype if r else pools.dtype)
+    eps = a.rms_norm_eps
     if r:
         pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = compress_chunks(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], chunks,
-            page, eps, table, pooled,
+            page, eps, table, pooled(eps, pools.ckv[layer].dtype),
         )  # fmt: skip
     if r == 4:
         pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = compress_chunks(
             attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            chunks, page, eps, key_rows, _pooled(eps, pools.ikeys[layer].dtype),
+            chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype),
         )  # fmt: skip
+    picks = None
+    if r == 4 and key_rows is not None:  # the keys every request's queries read, side by side
+        keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows]
+        picks = select_all(proj[8].astype(pools.dtype), proj[9], keys, chunks, k_offs, r, attn.indexer.topk)
     outs = []
     for i, c in enumerate(chunks):
         rows_i = slice(c.b0, c.b1)
         qi, kvi = (q, kv) if one else (q[rows_i], kv[rows_i])
         ids = None
-        if r == 4 and ns[i]:
+        if picks is not None and ns[i]:
+            ids = picks[rows_i]
+        elif r == 4 and ns[i]:
             vis = mx.arange(c.start + 1, c.start + c.b1 - c.b0 + 1, dtype=mx.int32) // r  # entries each token sees
             keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows[k_offs[i] : k_offs[i + 1]]]
             iq, iw = (proj[8], proj[9]) if one else (proj[8][rows_i], proj[9][rows_i])
-            ids = _select(iq.astype(pools.dtype), iw, keys, vis, attn.indexer.topk)  # [T, topk]
+            ids = select(iq.astype(pools.dtype), iw, keys, vis, attn.indexer.topk)  # [T, topk]
         tab = table[t_offs[i] : t_offs[i + 1]] if r else None
         outs.append(prefill_attention(qi, rings[i], kvi, c.start, pools.ckv[layer] if r else None, tab, ids,
                                       attn.attn_sink, scale=a.head_dim**-0.5, ratio=r or None))  # fmt: skip
@@ -271,9 +227,10 @@ def prefill_batch(model, pools: StatePools, work: Sequence[tuple[StateHandle, Se
 
     The chunks are concatenated into T = sum(len) rows: hc / norms / projections / MoE (everything
     row-wise, each row at its own position and token id) run once over the T rows, and so do the window rings'
-    writes and each compressor (`_attend`: index lists made per request on the host); the indexer's picks and
-    the attention run per request on its rows, its slot and its block tables, so no request's keys, entries or
-    masks ever meet another's. Work buffers scale with
+    writes and each compressor (`_attend`: index lists made per request on the host), and the indexer's picks
+    for short contexts (each request's rows masked to its own keys); the attention runs per request on its rows,
+    its slot and its block tables, so no request's keys, entries or masks ever meet another's. Work buffers scale
+    with
     the chunk (kernels/prefill_attention.py; the plain indexer scores in SCORE_BYTES blocks), never the whole
     prompt; the entries' views grow with the context (n = context / ratio). `Forward` builds it in slices.
     `mtp_next` (one token a chunk: the prompt's next one) runs the MTP block's ring over the chunks' positions.

@@ -15,8 +15,9 @@ with the release's structure; the count of a layer kind is what one more layer o
         (--prompts: requests in the forward, --tokens each; --build: also the host ms to build a 43-layer forward's
         graph, Python and MLX's graph making; on the H200 MLX's encode adds ~10 us a kernel)
 
-8 prompts of 32 tokens (2026-12-07): 24,580 kernels a V4-Flash forward when each request's compressors ran on their
-own, 10,900 since every request goes through one call (model/prefill_compress.py); one prompt 5,909 both ways.
+8 prompts of 32 tokens (2026-12-07): 24,580 kernels a V4-Flash forward when each request's compressors and indexer
+picks ran on their own, 10,900 with one compressor call for all (model/prefill_compress.py), 6,721 with one call of
+the indexer's picks too (model/prefill_indexer.py); one prompt 5,909 throughout.
 """
 
 from __future__ import annotations
