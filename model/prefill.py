@@ -82,7 +82,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
             chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype),
         )  # fmt: skip
     picks = None
-    if r == 4 and key_rows is not None:  # the keys every request's queries read, side by side
+    if r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
         keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows]
         picks = select_all(proj[8].astype(pools.dtype), proj[9], keys, chunks, k_offs, r, attn.indexer.topk)
     outs = []

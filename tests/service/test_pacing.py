@@ -212,4 +212,8 @@ def test_streams_beside_a_long_prompt_keep_under_the_target(tiny) -> None:
           f"{np.median(paced) * 1e3:.1f} ms, target {target * 1e3:.1f} ms, the long prompt's first token {ttft:.2f} s")
     assert target == pytest.approx(TARGET_MS / 1e3) and paced_tokens == off_tokens  # pacing changes when, not what
     assert max(paced) <= BOUND * target and np.median(paced) <= 1.5 * target, (sorted(paced)[-6:], target)
-    assert max(paced) < max(off) / 2, (max(paced), max(off))
+    # A layer cannot be split: the tiny model has 4, and its first CSA layer at 999 rows is ~47% of the whole forward
+    # (one-layer slices of 80, 145, 76 and 4 ms past the step against a 325 ms gap without pacing, 2026-12-07), so
+    # the paced worst gap sits near half the unpaced one by construction (154 against 306 ms failed a bound of half
+    # in CI). What pacing must give here is the costliest layer, well under the whole forward: a quarter less at least.
+    assert max(paced) < 0.75 * max(off), (max(paced), max(off))
