@@ -54,14 +54,14 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
     wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
     win = pools.window[layer]  # the rings as they were before the chunks (the write below makes a new array); each
     rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
-    tails = [[p for p in range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0)] for c in chunks]
-    if one:
-        pools.window[layer][chunks[0].slot, mx.array([p % wl for p in tails[0]])] = kv[kv.shape[0] - len(tails[0]) :]
-    else:  # one scatter for every request's ring rows
-        slots = mx.array([c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail], dtype=mx.int32)
-        at = mx.array([p % wl for tail in tails for p in tail], dtype=mx.int32)
-        rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
-        pools.window[layer][slots, at] = kv if rows == list(range(kv.shape[0])) else kv[mx.array(rows, dtype=mx.int32)]
+    # one scatter for every request's ring rows (the last W positions of each chunk); their rows of kv as a slice
+    # where they are one run (a request alone), else a gather
+    tails = [range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0) for c in chunks]
+    slots = mx.array([c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail], dtype=mx.int32)
+    at = mx.array([p % wl for tail in tails for p in tail], dtype=mx.int32)
+    rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
+    run = rows == list(range(rows[0], rows[-1] + 1))
+    pools.window[layer][slots, at] = kv[rows[0] : rows[-1] + 1] if run else kv[mx.array(rows, dtype=mx.int32)]
     ns = [(c.start + c.b1 - c.b0) // r if r else 0 for c in chunks]  # entries emitted up to each chunk's last token
     # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
     # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
@@ -81,10 +81,9 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
             attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
             chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype),
         )  # fmt: skip
-    picks = None
+    picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
-        keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows]
-        picks = select_all(proj[8].astype(pools.dtype), proj[9], keys, chunks, k_offs, r, attn.indexer.topk)
+        picks = select_all(proj[8].astype(pools.dtype), proj[9], ikeys[key_rows], chunks, k_offs, r, attn.indexer.topk)
     outs = []
     for i, c in enumerate(chunks):
         rows_i = slice(c.b0, c.b1)
@@ -94,7 +93,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
             ids = picks[rows_i]
         elif r == 4 and ns[i]:
             vis = mx.arange(c.start + 1, c.start + c.b1 - c.b0 + 1, dtype=mx.int32) // r  # entries each token sees
-            keys = pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2])[key_rows[k_offs[i] : k_offs[i + 1]]]
+            keys = ikeys[key_rows[k_offs[i] : k_offs[i + 1]]]
             iq, iw = (proj[8], proj[9]) if one else (proj[8][rows_i], proj[9][rows_i])
             ids = select(iq.astype(pools.dtype), iw, keys, vis, attn.indexer.topk)  # [T, topk]
         tab = table[t_offs[i] : t_offs[i + 1]] if r else None

@@ -78,13 +78,9 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
     ix = mx.array(np.concatenate([ape, state, sel, dest, gidx]).astype(np.int32))
     cut = np.cumsum([0, len(ape), len(state), n_ent, n_ent]).tolist()
     ape_rows, state_rows, sel_rows, dest_rows = (ix[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True))
-    if n_req == 1:  # the slot's rows as a view (an integer index is a gather kernel)
-        slot = chunks[0].slot
-        slots: mx.array | int = slot
-        own_kv, own_s = kv_state[slot : slot + 1], score_state[slot : slot + 1]
-    else:
-        slots = mx.array([c.slot for c in chunks], dtype=mx.int32)
-        own_kv, own_s = kv_state[slots], score_state[slots]
+    # the slots' rows: a request alone's as a view (an integer index or an index array is a gather kernel)
+    slots = slice(chunks[0].slot, chunks[0].slot + 1) if n_req == 1 else mx.array([c.slot for c in chunks], mx.int32)
+    own_kv, own_s = kv_state[slots], score_state[slots]
     ext_kv = mx.concatenate([own_kv.reshape(n_req * n_state, -1), kv])
     ext_s = mx.concatenate([own_s.reshape(n_req * n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
     if n_ent:
@@ -96,11 +92,6 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
             commit(pool, got)
         else:
             carry = got
-    new_kv, new_s = ext_kv[state_rows], ext_s[state_rows]
-    if n_req == 1:
-        kv_state[slots] = new_kv
-        score_state[slots] = new_s
-    else:
-        kv_state[slots] = new_kv.reshape(n_req, n_state, -1)
-        score_state[slots] = new_s.reshape(n_req, n_state, -1)
+    kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)
+    score_state[slots] = ext_s[state_rows].reshape(n_req, n_state, -1)
     return kv_state, score_state, pool, carry

@@ -17,7 +17,8 @@ with the release's structure; the count of a layer kind is what one more layer o
 
 8 prompts of 32 tokens (2026-12-07): 24,580 kernels a V4-Flash forward when each request's compressors and indexer
 picks ran on their own, 10,900 with one compressor call for all (model/prefill_compress.py), 6,721 with one call of
-the indexer's picks too (model/prefill_indexer.py); one prompt 5,909 throughout.
+the indexer's picks too (model/prefill_indexer.py); one prompt 5,909 throughout, 5,825 once the rings' writes took
+the slot as an index array like the rest (an integer index cost a kernel a layer).
 """
 
 from __future__ import annotations
