@@ -15,6 +15,8 @@
 #                dependency graph too); SKIP_TESTS=1: no tests first; TESTS_AFTER="paths": those
 #                gpu tests after the step, in the time left
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
+#   PART=profile the engine thread under cProfile while serving 1 and 8 streams (graphs on): slow iterations,
+#                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
 #   PART=graphab  bench/serve.py at 1 and 8 streams against --decode-graphs off, then on (cubins warm), one call
@@ -110,6 +112,19 @@ for part in ${PART:-tests}; do
                timeout ${HTTP_TIMEOUT:-580} python3 bench/serve.py --concurrency 1,${ROWS:-8} --output-len 128 \
                  --prompts-per-concurrency 2 --server-args "$flash --decode-graphs on --max-rows ${ROWS:-8}" \
                  --out "$OUT/serve_graphs.json" 2>&1 | tail -9 ;;
+    profile)   # where the engine thread's time goes while serving: DSV4_ENGINE_PROFILE (cProfile of the serving loop,
+               # each iteration of 50 ms or more logged with its phases and counters) at 1 and 8 streams, graphs
+               # ${GRAPHS:-on} (full depth); then the slow iterations and the top functions
+               for g in ${GRAPHS:-on}; do
+                 DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $(((590 - SECONDS) / ${PROFILE_SHARE:-1})) python3 \
+                   bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 \
+                   --server-args "$flash --decode-graphs $g" --out "$OUT/serve_prof_$g.json" 2>&1 | grep -v Warn | tail -9
+                 echo "slow iterations: $(grep -c 'slow iteration' "$OUT/serve_prof_$g.log")"
+                 grep 'slow iteration' "$OUT/serve_prof_$g.log" | head -${SLOW_LINES:-40} | sed 's/.*slow iteration/slow/' | cut -c1-260
+                 [ -f "$OUT/prof_$g/engine.pstats" ] && python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); \
+                   s.sort_stats('cumulative').print_stats(${TOP:-45}); s.sort_stats('tottime').print_stats(25)" \
+                   "$OUT/prof_$g/engine.pstats" 2>&1 | grep -v '^$' | cut -c1-200
+               done ;;
     ttft)      # issue 59's TTFT: 1 stream, then 8 with Poisson arrivals at 4 requests/s (each cell's first wave: a
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
@@ -282,6 +297,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dsv4_serve.service.engine import canary, startup
+from dsv4_serve.service.engine.engine_profile import EngineProfile
 from dsv4_serve.service.engine.pacing import Pacer
 from dsv4_serve.service.engine.phases import PhaseClock
 from dsv4_serve.service.engine.request import TokenEvent
@@ -155,6 +156,13 @@ class EngineThread:
             return
         self._ready.set()
         self._started.set()
+        prof = EngineProfile.start()  # DSV4_ENGINE_PROFILE: cProfile + slow iterations; else nothing
+        try:
+            self._loop(engine, sched, sample, prof)
+        finally:
+            prof.stop()
+
+    def _loop(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], prof: EngineProfile) -> None:
         clock = PhaseClock(getattr(engine, "host_seconds", None), self._c,
                            lambda: self._inflight.seconds if self._inflight is not None else 0.0)
         while True:
@@ -181,7 +189,9 @@ class EngineThread:
             self._publish(events)
             with self._lock:
                 self._c.loop_seconds += time.perf_counter() - t0
-            self._observe(clock.stop())
+            phases = clock.stop()
+            self._observe(phases)
+            prof.iteration(phases, engine)
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
         for rid in sched.ids():

@@ -1,0 +1,37 @@
+"""DSV4_ENGINE_PROFILE: the serving loop's cProfile file and the slow iterations' lines (engine_profile.py)."""
+
+from __future__ import annotations
+
+import pstats
+from types import SimpleNamespace
+
+from dsv4_serve.service.engine.engine_profile import EngineProfile
+
+
+def _engine(replays: int, layers: int) -> SimpleNamespace:
+    graphs = SimpleNamespace(graphs=SimpleNamespace(stats={"replays": replays, "refresh_ms": 2.5 * replays}))
+    return SimpleNamespace(graphs=graphs, prefill_layers=layers, prefill_rows_layers=32 * layers)
+
+
+def test_unset_does_nothing(monkeypatch):
+    monkeypatch.delenv("DSV4_ENGINE_PROFILE", raising=False)
+    p = EngineProfile.start()
+    assert p.prof is None
+    assert p.iteration({"loop": 5.0}, _engine(1, 1)) is None
+    p.stop()
+
+
+def test_slow_iterations_logged_with_their_counters_and_the_profile_written(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV4_ENGINE_PROFILE", str(tmp_path / "prof"))
+    p = EngineProfile.start()
+    assert p.iteration({"prefill": 0.001, "loop": 0.002}, _engine(3, 2)) is None  # fast: not logged
+    line = p.iteration({"prefill": 0.07, "loop": 0.08}, _engine(4, 5))
+    assert line is not None
+    assert "prefill 70.0" in line and "loop 80.0" in line
+    assert "replays +1" in line and "refresh_ms +2.5" in line and "prefill_layers +3" in line
+    assert "prefill_rows_layers +96" in line
+    assert p.iteration(None, _engine(9, 9)) is None  # an idle pass: nothing to say
+    sum(i * i for i in range(1000))
+    p.stop()
+    stats = pstats.Stats(str(tmp_path / "prof" / "engine.pstats"))
+    assert any(fn[2] == "iteration" for fn in stats.stats)  # the profiled thread's calls are in it
