@@ -114,16 +114,20 @@ for part in ${PART:-tests}; do
                  --out "$OUT/serve_graphs.json" 2>&1 | tail -9 ;;
     profile)   # where the engine thread's time goes while serving: DSV4_ENGINE_PROFILE (cProfile of the serving loop,
                # each iteration of 50 ms or more logged with its phases and counters) at 1 and 8 streams, graphs
-               # ${GRAPHS:-on} (full depth); then the slow iterations and the top functions
-               for g in ${GRAPHS:-on}; do
-                 DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $(((590 - SECONDS) / ${PROFILE_SHARE:-1})) python3 \
+               # ${GRAPHS:-on} (full depth; GRAPHS="on off": both, one server after the other); then the slow iterations and the top functions
+               arms=(${GRAPHS:-on}); left=${#arms[@]}
+               for g in "${arms[@]}"; do  # each later arm keeps 110 s (a restart over the kernel caches + its cells)
+                 left=$((left - 1))
+                 DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $((590 - SECONDS - 110 * left)) python3 \
                    bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 \
                    --server-args "$flash --decode-graphs $g" --out "$OUT/serve_prof_$g.json" 2>&1 | grep -v Warn | tail -9
                  echo "slow iterations: $(grep -c 'slow iteration' "$OUT/serve_prof_$g.log")"
-                 grep 'slow iteration' "$OUT/serve_prof_$g.log" | head -${SLOW_LINES:-40} | sed 's/.*slow iteration/slow/' | cut -c1-260
+                 grep 'slow iteration' "$OUT/serve_prof_$g.log" | sed 's/.*slow iteration/slow/' > "$OUT/slow_$g.txt"
+                 head -${SLOW_LINES:-12} "$OUT/slow_$g.txt" | cut -c1-230
                  [ -f "$OUT/prof_$g/engine.pstats" ] && python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); \
-                   s.sort_stats('cumulative').print_stats(${TOP:-45}); s.sort_stats('tottime').print_stats(25)" \
-                   "$OUT/prof_$g/engine.pstats" 2>&1 | grep -v '^$' | cut -c1-200
+                   s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(30)" \
+                   "$OUT/prof_$g/engine.pstats" > "$OUT/prof_$g.txt" 2>&1 && \
+                   grep -A${TOP:-22} "ncalls" "$OUT/prof_$g.txt" | head -$((${TOP:-22} + 1)) | cut -c1-150
                done ;;
     ttft)      # issue 59's TTFT: 1 stream, then 8 with Poisson arrivals at 4 requests/s (each cell's first wave: a
                # burst), against the graph engine (full depth)
