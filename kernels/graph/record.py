@@ -14,6 +14,7 @@ a zero-filling launch in for each kernel), whose launch list is the GPU's for th
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,9 +136,11 @@ class Recorder:
             spans.add(start, start + a.nbytes, bid)
             starts[bid] = start
 
-        for kind, arrays in named.items():
+        for kind, arrays in named.items():  # first: exported (moved into managed memory once, for good)
             for label, a in arrays.items():
                 add(a, kind, label)
+        rest = list({id(a): a for ln in self.launches for a in (*ln.inputs, *ln.outputs) if id(a) not in at}.values())
+        at.update(zip(map(id, rest), addresses(rest), strict=True))  # the intermediates: read, not moved
         launches = []
         for ln in self.launches:
             ins = tuple(self._ref(a, addr(a), spans, buffers, f"{ln.kernel.name}.{n}")
@@ -210,6 +213,17 @@ def _numpy(a: mx.array) -> np.ndarray:
     bytes). On CUDA this moves a device buffer once into managed memory (docs/cuda_graphs.md): its address is
     then the one MLX keeps, on the host and the GPU alike."""
     return np.from_dlpack(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def addresses(arrays: list[mx.array]) -> list[int | None]:
+    """`address` of each array; on CUDA read by a kernel, so no buffer moves into managed memory (kernels/cuda/
+    address.py: a step's intermediates are only sorted into buffers by them); `DSV4_GRAPH_ADDRESSES=dlpack`: each
+    exported as `address` does."""
+    if arrays and mx.cuda.is_available() and os.environ.get("DSV4_GRAPH_ADDRESSES", "kernel") != "dlpack":
+        from dsv4_serve.kernels.cuda.address import addresses as read
+
+        return read(arrays)
+    return [address(a) for a in arrays]
 
 
 def address(a: mx.array) -> int | None:
