@@ -118,7 +118,7 @@ for part in ${PART:-tests}; do
                arms=(${GRAPHS:-on}); left=${#arms[@]}
                for g in "${arms[@]}"; do  # each later arm keeps 110 s (a restart over the kernel caches + its cells)
                  left=$((left - 1))
-                 DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $((590 - SECONDS - 110 * left)) python3 \
+                 DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $((${BUDGET:-590} - SECONDS - 110 * left)) python3 \
                    bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 \
                    --server-args "$flash --decode-graphs $g" --out "$OUT/serve_prof_$g.json" 2>&1 | grep -v Warn | tail -9
                  echo "slow iterations: $(grep -c 'slow iteration' "$OUT/serve_prof_$g.log")"

@@ -8,7 +8,8 @@ a managed allocation and a synchronous copy on every start. Here one launch an a
 it (its buffer's start plus its offset) and whether its strides are row-contiguous (NumPy's C order: a dim of one
 has any stride); one read brings all back. Inputs are never copied (`ensure_row_contiguous=False`).
 
-No plain twin: on the CPU a DLPack read moves nothing (`record.addresses` uses it there).
+No plain twin: on the CPU a DLPack read moves nothing (`record.addresses` uses it there, and where this kernel
+cannot be built).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ SOURCE = r"""
       expect *= a_shape[d];
     }
   }
-  out[0] = (uint64_t)(uintptr_t)a;
+  out[0] = (unsigned long long)(const void*)a;
   out[1] = dense ? 1 : 0;
 """
-SCALAR = "out[0] = (uint64_t)(uintptr_t)a; out[1] = 1;"
+SCALAR = "out[0] = (unsigned long long)(const void*)a; out[1] = 1;"
 
 _kernels: dict[bool, Any] = {}
 
@@ -46,9 +47,9 @@ def _kernel(scalar: bool) -> Any:
     return _kernels[scalar]
 
 
-def addresses(arrays: Sequence[mx.array]) -> list[int | None]:
+def read(arrays: Sequence[mx.array]) -> list[int | None]:
     """Each evaluated array's first byte on the device (None: empty, or not row-contiguous), as DLPack would read
-    it, without moving any buffer."""
+    it, without moving any buffer (raises where the kernel cannot be built)."""
     outs, at = [], []
     for i, a in enumerate(arrays):
         if a.nbytes == 0:

@@ -6,7 +6,6 @@ On the CPU `record.addresses` is DLPack's read itself."""
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from dsv4_serve.kernels import backend
@@ -38,7 +37,7 @@ def test_addresses_on_the_cpu_are_dlpack_reads() -> None:  # the planner's path 
 @pytest.mark.gpu
 @NEEDS_GPU
 def test_kernel_addresses_equal_dlpack_and_move_nothing() -> None:
-    from dsv4_serve.kernels.cuda.address import addresses as read
+    from dsv4_serve.kernels.cuda.address import read
 
     arrays = cases()
     mx.eval(arrays)
