@@ -17,6 +17,7 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=profile the engine thread under cProfile while serving 1 and 8 streams (graphs on): slow iterations,
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
+#   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel; prefill at 32 tokens
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
 #   PART=graphab  bench/serve.py at 1 and 8 streams against --decode-graphs off, then on (cubins warm), one call
@@ -129,6 +130,18 @@ for part in ${PART:-tests}; do
                    "$OUT/prof_$g/engine.pstats" > "$OUT/prof_$g.txt" 2>&1 && \
                    grep -A${TOP:-22} "ncalls" "$OUT/prof_$g.txt" | head -$((${TOP:-22} + 1)) | cut -c1-150
                done ;;
+    restart)   # a graph server restarted over the caches a first one filled (run after PART=profile or graphhttp): the
+               # intermediates' addresses read by DLPack, then by the kernel (DSV4_GRAPH_ADDRESSES): ready time and the
+               # graphs' recording, one short cell each; the address kernel's gpu test; prefill's 32-token forwards
+               timeout 60 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_address.py \
+                 2>&1 | tail -3
+               for mode in ${ADDRESS_MODES:-dlpack kernel}; do
+                 DSV4_GRAPH_ADDRESSES=$mode timeout 120 python3 bench/serve.py --concurrency 1 --output-len 64 \
+                   --prompts-per-concurrency 2 --server-args "$flash --decode-graphs on" \
+                   --out "$OUT/restart_$mode.json" 2>&1 | grep -E "ready in|warm-up took|captured in|^ +1 " | cut -c1-330
+               done
+               timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8 --agree 0 \
+                 --no-profile --out "$OUT/prefill32.json" 2>&1 | grep -v Warn | tail -6 ;;
     ttft)      # issue 59's TTFT: 1 stream, then 8 with Poisson arrivals at 4 requests/s (each cell's first wave: a
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
@@ -301,6 +314,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
