@@ -204,10 +204,12 @@ class GraphStep:
         return self.last_wait
 
     # ---- replay -------------------------------------------------------------------------------
-    def touched(self) -> None:
+    def touched(self, settle: bool = True) -> None:
         """MLX is about to write the state: the replay in flight ends first (it writes the same pools), and pools
-        may move (read again before the next replay)."""
-        self.settle()
+        may move (read again before the next replay). `settle` False: the caller settles before MLX evaluates
+        anything it builds (a prefill slice built while the replay runs: Engine.prefill_advance)."""
+        if settle:
+            self.settle()
         self._dirty = True
 
     def refresh(self) -> None:

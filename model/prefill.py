@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -190,12 +190,22 @@ class Forward:
         self._pools = pools
         self._gen = _layers(model, pools, work, logits, every, mtp_next)
 
-    def advance(self, seconds: float | None = None, rows_layers: int = 0) -> bool:
+    def advance(self, seconds: float | None = None, rows_layers: int = 0,
+                before_eval: Callable[[], None] | None = None) -> bool:  # fmt: skip
         """Build the next slice: layers until `seconds` of host time (None: to the end) or, with `rows_layers`,
         until layers x rows reach it (the host time does not see the GPU's: a 2,048-row V4-Flash layer is ~7 ms
         of H200 time for ~3 ms of host), queued every EVAL_EVERY layers and at the slice's end; True when the
-        forward is built (evaluate `out` and the pools as `prefill_batch` says)."""
+        forward is built (evaluate `out` and the pools as `prefill_batch` says). `before_eval`: called once before
+        the first of them (the layers before it are only built: no kernel has run, nothing read or written)."""
         t0, hs, built = time.perf_counter(), None, 0
+
+        def queue(x: object) -> None:
+            nonlocal before_eval
+            if before_eval is not None:
+                before_eval()
+                before_eval = None
+            mx.async_eval(x)
+
         cap = max(1, rows_layers // self.rows) if rows_layers else self.layers  # layers x rows: the slice's GPU work
         while not self.done:
             try:
@@ -206,12 +216,12 @@ class Forward:
             self.built += 1
             built += 1
             if EVAL_EVERY > 0 and self.built % EVAL_EVERY == 0 and self.built < self.layers:
-                mx.async_eval(hs)
+                queue(hs)
             full = built >= cap or time.perf_counter() - t0 >= seconds if seconds is not None else False
             if full and (self.built < self.layers or self._head_alone):
                 break  # (the last layer's slice goes on to a one-row head: no empty slice at the end)
         if hs is not None and seconds is not None:  # after the last layer (an every-row head next, alone): its
-            mx.async_eval(hs if self.built < self.layers else self._pools.arrays())  # state; the MoE half: the head's
+            queue(hs if self.built < self.layers else self._pools.arrays())  # state; the MoE half: the head's
         return self.done
 
 

@@ -90,6 +90,7 @@ class Engine(PrefixOps):
             # (bench/gpu_all.sh PART=verify, 2026-12-07), one stream's TPOT 10.49 -> 10.15 ms (docs/cuda_graphs.md).
             self.pipeline_decode = False
             self.pipeline_host = os.environ.get("DSV4_GRAPH_PIPELINE", "1").strip() != "0"
+            self.graph_overlap = os.environ.get("DSV4_GRAPH_OVERLAP", "0").strip() == "1"
         log.info("decode state: %.3f GiB for %d rows (%s)", self.pools.bytes_total() / 2**30, max_rows,
                  "budget" if state_budget_bytes is not None else "every row at max_model_len")
         # The prefix cache: off for engines without the parallel prefill (a distributed leader: its
@@ -177,6 +178,7 @@ class Engine(PrefixOps):
     # The replayed graphs' form of it (their tokens come from the host): the next step queued once a step's tokens
     # are read back, before the host publishes them (`step(wait=False)`, then `settle`).
     pipeline_host = False
+    graph_overlap = False  # DSV4_GRAPH_OVERLAP (prefill_advance)
 
     def step(self, feeds: Sequence[tuple[Handle, int | None, int]], tokens: mx.array | None = None,
              wait: bool = True) -> mx.array:  # fmt: skip
@@ -254,10 +256,17 @@ class Engine(PrefixOps):
         fwd = self._forward
         if fwd is None:
             raise RuntimeError("prefill_advance: no prefill forward in flight")
-        self.touched()
+        # DSV4_GRAPH_OVERLAP: the slice's first layers are built while a replay left running runs (nothing of them
+        # is evaluated before it ends: Forward.advance's before_eval), else the replay ends first.
+        overlap = self.graphs is not None and self.graph_overlap
+        if overlap:
+            self.graphs.touched(settle=False)  # type: ignore[union-attr]
+        else:
+            self.touched()
         layers = fwd.built
         try:
-            built = fwd.advance(slice_seconds, rows_layers or SLICE_ROWS_LAYERS)
+            built = fwd.advance(slice_seconds, rows_layers or SLICE_ROWS_LAYERS, self.settle if overlap else None)
+            self.settle()  # (a no-op unless nothing was queued)
             self.prefill_rows_layers += fwd.rows * (fwd.built - layers)
             self.prefill_layers += fwd.built - layers
             if built and fwd.out is not None:  # the scored chunks' rows (async_eval'd with the state)

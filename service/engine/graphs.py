@@ -84,9 +84,9 @@ class DecodeGraphs:
             first = next(iter(self.graphs.reasons.values()), "no reason recorded")
             raise RuntimeError(f"--decode-graphs on: no row count could be captured ({first})")
 
-    def touched(self) -> None:
+    def touched(self, settle: bool = True) -> None:
         if self.graphs is not None:
-            self.graphs.touched()
+            self.graphs.touched(settle)
 
     def step(self, feeds: Sequence[tuple[Any, int | None, int]], tokens: mx.array | None,
              wait: bool = True) -> mx.array | None:  # fmt: skip
