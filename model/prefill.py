@@ -24,11 +24,12 @@ import numpy as np
 
 from dsv4_serve.kernels import matmul as kmatmul
 from dsv4_serve.kernels import prefill_attention
+from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.attention import Attention
 from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
 from dsv4_serve.model.prefill_compress import Chunk, compress_chunks
-from dsv4_serve.model.prefill_indexer import compiled, entry_rows, pooled, select, select_all
+from dsv4_serve.model.prefill_indexer import compiled, entry_rows, every_visible, pooled, select, select_all
 from dsv4_serve.model.state import StateHandle, StatePools
 
 # Layers a forward builds before it starts evaluating them (mx.async_eval of the residual stream): the GPU runs
@@ -44,11 +45,13 @@ def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | 
     return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
 
 
-def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
-            chunks: Sequence[Chunk]) -> mx.array:  # fmt: skip
+def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks: Sequence[Chunk],
+            seen: mx.array | None = None) -> mx.array:  # fmt: skip
     """`Attention.attend`'s kernel part for the forward's requests (`chunks`: each one's rows of proj): the window
     rings' update, the compressors' entries (every request in one call each: model/prefill_compress.py), the
-    indexer's picks (CSA), then `prefill_attention` for each request on its rows; o [T, nh, D] in the pool dtype."""
+    indexer's picks (CSA; `seen`: every entry each query sees, where that is what the top-k keeps:
+    prefill_indexer.every_visible), then `prefill_attention` for each request on its rows; o [T, nh, D] in the
+    pool dtype."""
     a, layer, r = attn.args, attn.layer, attn.ratio
     q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
     wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
@@ -82,7 +85,9 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
             chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype),
         )  # fmt: skip
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
-    if r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
+    if r == 4 and seen is not None:
+        picks = seen
+    elif r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
         picks = select_all(proj[8].astype(pools.dtype), proj[9], ikeys[key_rows], chunks, k_offs, r, attn.indexer.topk)
     outs = []
     for i, c in enumerate(chunks):
@@ -90,7 +95,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools,
         qi, kvi = (q, kv) if one else (q[rows_i], kv[rows_i])
         ids = None
         if picks is not None and ns[i]:
-            ids = picks[rows_i]
+            ids = picks if one else picks[rows_i]
         elif r == 4 and ns[i]:
             vis = mx.arange(c.start + 1, c.start + c.b1 - c.b0 + 1, dtype=mx.int32) // r  # entries each token sees
             keys = ikeys[key_rows[k_offs[i] : k_offs[i + 1]]]
@@ -135,6 +140,9 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
     x = model.embed(ids)
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     angles: dict[int, tuple[mx.array, ...]] = {}  # a layer kind's RoPE inputs and its de-rotation (-S), once
+    # the CSA layers' picks where every query keeps every entry it sees (short contexts): once a forward, no scores
+    seen = every_visible([(s, len(toks)) for _, toks, s in work], 4, a.index_topk)
+    seen = upload(seen) if seen is not None and 4 in a.compress_ratios else None
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
         if r not in angles:
@@ -146,7 +154,7 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
         post, comb, *proj = before(hs, *angles[r][:-1])
         chunks = [Chunk(h.slot, h.tables[r] if r else (), start, b0, b1)
                   for (h, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
-        o = _attend(block.attn, proj, pools, chunks)
+        o = _attend(block.attn, proj, pools, chunks, seen if r == 4 else None)
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
     if mtp_next is not None:

@@ -1,6 +1,8 @@
 """Prefill's per-request pure parts: the pooled entries and the indexer's picks (scores and top-k), compiled or not
 (`DSV4_PREFILL_COMPILE`), and the indexer's keys as rows of the pool. Several requests' picks go through one call
-where their scores stay small (`select_all`), exact against a call a request (tests/model/test_prefill_select.py).
+where their scores stay small (`select_all`), exact against a call a request (tests/model/test_prefill_select.py);
+where no query sees more entries than the top-k keeps, the picks are every entry seen, made once a forward on the
+host (`every_visible`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ def entry_rows(table: Sequence[int], n: int, page: int) -> np.ndarray:
     rows = (np.asarray(table[: -(-n // page)], dtype=np.int32)[:, None] * page + np.arange(page, dtype=np.int32))
     rows = rows.reshape(-1)[:n]
     return np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
+
+
+def every_visible(spans: Sequence[tuple[int, int]], ratio: int, topk: int) -> np.ndarray | None:
+    """The indexer's picks when no query sees more than `topk` entries, made on the host: each query picks every
+    entry it sees, so its ids are 0 .. vis - 1 ascending, -1 padded ([T, topk] int32, the requests' rows in order;
+    `spans`: each request's (start, tokens)), exactly what `select` returns for any scores (`topk_ids` keeps the
+    top min(topk, n) in ascending order); None where a query sees more (its scores decide). A V4-Flash prompt's
+    first 2,048 positions (512 entries of ratio 4): no scores, no top-k, for any request of a short prompt."""
+    vis = np.concatenate([np.arange(start + 1, start + t + 1) // ratio for start, t in spans])
+    if not vis.size or int(vis.max()) > topk:
+        return None
+    col = np.arange(topk, dtype=np.int32)[None, :]
+    return np.where(col < vis[:, None], col, -1).astype(np.int32)
 
 
 def select(q: mx.array, w: mx.array, keys: mx.array, vis: mx.array, topk: int, lo: mx.array | None = None,

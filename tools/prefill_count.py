@@ -18,7 +18,10 @@ with the release's structure; the count of a layer kind is what one more layer o
 8 prompts of 32 tokens (2026-12-07): 24,580 kernels a V4-Flash forward when each request's compressors and indexer
 picks ran on their own, 10,900 with one compressor call for all (model/prefill_compress.py), 6,721 with one call of
 the indexer's picks too (model/prefill_indexer.py); one prompt 5,909 throughout, 5,825 once the rings' writes took
-the slot as an index array like the rest (an integer index cost a kernel a layer).
+the slot as an index array like the rest (an integer index cost a kernel a layer). With the picks of queries that see
+at most the top-k entries made on the host (`every_visible`: no scores, no top-k) and the release's index_topk here
+(the tiny model's 4 had kept a short prompt's picks scored): 8 prompts 5,227, one prompt of 32 tokens 4,436 (a CSA
+layer 197 -> 131 kernels), of 256 tokens 4,379.
 """
 
 from __future__ import annotations
@@ -115,9 +118,12 @@ def cuda_prefill() -> Iterator[None]:
             mx.dequantize = deq
 
 
+RELEASE_TOPK = 512  # the release's index_topk (the tiny model's 4 would make a short prompt's picks a top-k)
+
+
 def model_of(ratios: list[int]) -> tuple[DeepseekV4, ModelArgs]:
     """tools/kernel_count.py's release-structured model, H and I multiples of 128 (the tile GEMMs' shapes)."""
-    return release_structure(ratios, hidden_size=256, moe_intermediate_size=128)
+    return release_structure(ratios, hidden_size=256, moe_intermediate_size=128, index_topk=RELEASE_TOPK)
 
 
 def forward_count(ratios: list[int], tokens: int, start: int, prompts: int = 1) -> collections.Counter:

@@ -63,3 +63,27 @@ def test_a_single_request_or_a_large_score_goes_a_request_at_a_time(monkeypatch:
     assert pi.select_all(q, w, keys, chunks, offs, RATIO, 8) is not None
     monkeypatch.setattr(pi, "SELECT_SCORES", t * keys.shape[0] - 1)
     assert pi.select_all(q, w, keys, chunks, offs, RATIO, 8) is None
+
+
+@pytest.mark.parametrize("n_req", range(1, 9))
+def test_every_visible_is_what_select_picks_for_any_scores(n_req: int) -> None:
+    """Where no query sees more entries than the top-k keeps, `every_visible` (host-made, no scores) equals
+    `select` on random queries and keys, tied keys included, request by request; one entry past: None."""
+    rng = np.random.default_rng(100 + n_req)
+    chunks, ns = requests(rng, n_req)
+    topk = max((c.start + c.b1 - c.b0) // RATIO for c in chunks)  # the largest entries any query sees
+    seen = pi.every_visible([(c.start, c.b1 - c.b0) for c in chunks], RATIO, topk)
+    assert seen is not None and seen.shape == (chunks[-1].b1, topk) and seen.dtype == np.int32
+    for c, n in zip(chunks, ns, strict=True):
+        if not n:
+            assert (seen[c.b0 : c.b1] == -1).all()
+            continue
+        t = c.b1 - c.b0
+        k = -(-n // pi.KEY_ROWS) * pi.KEY_ROWS
+        base = rng.standard_normal((max(1, k // 3), DIM)).astype(np.float32)
+        keys = mx.array(base[rng.integers(0, len(base), k)])
+        q = mx.array(rng.standard_normal((t, HEADS, DIM)).astype(np.float32))
+        w = mx.array(rng.standard_normal((t, HEADS)).astype(np.float32))
+        vis = mx.arange(c.start + 1, c.start + t + 1, dtype=mx.int32) // RATIO
+        assert np.array_equal(seen[c.b0 : c.b1], np.array(pi.select(q, w, keys, vis, topk))), c
+    assert pi.every_visible([(c.start, c.b1 - c.b0) for c in chunks], RATIO, topk - 1) is None
