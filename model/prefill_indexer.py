@@ -7,8 +7,9 @@ host (`every_visible`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -64,6 +65,20 @@ def entry_rows(table: Sequence[int], n: int, page: int) -> np.ndarray:
     return np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
 
 
+_SCORED = [False]  # `scored()`: every_visible declines
+
+
+@contextlib.contextmanager
+def scored() -> Iterator[None]:
+    """Every pick through the scores and the top-k while inside (`every_visible` declines): the engine's warm-up
+    builds on a short prompt the path a long context takes (service/engine/warmup.py)."""
+    _SCORED[0] = True
+    try:
+        yield
+    finally:
+        _SCORED[0] = False
+
+
 def every_visible(spans: Sequence[tuple[int, int]], ratio: int, topk: int) -> np.ndarray | None:
     """The indexer's picks when no query sees more than `topk` entries, made on the host: each query picks every
     entry it sees, so its ids are 0 .. vis - 1 ascending, -1 padded ([T, topk] int32, the requests' rows in order;
@@ -71,7 +86,7 @@ def every_visible(spans: Sequence[tuple[int, int]], ratio: int, topk: int) -> np
     top min(topk, n) in ascending order); None where a query sees more (its scores decide). A V4-Flash prompt's
     first 2,048 positions (512 entries of ratio 4): no scores, no top-k, for any request of a short prompt."""
     vis = np.concatenate([np.arange(start + 1, start + t + 1) // ratio for start, t in spans])
-    if not vis.size or int(vis.max()) > topk:
+    if not vis.size or int(vis.max()) > topk or _SCORED[0]:
         return None
     col = np.arange(topk, dtype=np.int32)[None, :]
     return np.where(col < vis[:, None], col, -1).astype(np.int32)

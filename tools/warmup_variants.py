@@ -14,7 +14,8 @@ seen: they are built in C++.
 2026-12-06, e953bb2, V4-Flash dims, 4 layers (one CSA, one HCA past the two window layers), 8 experts: the warm-up
 notes 54 variants, and 1..4 and 8 prompts of 32 tokens, sliced or whole, 17 and 300 tokens add none, with or
 without the warm-up's short forward. 2026-12-07, 468f5df (a forward's compressors and indexer picks in one call for
-all its requests): the same, 54 and none.
+all its requests): the same, 54 and none. Again with a short context's CSA picks made on the host (`every_visible`;
+the warm-up's long prompt scored through `prefill_indexer.scored()`, as a long context is): 54 and none.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from dsv4_serve.model.prefill_indexer import scored
+
 log = logging.getLogger("dsv4.engine")
 
 
@@ -96,11 +98,14 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
     # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
     # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
     # on a fresh H200), which would otherwise land on the first request's time to first token.
+    # Its CSA picks through the indexer's scores and top-k (prefill_indexer.scored): a short context's are made on
+    # the host, a long one's are not, and the first long prompt would build them.
     n = min(eng.max_model_len, 1 + max(eng.args.compress_ratios, default=0))
     if eng.parallel_prefill and eng.fits_ever(n):
         h = eng.admit(n)
         try:
-            eng.prefill(h, [0] * n, 0)  # token 0, as the steps above
+            with scored():
+                eng.prefill(h, [0] * n, 0)  # token 0, as the steps above
             mx.eval(eng.pools.arrays())
         finally:
             eng.release(h)

@@ -87,3 +87,12 @@ def test_every_visible_is_what_select_picks_for_any_scores(n_req: int) -> None:
         vis = mx.arange(c.start + 1, c.start + t + 1, dtype=mx.int32) // RATIO
         assert np.array_equal(seen[c.b0 : c.b1], np.array(pi.select(q, w, keys, vis, topk))), c
     assert pi.every_visible([(c.start, c.b1 - c.b0) for c in chunks], RATIO, topk - 1) is None
+
+
+def test_scored_turns_every_visible_off_inside_only() -> None:
+    """The warm-up's long prompt builds the scored path (a long context's) through `scored()`."""
+    spans = [(0, 32)]
+    assert pi.every_visible(spans, RATIO, 512) is not None
+    with pi.scored():
+        assert pi.every_visible(spans, RATIO, 512) is None
+    assert pi.every_visible(spans, RATIO, 512) is not None
