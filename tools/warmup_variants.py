@@ -15,7 +15,9 @@ seen: they are built in C++.
 notes 54 variants, and 1..4 and 8 prompts of 32 tokens, sliced or whole, 17 and 300 tokens add none, with or
 without the warm-up's short forward. 2026-12-07, 468f5df (a forward's compressors and indexer picks in one call for
 all its requests): the same, 54 and none. Again with a short context's CSA picks made on the host (`every_visible`;
-the warm-up's long prompt scored through `prefill_indexer.scored()`, as a long context is): 54 and none.
+the warm-up's long prompt scored through `prefill_indexer.scored()`, as a long context is): 54 and none, a
+2,100-token prompt (past the picks' top-k: scored) included; without `scored()` that prompt adds the indexer scores'
+tile GEMM (`dsv4_tiles_mm`, an NVRTC build in its request's path).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import mlx.core as mx  # noqa: E402
 
 SHAPES = [("1x32", [32], False), ("2x32", [32, 32], False), ("3x32", [32] * 3, False), ("4x32", [32] * 4, False),
           ("1x32 sliced", [32], True), ("4x32 sliced", [32] * 4, True), ("1x17", [17], False),
-          ("1x300", [300], False), ("8x32", [32] * 8, False)]  # fmt: skip
+          ("1x300", [300], False), ("8x32", [32] * 8, False),
+          ("1x2100", [2100], False)]  # a context past the CSA picks' top-k (512 entries): scored  # fmt: skip
 
 
 class _NotCpu:
