@@ -141,8 +141,8 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
     hs = mx.broadcast_to(x[:, None, :], (t, a.hc_mult, x.shape[1]))
     angles: dict[int, tuple[mx.array, ...]] = {}  # a layer kind's RoPE inputs and its de-rotation (-S), once
     # the CSA layers' picks where every query keeps every entry it sees (short contexts): once a forward, no scores
-    seen = every_visible([(s, len(toks)) for _, toks, s in work], 4, a.index_topk)
-    seen = upload(seen) if seen is not None and 4 in a.compress_ratios else None
+    seen = every_visible([(s, len(toks)) for _, toks, s in work], 4, a.index_topk) if 4 in a.compress_ratios else None
+    seen = upload(seen) if seen is not None else None
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
         if r not in angles:

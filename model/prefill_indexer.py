@@ -65,18 +65,19 @@ def entry_rows(table: Sequence[int], n: int, page: int) -> np.ndarray:
     return np.concatenate([rows, np.full(-n % KEY_ROWS, rows[0], np.int32)])
 
 
-_SCORED = [False]  # `scored()`: every_visible declines
+_scored = False  # inside `scored()`: every_visible declines
 
 
 @contextlib.contextmanager
 def scored() -> Iterator[None]:
     """Every pick through the scores and the top-k while inside (`every_visible` declines): the engine's warm-up
     builds on a short prompt the path a long context takes (service/engine/warmup.py)."""
-    _SCORED[0] = True
+    global _scored
+    _scored = True
     try:
         yield
     finally:
-        _SCORED[0] = False
+        _scored = False
 
 
 def every_visible(spans: Sequence[tuple[int, int]], ratio: int, topk: int) -> np.ndarray | None:
@@ -86,7 +87,7 @@ def every_visible(spans: Sequence[tuple[int, int]], ratio: int, topk: int) -> np
     top min(topk, n) in ascending order); None where a query sees more (its scores decide). A V4-Flash prompt's
     first 2,048 positions (512 entries of ratio 4): no scores, no top-k, for any request of a short prompt."""
     vis = np.concatenate([np.arange(start + 1, start + t + 1) // ratio for start, t in spans])
-    if not vis.size or int(vis.max()) > topk or _SCORED[0]:
+    if not vis.size or int(vis.max()) > topk or _scored:
         return None
     col = np.arange(topk, dtype=np.int32)[None, :]
     return np.where(col < vis[:, None], col, -1).astype(np.int32)
