@@ -17,6 +17,8 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=profile the engine thread under cProfile while serving 1 and 8 streams (graphs on): slow iterations,
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
+#   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
+#   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel; prefill at 32 tokens
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
@@ -132,6 +134,14 @@ for part in ${PART:-tests}; do
                    "$OUT/prof_$g/engine.pstats" > "$OUT/prof_$g.txt" 2>&1 && \
                    grep -A${TOP:-22} "ncalls" "$OUT/prof_$g.txt" | head -$((${TOP:-22} + 1)) | cut -c1-150
                done ;;
+    grouped)   # the skinny kernels' 9..64 rows as 8-row groups of one launch: bit for bit the 8-row launches (gpu test)
+               timeout 240 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_matmul.py \
+                 -k "grouped or more_rows or alone" 2>&1 | tail -3 ;;
+    short)     # a short prompt's forward (32 tokens; 1, 2 and 8 prompts: 32, 64, 256 rows): the skinny kernels' 8-row
+               # groups in one launch (fast) against a launch a slice (slices), host and GPU time (issue 59's TTFT)
+               timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 \
+                 --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices \
+                 --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
     restart)   # a graph server restarted over the caches a first one filled (run after PART=profile or graphhttp): the
                # intermediates' addresses read by DLPack, then by the kernel (DSV4_GRAPH_ADDRESSES): ready time and the
                # graphs' recording, one short cell each; the address kernel's gpu test; prefill's 32-token forwards
@@ -316,6 +326,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

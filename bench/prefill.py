@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.common import on_cuda, provenance  # noqa: E402
 from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
 from dsv4_serve.kernels import backend, experts_grouped  # noqa: E402
+from dsv4_serve.kernels import matmul as kmatmul  # noqa: E402
 from dsv4_serve.model import prefill as mprefill  # noqa: E402
 from dsv4_serve.model.deepseek_v4 import DeepseekV4  # noqa: E402
 from dsv4_serve.model.state import StatePools  # noqa: E402
@@ -138,7 +139,8 @@ def agreement(model: DeepseekV4, pools: StatePools, prompt: list[int], chunk: in
 ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
-        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None)}  # fmt: skip
+        "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None),
+        "slices": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
@@ -154,6 +156,7 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
             backend.register(op, fn)
     os.environ[experts_grouped.ENV] = how or grouped
     mprefill.EVAL_EVERY = 0 if arm == "sync_build" else EVAL_EVERY  # sync_build: the whole forward, then its eval
+    kmatmul.GROUPED = arm != "slices"  # slices: a short prompt's 9..64 rows a launch an 8-row slice, not one launch
     if backend.name() == "cuda":  # f32_simt: the f32 products of many rows as MLX's f32 matmul (TF32 off: SIMT)
         import dsv4_serve.kernels.cuda.tiles_mm as tm
 

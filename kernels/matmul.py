@@ -14,12 +14,14 @@ before the fast path existed, so the CPU path is unchanged:
 - `experts_gate_up_rows` / `experts_down_rows`: the routed experts' two halves for mxfp4 weights
   stacked [E, N, K / 8], each (row, k) pair through its own expert.
 
-From 9 to MANY_ROWS rows (a short prompt's forward), where a fast path is registered, each op runs as 8-row
-slices through it (`fast_sliced`). Past MANY_ROWS rows (prefill), `qlinear_rows` and `swiglu_rows`
-dequantize the mxfp8 weight once to x's dtype (exact: an e4m3 code times a power of two) and run a plain
-GEMM, cuBLAS's tensor-core kernels on CUDA: MLX's quantized GEMM there (qmm_sm80) ran an 8-row call in
-~100 us against ~7 us of weight bytes on the H200, and its tiles stay that slow per FLOP at prefill's row
-counts, while the dequantized copy costs 3 bytes a weight (well under the GEMM's time from 64 rows on).
+From 9 to MANY_ROWS rows (a short prompt's forward), where a fast path is registered, each op runs through it
+with every row as it would run in an 8-row launch (`fast_sliced`): one launch of 8-row groups where the fast op
+says it takes them (`rows_per_launch`: the CUDA skinny kernels, `GROUPED`), else 8-row slices, one launch each.
+Past MANY_ROWS rows (prefill), `qlinear_rows` and `swiglu_rows` dequantize the mxfp8 weight once to x's dtype
+(exact: an e4m3 code times a power of two) and run a plain GEMM, cuBLAS's tensor-core kernels on CUDA: MLX's
+quantized GEMM there (qmm_sm80) ran an 8-row call in ~100 us against ~7 us of weight bytes on the H200, and its
+tiles stay that slow per FLOP at prefill's row counts, while the dequantized copy costs 3 bytes a weight (well under
+the GEMM's time from 64 rows on).
 """
 
 from __future__ import annotations
@@ -106,13 +108,22 @@ def _many(x: object) -> bool:
 
 
 SLICE_ROWS = MAX_ROWS  # the row contract's most rows, the skinny kernels' (kernels/cuda/matmul.py) too
+# 9..MANY_ROWS rows in one launch of 8-row groups where the fast op takes them (the same bits as 8-row slices:
+# each group is computed as an 8-row launch of its rows); DSV4_SKINNY_GROUPS=0 keeps a launch a slice (A/B).
+GROUPED = os.environ.get("DSV4_SKINNY_GROUPS", "1").strip() != "0"
+
+
+def launch_rows(fast: Any) -> int:
+    """The most rows `fast` takes in one launch (`rows_per_launch`, 8-row groups), else SLICE_ROWS."""
+    return getattr(fast, "rows_per_launch", SLICE_ROWS) if GROUPED else SLICE_ROWS
 
 
 def fast_sliced(op: str, x: object) -> Any:
     """The registered fast `op` when x [B, K] has SLICE_ROWS < B <= MANY_ROWS rows (a short prompt's forward),
-    else None: such x runs as 8-row slices (`slices`), each reading the weight once, and each row as it would
-    alone (batch invariance). In its place MLX's quantized GEMM (~100 us a call on the H200) or, for the
-    routed experts, the grouped GEMM's dequantized copy of every expert (~3 ms a layer) would run."""
+    else None: such x runs as 8-row groups of one launch or 8-row slices (`_by_slices`), each reading the weight
+    once, and each row as it would alone (batch invariance). In its place MLX's quantized GEMM (~100 us a call
+    on the H200) or, for the routed experts, the grouped GEMM's dequantized copy of every expert (~3 ms a layer)
+    would run."""
     if not (isinstance(x, mx.array) and x.ndim == 2 and SLICE_ROWS < x.shape[0] <= MANY_ROWS):
         return None
     return backend.pick(op, None)
@@ -123,6 +134,8 @@ def slices(rows: int) -> list[tuple[int, int]]:
 
 
 def _by_slices(fn: Any, x: mx.array, *rest: Any, **kw: Any) -> Any:
+    if x.shape[0] <= launch_rows(fn):  # one launch, its 8-row groups computed as the slices would be
+        return fn(x, *rest, **kw)
     outs = [fn(x[a:b], *rest, **kw) for a, b in slices(x.shape[0])]
     if isinstance(outs[0], tuple):  # a pair's products, each concatenated
         return tuple(mx.concatenate(parts) for parts in zip(*outs, strict=True))

@@ -163,8 +163,11 @@ class QuantizedExperts(nn.Module):
     def pairs(self, x: mx.array, idx: mx.array) -> mx.array:
         """Each (row, k) pair through its expert -> [B, k, H] in x.dtype. kernels.matmul: on CUDA, 1..8 rows
         in two launches that read each distinct expert once; else MLX's gather_qmm per pair."""
-        if kmatmul.fast_sliced("experts_gate_up_rows", x) is not None:  # 9..64 rows: 8-row slices, each reading
-            # its slice's distinct experts once
+        fast = kmatmul.fast_sliced("experts_gate_up_rows", x)
+        down = kmatmul.fast_sliced("experts_down_rows", x)
+        if fast is not None and x.shape[0] > min(kmatmul.launch_rows(fast), kmatmul.launch_rows(down)):
+            # 9..64 rows the fast ops take only 8 at a time: 8-row slices, each reading its slice's distinct experts
+            # once (the CUDA kernels take 64 as 8-row groups, each group's experts read once)
             return mx.concatenate([self.pairs(x[a:b], idx[a:b]) for a, b in kmatmul.slices(x.shape[0])])
         ri = idx.astype(mx.uint32)
         hdn = kmatmul.experts_gate_up_rows(x, ri, self.w1, self.w1_scales, self.w3, self.w3_scales, limit=self.limit)

@@ -31,6 +31,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from dsv4_serve.kernels import backend, rope_apply  # noqa: E402
+from dsv4_serve.kernels.matmul import MANY_ROWS  # noqa: E402
 from dsv4_serve.kernels.norms import rms_norm_rows_reference  # noqa: E402
 from dsv4_serve.model.checkpoint import is_f32_param  # noqa: E402
 from dsv4_serve.model.config import ModelArgs  # noqa: E402
@@ -71,6 +72,10 @@ STANDINS = {
     "write_rows": lambda pool, rows, values, carry=None: (pool, one([((1,) if carry is None else carry.shape,
                                                                       mx.int32)], pool, rows, values)[0]),  # fmt: skip
 }
+# the CUDA skinny kernels take a short prompt's 9..64 rows as 8-row groups of one launch (kernels/cuda/matmul.py)
+for _op in ("qlinear_rows", "qlinear_cat_rows", "f32_linear_rows", "f32_linear_pair_rows", "swiglu_rows",
+            "experts_gate_up_rows", "experts_down_rows"):  # fmt: skip
+    STANDINS[_op].rows_per_launch = MANY_ROWS  # type: ignore[attr-defined]
 GLUE = {
     "rms_norm_rows": lambda x, w, *, eps, out_dtype=None: one([(x.shape, out_dtype or x.dtype)], x, w)[0],
     "hc_post_rows": lambda y, h, post, comb: one([(h.shape, h.dtype)], y, h, post, comb)[0],

@@ -1,5 +1,6 @@
 """Skinny matmuls for 1..8 rows on CUDA: the launch plans and the ops (the device code and its layout:
-kernels/cuda/matmul_src.py; `kernels.matmul` has the plain twins).
+kernels/cuda/matmul_src.py; `kernels.matmul` has the plain twins). 9..64 rows (a short prompt's forward) run
+as 8-row groups of one launch, each group's bits those of an 8-row launch of its rows (`GROUPED_ROWS`).
 
 `geometry` sets a launch's shape by product kind: a warp's next loads wait for its last products, so the
 warps in flight set the bytes in flight (`DENSE` / `EXPERTS`, timed by bench/matmuls.py). A `Plan` is one
@@ -19,7 +20,8 @@ from dsv4_serve.kernels.cuda import tiles_mm
 from dsv4_serve.kernels.cuda.common import E2M1, arange_rows, dummy, f32_params, kernel, launch_bounds, plan_cached
 from dsv4_serve.kernels.cuda.matmul_src import SOURCE
 
-MAX_ROWS = 8  # the mma's n
+MAX_ROWS = 8  # the mma's n: a group's rows
+GROUPED_ROWS = 64  # the most rows a launch takes as 8-row groups (kernels.matmul.MANY_ROWS: a short prompt's forward)
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
 CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
 # U by weight format: chunks whose loads a warp issues before using any (mxfp4 at 4: the routed experts at 8
@@ -71,7 +73,8 @@ class Plan:
     def __init__(self, dtype: mx.Dtype, nb: int, k: int, n: int, wf: int, *, out: mx.Dtype, pair: int, exp: int,
                  topk: int, limit: float | None, n2: int = 0, dense: bool = False) -> None:  # fmt: skip
         geo = geometry(n + n2, k, wf, pair, 0 if dense else exp)  # dense: every group's weight is read
-        self.fast = dtype == mx.bfloat16 and 1 <= nb <= MAX_ROWS and geo is not None
+        most = MAX_ROWS if dense else GROUPED_ROWS  # dense: the pairs' blocks follow the first row's groups
+        self.fast = dtype == mx.bfloat16 and 1 <= nb <= most and geo is not None
         if self.fast and n2:  # CAT: no warp's row tiles may straddle the two weights
             self.fast = n % (16 * geo[0]) == 0
         if not self.fast:
@@ -83,8 +86,14 @@ class Plan:
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
                      ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
         self.nt = 32 * wk * wr
-        # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks
-        self.grid = ((n + n2) // (16 * mt * wr) * self.nt, (topk if dense else nb * topk) if exp else 1, 1)
+        # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks;
+        # past 8 rows the 8-row groups are grid.y (grid.z for experts, whose grid.y is a group's pairs)
+        groups = -(-nb // MAX_ROWS)
+        x_blocks = (n + n2) // (16 * mt * wr) * self.nt
+        if exp:
+            self.grid = (x_blocks, topk if dense else min(nb, MAX_ROWS) * topk, groups)
+        else:
+            self.grid = (x_blocks, groups, 1)
         self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else ((nb * (n + n2),) if n2 else (nb, n)))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))
@@ -229,3 +238,9 @@ def experts_down_rows_cuda(h: mx.array, idx: mx.array, w2: mx.array, s2: mx.arra
         return ref.experts_down_rows_reference(h, idx, w2, s2)
     b, k = idx.shape
     return p(h, w2, s2, w2, s2, idx).reshape(b, k, w2.shape[1])
+
+
+# 9..GROUPED_ROWS rows as 8-row groups of one launch (kernels.matmul.launch_rows); grouped_qlinear_rows stays at 8
+for _fn in (qlinear_rows_cuda, f32_linear_rows_cuda, swiglu_rows_cuda, f32_linear_pair_rows_cuda,
+            qlinear_cat_rows_cuda, experts_gate_up_rows_cuda, experts_down_rows_cuda):  # fmt: skip
+    _fn.rows_per_launch = GROUPED_ROWS  # type: ignore[attr-defined]

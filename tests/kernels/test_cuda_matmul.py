@@ -1,5 +1,6 @@
 """The skinny CUDA matmuls (kernels/cuda/matmul.py) vs their plain-MLX twins on the GPU: random weights in
-the release formats, 1..8 rows, V4-Flash shapes and small ones, experts chosen with repeats across rows."""
+the release formats, 1..8 rows (9..64 as 8-row groups of one launch), V4-Flash shapes and small ones, experts
+chosen with repeats across rows."""
 
 from __future__ import annotations
 
@@ -131,7 +132,50 @@ def test_a_row_gives_what_it_gives_alone() -> None:
     assert mx.array_equal(full[3:4], one).item()
 
 
+def by_slices(fn, x: mx.array, *rest, **kw):
+    """fn over x's 8-row slices, one launch each, joined: what 9..64 rows ran as before the grouped launch."""
+    outs = [fn(x[a:a + 8], *rest, **kw) for a in range(0, x.shape[0], 8)]
+    if isinstance(outs[0], tuple):
+        return tuple(mx.concatenate(o) for o in zip(*outs, strict=True))
+    return mx.concatenate(outs)
+
+
+def same(got, want) -> None:
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                    strict=True):  # fmt: skip
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert mx.array_equal(g, w).item()
+
+
+@pytest.mark.parametrize("rows", [9, 13, 16, 40, 64])
+def test_grouped_rows_are_the_8_row_launches_bit_for_bit(rows: int) -> None:
+    """9..64 rows in one launch of 8-row groups: every product (dense, CAT, the compressor pair, SwiGLU, both
+    routed-expert halves) equals its 8-row launches joined, bit for bit, and stays within the reference's bound."""
+    m = cuda()
+    x = (2 * mx.random.normal((rows, 1024))).astype(mx.bfloat16)
+    (w1, s1), (w2, s2), (w3, s3) = mxfp((512, 1024), 8), mxfp((256, 1024), 8), mxfp((512, 1024), 8)
+    wb1, wb2 = ((mx.random.normal((256, 1024)) * 1024**-0.5).astype(mx.bfloat16) for _ in range(2))
+    same(m.qlinear_rows_cuda(x, w1, s1), by_slices(m.qlinear_rows_cuda, x, w1, s1))
+    close(m.qlinear_rows_cuda(x, w1, s1), ref.qlinear_rows_reference(x, w1, s1), 1e-2)
+    same(m.f32_linear_rows_cuda(x, wb1), by_slices(m.f32_linear_rows_cuda, x, wb1))
+    same(m.qlinear_cat_rows_cuda(x, w1, s1, w2, s2), by_slices(m.qlinear_cat_rows_cuda, x, w1, s1, w2, s2))
+    same(m.f32_linear_pair_rows_cuda(x, wb1, wb2), by_slices(m.f32_linear_pair_rows_cuda, x, wb1, wb2))
+    same(m.swiglu_rows_cuda(x, w1, s1, w3, s3, limit=10.0),
+         by_slices(m.swiglu_rows_cuda, x, w1, s1, w3, s3, limit=10.0))  # fmt: skip
+    k, e = 6, 16
+    (q1, t1), (q3, t3) = mxfp((e, 256, 1024), 4), mxfp((e, 256, 1024), 4)
+    q2, t2 = mxfp((e, 1024, 256), 4)
+    idx = routes(rows, k, e, rows)
+    h = m.experts_gate_up_rows_cuda(x, idx, q1, t1, q3, t3, limit=10.0)
+    hs = mx.concatenate([m.experts_gate_up_rows_cuda(x[a:a + 8], idx[a:a + 8], q1, t1, q3, t3, limit=10.0)
+                         for a in range(0, rows, 8)])  # fmt: skip
+    same(h, hs)
+    close(h, ref.experts_gate_up_rows_reference(x, idx, q1, t1, q3, t3, limit=10.0), 2e-2)
+    y = m.experts_down_rows_cuda(hs, idx, q2, t2)
+    same(y, mx.concatenate([m.experts_down_rows_cuda(hs[a:a + 8], idx[a:a + 8], q2, t2) for a in range(0, rows, 8)]))
+
+
 def test_more_rows_and_other_dtypes_run_the_reference() -> None:
     w, s = mxfp((1024, 4096), 8)
-    for x in (mx.random.normal((9, 4096)).astype(mx.bfloat16), mx.random.normal((2, 4096))):
+    for x in (mx.random.normal((65, 4096)).astype(mx.bfloat16), mx.random.normal((2, 4096))):
         assert mx.array_equal(cuda().qlinear_rows_cuda(x, w, s), ref.qlinear_rows_reference(x, w, s)).item()
