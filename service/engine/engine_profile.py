@@ -2,7 +2,8 @@
 (after /ready) runs under cProfile (this thread only: the event loop is `tools/serve_profile.py --profile`'s),
 written to `<dir>/engine.pstats` when the thread ends, and every iteration of `SLOW_S` or more is logged with its
 phases (phases.py) and what the engine's counters did in it (the decode graphs' replays, refreshes, pool moves,
-recaptures; the prefill layers built): which iterations are slow and what they did. Unset: nothing is done."""
+recaptures; the prefill layers built) and the memory then (MLX's and the device's): which iterations are slow and
+what they did. Unset: nothing is done."""
 
 from __future__ import annotations
 
@@ -12,6 +13,25 @@ import os
 from typing import Any
 
 log = logging.getLogger("dsv4.profile")
+
+
+def memory() -> dict[str, float]:
+    """MLX's active, cached and peak bytes and, on CUDA, the device's free bytes, in GB: a graph server's weights
+    and pool homes are managed memory, which the driver evicts to the host when device allocations need the room
+    (docs/cuda_graphs.md#serving-at-full-depth)."""
+    import mlx.core as mx
+
+    out = {"active": mx.get_active_memory() / 1e9, "cache": mx.get_cache_memory() / 1e9,
+           "peak": mx.get_peak_memory() / 1e9}  # fmt: skip
+    try:
+        from cuda.bindings import runtime  # the `cuda` extra (decode graphs); absent: no device figure
+
+        err, free, _total = runtime.cudaMemGetInfo()
+        if int(err) == 0:
+            out["free"] = free / 1e9
+    except Exception:  # no CUDA runtime bindings here (the CPU)
+        pass
+    return out
 
 
 class EngineProfile:
@@ -47,6 +67,7 @@ class EngineProfile:
             return None
         line = "slow iteration (ms): " + " ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
         line += " | " + " ".join(f"{k} +{v:g}" for k, v in delta.items() if v)
+        line += " | GB " + " ".join(f"{k} {v:.2f}" for k, v in memory().items())
         log.info("%s", line)
         return line
 

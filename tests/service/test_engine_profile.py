@@ -30,6 +30,13 @@ def test_slow_iterations_logged_with_their_counters_and_the_profile_written(monk
     assert "prefill 70.0" in line and "loop 80.0" in line
     assert "replays +1" in line and "refresh_ms +2.5" in line and "prefill_layers +3" in line
     assert "prefill_rows_layers +96" in line
+    import mlx.core as mx
+
+    held = mx.ones((1 << 24,), mx.float32)  # 64 MB MLX holds while the line is made
+    mx.eval(held)
+    mem = p.iteration({"prefill": 0.07, "loop": 0.08}, _engine(4, 5)).split("| GB ")[1]
+    active = float(mem.split("active ")[1].split()[0])
+    assert active >= 0.06 and "cache " in mem and "peak " in mem  # MLX's memory then, in GB
     assert p.iteration(None, _engine(9, 9)) is None  # an idle pass: nothing to say
     sum(i * i for i in range(1000))
     p.stop()
