@@ -107,6 +107,7 @@ def cuda_prefill() -> Iterator[None]:
             out = one([((2, x.shape[0], w1.shape[0]), mx.float32)], x, w1, w2)[0]
             return out[0], out[1]
 
+        lin.rows_per_launch = pair.rows_per_launch = kmatmul.MANY_ROWS  # as kernels/cuda/matmul.py's (8-row groups)
         backend.register("f32_linear_rows", lin)
         backend.register("f32_linear_pair_rows", pair)
         backend.register("indexer_scores", scores)
