@@ -197,10 +197,12 @@ def units() -> dict[str, str]:
                                                ("mm_fp4_down", BF, 2, 2048, 4096, False, 2, 6)):  # fmt: skip
         n2 = 512 if pair == 3 else 0  # CAT: wkv's rows after wq_a's
         mt, wk, wr, u = mm.geometry(n + n2, k, wf, int(pair), exp)
-        out[name] = standalone("skinny_mm", mm_in, [("out", o)],
-                               [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)),
-                                ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2)],
-                               mm.SOURCE, header=E2M1)  # fmt: skip
+        for gr in (False, True):  # the decode step's 1..8 rows; a short prompt's 8-row groups
+            out[name + ("_groups" if gr else "")] = standalone(
+                "skinny_mm", mm_in, [("out", o)],
+                [("T", BF), ("O", o), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", int(pair)), ("WK", wk),
+                 ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", topk), ("N2", n2), ("GR", gr)],
+                mm.SOURCE, header=E2M1)  # fmt: skip
     gm_in = [("x", BF, False), ("w", U32, False), ("s", mx.uint8, False), ("w2", U32, False),
              ("s2", mx.uint8, False), ("ptab", I32, False), ("texp", U32, False), ("fparams", F32, False),
              ("hw", F32, False)]  # fmt: skip

@@ -84,7 +84,8 @@ class Plan:
         bounds = launch_bounds(32 * wk * wr, 1) if 32 * wk * wr > 512 else ""
         self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE, header=E2M1 + bounds)
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
-                     ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2)]  # fmt: skip
+                     ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2),
+                     ("GR", nb > MAX_ROWS)]  # fmt: skip
         self.nt = 32 * wk * wr
         # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks;
         # past 8 rows the 8-row groups are grid.y (grid.z for experts, whose grid.y is a group's pairs)

@@ -21,9 +21,10 @@ warps reading it instead, out [B, N] then [B, N2] (wq_a and wkv of one x; the tw
 `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
 first pair computes it for every batch row that chose it (the others exit): each distinct expert's
 weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
-Past 8 rows (a short prompt's forward, up to 64) the rows are 8-row groups on a grid axis (grid.y, or grid.z for
-experts), each group computed exactly as an 8-row launch of its rows would be: one launch where 8-row slices
-were up to eight, the same bits; a block reads its weight tile once a group.
+`GR` (past 8 rows: a short prompt's forward, up to 64): the rows are 8-row groups on a grid axis (grid.y, or
+grid.z for experts), each group computed exactly as an 8-row launch of its rows would be: one launch where 8-row
+slices were up to eight, the same bits; a block reads its weight tile once a group. Without it (the decode
+step's 1..8 rows) the code is the 8-row kernel's, its registers unchanged.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ SOURCE = r"""
   constexpr int NT = (PAIR == 1 || PAIR == 2) ? 2 * MT : MT;  // row tiles a warp
   constexpr int CPW = K / CK / WK;                           // chunks a warp
   constexpr int G32 = K / 32;                                // scale groups a row
-  const int NBT = (int)fparams[1];                            // batch rows (1..64), a runtime value
-  const int grp = EXP ? blockIdx.z : blockIdx.y;              // this block's 8-row group
-  const int NB = min(8, NBT - 8 * grp);                       // the group's rows (1..8)
-  x += (size_t)grp * 8 * (EXP == 2 ? TOPK : 1) * K;
-  if (EXP) idx += (size_t)grp * 8 * TOPK;
-  out += (size_t)grp * 8 * (EXP ? TOPK : 1) * (PAIR == 3 ? 0 : N);  // CAT: offset per product below
+  const int NBT = (int)fparams[1];                            // batch rows (1..64; 1..8 unless GR), a runtime value
+  const int grp = GR ? (EXP ? blockIdx.z : blockIdx.y) : 0;   // this block's 8-row group
+  const int NB = GR ? min(8, NBT - 8 * grp) : NBT;            // the group's rows (1..8)
+  if (GR) {
+    x += (size_t)grp * 8 * (EXP == 2 ? TOPK : 1) * K;
+    if (EXP) idx += (size_t)grp * 8 * TOPK;
+    out += (size_t)grp * 8 * (EXP ? TOPK : 1) * (PAIR == 3 ? 0 : N);  // CAT: offset per product below
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wr = warp / WK;
   const int gq = lane >> 2, cq = lane & 3;
@@ -51,13 +54,13 @@ SOURCE = r"""
   const uint8_t* wb2 = reinterpret_cast<const uint8_t*>(w2);
   const uint8_t* sb = sec ? s2 : s;
   const uint8_t* sb2 = s2;
-  O* const ob = out + (PAIR == 3 ? (sec ? (size_t)NBT * N + (size_t)grp * 8 * N2 : (size_t)grp * 8 * N) : 0);
   // CAT: [NBT][N] then [NBT][N2]
+  O* const ob = out + (PAIR == 3 ? (sec ? (size_t)NBT * N + (size_t)grp * 8 * N2 : (size_t)grp * 8 * N) : 0);
   const int NO = sec ? N2 : N;
   int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
   if (EXP) {
     const int p = blockIdx.y;
-    if (p >= NB * TOPK) return;  // the last group's missing rows (uniform: whole block)
+    if (GR && p >= NB * TOPK) return;  // the last group's missing rows (uniform: whole block)
     const int e = idx[p];
     for (int q = 0; q < p; ++q)
       if (idx[q] == e) return;  // an earlier pair's block computes this expert (uniform: whole block)
