@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -45,44 +46,67 @@ def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | 
     return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
 
 
-def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks: Sequence[Chunk],
-            seen: mx.array | None = None) -> mx.array:  # fmt: skip
-    """`Attention.attend`'s kernel part for the forward's requests (`chunks`: each one's rows of proj): the window
-    rings' update, the compressors' entries (every request in one call each: model/prefill_compress.py), the
-    indexer's picks (CSA; `seen`: every entry each query sees, where that is what the top-k keeps:
-    prefill_indexer.every_visible), then `prefill_attention` for each request on its rows; o [T, nh, D] in the
-    pool dtype."""
-    a, layer, r = attn.args, attn.layer, attn.ratio
-    q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
-    wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
-    win = pools.window[layer]  # the rings as they were before the chunks (the write below makes a new array); each
-    rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
-    # one scatter for every request's ring rows (the last W positions of each chunk); their rows of kv as a slice
-    # where they are one run (a request alone), else a gather
+def _ring_rows(chunks: Sequence[Chunk], wl: int) -> tuple[mx.array, mx.array, slice | mx.array]:
+    """The window rings' write for every request (the last W positions of each chunk): their slots and ring rows,
+    and their rows of kv as a slice where they are one run (a request alone), else a gather's indices."""
     tails = [range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0) for c in chunks]
     slots = mx.array([c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail], dtype=mx.int32)
     at = mx.array([p % wl for tail in tails for p in tail], dtype=mx.int32)
     rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
     run = rows == list(range(rows[0], rows[-1] + 1))
-    pools.window[layer][slots, at] = kv[rows[0] : rows[-1] + 1] if run else kv[mx.array(rows, dtype=mx.int32)]
-    ns = [(c.start + c.b1 - c.b0) // r if r else 0 for c in chunks]  # entries emitted up to each chunk's last token
-    # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
-    # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
+    return slots, at, slice(rows[0], rows[-1] + 1) if run else mx.array(rows, dtype=mx.int32)
+
+
+def _tables(chunks: Sequence[Chunk], r: int, page: int) -> tuple[Any, ...]:
+    """The block tables as one int32 array (and where each request's starts), the entries emitted up to each
+    chunk's last token, and (CSA) the indexer's key rows as one array (and where each request's start)."""
+    ns = [(c.start + c.b1 - c.b0) // r if r else 0 for c in chunks]
     table, t_offs = _carry([np.asarray(c.table, np.int32) for c in chunks]) if r else (None, [])
     key_rows, k_offs = None, []
     if r == 4:
         key_rows, k_offs = _carry([entry_rows(c.table, n, page) if n else np.zeros(0, np.int32)
                                    for c, n in zip(chunks, ns, strict=True)], empty=False)  # fmt: skip
+    return ns, table, t_offs, key_rows, k_offs
+
+
+def _memo(memo: dict[Any, Any] | None, key: Any, make: Callable[[], Any]) -> Any:
+    """make() once a forward (`memo`: the forward's; None: every call)."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks: Sequence[Chunk],
+            seen: mx.array | None = None, memo: dict[Any, Any] | None = None) -> mx.array:  # fmt: skip
+    """`Attention.attend`'s kernel part for the forward's requests (`chunks`: each one's rows of proj): the window
+    rings' update, the compressors' entries (every request in one call each: model/prefill_compress.py), the
+    indexer's picks (CSA; `seen`: every entry each query sees, where that is what the top-k keeps:
+    prefill_indexer.every_visible), then `prefill_attention` for each request on its rows; o [T, nh, D] in the
+    pool dtype. `memo`: the forward's, holding the host-made index arrays every layer of a ratio shares (made and
+    uploaded once a forward)."""
+    a, layer, r = attn.args, attn.layer, attn.ratio
+    q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
+    wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
+    win = pools.window[layer]  # the rings as they were before the chunks (the write below makes a new array); each
+    rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
+    # one scatter for every request's ring rows
+    slots, at, rows = _memo(memo, "ring", lambda: _ring_rows(chunks, wl))
+    pools.window[layer][slots, at] = kv[rows]
+    # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
+    # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
+    ns, table, t_offs, key_rows, k_offs = _memo(memo, ("tables", r), lambda: _tables(chunks, r, page))
     eps = a.rms_norm_eps
     if r:
         pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = compress_chunks(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], chunks,
-            page, eps, table, pooled(eps, pools.ckv[layer].dtype),
+            page, eps, table, pooled(eps, pools.ckv[layer].dtype), memo,
         )  # fmt: skip
     if r == 4:
         pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = compress_chunks(
             attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype),
+            chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype), memo,
         )  # fmt: skip
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and seen is not None:
@@ -143,6 +167,7 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
     # the CSA layers' picks where every query keeps every entry it sees (short contexts): once a forward, no scores
     seen = every_visible([(s, len(toks)) for _, toks, s in work], 4, a.index_topk) if 4 in a.compress_ratios else None
     seen = upload(seen) if seen is not None else None
+    memo: dict[Any, Any] = {}  # the index arrays every layer of a ratio shares: made and uploaded once a forward
     for i, block in enumerate(model.layers):
         r = a.layer_ratio(i)
         if r not in angles:
@@ -154,7 +179,7 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
         post, comb, *proj = before(hs, *angles[r][:-1])
         chunks = [Chunk(h.slot, h.tables[r] if r else (), start, b0, b1)
                   for (h, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
-        o = _attend(block.attn, proj, pools, chunks, seen if r == 4 else None)
+        o = _attend(block.attn, proj, pools, chunks, seen if r == 4 else None, memo)
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
     if mtp_next is not None:

@@ -12,7 +12,7 @@ node costs ~20 us of host: a forward of 8 prompts of 32 tokens cost 5x one promp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -62,24 +62,40 @@ def _plan(m: int, coff: int, n_state: int, c: Chunk, r: int, n_req: int, page: i
 Arrays4 = tuple[mx.array, mx.array, mx.array, mx.array | None]
 
 
+def _indices(m: int, coff: int, n_state: int, chunks: Sequence[Chunk],
+             page: int) -> tuple[mx.array, list[int], mx.array | slice]:  # fmt: skip
+    """Every request's `_plan` as one uploaded int32 array, where each list starts in it, and the slots' rows (a
+    request alone's as a view: an integer index or an index array is a gather kernel)."""
+    n_req = len(chunks)
+    plans = [_plan(m, coff, n_state, c, r, n_req, page) for r, c in enumerate(chunks)]
+    ape, state, sel, dest, gidx = (np.concatenate(p) for p in zip(*plans, strict=True))
+    ix = mx.array(np.concatenate([ape, state, sel, dest, gidx]).astype(np.int32))
+    cut = np.cumsum([0, len(ape), len(state), len(sel), len(sel)]).tolist()
+    slots = slice(chunks[0].slot, chunks[0].slot + 1) if n_req == 1 else mx.array([c.slot for c in chunks], mx.int32)
+    return ix, cut, slots
+
+
 def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
                     pool: mx.array, chunks: Sequence[Chunk], page: int, eps: float, carry: mx.array | None,
-                    pooled: Callable[..., mx.array]) -> Arrays4:  # fmt: skip
+                    pooled: Callable[..., mx.array], memo: dict[Any, Any] | None = None) -> Arrays4:  # fmt: skip
     """`compressor_rows` for every chunk of the forward (proj = kv, score, cos, sin over its T rows) ->
     (kv_state, score_state, pool, carry): the entries go into the pool in place on CUDA (`write_rows`), and what
     reads them takes the returned `carry` (the int32 array it reads them through) in its place. `pooled`: the
-    entries' pooling (vals, gates, norm, cos, sin), compiled or not by the caller."""
+    entries' pooling (vals, gates, norm, cos, sin), compiled or not by the caller. `memo`: the forward's, where
+    the index lists (the same for every layer of a ratio: the chunks' positions, slots and tables) are made and
+    uploaded once a forward, not once a layer."""
     kv, score, cos, sin = proj
     m, d, n_state, n_req = comp.ratio, comp.dim, kv_state.shape[1], len(chunks)
     coff = 2 if m == 4 else 1
-    plans = [_plan(m, coff, n_state, c, r, n_req, page) for r, c in enumerate(chunks)]
-    ape, state, sel, dest, gidx = (np.concatenate(p) for p in zip(*plans, strict=True))
-    n_ent = len(sel)
-    ix = mx.array(np.concatenate([ape, state, sel, dest, gidx]).astype(np.int32))
-    cut = np.cumsum([0, len(ape), len(state), n_ent, n_ent]).tolist()
+    key = ("compress", m, coff, n_state)
+    got = None if memo is None else memo.get(key)
+    if got is None:
+        got = _indices(m, coff, n_state, chunks, page)
+        if memo is not None:
+            memo[key] = got
+    ix, cut, slots = got
+    n_ent = cut[3] - cut[2]
     ape_rows, state_rows, sel_rows, dest_rows = (ix[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True))
-    # the slots' rows: a request alone's as a view (an integer index or an index array is a gather kernel)
-    slots = slice(chunks[0].slot, chunks[0].slot + 1) if n_req == 1 else mx.array([c.slot for c in chunks], mx.int32)
     own_kv, own_s = kv_state[slots], score_state[slots]
     ext_kv = mx.concatenate([own_kv.reshape(n_req * n_state, -1), kv])
     ext_s = mx.concatenate([own_s.reshape(n_req * n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])

@@ -34,10 +34,10 @@ def recorded_calls(tiny, n_req: int, monkeypatch: pytest.MonkeyPatch) -> list[tu
     model, args = tiny
     calls: list[tuple[Any, ...]] = []
 
-    def spy(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled):  # noqa: ANN001, ANN202
+    def spy(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo=None):  # noqa: ANN001, ANN202
         calls.append((comp, [copy(p) for p in proj], copy(kv_state), copy(score_state), copy(pool), list(chunks),
                       page, eps, copy(carry), pooled))  # fmt: skip
-        return compress_chunks(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled)
+        return compress_chunks(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo)
 
     monkeypatch.setattr(prefill, "compress_chunks", spy)
     rng = np.random.default_rng(n_req)
