@@ -106,7 +106,9 @@ def record_step(model: Any, pools: Any, rec: Recorder, handles: Sequence[Any],
         if why is not None:
             return why
         out = plan.launches[-1].outputs
-        if len(out) != 1 or plan.addresses.get(out[0].buffer) != record.address(logits) \
+        # the logits' address read as the plan read it (by the address kernel on CUDA: DLPack would move the buffer
+        # into managed memory first, a new address)
+        if len(out) != 1 or plan.addresses.get(out[0].buffer) != record.addresses([logits])[0] \
                 or out[0].nbytes != logits.nbytes:  # fmt: skip
             return "the step's logits are not its last launch's output"
         return plan, [record.detached(rec.launches[i]) for i in plan.kept], out[0].buffer, np.array(logits)
