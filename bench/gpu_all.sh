@@ -118,14 +118,16 @@ for part in ${PART:-tests}; do
     profile)   # where the engine thread's time goes while serving: DSV4_ENGINE_PROFILE (cProfile of the serving loop,
                # each iteration of 50 ms or more logged with its phases and counters) at 1 and 8 streams, graphs
                # ${GRAPHS:-on} (full depth; GRAPHS="on overlap off": each, one server after the other; overlap:
-               # on with DSV4_GRAPH_OVERLAP=1); then the slow iterations and the top functions
+               # on with DSV4_GRAPH_OVERLAP=1); then the slow iterations and the top functions; SERVER_EXTRA: more
+               # server flags (e.g. "--max-rows 4": 4 row counts' graphs, a shorter cold start)
                arms=(${GRAPHS:-on}); left=${#arms[@]}
                for g in "${arms[@]}"; do  # each later arm keeps 110 s (a restart over the kernel caches + its cells)
                  left=$((left - 1)) mode=$g env=()  # overlap: graphs on, DSV4_GRAPH_OVERLAP=1
                  [ $g = overlap ] && { mode=on; env=(DSV4_GRAPH_OVERLAP=1); }
                  env "${env[@]}" DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $((${BUDGET:-590} - SECONDS - 110 * left)) \
                    python3 bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 \
-                   --server-args "$flash --decode-graphs $mode" --out "$OUT/serve_prof_$g.json" 2>&1 | grep -v Warn | tail -9
+                   --server-args "$flash --decode-graphs $mode ${SERVER_EXTRA:-}" --out "$OUT/serve_prof_$g.json" 2>&1 \
+                   | grep -v Warn | tail -9
                  echo "slow iterations: $(grep -c 'slow iteration' "$OUT/serve_prof_$g.log")"
                  grep 'slow iteration' "$OUT/serve_prof_$g.log" | sed 's/.*slow iteration/slow/' > "$OUT/slow_$g.txt"
                  head -${SLOW_LINES:-12} "$OUT/slow_$g.txt" | cut -c1-230
