@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,12 +30,23 @@ DUMP = ("import json, sys; sys.path.insert(0, '.')\n"
 
 
 def units_at(tree: Path) -> dict[str, str]:
-    r = subprocess.run([sys.executable, "-c", DUMP], cwd=tree, capture_output=True, text=True, check=True)
+    """tree's kernel units: its `dsv4_serve.kernels` imported from tree (a shim package on PYTHONPATH, ahead of
+    the editable install's finder, which maps the name to the working tree)."""
+    env = dict(os.environ)
+    if tree != ROOT:
+        shim = tree / "_shim" / "dsv4_serve"
+        shim.mkdir(parents=True, exist_ok=True)
+        (shim / "__init__.py").write_text("")
+        for sub in ("kernels", "model", "service"):
+            if (tree / sub).is_dir() and not (shim / sub).exists():
+                (shim / sub).symlink_to(tree / sub)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree / "_shim"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", DUMP], cwd=tree, capture_output=True, text=True, check=True, env=env)
     return json.loads(r.stdout)
 
 
 def checkout(rev: str, into: Path) -> Path:
-    paths = ["kernels", "bench", "tools"]  # tools/ holds nvcc_check.py since the move; older revisions lack it
+    paths = ["kernels", "model", "bench", "tools"]  # tools/ holds nvcc_check.py since the move; older revisions lack it
     if subprocess.run(["git", "cat-file", "-e", f"{rev}:tools"], cwd=ROOT, capture_output=True).returncode:
         paths.remove("tools")
     blob = subprocess.run(["git", "archive", rev, *paths], cwd=ROOT, capture_output=True, check=True)
