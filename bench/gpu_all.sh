@@ -145,7 +145,7 @@ for part in ${PART:-tests}; do
                  --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices \
                  --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
     restart)   # a graph server restarted over the caches a first one filled (run after PART=profile or graphhttp): the
-               # intermediates' addresses read by DLPack, then by the kernel (DSV4_GRAPH_ADDRESSES): ready time and the
+               # intermediates' addresses read by DLPack, then by the kernel (DSV4_GRAPH_ADDRESSES, opt-in): ready time and the
                # graphs' recording, one short cell each; the address kernel's gpu test; prefill's 32-token forwards
                timeout 60 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_address.py \
                  2>&1 | tail -3
