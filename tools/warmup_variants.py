@@ -17,7 +17,8 @@ without the warm-up's short forward. 2026-12-07, 468f5df (a forward's compressor
 all its requests): the same, 54 and none. Again with a short context's CSA picks made on the host (`every_visible`;
 the warm-up's long prompt scored through `prefill_indexer.scored()`, as a long context is): 54 and none, a
 2,100-token prompt (past the picks' top-k: scored) included; without `scored()` that prompt adds the indexer scores'
-tile GEMM (`dsv4_tiles_mm`, an NVRTC build in its request's path).
+tile GEMM (`dsv4_tiles_mm`, an NVRTC build in its request's path). With the skinny kernels' 8-row groups (a short
+prompt's 9..64 rows in one launch: their own variants, template GR): the warm-up notes 65, and the same shapes none.
 """
 
 from __future__ import annotations
