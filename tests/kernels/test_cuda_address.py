@@ -14,6 +14,12 @@ from dsv4_serve.kernels.graph.record import address, addresses
 NEEDS_GPU = pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
 
 
+NAMES = ["base", "base[2:]", "base[3]", "base[1:4]", "reshape", "base[:, :4]", "transpose", "base[2:3]",
+         "dims of one", "bf16", "bf16[5:9]", "bf16.T", "u8", "u8[17:]", "i32", "broadcast", "scalar",
+         "reshape[:, 8:]", "empty"]  # fmt: skip
+STRIDED = {"base[:, :4]", "transpose", "bf16.T", "broadcast", "empty"}  # None from both readers
+
+
 def cases() -> list[mx.array]:
     base = mx.arange(6 * 8 * 5, dtype=mx.float32).reshape(6, 8, 5) + 0
     bf = (mx.arange(64 * 3, dtype=mx.float32).reshape(64, 3) + 0).astype(mx.bfloat16)
@@ -30,24 +36,41 @@ def test_addresses_on_the_cpu_are_dlpack_reads() -> None:  # the planner's path 
     arrays = cases()
     mx.eval(arrays)
     if backend.cuda_available():
-        pytest.skip("on CUDA: the kernel's test below")
+        pytest.skip("on CUDA: the kernel's tests below")
     assert addresses(arrays) == [address(a) for a in arrays]
+
+
+def _read(arrays: list[mx.array]) -> list[int | None]:
+    from dsv4_serve.kernels.cuda.address import read
+
+    return read(arrays)
 
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_kernel_addresses_equal_dlpack_and_move_nothing() -> None:
-    from dsv4_serve.kernels.cuda.address import read
-
+def test_kernel_reads_offsets_and_moves_nothing() -> None:
+    """Views at an offset read their buffer's start plus the offset; a second read gives the same (nothing moved)."""
     arrays = cases()
     mx.eval(arrays)
-    before = read(arrays)  # device addresses: nothing exported yet
-    again = read(arrays)
-    assert before == again  # a read moved no buffer
+    before = _read(arrays)  # device addresses: nothing exported yet
     base = before[0]
-    assert base is not None and before[1] == base + 2 * 8 * 5 * 4 and before[2] == base + 3 * 8 * 5 * 4
-    assert before[5] is None and before[6] is None and before[11] is None and before[15] is None
-    assert before[-1] is None  # empty
-    dl = [address(a) for a in arrays]  # DLPack: each buffer moved into managed memory; then both read the same
-    assert read(arrays) == dl
-    assert [x is None for x in before] == [x is None for x in dl]
+    assert base is not None
+    assert before[1] == base + 2 * 8 * 5 * 4, "base[2:]"
+    assert before[2] == base + 3 * 8 * 5 * 4, "base[3]"
+    assert before[17] == base + 8 * 4, "reshape[:, 8:]"
+    assert _read(arrays) == before  # a read moved no buffer
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("i", range(len(NAMES)), ids=NAMES)
+def test_kernel_read_equals_dlpack_read(i: int) -> None:
+    """Case by case: None where DLPack sees a strided (or empty) array, else the address DLPack reads once the
+    buffer is exported (DLPack moves it into managed memory; the kernel then reads the new place)."""
+    arrays = cases()
+    mx.eval(arrays)
+    first = _read([arrays[i]])[0]
+    assert (first is None) == (NAMES[i] in STRIDED), f"{NAMES[i]}: kernel read {first}"
+    dl = address(arrays[i])
+    assert (dl is None) == (NAMES[i] in STRIDED), f"{NAMES[i]}: DLPack read {dl}"
+    assert _read([arrays[i]])[0] == dl, f"{NAMES[i]}: kernel {_read([arrays[i]])[0]} vs DLPack {dl}"
