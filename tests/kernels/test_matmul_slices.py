@@ -63,11 +63,11 @@ def close(got: mx.array, want: mx.array) -> None:
     np.testing.assert_allclose(np.array(got, np.float32), np.array(want, np.float32), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [9, 13, 64])
-def test_products_run_in_8_row_slices(stand_ins, rows: int) -> None:
+def products(x: mx.array) -> None:
+    """Every dense product of x through kernels.matmul, each against the plain product of all its rows."""
     q1, s1, _ = mxfp((48, 64), 8)
     q2, s2, _ = mxfp((40, 64), 8)
-    x = mx.random.normal((rows, 64))
+    q3, s3, _ = mxfp((48, 64), 8)
     wb1, wb2 = (mx.random.normal((24, 64)).astype(mx.bfloat16) for _ in range(2))
     close(km.qlinear_rows(x, q1, s1), km.qlinear_rows_reference(x, q1, s1))
     close(km.f32_linear_rows(x, wb1), km.f32_linear_rows_reference(x, wb1))
@@ -77,11 +77,18 @@ def test_products_run_in_8_row_slices(stand_ins, rows: int) -> None:
     for got, want in zip(km.f32_linear_pair_rows(x, wb1, wb2), km.f32_linear_pair_rows_reference(x, wb1, wb2),
                          strict=True):  # fmt: skip
         close(got, want)
-    q3, s3, _ = mxfp((48, 64), 8)
     close(km.swiglu_rows(x, q1, s1, q3, s3, limit=2.0), km.swiglu_rows_reference(x, q1, s1, q3, s3, limit=2.0))
+
+
+DENSE = ("qlinear_rows", "f32_linear_rows", "qlinear_cat_rows", "f32_linear_pair_rows", "swiglu_rows")
+
+
+@pytest.mark.parametrize("rows", [9, 13, 64])
+def test_products_run_in_8_row_slices(stand_ins, rows: int) -> None:
+    products(mx.random.normal((rows, 64)))
     per_op = {op: [n for o, n in stand_ins if o == op] for op in REFS}
     want = [8] * (rows // 8) + ([rows % 8] if rows % 8 else [])
-    for op in ("qlinear_rows", "f32_linear_rows", "qlinear_cat_rows", "f32_linear_pair_rows", "swiglu_rows"):
+    for op in DENSE:
         assert per_op[op] == want, op
 
 
@@ -109,26 +116,6 @@ def test_routed_experts_of_a_short_prompt_run_in_slices(stand_ins) -> None:
     close(got, want)
     assert [n for o, n in stand_ins if o == "experts_gate_up_rows"] == [8, 8, 5]
     assert [n for o, n in stand_ins if o == "experts_down_rows"] == [8, 8, 5]
-
-
-def products(x: mx.array) -> None:
-    """Every dense product of x through kernels.matmul, each against the plain product of all its rows."""
-    q1, s1, _ = mxfp((48, 64), 8)
-    q2, s2, _ = mxfp((40, 64), 8)
-    q3, s3, _ = mxfp((48, 64), 8)
-    wb1, wb2 = (mx.random.normal((24, 64)).astype(mx.bfloat16) for _ in range(2))
-    close(km.qlinear_rows(x, q1, s1), km.qlinear_rows_reference(x, q1, s1))
-    close(km.f32_linear_rows(x, wb1), km.f32_linear_rows_reference(x, wb1))
-    for got, want in zip(km.qlinear_cat_rows(x, q1, s1, q2, s2), km.qlinear_cat_rows_reference(x, q1, s1, q2, s2),
-                         strict=True):  # fmt: skip
-        close(got, want)
-    for got, want in zip(km.f32_linear_pair_rows(x, wb1, wb2), km.f32_linear_pair_rows_reference(x, wb1, wb2),
-                         strict=True):  # fmt: skip
-        close(got, want)
-    close(km.swiglu_rows(x, q1, s1, q3, s3, limit=2.0), km.swiglu_rows_reference(x, q1, s1, q3, s3, limit=2.0))
-
-
-DENSE = ("qlinear_rows", "f32_linear_rows", "qlinear_cat_rows", "f32_linear_pair_rows", "swiglu_rows")
 
 
 @pytest.mark.parametrize("rows", [9, 21, 64])
