@@ -6,6 +6,14 @@
   moves an array once into CUDA managed memory (so addresses are taken at load, never per step), prefetched
   to the GPU. The plan's arena and the staging buffer are cuda.core allocations that live with the graphs.
 - Graphs: a plan's launches captured once into a graph (a row count a graph), replayed with one launch.
+- The device's memory pool: MLX allocates with `cudaMallocAsync` from the device's default pool and frees into it,
+  counting on its release threshold of 0 (freed bytes go back to the driver at the next synchronization).
+  cuda.core's device memory resource raises that threshold to the maximum when it first allocates (its
+  DeviceMemoryResource: "to improve performance"), after which every byte MLX frees stays reserved in the pool,
+  the device copies of the weights and pools the DLPack exports moved into managed memory included (26 GB at
+  V4-Flash's depth): a graph server's device showed 0.00 GB free (H100, 2026-12-07, 304f0ca,
+  `PART=profile`), where the driver then evicts managed pages to the host. `release_pool` puts the threshold
+  back and trims what the pool holds unused; `allocate` calls it after each allocation.
 - Ordering with MLX: a replay waits for MLX's queued work (`mx.synchronize`) and MLX reads what a replay wrote
   only after `Runtime.wait` (the runtime's stream synchronized), so neither reads the other's half-written state.
 
@@ -82,6 +90,36 @@ def _fills(ln: RawLaunch, at: Sequence[int]) -> list[tuple[int, bytes, int]]:
     return out
 
 
+def release_pool(device_id: int) -> int:
+    """`Runtime.release_pool` for a device id; the pool's reserved bytes after the trim."""
+    from cuda.bindings import driver
+
+    attr = driver.CUmemPool_attribute
+    err, pool = driver.cuDeviceGetMemPool(driver.CUdevice(device_id))
+    _ok((err,), "cuDeviceGetMemPool")
+    _ok(driver.cuMemPoolSetAttribute(pool, attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(0)),
+        "cuMemPoolSetAttribute(RELEASE_THRESHOLD, 0)")  # fmt: skip
+    _ok(driver.cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo")
+    return pool_bytes(device_id)["reserved"]
+
+
+def pool_bytes(device_id: int = 0) -> dict[str, int]:
+    """The device's current memory pool: bytes reserved from the driver, bytes in use, and its release threshold."""
+    from cuda.bindings import driver
+
+    attr = driver.CUmemPool_attribute
+    err, pool = driver.cuDeviceGetMemPool(driver.CUdevice(device_id))
+    _ok((err,), "cuDeviceGetMemPool")
+    out = {}
+    for key, a in (("reserved", attr.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
+                   ("used", attr.CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+                   ("threshold", attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)):  # fmt: skip
+        err, v = driver.cuMemPoolGetAttribute(pool, a)
+        _ok((err,), f"cuMemPoolGetAttribute({key})")
+        out[key] = int(v)
+    return out
+
+
 class Runtime:
     def __init__(self, cache_dir: Path | None = None) -> None:
         from cuda.core import Device
@@ -136,7 +174,13 @@ class Runtime:
         """Device memory that lives as long as the runtime (the arena, the staging buffer); its address."""
         buf = self.device.allocate(max(nbytes, 1), stream=self.stream)
         self._buffers.append(buf)
+        self.release_pool()  # cuda.core's first allocation raised the shared pool's release threshold
         return int(buf.handle)
+
+    def release_pool(self) -> int:
+        """The device's current memory pool (MLX's and cuda.core's) back to a release threshold of 0, and what it
+        holds unused given back to the driver (`cuMemPoolTrimTo`): the bytes it then reserves."""
+        return release_pool(self.device.device_id)
 
     def prefetch(self, arrays: Sequence[mx.array]) -> None:
         """Managed pages of MLX arrays onto the GPU, so graphs read them at device bandwidth."""

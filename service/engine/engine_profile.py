@@ -16,7 +16,8 @@ log = logging.getLogger("dsv4.profile")
 
 
 def memory() -> dict[str, float]:
-    """MLX's active, cached and peak bytes and, on CUDA, the device's free bytes, in GB: a graph server's weights
+    """MLX's active, cached and peak bytes and, on CUDA, the device's free bytes and its memory pool's reserved
+    bytes, in GB: a graph server's weights
     and pool homes are managed memory, which the driver evicts to the host when device allocations need the room
     (docs/cuda_graphs.md#serving-at-full-depth)."""
     import mlx.core as mx
@@ -29,6 +30,9 @@ def memory() -> dict[str, float]:
         err, free, _total = runtime.cudaMemGetInfo()
         if int(err) == 0:
             out["free"] = free / 1e9
+        from dsv4_serve.kernels.graph.runtime import pool_bytes
+
+        out["pool"] = pool_bytes()["reserved"] / 1e9  # MLX's cudaMallocAsync pool: reserved, in use or not
     except Exception:  # no CUDA runtime bindings here (the CPU)
         pass
     return out

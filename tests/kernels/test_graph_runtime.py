@@ -123,6 +123,28 @@ GLUE_KERNELS = ("rope_tables0", "rope_tables4", "rope_tables128", "rms_rope_ring
                 "embed_streams", "hc_head")  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_bytes_mlx_frees_go_back_to_the_driver_after_a_runtime_allocates() -> None:
+    """cuda.core's first allocation raises the release threshold of the pool MLX allocates from; after the
+    runtime's allocation it is 0 again, and 1 GB that MLX frees leaves the pool at its next trim."""
+    from dsv4_serve.kernels.graph.runtime import Runtime, pool_bytes
+
+    rt = Runtime()
+    rt.allocate(1 << 20)
+    assert pool_bytes()["threshold"] == 0
+    big = mx.zeros((1 << 28,), mx.float32) + 1  # 1 GiB from MLX's cudaMallocAsync
+    mx.eval(big)
+    held = pool_bytes()["reserved"]
+    assert held >= 1 << 30
+    del big
+    mx.clear_cache()  # MLX's buffer cache frees into the pool
+    mx.synchronize()
+    left = rt.release_pool()
+    assert left <= held - (1 << 30), (held, left)
+
+
+
 @NEEDS_NVRTC
 @pytest.mark.parametrize("glue", [False, True], ids=["plain", "glue"])
 def test_every_step_kernel_builds_with_nvrtc(tmp_path: Path, glue: bool) -> None:
