@@ -32,7 +32,8 @@ def memory() -> dict[str, float]:
             out["free"] = free / 1e9
         from dsv4_serve.kernels.graph.runtime import pool_bytes
 
-        out["pool"] = pool_bytes()["reserved"] / 1e9  # MLX's cudaMallocAsync pool: reserved, in use or not
+        pool = pool_bytes()  # MLX's cudaMallocAsync pool (and cuda.core's): reserved from the driver, in use
+        out["pool"], out["pool_used"] = pool["reserved"] / 1e9, pool["used"] / 1e9
     except Exception:  # no CUDA runtime bindings here (the CPU)
         pass
     return out

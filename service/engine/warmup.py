@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from dsv4_serve.model.prefill_indexer import scored
+from dsv4_serve.service.engine.engine_profile import memory
 
 log = logging.getLogger("dsv4.engine")
 
@@ -80,6 +81,7 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
         precompile_model(eng.args, eng.model.dtype, eng.pools.page_size,
                          inplace_compressor=attention.INPLACE_COMPRESSOR)  # fmt: skip
     phases = {"kernels": time.perf_counter() - t0}  # where a start's warm-up goes (the log line below)
+    mem = {"start": memory()}  # and the memory after each phase (GB: MLX's, the device's free, its pool's)
     handles = [eng.admit(2) for _ in range(eng.max_rows)]
     widths: list[float] = []  # each batch size's first step: the first one also loads what MLX built before
     built: list[float] = []  # of which the host's build of the lazy step (tracing the compiled segments)
@@ -95,6 +97,7 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
         for h in handles:
             eng.release(h)
     phases["steps"] = time.perf_counter() - t0 - sum(phases.values())
+    mem["steps"] = memory()
     # One prompt through the parallel prefill, long enough that every compressor emits: on a GPU,
     # MLX JIT-compiles each kernel of a path on its first use (~15 s for the tiny model's prefill
     # on a fresh H200), which would otherwise land on the first request's time to first token.
@@ -122,11 +125,15 @@ def warm_up(eng: Any) -> None:  # the Engine (not imported: engine.py imports th
             for h in pair:
                 eng.release(h)
     phases["prefill"] = time.perf_counter() - t0 - sum(phases.values())
+    mem["prefill"] = memory()
     if eng.graphs is not None:
         eng.graphs.capture()
         phases["graphs"] = time.perf_counter() - t0 - sum(phases.values())
+        mem["graphs"] = memory()
     if getattr(eng, "kernel_noter", None) is not None:
         fill_kernel_cache(eng.kernel_noter)
     log.info("warm-up took %.2f s (%s; the steps by batch size: %s s, of which building them: %s s)",
              time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
              " ".join(f"{w:.2f}" for w in widths), " ".join(f"{b:.2f}" for b in built))  # fmt: skip
+    log.info("warm-up memory, GB after each phase: %s", "; ".join(
+        f"{k}: " + " ".join(f"{n} {v:.2f}" for n, v in m.items()) for k, m in mem.items()))  # fmt: skip
