@@ -67,6 +67,28 @@ class DecodeGraphs:
         self.engine, self.rec, self.mode, self.cache_dir = engine, recorder, mode, cache_dir
         self.graphs: Any = None  # model.graph_step.GraphStep once captured
         self.fallbacks: Counter[str] = Counter()
+        self.place()
+
+    def place(self) -> None:
+        """The weights, state pools and RoPE tables into managed memory before the warm-up allocates anything
+        (kernels/graph/runtime.py `to_managed`: the graphs read them there, and moved now the device pool gives
+        their device copies back whole)."""
+        import time
+
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from dsv4_serve.kernels.graph.runtime import to_managed
+        from dsv4_serve.model.graph_record import pool_arrays
+
+        model = self.engine.model
+        arrays = [a for _, a in tree_flatten(model.parameters()) if isinstance(a, mx.array)]
+        arrays += [*pool_arrays(self.engine.pools).values(), *model._freqs.values()]
+        t0 = time.perf_counter()
+        reserved = to_managed(arrays)
+        gb = sum(a.nbytes for a in arrays) / 1e9
+        log.info("decode graphs: %d arrays (%.2f GB) in managed memory in %.2f s; the device pool keeps %.2f GB",
+                 len(arrays), gb, time.perf_counter() - t0, reserved / 1e9)  # fmt: skip
 
     def capture(self) -> None:
         """A graph for each row count 1..max_rows over scratch rows (admitted, then released)."""

@@ -145,6 +145,30 @@ def test_bytes_mlx_frees_go_back_to_the_driver_after_a_runtime_allocates() -> No
 
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_arrays_moved_to_managed_memory_give_their_device_bytes_back() -> None:
+    """`to_managed`: each array's buffer is managed memory after it, its values unchanged, and the device pool
+    no longer reserves the bytes it held for them (which a trim must give back: the pool keeps freed bytes)."""
+    from cuda.bindings import driver
+
+    from dsv4_serve.kernels.graph.runtime import mlx_address, pool_bytes, to_managed
+
+    arrays = [mx.random.normal((1 << 26,)) for _ in range(4)]  # 4 x 256 MiB in the device pool
+    mx.eval(arrays)
+    want = [float(mx.sum(a)) for a in arrays]
+    before = pool_bytes()["reserved"]
+    assert before >= 4 << 28
+    after = to_managed(arrays)
+    assert after <= before - (4 << 28), (before, after)
+    attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED
+    for a, w in zip(arrays, want, strict=True):
+        err, managed = driver.cuPointerGetAttribute(attr, mlx_address(a))
+        assert err == driver.CUresult.CUDA_SUCCESS and managed
+        assert float(mx.sum(a)) == w
+
+
+
 @NEEDS_NVRTC
 @pytest.mark.parametrize("glue", [False, True], ids=["plain", "glue"])
 def test_every_step_kernel_builds_with_nvrtc(tmp_path: Path, glue: bool) -> None:
