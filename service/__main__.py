@@ -173,6 +173,12 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     ctl = app.state.ctl
     ctl.on_fatal = lambda: setattr(server, "should_exit", True)  # an engine that cannot serve ends the process
     server.run(sockets=[sock] if sock is not None else None)
+    if getattr(ctl.worker, "starting", False):
+        # stopped while the engine thread still loads or warms up (MLX, NVRTC): the interpreter's finalization under
+        # a running native thread ends in std::terminate (exit 134), so the process ends here, as asked
+        print("dsv4-serve: stopped during start-up", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     if ctl.failure is not None:
         from dsv4_serve.service.api.controller import describe_failure
 

@@ -206,26 +206,7 @@ class Noter:
                 log.warning("kernel cache: %s not written: %s", func, (str(e).splitlines() or [""])[0][:200])
                 return False
 
-        # Daemon threads, not a ThreadPoolExecutor: the interpreter's exit joins an executor's workers after they
-        # have run every queued build (a graph server's 37 builds kept it from exiting 30 s after SIGTERM, H100,
-        # 2026-12-07); a daemon thread stops with the process, and an entry is written whole or not at all.
-        queue = list(todo)
-        done: list[bool] = []
-
-        def work() -> None:
-            while True:
-                with self.lock:
-                    if not queue:
-                        return
-                    item = queue.pop()
-                ok = one(item)
-                with self.lock:
-                    done.append(ok)
-
-        n = max(1, min(len(todo), workers or (os.cpu_count() or 2) // 2))
-        threads = [threading.Thread(target=work, name=f"dsv4-kernel-cache-{i}", daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # daemon threads (nvrtc.daemon_map): an executor's workers kept a graph server from exiting 30 s after
+        # SIGTERM while it built 37 entries (H100, 2026-12-07); an entry is written whole or not at all
+        done = nvrtc.daemon_map(one, todo, workers or max(1, (os.cpu_count() or 2) // 2))
         return sum(done), len(done) - sum(done)

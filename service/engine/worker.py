@@ -140,6 +140,11 @@ class EngineWorker(EngineThread):
     def ready(self) -> bool:
         return self._ready.is_set() and self._accepting
 
+    @property
+    def starting(self) -> bool:
+        """The engine thread is still loading or warming up."""
+        return self._thread is not None and self._thread.is_alive() and not self._started.is_set()
+
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for start-up to end; True if the engine is serving."""
         await asyncio.to_thread(self._started.wait, timeout)
@@ -153,12 +158,19 @@ class EngineWorker(EngineThread):
     async def drain(self, timeout: float) -> None:
         """Stop accepting; let accepted requests run up to `timeout` s, abort the rest, stop."""
         self._begin_stop(time.monotonic() + timeout)
+        if self.starting:
+            # still loading or warming up: nothing accepted to finish, and the warm-up (minutes on a cold GPU
+            # start) reads no inbox; the thread is a daemon and ends with the process
+            log.info("stopped during start-up: not waiting for the warm-up")
+            return
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout + 30.0)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything at once and stop the thread (blocking)."""
         self._begin_stop(time.monotonic())
+        if self.starting:  # a warm-up reads no inbox (drain): the daemon thread ends with the process
+            return
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

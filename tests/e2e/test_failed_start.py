@@ -76,3 +76,39 @@ def test_decode_graphs_on_without_cuda_exits_nonzero(start_server: type[Server],
     assert rc == 1, err
     assert _last_line(err) == ("dsv4-serve: the engine cannot serve: ValueError: --decode-graphs on: MLX's default "
                                "device is not a CUDA GPU")  # fmt: skip
+
+
+def test_sigterm_during_start_up_exits_at_once(start_server: type[Server], tmp_path: Path) -> None:
+    """A server stopped while its engine still loads (a cold GPU start warms up for minutes) ends within seconds,
+    exit 0: the drain has nothing accepted to wait for, and a running warm-up is not waited for (it was: the drain's
+    timeout + 30 s, then an abort in the interpreter's exit under the running native thread)."""
+    start_server  # noqa: B018
+    import httpx
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    # V4-Flash's dummy weights take minutes to draw on a CPU: the engine is still loading when the signal comes
+    cmd = [*server_command(), "serve", "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
+           "--model", "flash", "--layers", "1", "--experts", "8"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + EXIT_WITHIN_S
+        while time.monotonic() < deadline:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server never answered")
+        assert ready.status_code == 503  # still loading
+        t0 = time.monotonic()
+        proc.terminate()
+        _, err = proc.communicate(timeout=EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and time.monotonic() - t0 < 10, (proc.returncode, err[-2000:])
+    assert "dsv4-serve: stopped during start-up" in err

@@ -441,3 +441,32 @@ def test_default_prefill_chunk_is_the_models() -> None:
     from dsv4_serve.service.engine.worker import DEFAULT_PREFILL_CHUNK
 
     assert DEFAULT_PREFILL_CHUNK == PREFILL_CHUNK
+
+
+def test_drain_during_start_up_returns_at_once(tiny) -> None:
+    """SIGTERM while the engine still loads or warms up (minutes on a cold GPU): the warm-up reads no inbox, so the
+    drain does not wait for it (it waited timeout + 30 s and then logged a failure)."""
+    loading = threading.Event()
+    release = threading.Event()
+
+    def slow_start():
+        loading.set()
+        release.wait(30)  # the warm-up, still running
+        return make_engine(tiny), None
+
+    w = EngineWorker(slow_start)
+    w.start()
+
+    async def main() -> float:
+        await asyncio.to_thread(loading.wait, 10)
+        t0 = asyncio.get_running_loop().time()
+        await w.drain(5.0)
+        return asyncio.get_running_loop().time() - t0
+
+    try:
+        dt = asyncio.run(main())
+        starting = w.starting
+    finally:
+        release.set()
+        w._thread.join(30)  # the engine it then builds reads the stop and ends
+    assert dt < 1.0 and starting and not w.ready
