@@ -111,7 +111,9 @@ class StateCopies:
         """A copy of the slot's fixed-size state (window ring, compressor windows), queued now: later writes to
         the slot (also in-place kernels') run after it on the same stream and leave it alone. Not waited for:
         a snapshot at the end of a prefill forward would otherwise hold the engine thread until the GPU is done."""
-        out = {name: c[k][slot] * 1 for name, c, k in self._slot_fields()}  # * 1: a new buffer, not a view
+        # an integer index is MLX's `take` with an index array, a gather into a buffer of its own (not a view: the
+        # H100 read such a row at its own address, tests/kernels/test_cuda_address.py), so no copy on top of it
+        out = {name: c[k][slot] for name, c, k in self._slot_fields()}
         mx.async_eval(list(out.values()))
         return out
 
