@@ -56,11 +56,20 @@
 #   PART=serve   bench/serve.py: the HTTP load test on the tiny model (with and without --no-pipeline)
 #   PART=dist    bench/distributed_step.py on 2 GPUs (kind nvidia-h200-x2)
 #
+#   A `.gpucache/` in the tree (carried: `python tools/prebuild_caches.py --experts 32 --graph-cache-dir
+#   .gpucache/cubins --mlx-cache-dir .gpucache/mlx`, ~51 MB for 8 row counts) fills both kernel caches first.
+#
 #   PART="step graph" bash bench/gpu_all.sh        (default PART: tests; writes JSON, PNG and logs under $OUT)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=/tmp/mlxsite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptxcache}
+if [ -d .gpucache ]; then  # kernel caches built on a CPU (tools/prebuild_caches.py), carried in: a cold start loads them
+  cubins=${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-serve/cubins; mkdir -p "$cubins" "$MLX_PTX_CACHE_DIR"
+  cp -n .gpucache/cubins/* "$cubins"/ 2>/dev/null; cp -n .gpucache/mlx/* "$MLX_PTX_CACHE_DIR"/ 2>/dev/null
+  echo "prebuilt caches: $(ls .gpucache/cubins | wc -l) cubins, $(ls .gpucache/mlx | wc -l) MLX cache files"
+fi
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 2
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 bench/common.py  # the code's provenance (the device's .git may be stale: match the source digest)
