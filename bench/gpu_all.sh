@@ -19,7 +19,8 @@
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
 #   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
 #   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
-#   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel; prefill at 32 tokens
+#   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
+#                store": the plans stored, then loaded); prefill at 32 tokens
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
 #   PART=graphab  bench/serve.py at 1 and 8 streams against --decode-graphs off, then on (cubins warm), one call
@@ -158,9 +159,12 @@ for part in ${PART:-tests}; do
                # graphs' recording, one short cell each; the address kernel's gpu test; prefill's 32-token forwards
                timeout 60 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_address.py \
                  2>&1 | tail -3
-               for mode in ${ADDRESS_MODES:-dlpack kernel}; do
-                 DSV4_GRAPH_ADDRESSES=$mode timeout 120 python3 bench/serve.py --concurrency 1 --output-len 64 \
-                   --prompts-per-concurrency 2 --server-args "$flash --decode-graphs on" \
+               # RESTART_ARMS: dlpack / kernel (the intermediates' addresses), store (DSV4_GRAPH_PLAN_CACHE=1: the
+               # first such arm records and stores the plans, a second loads them: "store store")
+               for mode in ${RESTART_ARMS:-${ADDRESS_MODES:-dlpack kernel}}; do
+                 a=$mode p=0; [ $mode = store ] && { a=dlpack; p=1; }
+                 DSV4_GRAPH_ADDRESSES=$a DSV4_GRAPH_PLAN_CACHE=$p timeout 120 python3 bench/serve.py --concurrency 1 \
+                   --output-len 64 --prompts-per-concurrency 2 --server-args "$flash --decode-graphs on ${SERVER_EXTRA:-}" \
                    --out "$OUT/restart_$mode.json" 2>&1 | grep -E "ready in|warm-up took|captured in|^ +1 " | cut -c1-330
                done
                timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8 --agree 0 \

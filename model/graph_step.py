@@ -41,6 +41,7 @@ from dsv4_serve.kernels.graph.plan import StepPlan
 from dsv4_serve.kernels.graph.record import RawLaunch, Recorder
 from dsv4_serve.kernels.graph.staging import Staging, step_values
 from dsv4_serve.kernels.rows import Row
+from dsv4_serve.model import graph_plan_store
 from dsv4_serve.model.graph_record import pool_arrays, record_step, set_pool
 
 log = logging.getLogger("dsv4.graph")
@@ -69,6 +70,8 @@ class GraphStep:
         self.dag = os.environ.get("DSV4_GRAPH_DAG", "0").strip() == "1" if dag is None else dag
         self.model, self.pools, self.rec = model, pools, recorder
         self.rt = Runtime(cache_dir)
+        self.plans = graph_plan_store.PlanStore(cache_dir / "plans") \
+            if cache_dir is not None and graph_plan_store.enabled() else None  # fmt: skip
         self.widths = {r: pools.table_width(r) for r in pools.ratios}
         self.graphs: dict[int, Graph] = {}
         self.reasons: dict[int, str] = {}  # rows -> why that row count keeps the MLX step
@@ -90,10 +93,16 @@ class GraphStep:
         largest plan, so they never grow (a buffer that grows leaves every graph captured before it to be captured
         again at its first replay: 44 ms each at 43 layers on the H100, on a first request's tokens); then each
         graph is captured and checked."""
-        t0, recorded = time.perf_counter(), {}
+        t0, recorded, stored = time.perf_counter(), {}, set()
         for n in range(len(handles), 0, -1):  # a step at position 0 gives the same logits whatever the state
             try:
-                recorded[n] = record_step(self.model, self.pools, self.rec, handles[:n], self.widths)
+                got = self._stored(handles[:n])
+                if got is not None:
+                    recorded[n] = got
+                    stored.add(n)
+                    self.stats["plans_loaded"] += 1
+                else:
+                    recorded[n] = self._record(handles[:n])
             except Exception as e:  # noqa: BLE001 - that row count keeps the MLX step, with the reason
                 log.exception("graph recording at %d rows failed", n)
                 recorded[n] = f"recording failed: {type(e).__name__}: {e}"
@@ -111,6 +120,13 @@ class GraphStep:
             t3 = time.perf_counter()
             try:
                 why = got if isinstance(got, str) else self._capture(handles[:n], got)
+                if why is not None and n in stored:  # a stored plan the check refused: dropped, recorded again
+                    log.warning("decode graph %d rows: the stored plan gave %s; recording it again", n, why)
+                    self.plans.drop(self._plan_key(n))  # type: ignore[union-attr]
+                    got = self._record(handles[:n])
+                    if not isinstance(got, str):
+                        self._grow(got[0])
+                    why = got if isinstance(got, str) else self._capture(handles[:n], got)
             except Exception as e:  # noqa: BLE001 - that row count keeps the MLX step, with the reason
                 log.exception("graph capture at %d rows failed", n)
                 why = f"capture failed: {type(e).__name__}: {e}"
@@ -123,9 +139,35 @@ class GraphStep:
         mx.synchronize()
         reserved = self.rt.release_pool()  # what the exports' moves freed, back to the driver (runtime.py)
         log.info("decode graphs: the device's memory pool holds %.2f GB after the capture", reserved / 1e9)
-        log.info("decode graphs: %d of %d row counts captured in %.2f s (recording %.2f s; NVRTC: %d kernels built "
-                 "in %.2f s, %d from the cubin cache)", len(self.graphs), len(handles), time.perf_counter() - t0,
-                 t1 - t0, built, t2 - t1, self.rt.cubins.hits)  # fmt: skip
+        log.info("decode graphs: %d of %d row counts captured in %.2f s (recording %.2f s, %d plans from the store; "
+                 "NVRTC: %d kernels built in %.2f s, %d from the cubin cache)", len(self.graphs), len(handles),
+                 time.perf_counter() - t0, t1 - t0, len(stored), built, t2 - t1, self.rt.cubins.hits)  # fmt: skip
+
+    def _plan_key(self, n: int) -> str:
+        return graph_plan_store.key(self.model, self.pools, n, self.widths)
+
+    def _record(self, handles: Sequence[Any]) -> tuple[StepPlan, list[RawLaunch], int, np.ndarray] | str:
+        """`record_step`, its plan stored for the next start (`DSV4_GRAPH_PLAN_CACHE=1`)."""
+        got = record_step(self.model, self.pools, self.rec, handles, self.widths)
+        if self.plans is not None and not isinstance(got, str):
+            self.plans.save(self._plan_key(len(handles)), got[0], got[1], got[2])
+        return got
+
+    def _stored(self, handles: Sequence[Any]) -> tuple[StepPlan, list[RawLaunch], int, np.ndarray] | None:
+        """The row count's plan from the store (model/graph_plan_store.py), its weights' and constants' addresses
+        read again and MLX's logits of the step it records, or None."""
+        if self.plans is None:
+            return None
+        got = self.plans.load(self._plan_key(len(handles)))
+        if got is None:
+            return None
+        plan, launches, logits_buffer = got
+        expected, named = graph_plan_store.expected_logits(self.model, self.pools, handles, self.widths)
+        why = graph_plan_store.resolve(plan, named)
+        if why is not None:
+            log.warning("decode graph %d rows: the stored plan does not fit (%s): recording it", len(handles), why)
+            return None
+        return plan, launches, logits_buffer, expected
 
     def _capture(self, handles: Sequence[Any], got: tuple[StepPlan, list[RawLaunch], int, np.ndarray]) -> str | None:
         n = len(handles)

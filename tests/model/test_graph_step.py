@@ -129,3 +129,33 @@ def test_the_engine_decodes_through_its_graphs(graphs_on, tmp_path) -> None:
         ta, tb = (int(t) for t in np.argmax(got, axis=-1))
     s = eng.graphs.stats()
     assert s["graph_replays"] == 8 and not s["graph_fallbacks"], s
+
+
+def test_a_restart_captures_from_stored_plans(graphs_on, tmp_path, monkeypatch) -> None:
+    """DSV4_GRAPH_PLAN_CACHE=1: a second capture over the same cache directory loads every row count's plan instead
+    of recording it (model/graph_plan_store.py), and its graphs replay MLX's step bit for bit."""
+    from bench.step import fill_state
+    from dsv4_serve.model.graph_step import GraphStep
+    from dsv4_serve.model.state import StatePools
+
+    monkeypatch.setenv("DSV4_GRAPH_PLAN_CACHE", "1")
+    model = _model()
+    pools = StatePools(model.args, max_slots=4, max_positions=1024, page_size=64, dtype=model.dtype)
+    handles = [pools.alloc(1024) for _ in range(3)]
+    fill_state(pools, 700)
+    first = GraphStep(model, pools, graphs_on, tmp_path)
+    first.capture(handles)
+    assert sorted(first.graphs) == [1, 2, 3] and first.stats["plans_loaded"] == 0
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 3
+    g = GraphStep(model, pools, graphs_on, tmp_path)
+    g.capture(handles)
+    assert sorted(g.graphs) == [1, 2, 3] and g.stats["plans_loaded"] == 3, g.reasons
+    pos, tokens = [517, 300, 655], [11, 22, 33]
+    batch = model.make_batch(pools, handles, pos)
+    snap = _snapshot(pools)
+    want = model.step(batch, mx.array(tokens, dtype=mx.int32), pools)
+    mx.eval(want, pools.arrays())
+    _restore(pools, snap)
+    g.touched()
+    got = g.replay(list(batch.rows), tokens)
+    assert got is not None and np.array_equal(np.array(got), np.array(want))
