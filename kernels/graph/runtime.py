@@ -7,13 +7,13 @@
   to the GPU. The plan's arena and the staging buffer are cuda.core allocations that live with the graphs.
 - Graphs: a plan's launches captured once into a graph (a row count a graph), replayed with one launch.
 - The device's memory pool: MLX allocates with `cudaMallocAsync` from the device's default pool and frees into it,
-  counting on its release threshold of 0 (freed bytes go back to the driver at the next synchronization).
-  cuda.core's device memory resource raises that threshold to the maximum when it first allocates (its
-  DeviceMemoryResource: "to improve performance"), after which every byte MLX frees stays reserved in the pool,
-  the device copies of the weights and pools the DLPack exports moved into managed memory included (26 GB at
-  V4-Flash's depth): a graph server's device showed 0.00 GB free (H100, 2026-12-07, 304f0ca,
-  `PART=profile`), where the driver then evicts managed pages to the host. `release_pool` puts the threshold
-  back and trims what the pool holds unused; `allocate` calls it after each allocation.
+  counting on its release threshold of 0 (freed bytes go back to the driver at the next synchronization). Two
+  things keep freed bytes there: cuda.core's device memory resource raises that threshold to the maximum when it
+  first allocates (its DeviceMemoryResource: "to improve performance"), which `release_pool` undoes after each
+  `allocate`; and a chunk the pool reserved stays reserved while any allocation lives in it, so the device copies
+  the DLPack exports free after the warm-up stay pinned by the warm-up's buffers around them (H100, 2026-12-07,
+  557134d: 44.12 GB reserved, 1.07 GB in use, 0.00 GB free, a trim gave nothing back): `to_managed` moves the
+  weights and pools before anything else is allocated, when a trim gives their chunks back whole.
 - Ordering with MLX: a replay waits for MLX's queued work (`mx.synchronize`) and MLX reads what a replay wrote
   only after `Runtime.wait` (the runtime's stream synchronized), so neither reads the other's half-written state.
 
