@@ -25,7 +25,9 @@ import numpy as np
 
 from dsv4_serve.kernels import matmul as kmatmul
 from dsv4_serve.kernels import prefill_attention
+from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.kernels.upload import upload
+from dsv4_serve.model import prefill_compress
 from dsv4_serve.model.attention import Attention
 from dsv4_serve.model.layers import rope_angles
 from dsv4_serve.model.mtp import prompt_ring
@@ -46,15 +48,18 @@ def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | 
     return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
 
 
-def _ring_rows(chunks: Sequence[Chunk], wl: int) -> tuple[mx.array, mx.array, slice | mx.array]:
+def _ring_rows(chunks: Sequence[Chunk], wl: int) -> tuple[mx.array, mx.array, slice | mx.array, mx.array]:
     """The window rings' write for every request (the last W positions of each chunk): their slots and ring rows,
-    and their rows of kv as a slice where they are one run (a request alone), else a gather's indices."""
+    their rows of kv as a slice where they are one run (a request alone), else a gather's indices, and the ring
+    rows as rows of the [slots * W, D] view (`write_rows`)."""
     tails = [range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0) for c in chunks]
-    slots = mx.array([c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail], dtype=mx.int32)
-    at = mx.array([p % wl for tail in tails for p in tail], dtype=mx.int32)
+    slot_ids = [c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail]
+    ring = [p % wl for tail in tails for p in tail]
+    slots, at = mx.array(slot_ids, dtype=mx.int32), mx.array(ring, dtype=mx.int32)
+    flat = mx.array([s * wl + p for s, p in zip(slot_ids, ring, strict=True)], dtype=mx.int32)
     rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
     run = rows == list(range(rows[0], rows[-1] + 1))
-    return slots, at, slice(rows[0], rows[-1] + 1) if run else mx.array(rows, dtype=mx.int32)
+    return slots, at, slice(rows[0], rows[-1] + 1) if run else mx.array(rows, dtype=mx.int32), flat
 
 
 def _tables(chunks: Sequence[Chunk], r: int, page: int) -> tuple[Any, ...]:
@@ -91,9 +96,10 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
     win = pools.window[layer]  # the rings as they were before the chunks (the write below makes a new array); each
     rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
-    # one scatter for every request's ring rows
-    slots, at, rows = _memo(memo, "ring", lambda: _ring_rows(chunks, wl))
-    pools.window[layer][slots, at] = kv[rows]
+    # one scatter for every request's ring rows (in place: after the attention, which reads the old ring)
+    slots, at, rows, flat = _memo(memo, "ring", lambda: _ring_rows(chunks, wl))
+    if not prefill_compress.STATE_INPLACE:
+        pools.window[layer][slots, at] = kv[rows]
     # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
     # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
     ns, table, t_offs, key_rows, k_offs = _memo(memo, ("tables", r), lambda: _tables(chunks, r, page))
@@ -128,6 +134,9 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
         tab = table[t_offs[i] : t_offs[i + 1]] if r else None
         outs.append(prefill_attention(qi, rings[i], kvi, c.start, pools.ckv[layer] if r else None, tab, ids,
                                       attn.attn_sink, scale=a.head_dim**-0.5, ratio=r or None))  # fmt: skip
+    if prefill_compress.STATE_INPLACE:
+        ring_kv = mx.depends([kv[rows]], outs)[0]  # queued after every read of the old ring
+        pools.window[layer] = commit(*write_rows(pools.window[layer], flat, ring_kv))
     return outs[0] if one else mx.concatenate(outs)
 
 

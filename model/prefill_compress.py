@@ -11,6 +11,7 @@ node costs ~20 us of host: a forward of 8 prompts of 32 tokens cost 5x one promp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,6 +20,13 @@ import numpy as np
 
 from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.model.attention import Compressor
+
+# DSV4_PREFILL_STATE_INPLACE=1: a forward's slot-state writes (the compressors' windows here, the window rings in
+# model/prefill.py) go through `write_rows`, in place on CUDA as the page pools' entries already are. Else each is
+# MLX's scatter, which copies the whole array: on a graph server every 32-token prefill moved all 167 slot arrays
+# and the next replay copied them home (a 5-11 ms refresh, H100, 2026-12-07). Off until its ordering (a write after
+# every read of the old rows) has run on a GPU (tests/model/test_cuda_prefill.py); the CPU's twin is the scatter.
+STATE_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "0").strip() == "1"
 
 
 class Chunk(NamedTuple):
@@ -69,8 +77,9 @@ def _indices(m: int, coff: int, n_state: int, chunks: Sequence[Chunk],
     n_req = len(chunks)
     plans = [_plan(m, coff, n_state, c, r, n_req, page) for r, c in enumerate(chunks)]
     ape, state, sel, dest, gidx = (np.concatenate(p) for p in zip(*plans, strict=True))
-    ix = mx.array(np.concatenate([ape, state, sel, dest, gidx]).astype(np.int32))
-    cut = np.cumsum([0, len(ape), len(state), len(sel), len(sel)]).tolist()
+    own = np.concatenate([c.slot * n_state + np.arange(n_state) for c in chunks])  # the slots' rows, in `state`'s order
+    ix = mx.array(np.concatenate([ape, state, sel, dest, own, gidx]).astype(np.int32))
+    cut = np.cumsum([0, len(ape), len(state), len(sel), len(sel), len(own)]).tolist()
     slots = slice(chunks[0].slot, chunks[0].slot + 1) if n_req == 1 else mx.array([c.slot for c in chunks], mx.int32)
     return ix, cut, slots
 
@@ -95,12 +104,12 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
             memo[key] = got
     ix, cut, slots = got
     n_ent = cut[3] - cut[2]
-    ape_rows, state_rows, sel_rows, dest_rows = (ix[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True))
+    ape_rows, state_rows, sel_rows, dest_rows, own_rows = (ix[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True))
     own_kv, own_s = kv_state[slots], score_state[slots]
     ext_kv = mx.concatenate([own_kv.reshape(n_req * n_state, -1), kv])
     ext_s = mx.concatenate([own_s.reshape(n_req * n_state, -1), score + comp.ape.astype(mx.float32)[ape_rows]])
     if n_ent:
-        g = ix[cut[4] :].reshape(n_ent, coff * m)
+        g = ix[cut[5] :].reshape(n_ent, coff * m)
         vals, gates = ext_kv.reshape(-1, d)[g], ext_s.reshape(-1, d)[g]  # [E, coff m, d]
         x = pooled(vals, gates, comp.norm.weight, cos[sel_rows], sin[sel_rows])
         pool, got = write_rows(pool, dest_rows, x, carry)
@@ -108,6 +117,10 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
             commit(pool, got)
         else:
             carry = got
-    kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)
-    score_state[slots] = ext_s[state_rows].reshape(n_req, n_state, -1)
+    if STATE_INPLACE:  # the rows written are made from the gathered old ones: the write runs after that read
+        kv_state = commit(*write_rows(kv_state, own_rows, ext_kv[state_rows].astype(kv_state.dtype)))
+        score_state = commit(*write_rows(score_state, own_rows, ext_s[state_rows].astype(score_state.dtype)))
+    else:
+        kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)
+        score_state[slots] = ext_s[state_rows].reshape(n_req, n_state, -1)
     return kv_state, score_state, pool, carry

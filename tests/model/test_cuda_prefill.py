@@ -66,3 +66,17 @@ def test_cuda_prefill_leaves_decodes_logits_and_state() -> None:
 
     args = flash_args(4, 8)
     compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[LEN], [100, 200], [37, 263]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
+def test_cuda_prefill_with_the_slot_rows_written_in_place(monkeypatch) -> None:
+    """DSV4_PREFILL_STATE_INPLACE: the rings' and compressors' slot rows written in place (`write_rows`); a second
+    chunk reads the ring the first left, so a ring written before the attention that reads the old one would
+    not agree here."""
+    from bench.step import flash_args, random_model
+    from dsv4_serve.model import prefill_compress
+
+    monkeypatch.setattr(prefill_compress, "STATE_INPLACE", True)
+    args = flash_args(4, 8)
+    compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[100, 200], [37, 263]])

@@ -149,3 +149,14 @@ def test_prefill_batch_rejects_bad_work(tiny) -> None:
         model.prefill_batch(pools, [(a, [1], 0), (b, [1] * 10, 10)])
     with pytest.raises(ValueError, match="slot .* twice"):
         model.prefill_batch(pools, [(a, [1, 2], 0), (a, [3], 2)])
+
+
+@pytest.mark.parametrize("chunk", [7, "budget"])
+def test_state_rows_written_by_write_rows_leave_the_same_state(tiny, serial, chunk, monkeypatch) -> None:
+    """DSV4_PREFILL_STATE_INPLACE: the rings' and the compressors' slot rows go through `write_rows` (in place on
+    CUDA; here its twin, MLX's scatter over the flat rows): the row ids it is given leave every request's state as
+    decoding does and the neighbour's untouched (the test above, with it on)."""
+    from dsv4_serve.model import prefill_compress
+
+    monkeypatch.setattr(prefill_compress, "STATE_INPLACE", True)
+    test_batched_prefill_leaves_the_state_of_decoding(tiny, serial, chunk)
