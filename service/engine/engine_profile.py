@@ -1,5 +1,8 @@
 """`DSV4_ENGINE_PROFILE=<dir>`: where the engine thread's serving time goes, for a measurement run. The serving loop
-(after /ready) runs under cProfile (this thread only: the event loop is `tools/serve_profile.py --profile`'s),
+(after /ready) runs under cProfile (this thread only up to Python 3.11; from 3.12, the GPU machine's, cProfile
+runs on PEP 669's monitoring, which sees every thread: the event loop's and the kernel-cache filler's functions then
+show beside the engine's, and a function's cumulative time can take in another thread's; the event loop alone is
+`tools/serve_profile.py --profile`'s),
 written to `<dir>/engine.pstats` when the thread ends, and every iteration of `SLOW_S` or more is logged with its
 phases (phases.py) and what the engine's counters did in it (the decode graphs' replays, refreshes, pool moves,
 recaptures; the prefill layers built) and the memory then (MLX's and the device's): which iterations are slow and
