@@ -38,13 +38,14 @@ def zero_weights() -> None:
     dummy._experts = experts
 
 
-def stand_in_recorder():  # noqa: ANN201 - kernels.graph.record.Recorder (imported after the stand-in)
-    """The recorder over stand-in kernels, installed before kernels.cuda makes its kernel objects; the backend picks
-    the fast ops and the glue kernels (the graph step's launches, as service/engine/graphs.prepare sets them); the
-    weights zeros. Call before building a model."""
+def stand_in_recorder(base=None):  # noqa: ANN001, ANN201 - kernels.graph.record.Recorder (imported after the stand-in)
+    """The recorder over stand-in kernels (or over `base`, a factory over them: tools/prebuild_caches.py's kernel
+    noter), installed before kernels.cuda makes its kernel objects; the backend picks the fast ops and the glue
+    kernels (the graph step's launches, as service/engine/graphs.prepare sets them); the weights zeros. Call before
+    building a model."""
     from dsv4_serve.kernels.graph.record import Recorder
 
-    rec = Recorder(stand_in)
+    rec = Recorder(base or stand_in)
     rec.install()
     import dsv4_serve.kernels.cuda  # noqa: F401  (registers the fast ops, their kernels through the recorder)
     from dsv4_serve.kernels import backend

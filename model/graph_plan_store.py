@@ -30,6 +30,8 @@ import numpy as np
 from dsv4_serve.kernels.graph import record
 from dsv4_serve.kernels.graph.plan import Buffer, Launch, Ref, StepPlan
 from dsv4_serve.kernels.graph.record import ArraySpec, KernelSource, RawLaunch
+from dsv4_serve.kernels.rows import Row
+from dsv4_serve.model.graph_record import fresh_batch, named_arrays, pool_arrays
 
 log = logging.getLogger("dsv4.graph")
 VERSION = 1
@@ -60,14 +62,8 @@ def key(model: Any, pools: Any, rows: int, widths: dict[int, int]) -> str:
     parts = [str(VERSION), sources_digest(), mx.__version__, repr(model.args), str(model.dtype), str(rows),
              repr(sorted(widths.items())), repr(pools.page_size), repr(pools.max_positions), repr(cuda.GRAPH_GLUE),
              repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("DSV4_"))),
-             repr([(k, tuple(a.shape), str(a.dtype)) for k, a in sorted(_pool_shapes(pools).items())])]  # fmt: skip
+             repr([(k, tuple(a.shape), str(a.dtype)) for k, a in sorted(pool_arrays(pools).items())])]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
-
-
-def _pool_shapes(pools: Any) -> dict[str, mx.array]:
-    from dsv4_serve.model.graph_record import pool_arrays
-
-    return pool_arrays(pools)
 
 
 # ---- encoding -----------------------------------------------------------------------------------------
@@ -197,9 +193,6 @@ def resolve(plan: StepPlan, named: dict[str, dict[str, mx.array]]) -> str | None
 def expected_logits(model: Any, pools: Any, handles: Sequence[Any], widths: dict[int, int]) -> tuple[np.ndarray, Any]:
     """An uncompiled MLX step of the handles' rows at position 0, as `record_step` runs it (its constants made):
     the logits the capture's replay must equal, and the step's named arrays."""
-    from dsv4_serve.kernels.rows import Row
-    from dsv4_serve.model.graph_record import fresh_batch, named_arrays
-
     n = len(handles)
     rows = [Row(slot=h.slot, position=0, q_row=i, tables=h.tables) for i, h in enumerate(handles)]
     mx.disable_compile()

@@ -45,16 +45,22 @@ def set_pool(pools: Any, label: str, a: mx.array) -> None:
         raise KeyError(f"set_pool: no state array {label!r}")
 
 
-def named_arrays(model: Any, pools: Any, batch: RowBatch, tokens: mx.array) -> dict[str, dict[str, mx.array]]:
-    """The persistent and step arrays by kind and name (the pools as they are now: call before the step)."""
+def persistent_arrays(model: Any, pools: Any) -> dict[str, dict[str, mx.array]]:
+    """The arrays a graph reads where MLX keeps them, by kind and name: the weights, the state pools (as they are
+    now) and the constants made so far (the RoPE frequencies, made at load, among them)."""
     from dsv4_serve.kernels.cuda import common
 
     weights = {k: v for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)}
     consts = {str(k): v for k, v in common._consts.items() if isinstance(v, mx.array)}
-    consts.update({f"freqs_{k}": f for k, f in model._freqs.items()})  # the RoPE frequencies, made at load
+    consts.update({f"freqs_{k}": f for k, f in model._freqs.items()})
+    return {"weight": weights, "pool": pool_arrays(pools), "const": consts}
+
+
+def named_arrays(model: Any, pools: Any, batch: RowBatch, tokens: mx.array) -> dict[str, dict[str, mx.array]]:
+    """The persistent and step arrays by kind and name (the pools as they are now: call before the step)."""
     step = {"tokens": tokens, "slots": batch.slots, "positions": batch.positions, "q_rows": batch.q_rows,
             **{f"table{r}": t for r, t in batch.tables.items()}}  # fmt: skip
-    return {"step": step, "weight": weights, "pool": pool_arrays(pools), "const": consts}
+    return {"step": step, **persistent_arrays(model, pools)}
 
 
 def fresh_batch(rows: Sequence[Row], page_size: int, widths: dict[int, int]) -> RowBatch:

@@ -37,24 +37,17 @@ def fake_cuda_with_graphs(graphs: bool) -> tuple[object, object]:
     """The server's kernel factories over stand-in kernels: the noter over them, the graphs' recorder over the
     noter (as `Engine` installs them), the fast ops and, with graphs, the glue kernels; CUDA as the kernels' Python
     sees it. (noter, recorder)."""
-    from bench.stand_in import stand_in, zero_weights
-    from dsv4_serve.kernels.cuda import mlx_cache
-    from dsv4_serve.kernels.graph.record import Recorder
+    from bench.stand_in import stand_in, stand_in_recorder
+    from dsv4_serve.kernels import backend
+    from dsv4_serve.kernels.cuda import mlx_cache, set_graph_glue
     from tools.warmup_variants import _NotCpu
 
     noter = mlx_cache.Noter()
     noter.install(stand_in)
-    rec = Recorder()
-    rec.install()  # over the noter: a recorded launch is noted too, as on the server
-    import dsv4_serve.kernels.cuda  # noqa: F401  (registers the fast ops, their kernels through both)
-    from dsv4_serve.kernels import backend
-    from dsv4_serve.kernels.cuda import set_graph_glue
-
-    backend._use_fast = lambda: True
+    rec = stand_in_recorder(noter.factory)  # over the noter: a recorded launch is noted too, as on the server
     backend.cuda_available = lambda: True
     mx.default_device = lambda: _NotCpu()  # Python's callers only: the model takes a GPU's dtypes
     set_graph_glue(graphs)
-    zero_weights()
     return noter, rec
 
 

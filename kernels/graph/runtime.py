@@ -115,7 +115,6 @@ def to_managed(arrays: Sequence[mx.array]) -> int:
     557134d, V4-Flash, 2 row counts) 43 GB the pool no longer used stayed reserved beside the 38 GB moved out of
     it, the device reported 0.00 GB free, and the first request's prefill took 21.6 s (~90 ms after), the
     managed pages evicted to the host and faulted back."""
-    from cuda.bindings import driver
     from cuda.core import Device
 
     for a in arrays:
@@ -125,14 +124,21 @@ def to_managed(arrays: Sequence[mx.array]) -> int:
     dev = Device()
     dev.set_current()
     reserved = release_pool(dev.device_id)
+    prefetch(arrays, dev.device_id, dev.create_stream())
+    return reserved
+
+
+def prefetch(arrays: Sequence[mx.array], device_id: int, stream: Any) -> None:
+    """Managed pages of MLX arrays onto the GPU (on a cuda.core `stream`, waited for), so graphs read them at
+    device bandwidth."""
+    from cuda.bindings import driver
+
     loc = driver.CUmemLocation()
     loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    loc.id = dev.device_id
-    stream = dev.create_stream()
+    loc.id = device_id
     for a in arrays:
         _ok(driver.cuMemPrefetchAsync(mlx_address(a), a.nbytes, loc, 0, stream.handle), "cuMemPrefetchAsync")
     stream.sync()
-    return reserved
 
 
 def pool_bytes(device_id: int = 0) -> dict[str, int]:
@@ -216,16 +222,7 @@ class Runtime:
 
     def prefetch(self, arrays: Sequence[mx.array]) -> None:
         """Managed pages of MLX arrays onto the GPU, so graphs read them at device bandwidth."""
-        from cuda.bindings import driver
-
-        loc = driver.CUmemLocation()
-        loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        loc.id = self.device.device_id
-        for a in arrays:
-            (err,) = driver.cuMemPrefetchAsync(mlx_address(a), a.nbytes, loc, 0, self.stream.handle)
-            if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemPrefetchAsync: {err}")
-        self.stream.sync()
+        prefetch(arrays, self.device.device_id, self.stream)
 
     def capture(self, launches: Sequence[RawLaunch], address: Mapping[int, int]) -> Any:
         """One graph of `launches`; `address[id(array)]`: the device address of every argument."""

@@ -70,20 +70,15 @@ class DecodeGraphs:
         self.place()
 
     def place(self) -> None:
-        """The weights, state pools and RoPE tables into managed memory before the warm-up allocates anything
-        (kernels/graph/runtime.py `to_managed`: the graphs read them there, and moved now the device pool gives
-        their device copies back whole)."""
+        """The weights, state pools and constants (the RoPE tables) into managed memory before the warm-up allocates
+        anything (kernels/graph/runtime.py `to_managed`: the graphs read them there, and moved now the device pool
+        gives their device copies back whole)."""
         import time
 
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-
         from dsv4_serve.kernels.graph.runtime import to_managed
-        from dsv4_serve.model.graph_record import pool_arrays
+        from dsv4_serve.model.graph_record import persistent_arrays
 
-        model = self.engine.model
-        arrays = [a for _, a in tree_flatten(model.parameters()) if isinstance(a, mx.array)]
-        arrays += [*pool_arrays(self.engine.pools).values(), *model._freqs.values()]
+        arrays = [a for kind in persistent_arrays(self.engine.model, self.engine.pools).values() for a in kind.values()]
         t0 = time.perf_counter()
         reserved = to_managed(arrays)
         gb = sum(a.nbytes for a in arrays) / 1e9
