@@ -136,9 +136,6 @@ class GraphStep:
                      time.perf_counter() - t3)  # fmt: skip
         scratch = [mx.zeros((16,), mx.uint8) + 0 for _ in range(2)]  # the copy home's kernel built now, not at the
         mx.eval(copy_into(*scratch))  # first request's refresh
-        mx.synchronize()
-        reserved = self.rt.release_pool()  # what the exports' moves freed, back to the driver (runtime.py)
-        log.info("decode graphs: the device's memory pool holds %.2f GB after the capture", reserved / 1e9)
         log.info("decode graphs: %d of %d row counts captured in %.2f s (recording %.2f s, %d plans from the store; "
                  "NVRTC: %d kernels built in %.2f s, %d from the cubin cache)", len(self.graphs), len(handles),
                  time.perf_counter() - t0, t1 - t0, len(stored), built, t2 - t1, self.rt.cubins.hits)  # fmt: skip

@@ -48,15 +48,16 @@ def _carry(parts: Sequence[np.ndarray], empty: bool = True) -> tuple[mx.array | 
     return (mx.array(np.concatenate(parts).astype(np.int32)) if offs[-1] or empty else None), offs
 
 
-def _ring_rows(chunks: Sequence[Chunk], wl: int) -> tuple[mx.array, mx.array, slice | mx.array, mx.array]:
+def _ring_rows(chunks: Sequence[Chunk], wl: int) -> tuple[mx.array, mx.array, slice | mx.array, mx.array | None]:
     """The window rings' write for every request (the last W positions of each chunk): their slots and ring rows,
     their rows of kv as a slice where they are one run (a request alone), else a gather's indices, and the ring
-    rows as rows of the [slots * W, D] view (`write_rows`)."""
+    rows as rows of the [slots * W, D] view where they are written in place (`write_rows`)."""
     tails = [range(max(c.start, c.b1 - c.b0 + c.start - wl), c.start + c.b1 - c.b0) for c in chunks]
     slot_ids = [c.slot for c, tail in zip(chunks, tails, strict=True) for _ in tail]
     ring = [p % wl for tail in tails for p in tail]
     slots, at = mx.array(slot_ids, dtype=mx.int32), mx.array(ring, dtype=mx.int32)
-    flat = mx.array([s * wl + p for s, p in zip(slot_ids, ring, strict=True)], dtype=mx.int32)
+    flat = mx.array([s * wl + p for s, p in zip(slot_ids, ring, strict=True)], dtype=mx.int32) \
+        if prefill_compress.STATE_INPLACE else None  # fmt: skip
     rows = [c.b0 + p - c.start for c, tail in zip(chunks, tails, strict=True) for p in tail]
     run = rows == list(range(rows[0], rows[-1] + 1))
     return slots, at, slice(rows[0], rows[-1] + 1) if run else mx.array(rows, dtype=mx.int32), flat
