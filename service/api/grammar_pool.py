@@ -4,7 +4,8 @@ interrupted: a 100-property schema takes ~16 s at DeepSeek-V4's 129K ids, and it
 shape, not its size) and that runs under an address-space and a CPU-time limit of its own. There are `workers`
 such processes; a key holds at most `per_key` of them at a time and waiting keys are served round robin
 (grammar_queue.FairSlots), so one key flooding compiles never starves another's (issue 63). A request waiting
-for a worker gives up after `timeout` (429).
+for a worker gives up after `timeout` (429). A compile already under way for the same key and grammar is
+joined, not queued again: eight requests sending one new schema wait for one compile, not for seven slots.
 
 The memo (compiled grammars, in an LRU bounded by their bytes, xgrammar's memory_size_bytes; and the grammars
 that timed out or ran out of memory, refused at once when sent again) is keyed by the API key's tenant id and
@@ -51,6 +52,7 @@ class GrammarPool:
         self._cached = 0  # bytes in _cache
         self._tenant_bytes: Counter[str] = Counter()
         self._slow: OrderedDict[str, None] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future[Any]] = {}  # digest -> the compile under way for it
         self._info: Any = None  # the tokenizer's xgrammar.TokenizerInfo
         self._thread = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         cfg = {"threads": _threads(workers), "memory": memory_bytes, "cpu": 2 * timeout * _threads(workers) + 5}
@@ -71,23 +73,49 @@ class GrammarPool:
         except ValueError as e:  # e.g. an integer of more digits than Python converts
             raise _bad(f"{source} cannot be enforced: {e}", source) from None
         key = hashlib.sha256(tenant.encode() + b"\0" + text.encode()).hexdigest()
-        if (hit := self._hit(key)) is not None:
-            return Guide(hit, source)
-        if key in self._slow:
-            raise self._too_slow(source)
+        while True:
+            if (hit := self._hit(key)) is not None:
+                return Guide(hit, source)
+            if key in self._slow:
+                raise self._too_slow(source)
+            if (under_way := self._inflight.get(key)) is None:
+                break
+            try:  # shielded: a follower leaving does not stop the compile others wait for
+                return Guide(await asyncio.shield(under_way), source)
+            except asyncio.CancelledError:
+                if not under_way.cancelled():  # this request was cancelled
+                    raise
+                # the request that compiled was cancelled (its compile killed): compile for this one
+        done = self._inflight[key] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, so an unwaited error is not logged
+        try:
+            compiled = await self._compile_once(tokenizer, vocab_size, eos_token_id, text, key, source, tenant)
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        except BaseException as e:
+            done.set_exception(e)
+            raise
+        else:
+            done.set_result(compiled)
+        finally:
+            del self._inflight[key]
+        return Guide(compiled, source)
+
+    async def _compile_once(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, text: str, key: str,
+                            source: str, tenant: str) -> Any:  # fmt: skip
+        """`text` compiled on a worker this key may use (429 when none comes free within the timeout), memoized."""
         try:
             w = await asyncio.wait_for(self._slots.acquire(tenant), self.timeout)
         except TimeoutError:
             raise APIError(429, f"Other grammars are compiling; {source} waited {self.timeout:g}s. Retry shortly",
                            code="grammar_busy", headers={"Retry-After": "1"}) from None  # fmt: skip
         try:
-            if (hit := self._hit(key)) is not None:  # this key compiled it while this one waited
-                return Guide(hit, source)
             compiled = await self._compile(self.workers[w], tokenizer, vocab_size, eos_token_id, text, key, source)
         finally:
             self._slots.release(tenant, w)
         self._store(key, tenant, compiled)
-        return Guide(compiled, source)
+        return compiled
 
     async def close(self) -> None:
         for w in self.workers:
