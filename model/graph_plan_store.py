@@ -9,7 +9,8 @@ everything the launches follow from (this package's kernel and model sources, ML
 the pools' shapes, the row count, the glue kernels and every `DSV4_*` variable), and `load` reads it back with those
 addresses found again by label in this process. What `load` returns still goes through the capture's check (the
 replayed logits equal an uncompiled MLX step's bit for bit); `GraphStep.capture` records that row count again if it
-does not. Opt-in (`DSV4_GRAPH_PLAN_CACHE=1`) until a GPU run has compared it with recording.
+does not. On by default (`DSV4_GRAPH_PLAN_CACHE=0` records every start): on an H100 (2026-12-07, 63becbe) a warm
+restart loaded all 8 row counts' plans, recording 2.20 s against 5.13 s, and served; its gpu test passed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ VERSION = 1
 
 
 def enabled() -> bool:
-    return os.environ.get("DSV4_GRAPH_PLAN_CACHE", "0").strip() == "1"
+    return os.environ.get("DSV4_GRAPH_PLAN_CACHE", "1").strip() != "0"
 
 
 @cache

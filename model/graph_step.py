@@ -144,7 +144,7 @@ class GraphStep:
         return graph_plan_store.key(self.model, self.pools, n, self.widths)
 
     def _record(self, handles: Sequence[Any]) -> tuple[StepPlan, list[RawLaunch], int, np.ndarray] | str:
-        """`record_step`, its plan stored for the next start (`DSV4_GRAPH_PLAN_CACHE=1`)."""
+        """`record_step`, its plan stored for the next start (unless `DSV4_GRAPH_PLAN_CACHE=0`)."""
         got = record_step(self.model, self.pools, self.rec, handles, self.widths)
         if self.plans is not None and not isinstance(got, str):
             self.plans.save(self._plan_key(len(handles)), got[0], got[1], got[2])

@@ -23,6 +23,7 @@ over MLX arrays, and its replay equals MLX's own launches bit for bit.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4_serve.kernels.graph import nvrtc
-from dsv4_serve.kernels.graph.codegen import entry, translation_unit
+from dsv4_serve.kernels.graph.codegen import entry, launch_unit
 from dsv4_serve.kernels.graph.cubin_cache import CubinCache
 from dsv4_serve.kernels.graph.record import RawLaunch
 
@@ -103,6 +104,12 @@ def release_pool(device_id: int) -> int:
     # bytes still in use (the gpu test failed so on one H100 of two), hence the whole device synchronized first
     _ok(driver.cuCtxSynchronize(), "cuCtxSynchronize")
     _ok(driver.cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo")
+    if os.environ.get("DSV4_POOL_KEEP", "0").strip() == "1":
+        # Trimmed now, then kept: with a threshold of 0 every synchronization gives the pool's free bytes back and
+        # MLX's next allocation past its own cache maps memory again (a suspect of the graph server's 2x slower
+        # prefill and MLX step against the same work without a runtime: opt-in until a GPU run has measured it)
+        _ok(driver.cuMemPoolSetAttribute(pool, attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1)),
+            "cuMemPoolSetAttribute(RELEASE_THRESHOLD, max)")  # fmt: skip
     return pool_bytes(device_id)["reserved"]
 
 
@@ -176,12 +183,17 @@ class Runtime:
         """Build every kernel of `launches` that is neither loaded nor in the cubin cache at once
         (`nvrtc.compile_many`); `kernel` then takes them. How many were built."""
         todo: dict[str, str] = {}
+        # Each unit's cache entry read and checked once: a step repeats a unit ~40 times, and reading it for every
+        # launch took ~2.3 s of a warm start (the H100's "0 kernels built in 2.28-2.96 s", 2026-12-07).
+        seen: set[str] = set()
         for ln in launches:
-            src = translation_unit(ln.kernel, ln.template, ln.inputs, [o.dtype for o in ln.outputs])
-            if src not in self._kernels and src not in self._built and src not in todo:
-                name = entry(ln.kernel)
-                if not self.cubins.has(src, name, self.arch):
-                    todo[src] = name
+            src = launch_unit(ln)
+            if src in seen or src in self._kernels or src in self._built:
+                continue
+            seen.add(src)
+            name = entry(ln.kernel)
+            if not self.cubins.has(src, name, self.arch):
+                todo[src] = name
         self._built.update(nvrtc.compile_many(todo, self.arch, workers))
         return len(todo)
 
@@ -192,7 +204,7 @@ class Runtime:
         from cuda.bindings import driver
         from cuda.core import ObjectCode
 
-        src = translation_unit(launch.kernel, launch.template, launch.inputs, [o.dtype for o in launch.outputs])
+        src = launch_unit(launch)
         k = self._kernels.get(src)
         if k is None:
             name = entry(launch.kernel)

@@ -132,8 +132,9 @@ def test_the_engine_decodes_through_its_graphs(graphs_on, tmp_path) -> None:
 
 
 def test_a_restart_captures_from_stored_plans(graphs_on, tmp_path, monkeypatch) -> None:
-    """DSV4_GRAPH_PLAN_CACHE=1: a second capture over the same cache directory loads every row count's plan instead
-    of recording it (model/graph_plan_store.py), and its graphs replay MLX's step bit for bit."""
+    """The stored plans (DSV4_GRAPH_PLAN_CACHE, on by default): a second capture over the same cache directory
+    loads every row count's plan instead of recording it (model/graph_plan_store.py), and its graphs replay MLX's
+    step bit for bit."""
     from bench.step import fill_state
     from dsv4_serve.model.graph_step import GraphStep
     from dsv4_serve.model.state import StatePools

@@ -1,0 +1,42 @@
+"""kernels/graph/codegen.launch_unit (the runtime's translation unit of a launch, made once per what decides it)
+on the CPU: for every launch of the V4-Flash step recorded at 2 rows and at 1 row (stand-in kernels, as
+tools/graph_plan.py records it), the unit `translation_unit` makes from the launch itself, so the cubin cache's
+keys are unchanged; the two row counts' launches, whose baked shapes differ, keep their own units."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json
+from bench.stand_in import flash_rows, stand_in_recorder
+rec = stand_in_recorder()
+from dsv4_serve.kernels.graph.codegen import launch_unit, translation_unit
+from dsv4_serve.model.graph_record import record_step
+model, pools, handles, widths = flash_rows()
+two = record_step(model, pools, rec, handles[:2], widths)[1]
+one = record_step(model, pools, rec, handles[:1], widths)[1]
+plain = lambda x: translation_unit(x.kernel, x.template, x.inputs, [o.dtype for o in x.outputs])
+units = [launch_unit(x) for x in two + one]
+print(json.dumps({"n": len(units), "equal": units == [plain(x) for x in two + one],
+                  "again": all(launch_unit(x) is u for x, u in zip(two + one, units)),
+                  "distinct": len(set(units)), "distinct_plain": len({plain(x) for x in two + one}),
+                  "shared": len({launch_unit(x) for x in two} & {launch_unit(x) for x in one}),
+                  "rows_apart": len({launch_unit(x) for x in two} ^ {launch_unit(x) for x in one})}))
+"""
+
+
+def test_a_launch_s_unit_is_its_translation_unit_made_once(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MLX_ENABLE_TF32": "0"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n"] > 40 and out["equal"] and out["again"]
+    assert out["distinct"] == out["distinct_plain"] < out["n"]  # one unit serves many launches
+    assert out["shared"] > 0 and out["rows_apart"] > 0  # kernels without baked row shapes are shared
