@@ -19,6 +19,7 @@
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
 #   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
 #   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
+#   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
 #                store": the plans stored, then loaded); prefill at 32 tokens
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
@@ -154,6 +155,18 @@ for part in ${PART:-tests}; do
                timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 \
                  --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices \
                  --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
+    poolkeep)  # one stream's TTFT against graph servers whose device pool gives its free bytes back at every
+               # synchronization (DSV4_POOL_KEEP=0, MLX's default) or keeps them (1), one server after the other (the
+               # first also stores the graphs' plans, the second loads them: its warm restart); then the MLX step beside
+               # the graph step with the pool kept (bench/step.py's MLX arm: 18.95 ms at 1 row with it given back)
+               for k in ${POOL_KEEP_ARMS:-0 1}; do
+                 DSV4_POOL_KEEP=$k timeout 200 python3 bench/serve.py --concurrency 1 --output-len 32 \
+                   --prompts-per-concurrency 8 --server-args "$flash --decode-graphs on" --out "$OUT/poolkeep_$k.json" \
+                   2>&1 | grep -E "ready in|concurrency 1|TTFT by" | cut -c1-330 | sed "s/^/keep $k: /"
+                 grep -E "managed memory in|captured in|warm-up took" "$OUT/poolkeep_$k.log" | cut -c1-260
+               done
+               DSV4_POOL_KEEP=1 timeout $((590 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 \
+                 --reps 10 --arms fast,graph --out "$OUT/poolkeep_step.json" 2>&1 | grep -v Warn | tail -5 ;;
     restart)   # a graph server restarted over the caches a first one filled (run after PART=profile or graphhttp): the
                # intermediates' addresses read by DLPack, then by the kernel (DSV4_GRAPH_ADDRESSES, opt-in): ready time and the
                # graphs' recording, one short cell each; the address kernel's gpu test; prefill's 32-token forwards
@@ -341,6 +354,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
