@@ -1,8 +1,10 @@
 """Serving load test with `vllm bench serve` semantics, against a dsv4-serve on 127.0.0.1.
 
 Fixed input/output lengths (random token ids), ignore_eos, temperature 0, streamed completions with
-usage; concurrency sweep (default 1, 2, 4, 8, 16) with warm-up requests at each concurrency and at
-least 10 x concurrency prompts per cell. TTFT = first chunk with non-empty choices - send time;
+usage; concurrency sweep (default 1, 2, 4, 8, 16) with warm-up requests at each concurrency (prompts of their
+own) and at least 10 x concurrency prompts per cell; each cell's requests carry a cache_salt of their own, so no
+measured prompt is a prefix-cache hit (up to 2026-12-07 the warm-ups were the first measured prompts, which made
+the first wave's TTFT a hit's, and the fixed prompts repeated across cells). TTFT = first chunk with non-empty choices - send time;
 ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
 A greedy correctness check rides along: a fixed subset of prompts must give identical outputs at
 concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given. Per cell
@@ -82,10 +84,12 @@ def start_server(port: int, extra: list[str], timeout: float = 120, python_args:
     raise RuntimeError(f"server not ready within {timeout} s")
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> dict:
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int,
+              salt: str | None = None) -> dict:  # fmt: skip
     body = {
         "model": model, "prompt": prompt, "max_tokens": out_len, "logprobs": None, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+        **({"cache_salt": salt} if salt else {}),
     }
     t0 = time.perf_counter()
     ttft, stamps, text, usage = None, [], [], None
@@ -116,11 +120,13 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
 
 
 async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, long_prompt=None,
-               long_delay=1.0, rate=math.inf, seed=0) -> tuple[dict, list[dict]]:  # fmt: skip
+               long_delay=1.0, rate=math.inf, seed=0, salt=None) -> tuple[dict, list[dict]]:  # fmt: skip
     """The cell's prompts at `concurrency`; with `long_prompt`, one more request of it (1 output token) sent
     `long_delay` s in, whose prefill the streams' ITL is then split by (`interference`). `rate` (requests/s, as
     vLLM's --request-rate): the prompts arrive as a Poisson process at that rate, each then waiting for a free
-    slot of `concurrency`; inf: all at once (the first `concurrency` are a burst)."""
+    slot of `concurrency`; inf: all at once (the first `concurrency` are a burst). `warmups`: prompts sent first,
+    not measured (their own, so no measured prompt is a prefix-cache hit of one); `salt`: every request's
+    cache_salt (a cell's own, so no prompt hits what an earlier cell cached)."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in prompts:
@@ -129,17 +135,17 @@ async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, l
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
-        await asyncio.gather(*(one(client, url, model, p, out_len) for p in prompts[:warmups]))
+        await asyncio.gather(*(one(client, url, model, p, out_len, salt) for p in warmups))
 
         async def guarded(p, at: float):
             await asyncio.sleep(at)
             async with sem:
-                return await one(client, url, model, p, out_len)
+                return await one(client, url, model, p, out_len, salt)
 
         async def long_request() -> tuple[float, float, dict]:
             await asyncio.sleep(long_delay)
             sent = time.perf_counter()
-            r = await one(client, url, model, long_prompt, 1)
+            r = await one(client, url, model, long_prompt, 1, salt)
             return sent, time.perf_counter(), r
 
         t0 = time.perf_counter()
@@ -240,12 +246,13 @@ def main() -> None:
         for c in (int(x) for x in opt.concurrency.split(",")):
             n = min(opt.max_prompts, max(opt.prompts_per_concurrency * c, c))
             prompts = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(n)]
+            warmups = [[rng.randrange(2, vocab_hi) for _ in range(opt.input_len)] for _ in range(min(c, 4))]
             fixed = [[(7 * i + 3 * j) % vocab_hi + 2 for j in range(opt.input_len)] for i in range(8)]
             before = scrape(url)
             long_prompt = [rng.randrange(2, vocab_hi) for _ in range(opt.long_prompt)] or None
             summary, results = asyncio.run(
-                cell(url, model, fixed + prompts, opt.output_len, c, min(c, 4), opt.time_limit, long_prompt,
-                     opt.long_delay, opt.request_rate, opt.seed)  # fmt: skip
+                cell(url, model, fixed + prompts, opt.output_len, c, warmups, opt.time_limit, long_prompt,
+                     opt.long_delay, opt.request_rate, opt.seed, salt=f"bench-serve-{opt.seed}-c{c}")  # fmt: skip
             )
             after = scrape(url)
             summary["engine_host_ms_per_step"] = host_ms_per_step(engine_host(before), engine_host(after))
