@@ -84,7 +84,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--decode-graphs", choices=("auto", "on", "off"),
         help="the decode step as replayed CUDA graphs, one per row count, captured at start-up: auto where MLX "
-        "runs on CUDA and the cuda extra is installed; on: a start-up error anywhere else; off (default): the MLX "
+        "runs on CUDA and the cuda extra is installed (default); on: a start-up error anywhere else; off: the MLX "
         "step  [DSV4_DECODE_GRAPHS]",
     )
     p.add_argument(

@@ -74,7 +74,7 @@ class Settings(BaseModel):
     # The decode step as replayed CUDA graphs (service/engine/graphs.py): auto where MLX runs on CUDA and the
     # `cuda` extra imports; on: anything else is a start-up error; off: the MLX step. Off by default: a full-depth
     # V4-Flash server with graphs on served ~10x slower than the MLX step on an H100 (2026-12-06, docs/cuda_graphs.md)
-    decode_graphs: Literal["auto", "on", "off"] = "off"
+    decode_graphs: Literal["auto", "on", "off"] = "auto"
     graph_cache_dir: str | None = None  # NVRTC's cubins on disk; None: $XDG_CACHE_HOME/dsv4-serve/cubins, "": none
     # The correctness canary (service/engine/canary.py): seconds between checks (0: off); a mismatch's action
     canary_interval: float = Field(300.0, ge=0)
