@@ -110,6 +110,9 @@ class Engine(PrefixOps):
         self._scoring: list[tuple[int, Sequence[int]] | None] = []
         self._scores: list[PendingPrompt | None] = []
         self.prefill_rows_layers = self.prefill_layers = 0  # prefill built so far (the pacer's measure: pacing.py)
+        # A prefill's host ms by part, cumulative (the engine profile's slow lines): its layers built and queued,
+        # the whole forward's evaluation waited for, the prefix cache's snapshot at the prompt's end.
+        self.prefill_ms = {"prefill_build_ms": 0.0, "prefill_eval_ms": 0.0, "prefill_snapshot_ms": 0.0}
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
             log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
@@ -263,10 +266,12 @@ class Engine(PrefixOps):
             self.graphs.touched(settle=False)  # type: ignore[union-attr]
         else:
             self.touched()
-        layers = fwd.built
+        layers, t0 = fwd.built, time.perf_counter()
         try:
             built = fwd.advance(slice_seconds, rows_layers or SLICE_ROWS_LAYERS, self.settle if overlap else None)
             self.settle()  # (a no-op unless nothing was queued)
+            t1 = time.perf_counter()
+            self.prefill_ms["prefill_build_ms"] += 1e3 * (t1 - t0)
             self.prefill_rows_layers += fwd.rows * (fwd.built - layers)
             self.prefill_layers += fwd.built - layers
             if built and fwd.out is not None:  # the scored chunks' rows (async_eval'd with the state)
@@ -274,6 +279,7 @@ class Engine(PrefixOps):
                                 for s, o in zip(self._scoring, fwd.out, strict=True)]  # fmt: skip
             if built:
                 (mx.eval if slice_seconds is None else mx.async_eval)(self.pools.arrays())
+                self.prefill_ms["prefill_eval_ms"] += 1e3 * (time.perf_counter() - t1)
         except BaseException:
             self.prefill_abandon()
             raise

@@ -62,6 +62,7 @@ class EngineProfile:
         out = {k: float(v) for k, v in getattr(graphs, "stats", {}).items()}
         out["prefill_layers"] = float(getattr(engine, "prefill_layers", 0))
         out["prefill_rows_layers"] = float(getattr(engine, "prefill_rows_layers", 0))
+        out.update(getattr(engine, "prefill_ms", {}))  # the prefill's host ms: built, evaluated, snapshotted
         return out
 
     def iteration(self, phases: dict[str, float] | None, engine: Any) -> str | None:

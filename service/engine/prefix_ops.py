@@ -5,6 +5,7 @@ thread and uses the Engine's `prefix_cache`, `touched`, `settle` and `release`."
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -60,11 +61,14 @@ class PrefixOps:
         cache = self.prefix_cache
         if cache is None or not fed:
             return
+        t0 = time.perf_counter()
         self.settle()
         if fed == len(prompt_ids) - 1:
             cache.store(handle, prompt_ids[:fed], ns=namespace)
         elif cache.interval and (fed % cache.interval == 0 or fed == first_turn(prompt_ids, self.snapshot_token)):
             cache.store(handle, prompt_ids[:fed], optional=True, ns=namespace)
+        if (split := getattr(self, "prefill_ms", None)) is not None:
+            split["prefill_snapshot_ms"] += 1e3 * (time.perf_counter() - t0)
 
     def retire(self, handle: Handle, tokens: Sequence[int], request_id: str, namespace: Namespace = SHARED) -> None:
         """A request ended normally: cache the state of the `tokens` it fed (the next turn's prefix), free it."""

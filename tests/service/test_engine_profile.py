@@ -42,3 +42,31 @@ def test_slow_iterations_logged_with_their_counters_and_the_profile_written(monk
     p.stop()
     stats = pstats.Stats(str(tmp_path / "prof" / "engine.pstats"))
     assert any(fn[2] == "iteration" for fn in stats.stats)  # the profiled thread's calls are in it
+
+
+def test_a_prefill_s_host_ms_split_into_build_eval_and_snapshot() -> None:
+    """A real engine (the tiny model) serving one prompt: its prefill's host ms, built / evaluated / snapshotted
+    for the prefix cache, counted where the slow lines read them."""
+    import asyncio
+
+    from dsv4_serve.model.tiny import tiny_model
+    from dsv4_serve.service.engine.engine import Engine
+    from dsv4_serve.service.engine.request import SamplingParams
+    from dsv4_serve.service.engine.worker import EngineWorker
+
+    engine = Engine(tiny_model(seed=0)[0], max_rows=2, max_model_len=256, page_size=16, prefix_cache_bytes=16 << 20)
+    w = EngineWorker(lambda: (engine, None))
+    w.start()
+
+    async def main() -> None:
+        assert await w.wait_ready(60), w.start_error
+        try:
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            assert [e async for e in await w.submit(list(range(2, 40)), params)]
+        finally:
+            await w.drain(0)
+
+    asyncio.run(main())
+    split = {k: v for k, v in EngineProfile(None).counters(engine).items() if k.endswith("_ms")}
+    assert set(split) == {"prefill_build_ms", "prefill_eval_ms", "prefill_snapshot_ms"}
+    assert split["prefill_build_ms"] > 0 and split["prefill_snapshot_ms"] > 0 and split["prefill_eval_ms"] >= 0
