@@ -19,6 +19,7 @@
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
 #   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
 #   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
+#   PART=prefillenv a 32-token prompt's forward plain, with the glue kernels, with managed weights and pools, both
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
 #                store": the plans stored, then loaded); prefill at 32 tokens
@@ -155,6 +156,16 @@ for part in ${PART:-tests}; do
                timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 \
                  --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices \
                  --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
+    prefillenv) # a 32-token prompt's forward (1 and 8 prompts) as bench/prefill.py runs it, then with what a graph
+               # server changes around it: the glue kernels (DSV4_GRAPH_GLUE=1), the weights and pools in managed
+               # memory (--managed), both; one process each (the server's prefill took ~2x the script's, 2026-12-07)
+               for arm in plain glue managed both; do
+                 env=() extra=""
+                 case $arm in glue) env=(DSV4_GRAPH_GLUE=1) ;; managed) extra=--managed ;;
+                   both) env=(DSV4_GRAPH_GLUE=1); extra=--managed ;; esac
+                 env "${env[@]}" timeout 140 python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8,1 \
+                   --agree 0 --no-profile $extra --out "$OUT/prefillenv_$arm.json" 2>&1 | grep -E "^ +32 " | sed "s/^/$arm: /"
+               done ;;
     poolkeep)  # one stream's TTFT against graph servers whose device pool gives its free bytes back at every
                # synchronization (DSV4_POOL_KEEP=0, MLX's default) or keeps them (1), one server after the other (the
                # first also stores the graphs' plans, the second loads them: its warm restart); then the MLX step beside
@@ -354,6 +365,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -194,6 +194,9 @@ def main() -> None:
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")
+    ap.add_argument("--managed", action="store_true",
+                    help="the weights and pools moved into managed memory first, as a graph server moves them "
+                    "(kernels/graph/runtime.py to_managed; CUDA only)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill.json"))
     opt = ap.parse_args()
     if opt.chunk < 1:
@@ -214,6 +217,14 @@ def main() -> None:
     concurrent = [int(x) for x in opt.concurrent.split(",")]
     cap, slots = max(lengths), max(concurrent)
     pools = StatePools(args, max_slots=slots, max_positions=cap, page_size=page, dtype=dtype)
+    if opt.managed:  # where a graph server's forwards read and write them (its prefill: ~2x this script's, 2026-12-07)
+        from dsv4_serve.kernels.graph.runtime import to_managed
+        from dsv4_serve.model.graph_record import persistent_arrays
+
+        t1 = time.perf_counter()
+        moved = [a for kind in persistent_arrays(model, pools).values() for a in kind.values()]
+        to_managed(moved)
+        print(f"managed: {len(moved)} arrays in {time.perf_counter() - t1:.1f} s", flush=True)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, args.vocab_size, cap)]
     arms = opt.arms.split(",")
