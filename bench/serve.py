@@ -4,8 +4,8 @@ Fixed input/output lengths (random token ids), ignore_eos, temperature 0, stream
 usage; concurrency sweep (default 1, 2, 4, 8, 16) with warm-up requests at each concurrency (prompts of their
 own) and at least 10 x concurrency prompts per cell; each cell's requests carry a cache_salt of their own, so no
 measured prompt is a prefix-cache hit (up to 2026-12-07 the warm-ups were the first measured prompts, which made
-the first wave's TTFT a hit's, and the fixed prompts repeated across cells). TTFT = first chunk with non-empty choices - send time;
-ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
+the first wave's TTFT a hit's, and the fixed prompts repeated across cells). TTFT = first chunk with non-empty
+choices - send time; ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
 A greedy correctness check rides along: a fixed subset of prompts must give identical outputs at
 concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given. Per cell
 it also reads the server's engine-thread host time a step from /metrics (`dsv4_engine_host_seconds`:

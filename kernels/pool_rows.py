@@ -11,8 +11,10 @@ The CUDA path (kernels/cuda/pool_rows.py) writes the rows into the pool's own bu
 itself and a token: a copy of `carry` (an int32 array a reader of the rows takes anyway: a block table, gather
 rows) made by the same launch, so the reader that takes it in its place runs after the write at no extra node
 (`kernels.rows.ordered` costs ~4 a use); without `carry`, a 1-element token the caller evaluates (`commit`)
-before anything else is queued. The plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is MLX's functional
-scatter: a new pool, and `carry` itself (None without).
+before anything else is queued. A token that nothing evaluates is a write that never happens: whoever gets one
+must hand it to a reader in the same graph or commit it (a short prompt's forward reads no indexer key, and its
+keys' writes went unqueued on CUDA from 4a73807 until they were committed). The plain twin (the CPU, Metal,
+`DSV4_KERNELS=reference`) is MLX's functional scatter: a new pool, and `carry` itself (None without).
 """
 
 from __future__ import annotations

@@ -118,6 +118,10 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and seen is not None:
         picks = seen
+        # Nothing in this forward reads the keys, so nothing evaluates the token of their write: on CUDA (written in
+        # place) it must be queued now, or the keys are never written (a later chunk or decode past 512 entries
+        # would score stale rows). The CPU's functional write made a new pool, so only a GPU test could see it.
+        commit(pools.ikeys[layer], key_rows)
     elif r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
         picks = select_all(proj[8].astype(pools.dtype), proj[9], ikeys[key_rows], chunks, k_offs, r, attn.indexer.topk)
     outs = []

@@ -160,3 +160,58 @@ def test_state_rows_written_by_write_rows_leave_the_same_state(tiny, serial, chu
 
     monkeypatch.setattr(prefill_compress, "STATE_INPLACE", True)
     test_batched_prefill_leaves_the_state_of_decoding(tiny, serial, chunk)
+
+
+
+@pytest.mark.parametrize("requests", [1, 3])
+def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none(tiny, monkeypatch, requests):
+    """On CUDA `write_rows` writes a pool in place and only its token (the copy of `carry` its readers take) makes
+    it run: a write whose token nothing evaluates never happens. A short prompt's CSA queries keep every entry
+    they see (`every_visible`), so its forward reads no indexer key and the keys' writes must be committed. Here
+    the indexer keys' write is made token-driven as on CUDA (the pool returned as it was, the rows written only when
+    the token is committed), and the keys after the forward must be decoding's. Before the fix they were never
+    written (on an H100: every CSA layer's keys zero after a 300-token prompt in chunks of 100 and 200, 2026-12-07)."""
+    import mlx.core as mx
+
+    from dsv4_serve.model import prefill, prefill_compress
+
+    model, args = tiny
+    real_write, real_commit = prefill_compress.write_rows, prefill.commit
+    held: dict[int, tuple] = {}  # id(token) -> the write it runs
+
+    def write(pool, rows, values, carry=None):  # noqa: ANN001, ANN202 - write_rows' signature
+        if carry is None or pool.shape[2] != args.index_head_dim:  # not the keys: as the CPU writes
+            return real_write(pool, rows, values, carry)
+        token = carry + 0  # a new array, as the CUDA kernel's output
+        held[id(token)] = (pool, rows, values, token)
+        return pool, token
+
+    def commit(pool, token):  # noqa: ANN001, ANN202
+        if token is not None and id(token) in held:
+            target, rows, values, _ = held.pop(id(token))
+            a, b, d = target.shape
+            flat = target.reshape(a * b, d)
+            flat[rows] = values
+            target[...] = flat.reshape(a, b, d)  # the same Python array, its value replaced: "in place"
+        return real_commit(pool, token)
+
+    monkeypatch.setattr(prefill_compress, "write_rows", write)
+    monkeypatch.setattr(prefill_compress, "commit", commit)
+    monkeypatch.setattr(prefill, "commit", commit)
+    rng = np.random.default_rng(5)
+    n = 4 * args.index_topk  # the longest prompt whose queries all keep every entry
+    prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for _ in range(requests)]
+    pools, ref = pools_for(args), pools_for(args)
+    handles, refs = [pools.alloc(64) for _ in prompts], [ref.alloc(64) for _ in prompts]
+    model.prefill_batch(pools, [(h, p, 0) for h, p in zip(handles, prompts, strict=True)], logits=False)
+    mx.eval(pools.arrays())
+    assert not held  # every keys' write ran
+    for p, h in zip(prompts, refs, strict=True):
+        for i, t in enumerate(p):
+            model.decode(ref, [h], [t], [i])
+    keys = [k for k in slot_state(ref, refs[0], args, n) if k.startswith("ikeys")]
+    assert keys  # the tiny model's CSA layers emitted keys
+    for h, r in zip(handles, refs, strict=True):
+        got, want = slot_state(pools, h, args, n), slot_state(ref, r, args, n)
+        for k in keys:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
