@@ -13,8 +13,9 @@ rows) made by the same launch, so the reader that takes it in its place runs aft
 (`kernels.rows.ordered` costs ~4 a use); without `carry`, a 1-element token the caller evaluates (`commit`)
 before anything else is queued. A token that nothing evaluates is a write that never happens: whoever gets one
 must hand it to a reader in the same graph or commit it (a short prompt's forward reads no indexer key, and its
-keys' writes went unqueued on CUDA from 4a73807 until they were committed). The plain twin (the CPU, Metal,
-`DSV4_KERNELS=reference`) is MLX's functional scatter: a new pool, and `carry` itself (None without).
+keys' writes went unevaluated on CUDA from 4a73807 until the layer's output was made to depend on them). The
+plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is MLX's functional scatter: a new pool, and `carry` itself
+(None without).
 """
 
 from __future__ import annotations

@@ -118,10 +118,6 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and seen is not None:
         picks = seen
-        # Nothing in this forward reads the keys, so nothing evaluates the token of their write: on CUDA (written in
-        # place) it must be queued now, or the keys are never written (a later chunk or decode past 512 entries
-        # would score stale rows). The CPU's functional write made a new pool, so only a GPU test could see it.
-        commit(pools.ikeys[layer], key_rows)
     elif r == 4 and key_rows is not None and not one:  # the keys every request's queries read, side by side
         picks = select_all(proj[8].astype(pools.dtype), proj[9], ikeys[key_rows], chunks, k_offs, r, attn.indexer.topk)
     outs = []
@@ -142,7 +138,13 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     if prefill_compress.STATE_INPLACE:
         ring_kv = mx.depends([kv[rows]], outs)[0]  # queued after every read of the old ring
         pools.window[layer] = commit(*write_rows(pools.window[layer], flat, ring_kv))
-    return outs[0] if one else mx.concatenate(outs)
+    o = outs[0] if one else mx.concatenate(outs)
+    if picks is seen and key_rows is not None:
+        # Nothing here read the keys, so nothing would evaluate the token of their write: on CUDA (written in place)
+        # the keys were then never written (a later chunk, or decode past 512 entries, scored stale rows; the CPU's
+        # functional write made a new pool, so only a GPU test saw it). The layer's output now waits for it.
+        o = mx.depends([o], [key_rows])[0]
+    return o
 
 
 def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:

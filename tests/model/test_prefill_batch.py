@@ -167,10 +167,11 @@ def test_state_rows_written_by_write_rows_leave_the_same_state(tiny, serial, chu
 def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none(tiny, monkeypatch, requests):
     """On CUDA `write_rows` writes a pool in place and only its token (the copy of `carry` its readers take) makes
     it run: a write whose token nothing evaluates never happens. A short prompt's CSA queries keep every entry
-    they see (`every_visible`), so its forward reads no indexer key and the keys' writes must be committed. Here
-    the indexer keys' write is made token-driven as on CUDA (the pool returned as it was, the rows written only when
-    the token is committed), and the keys after the forward must be decoding's. Before the fix they were never
-    written (on an H100: every CSA layer's keys zero after a 300-token prompt in chunks of 100 and 200, 2026-12-07)."""
+    they see (`every_visible`), so its forward reads no indexer key, and the keys' writes must still be evaluated.
+    Here the indexer keys' write is made token-driven as on CUDA (the pool returned as it was, the rows written only
+    when the token is committed or made a dependency of what the forward evaluates), and the keys after the forward
+    must be decoding's. Before the fix they were never written (on an H100: every CSA layer's keys zero after a
+    300-token prompt in chunks of 100 and 200, 2026-12-07)."""
     import mlx.core as mx
 
     from dsv4_serve.model import prefill, prefill_compress
@@ -186,18 +187,28 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
         held[id(token)] = (pool, rows, values, token)
         return pool, token
 
-    def commit(pool, token):  # noqa: ANN001, ANN202
+    def run(token) -> None:  # noqa: ANN001 - the write `token` stands for, into its pool (the same Python array)
         if token is not None and id(token) in held:
             target, rows, values, _ = held.pop(id(token))
             a, b, d = target.shape
             flat = target.reshape(a * b, d)
             flat[rows] = values
-            target[...] = flat.reshape(a, b, d)  # the same Python array, its value replaced: "in place"
+            target[...] = flat.reshape(a, b, d)  # its value replaced, its identity kept: "in place"
+
+    def commit(pool, token):  # noqa: ANN001, ANN202 - queued now
+        run(token)
         return real_commit(pool, token)
 
+    def depends(inputs, dependencies):  # noqa: ANN001, ANN202 - a reader that evaluates with the graph
+        for d in dependencies:
+            run(d)
+        return real_depends(inputs, dependencies)
+
+    real_depends = mx.depends
     monkeypatch.setattr(prefill_compress, "write_rows", write)
     monkeypatch.setattr(prefill_compress, "commit", commit)
     monkeypatch.setattr(prefill, "commit", commit)
+    monkeypatch.setattr(mx, "depends", depends)
     rng = np.random.default_rng(5)
     n = 4 * args.index_topk  # the longest prompt whose queries all keep every entry
     prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for _ in range(requests)]
