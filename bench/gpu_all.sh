@@ -19,7 +19,8 @@
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
 #   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
 #   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
-#   PART=prefillenv a 32-token prompt's forward plain, with the glue kernels, with managed weights and pools, both
+#   PART=prefillenv a 32-token prompt's forward plain, with the glue kernels, with managed weights and pools, both,
+#                with the pooling kernel (DSV4_POOLED_KERNEL=1)
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
 #                store": the plans stored, then loaded); prefill at 32 tokens
@@ -159,10 +160,10 @@ for part in ${PART:-tests}; do
     prefillenv) # a 32-token prompt's forward (1 and 8 prompts) as bench/prefill.py runs it, then with what a graph
                # server changes around it: the glue kernels (DSV4_GRAPH_GLUE=1), the weights and pools in managed
                # memory (--managed), both; one process each (the server's prefill took ~2x the script's, 2026-12-07)
-               for arm in plain glue managed both; do
+               for arm in ${PREFILLENV_ARMS:-plain glue managed both pooled}; do  # pooled: DSV4_POOLED_KERNEL=1
                  env=() extra=""
                  case $arm in glue) env=(DSV4_GRAPH_GLUE=1) ;; managed) extra=--managed ;;
-                   both) env=(DSV4_GRAPH_GLUE=1); extra=--managed ;; esac
+                   both) env=(DSV4_GRAPH_GLUE=1); extra=--managed ;; pooled) env=(DSV4_POOLED_KERNEL=1) ;; esac
                  env "${env[@]}" timeout 140 python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8,1 \
                    --agree 0 --no-profile $extra --out "$OUT/prefillenv_$arm.json" 2>&1 | grep -E "^ +32 " | sed "s/^/$arm: /"
                done ;;

@@ -66,9 +66,10 @@ class _OneLaunch:
 def cuda_prefill() -> Iterator[None]:
     """The CUDA path's prefill ops (their Python as is, each kernel launch one node), undone after."""
     import dsv4_serve.kernels.cuda.experts_grouped as ceg
+    import dsv4_serve.kernels.cuda.pooled as cpo
     import dsv4_serve.kernels.cuda.prefill_attention as cpa
 
-    saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel)
+    saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel)
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                   limit: float | None = None) -> _OneLaunch:  # fmt: skip
@@ -92,6 +93,7 @@ def cuda_prefill() -> Iterator[None]:
         return one([((q.shape[0], keys.shape[0]), mx.float32)], q, w, keys)[0]
 
     ceg.Plan, cpa.Plan, cpa.kernel = tile_plan, attn_plan, heads_kernel
+    cpo.kernel = heads_kernel  # DSV4_POOLED_KERNEL=1: the compressors' pooling, one launch (kernels/cuda/pooled.py)
     ceg.plan_cached = cpa.plan_cached = lambda key, make: make()
     deq, mx.dequantize = mx.dequantize, dequantize
     with standins(glue=True):
@@ -115,7 +117,7 @@ def cuda_prefill() -> Iterator[None]:
         try:
             yield
         finally:
-            ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel = saved
+            ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel = saved
             mx.dequantize = deq
 
 

@@ -80,3 +80,13 @@ def test_cuda_prefill_with_the_slot_rows_written_in_place(monkeypatch) -> None:
     monkeypatch.setattr(prefill_compress, "STATE_INPLACE", True)
     args = flash_args(4, 8)
     compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[100, 200], [37, 263]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
+def test_cuda_prefill_with_the_pooling_kernel(monkeypatch) -> None:
+    """DSV4_POOLED_KERNEL: the compressors' pooling in one launch (kernels/cuda/pooled.py) leaves decoding's state."""
+    from bench.step import flash_args, random_model
+    monkeypatch.setenv("DSV4_POOLED_KERNEL", "1")
+    args = flash_args(4, 8)
+    compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[LEN], [100, 200], [37, 263]])
