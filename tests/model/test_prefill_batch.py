@@ -226,3 +226,51 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
         got, want = slot_state(pools, h, args, n), slot_state(ref, r, args, n)
         for k in keys:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("lens", [(16,), (16, 16, 9), (40,), (40, 23)])
+def test_every_in_place_write_of_a_forward_is_evaluated(tiny, monkeypatch, lens, inplace) -> None:
+    """The mechanical form of the check above, for every `write_rows` of a forward: on CUDA a write runs only when
+    its token is evaluated, so each token must be committed or reachable from what the forward evaluates (its
+    outputs and the pools). Here every token carries a marker op (ErfInv, which nothing else in a forward uses),
+    nothing is evaluated while the forward is built (EVAL_EVERY 0, commits kept as roots), and the graph of the
+    outputs, the pools and the committed tokens must hold every marker: short contexts (picks made on the host)
+    and scored ones, 1 and 3 requests, with the slot rows written in place or not."""
+    import io
+
+    import mlx.core as mx
+
+    from dsv4_serve.model import prefill, prefill_compress
+
+    model, args = tiny
+    real_write = prefill_compress.write_rows
+    tokens: list[mx.array] = []
+    roots: list[mx.array] = []
+
+    def write(pool, rows, values, carry=None):  # noqa: ANN001, ANN202 - write_rows' signature
+        new_pool, _ = real_write(pool, rows, values, carry)
+        base = carry if carry is not None else mx.zeros((1,), mx.int32)
+        token = base + mx.erfinv(mx.zeros(base.shape)).astype(mx.int32)  # the values of `carry`, marked
+        tokens.append(token)
+        return new_pool, token
+
+    def commit(pool, token):  # noqa: ANN001, ANN202 - kept as a root, not evaluated now
+        if token is not None:
+            roots.append(token)
+        return pool
+
+    for mod in (prefill_compress, prefill):
+        monkeypatch.setattr(mod, "write_rows", write)
+        monkeypatch.setattr(mod, "commit", commit)
+    monkeypatch.setattr(prefill, "EVAL_EVERY", 0)
+    monkeypatch.setattr(prefill_compress, "STATE_INPLACE", inplace)
+    rng = np.random.default_rng(9)
+    prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for n in lens]
+    pools = pools_for(args)
+    handles = [pools.alloc(64) for _ in prompts]
+    out = prefill.prefill_batch(model, pools, [(h, p, 0) for h, p in zip(handles, prompts, strict=True)])  # lazy
+    assert tokens  # the forward wrote through write_rows
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *out, *pools.arrays(), *roots)
+    assert dot.getvalue().count('"ErfInv"') == len(tokens), "a write whose token nothing evaluates"
