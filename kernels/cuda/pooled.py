@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from dsv4_serve.kernels.compressor import pooled_entry
 from dsv4_serve.kernels.cuda.common import f32_params, kernel
+from dsv4_serve.kernels.cuda.norms import INV_RMS
 
 THREADS = 128
 MAX_D = 1024
@@ -30,7 +31,6 @@ SOURCE = r"""
   const int R = vals_shape[1], D = vals_shape[2], HALF = cs_shape[1], LO = D - 2 * HALF;
   const T* vb = vals + (size_t)e * R * D;
   const float* gb = gates + (size_t)e * R * D;
-  float ss = 0.f;
   for (int j = tid; j < D; j += blockDim.x) {
     float m = -INFINITY;
     for (int r = 0; r < R; ++r) m = fmaxf(m, gb[(size_t)r * D + j]);
@@ -38,21 +38,11 @@ SOURCE = r"""
     for (int r = 0; r < R; ++r) z += expf(gb[(size_t)r * D + j] - m);
     float acc = 0.f;
     for (int r = 0; r < R; ++r) acc += (expf(gb[(size_t)r * D + j] - m) / z) * dsv4_f(vb[(size_t)r * D + j]);
-    const float x = dsv4_f(dsv4_t<O>(acc));
-    ys[j] = x;
-    ss += x * x;
+    ys[j] = dsv4_f(dsv4_t<O>(acc));
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((tid & 31) == 0) red[tid >> 5] = ss;
-  __syncthreads();
-  if (tid == 0) {
-    float t = 0.f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) t += red[k];  // the warps' sums in order
-    red[0] = t;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(red[0] / (float)D + fparams[0]);
+  const float* xr = ys;  // each thread reads back the features it wrote: no barrier needed before the sum
+  float inv;
+@INV_RMS@
   for (int j = tid; j < D; j += blockDim.x) ys[j] = dsv4_f(dsv4_t<O>(ys[j] * inv * dsv4_f(norm[j])));
   __syncthreads();
   O* orow = out + (size_t)e * D;
@@ -65,7 +55,7 @@ SOURCE = r"""
       orow[j] = dsv4_t<O>((i & 1) ? ys[j] * c + ys[j - 1] * s : ys[j] * c - ys[j + 1] * s);
     }
   }
-""".replace("@MAX_D@", str(MAX_D))
+""".replace("@MAX_D@", str(MAX_D)).replace("@INV_RMS@", INV_RMS.strip("\n"))
 
 
 def pooled_entry_cuda(vals: mx.array, gates: mx.array, norm: mx.array, eps: float, cos: mx.array, sin: mx.array,
