@@ -53,7 +53,7 @@ def fake_cuda_with_graphs(graphs: bool) -> tuple[object, object]:
 
 def graph_units(eng: object, rec: object) -> dict[str, str]:
     """Each row count's recorded step, as `GraphStep.capture` records it: translation unit -> kernel entry name."""
-    from dsv4_serve.kernels.graph.codegen import entry, translation_unit
+    from dsv4_serve.kernels.graph.codegen import entry, launch_unit
     from dsv4_serve.model.graph_record import record_step
 
     pools = eng.pools  # type: ignore[attr-defined]
@@ -67,8 +67,7 @@ def graph_units(eng: object, rec: object) -> dict[str, str]:
                 print(f"rows {n}: not recorded: {got}", flush=True)
                 continue
             for ln in got[1]:
-                units[translation_unit(ln.kernel, ln.template, ln.inputs, [o.dtype for o in ln.outputs])] = \
-                    entry(ln.kernel)  # fmt: skip
+                units[launch_unit(ln)] = entry(ln.kernel)
     finally:
         for h in handles:
             eng.release(h)  # type: ignore[attr-defined]
