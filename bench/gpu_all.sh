@@ -54,6 +54,7 @@
 #   PART=long64  a 64K prompt beside 7 streams (1,024 tokens each), the streams' ITL during its prefill
 #   PART=prefix  bench/prefix_turn.py against the same: a 16K conversation's second turn, cache on vs off
 #   PART=tests   the gpu-marked kernel tests (tests/kernels)                        ~7 min on a fresh H200
+#   PART=pytest  the gpu-marked tests in PYTEST_PATHS (PYTEST_S seconds at most)
 #   PART=tests2  the gpu-marked model, engine and end-to-end tests
 #   PART=step    bench/step.py: the full-depth decode step (43 layers, mxfp8 + mxfp4, 32 experts), rows 1-8, 4K
 #                and 64K, fast vs mlx_mm, against the release-precision byte floor, with the CUPTI profile
@@ -84,6 +85,9 @@ for part in ${PART:-tests}; do
   echo "== $part"
   case $part in
     tests) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels 2>&1 | tail -20 ;;
+    pytest) # PYTEST_PATHS: those gpu-marked tests (PYTEST_S seconds at most, default 300)
+            timeout ${PYTEST_S:-300} python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider ${PYTEST_PATHS:-tests/kernels} \
+              2>&1 | tail -15 ;;
     tests2) timeout 560 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model tests/service \
               tests/e2e tests/distributed 2>&1 | tail -20 ;;
     prefill) # the prefill kernels' gpu tests (HEADS, the tile GEMMs incl. the indexer's scores, the mxfp8 dequantize,
@@ -366,6 +370,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests tests2 verify profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
