@@ -24,6 +24,8 @@
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
 #                store": the plans stored, then loaded); prefill at 32 tokens
+#   PART=p59     issue 59's acceptance in one call: one graph server's cells (1 and 8 streams, 8 at 4 requests/s, 7
+#                beside a 16K prompt), then bench/step.py's graph step (POOLED=1: with DSV4_POOLED_KERNEL=1)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
 #                p99 and first wave (issue 59)
 #   PART=graphab  bench/serve.py at 1 and 8 streams against --decode-graphs off, then on (cubins warm), one call
@@ -198,6 +200,29 @@ for part in ${PART:-tests}; do
                done
                timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8 --agree 0 \
                  --no-profile --out "$OUT/prefill32.json" 2>&1 | grep -v Warn | tail -6 ;;
+    p59)       # issue 59's acceptance in one call: one graph server (full depth; POOLED=1: DSV4_POOLED_KERNEL=1), 1 and 8
+               # streams (each cell's first wave a burst), 8 streams at 4 requests/s (arrivals spread), 7 streams beside a
+               # 16K prompt (their ITL during its prefill); the server stopped (memory), the step at rows 1 and 8
+               port=18123 url=http://127.0.0.1:18123
+               DSV4_POOLED_KERNEL=${POOLED:-0} python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port $flash \
+                 --decode-graphs on > "$OUT/p59_server.log" 2>&1 & spid=$!
+               python3 -c "import httpx, sys, time
+for i in range(400):
+    try:
+        if httpx.get('$url/ready', timeout=1).status_code == 200: print(f'server ready after {i} polls'); sys.exit(0)
+    except httpx.HTTPError: pass
+    time.sleep(1)
+sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue; }
+               grep -E "warm-up took|decode graph" "$OUT/p59_server.log" | tail -3 | cut -c1-220
+               timeout 150 python3 bench/serve.py --url $url --concurrency 1,8 --output-len 256 --prompts-per-concurrency 3 \
+                 --out "$OUT/p59_burst.json" 2>&1 | grep -v Warn | tail -12
+               timeout 100 python3 bench/serve.py --url $url --concurrency 8 --output-len 128 --prompts-per-concurrency 3 \
+                 --request-rate 4 --seed 1 --out "$OUT/p59_rate.json" 2>&1 | grep -v Warn | tail -7
+               timeout 120 python3 bench/serve.py --url $url --concurrency 7 --output-len 512 --prompts-per-concurrency 1 \
+                 --long-prompt 16384 --seed 2 --out "$OUT/p59_itl.json" 2>&1 | grep -v Warn | tail -6
+               kill $spid; wait $spid 2>/dev/null
+               timeout $((595 - SECONDS)) python3 bench/step.py --experts 32 --rows 1,8 --contexts 4096 --reps 10 --profile \
+                 --arms fast,graph --out "$OUT/p59_step.json" 2>&1 | grep -v Warn | tail -12 ;;
     ttft)      # issue 59's TTFT: 1 stream, then 8 with Poisson arrivals at 4 requests/s (each cell's first wave: a
                # burst), against the graph engine (full depth)
                timeout 560 python3 bench/serve.py --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 \
@@ -370,6 +395,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify p59 profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"
