@@ -24,6 +24,8 @@
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
 #   PART=restart a graph server restarted over warm caches, addresses by DLPack then by kernel (RESTART_ARMS="store
 #                store": the plans stored, then loaded); prefill at 32 tokens
+#   PART=inplace the in-place slot writes: their gpu test, then graph servers with DSV4_PREFILL_STATE_INPLACE=0 and 1
+#                (1 and 8 streams: TTFT's prefill and first step, refreshes, pools moved)
 #   PART=p59     issue 59's acceptance in one call: one graph server's cells (1 and 8 streams, 8 at 4 requests/s, 7
 #                beside a 16K prompt), then bench/step.py's graph step (POOLED=1: with DSV4_POOLED_KERNEL=1)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
@@ -200,6 +202,17 @@ for part in ${PART:-tests}; do
                done
                timeout $((590 - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8 --agree 0 \
                  --no-profile --out "$OUT/prefill32.json" 2>&1 | grep -v Warn | tail -6 ;;
+    inplace)   # the slot writes in place (model/state_copy.py's always; the forward's with DSV4_PREFILL_STATE_INPLACE=1):
+               # their gpu test, then one graph server a setting (0, 1), 1 and 8 streams: the TTFT's prefill and
+               # first step, and the replays' refreshes and pools moved (167 a prefill on the H100 while the reset
+               # was MLX's scatter, 2026-12-07: 5.6 ms of the first step)
+               timeout 120 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/model/test_slot_writes.py \
+                 2>&1 | tail -3
+               for k in ${INPLACE_ARMS:-0 1}; do
+                 DSV4_PREFILL_STATE_INPLACE=$k timeout $(((590 - SECONDS) / ${k/0/2})) python3 bench/serve.py \
+                   --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 --server-args "$flash --decode-graphs on" \
+                   --out "$OUT/inplace_$k.json" 2>&1 | grep -v Warn | grep -E "concurrency|TTFT by" | sed "s/^/inplace=$k: /"
+               done ;;
     p59)       # issue 59's acceptance in one call: one graph server (full depth; POOLED=1: DSV4_POOLED_KERNEL=1), 1 and 8
                # streams (each cell's first wave a burst), 8 streams at 4 requests/s (arrivals spread), 7 streams beside a
                # 16K prompt (their ITL during its prefill); the server stopped (memory), the step at rows 1 and 8
@@ -395,6 +408,6 @@ sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify p59 profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify p59 inplace profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

@@ -4,8 +4,10 @@ Slots: a slot's fixed-size state (window ring, compressor windows) copied out (`
 (`load_slot`), to another slot (`copy_slot`, n > 1 sampling), or reset for a new occupant (`_reset_slot`).
 Pages: a page copied before a shared partial page is written (`copy_page`), and a table's entries read and
 written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
-`kernels.write_rows` (in place on CUDA, queued at once); every other update of a whole pool goes through
-mx.contiguous, so the pools stay row-major buffers the in-place CUDA kernels write through.
+`kernels.write_rows` (in place on CUDA, queued at once), and so do a slot's rows (`_write_slot`: its reset, a copy
+from another slot, a cached prefix's slot state): MLX's scatter copied the whole array each time, and on a graph
+server every admitted request then moved all 167 slot arrays of V4-Flash, which the next replay copied home (a 5.6
+ms refresh in the first step's 16-17 ms, H100, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from dsv4_serve.kernels.pool_rows import commit, write_rows
+from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.config import ModelArgs
 
 
@@ -118,19 +122,19 @@ class StateCopies:
         return out
 
     def load_slot(self, slot: int, state: dict[str, mx.array]) -> None:
-        """Write a `slot_state` copy into `slot` (the pools stay row-major buffers, as in _reset_slot)."""
+        """Write a `slot_state` copy into `slot` (`_write_slot`)."""
         fields = self._slot_fields()
         if state.keys() != {f[0] for f in fields}:
             raise ValueError("StatePools.load_slot: state does not match these pools' arrays")
+        tokens: list[mx.array] = []
         for name, c, k in fields:
-            c[k][slot] = state[name]
-            c[k] = mx.contiguous(c[k])
+            self._write_slot(c, k, slot, state[name], tokens)
+        mx.async_eval(tokens)
 
     def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
         """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one
         prefill, then a copy per extra row; a prefix cache can reuse it). Copies the slot rows (window ring,
-        compressor windows) and the pages holding the entries emitted so far; lazy, like a step's updates.
-        Whole-array updates go through mx.contiguous for the in-place compressor (see `_reset_slot`)."""
+        compressor windows: `_write_slot`) and the pages holding the entries emitted so far, queued now."""
         for name, h in (("src", src), ("dst", dst)):
             if self._live.get(h.slot) is not h:
                 raise ValueError(f"StatePools.copy_slot: {name} slot {h.slot} is not held by this handle")
@@ -140,10 +144,10 @@ class StateCopies:
             raise ValueError(f"StatePools.copy_slot: positions must be in 0..{min(src.capacity, dst.capacity)}, "
                              f"got {positions}")  # fmt: skip
         s, d = src.slot, dst.slot
-        for arrays in (self.window, self.comp_kv, self.comp_score, self.idx_kv, self.idx_score):
-            for key in range(len(arrays)) if isinstance(arrays, list) else list(arrays):
-                arrays[key][d] = arrays[key][s]
-                arrays[key] = mx.contiguous(arrays[key])
+        tokens: list[mx.array] = []
+        for _, c, k in self._slot_fields():
+            self._write_slot(c, k, d, c[k][s], tokens)
+        mx.async_eval(tokens)
         ratios = self.args.compress_ratios
         for pools in (self.ckv, self.ikeys):
             for layer in pools:
@@ -158,18 +162,29 @@ class StateCopies:
         # must weigh nothing), and the window ring and compressor values back to 0. Rows a request has not
         # written are read with weight 0 (masked window rows, the previous half), and 0 x NaN is NaN: a
         # predecessor's non-finite or merely old values must never reach it. Pages need no reset: entries
-        # a request has not written are masked and their keys zeroed before use. With one slot the
-        # update covers the whole array and MLX returns the broadcast scalar itself (strides 0, one
-        # element): mx.contiguous gives it a buffer again (a no-op otherwise), since the in-place
-        # compressor writes through the buffer and MLX would hand a custom kernel a copy of a broadcast.
-        for scores in (self.comp_score, self.idx_score):
-            for layer in scores:
-                scores[layer][slot] = -mx.inf
-                scores[layer] = mx.contiguous(scores[layer])
-        for values in (self.comp_kv, self.idx_kv):
-            for layer in values:
-                values[layer][slot] = 0
-                values[layer] = mx.contiguous(values[layer])
-        for i in range(len(self.window)):
-            self.window[i][slot] = 0
-            self.window[i] = mx.contiguous(self.window[i])
+        # a request has not written are masked and their keys zeroed before use.
+        tokens: list[mx.array] = []
+        for name, c, k in self._slot_fields():
+            self._write_slot(c, k, slot, self._fill(c[k], -mx.inf if "score" in name else 0.0), tokens)
+        mx.async_eval(tokens)
+
+    def _write_slot(self, c: list[mx.array] | dict[int, mx.array], k: int, slot: int, values: mx.array,
+                    tokens: list[mx.array]) -> None:  # fmt: skip
+        """Slot `slot`'s rows of the per-slot array `c[k]` [slots, b, d] set to `values` [b, d] through `write_rows`:
+        in place on CUDA (the array keeps its buffer, so the decode graphs' home stays the pool's and nothing is
+        copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the caller queues."""
+        a = c[k]
+        b = a.shape[1]
+        rows = upload(np.arange(slot * b, (slot + 1) * b, dtype=np.int32))  # cached by content
+        c[k], token = write_rows(a, rows, values.astype(a.dtype))
+        if token is not None:
+            tokens.append(token)
+
+    def _fill(self, a: mx.array, value: float) -> mx.array:
+        """A [b, d] array of `value` in `a`'s dtype, made once per shape (a reset's rows)."""
+        fills: dict[tuple, mx.array] = self.__dict__.setdefault("_fills", {})
+        key = (a.shape[1], a.shape[2], a.dtype, value)
+        if key not in fills:
+            fills[key] = mx.full(key[:2], value, a.dtype)
+            mx.eval(fills[key])
+        return fills[key]

@@ -62,14 +62,36 @@ class _OneLaunch:
     launch = compiled = __call__
 
 
+ROOTS: list[mx.array] = []  # the tokens of the in-place writes the forward commits (counted with its outputs)
+
+
+def _write_rows(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None
+                ) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """kernels/cuda/pool_rows.py's write: one launch, the pool itself and a token (`carry`'s copy, or 1 element)."""
+    return pool, one([(carry.shape if carry is not None else (1,), mx.int32)], pool, rows, values, carry)[0]
+
+
+def _commit(pool: mx.array, token: mx.array | None) -> mx.array:
+    """`commit` without its evaluation mid-build (which would leave the write out of the counted graph): a root."""
+    if token is not None:
+        ROOTS.append(token)
+    return pool
+
+
 @contextlib.contextmanager
 def cuda_prefill() -> Iterator[None]:
-    """The CUDA path's prefill ops (their Python as is, each kernel launch one node), undone after."""
+    """The CUDA path's prefill ops (their Python as is, each kernel launch one node; the in-place writes' tokens
+    kept in ROOTS), undone after."""
     import dsv4_serve.kernels.cuda.experts_grouped as ceg
     import dsv4_serve.kernels.cuda.pooled as cpo
     import dsv4_serve.kernels.cuda.prefill_attention as cpa
+    from dsv4_serve.model import prefill, prefill_compress
 
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel)
+    writes = [(m, m.write_rows, m.commit) for m in (prefill, prefill_compress)]
+    ROOTS.clear()
+    for m, _, _ in writes:
+        m.write_rows, m.commit = _write_rows, _commit
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                   limit: float | None = None) -> _OneLaunch:  # fmt: skip
@@ -119,6 +141,8 @@ def cuda_prefill() -> Iterator[None]:
         finally:
             ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel = saved
             mx.dequantize = deq
+            for m, write, commit in writes:
+                m.write_rows, m.commit = write, commit
 
 
 RELEASE_TOPK = 512  # the release's index_topk (the tiny model's 4 would make a short prompt's picks a top-k)
@@ -141,7 +165,7 @@ def forward_count(ratios: list[int], tokens: int, start: int, prompts: int = 1) 
             mx.eval(prefill_batch(model, pools, [(h, s[:start], 0) for h, s in zip(hs, ids, strict=True)]),
                     *pools.arrays())  # fmt: skip
         out = prefill_batch(model, pools, [(h, s[start:], start) for h, s in zip(hs, ids, strict=True)])
-        return counted([*out, *pools.arrays()])
+        return counted([*out, *pools.arrays(), *ROOTS])
 
 
 def layer_counts(tokens: int, start: int = 0, prompts: int = 1) -> dict[str, collections.Counter]:
@@ -177,8 +201,9 @@ def build_ms(tokens: int, reps: int = 7) -> tuple[float, int]:
             out = prefill_chunk(model, pools, h, ids, 0)
             times.append(time.perf_counter() - t0)
             if rep == 0:
-                n = sum(counted([out, *pools.arrays()]).values())
-            mx.eval(out, *pools.arrays())
+                n = sum(counted([out, *pools.arrays(), *ROOTS]).values())
+            mx.eval(out, *pools.arrays(), *ROOTS)
+            ROOTS.clear()
     return 1e3 * statistics.median(times[1:]), n
 
 

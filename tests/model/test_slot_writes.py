@@ -1,0 +1,68 @@
+"""A slot's rows written through `write_rows` (model/state_copy.py `_write_slot`): its reset on allocation, a copy
+from another slot (n > 1), a cached prefix's slot state loaded. The values against NumPy's, on the CPU's scatter
+and on a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept), under which no
+per-slot array may become a new array: a graph server copies every array that did home before its next replay
+(a 5.6 ms refresh after each admitted request, H100, 2026-12-07, when the reset was MLX's scatter). The gpu arm
+runs CUDA's own write (kernels/cuda/pool_rows.py), no stand-in."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dsv4_serve.kernels import backend
+from dsv4_serve.model import state_copy
+from dsv4_serve.model.state import StatePools
+from dsv4_serve.model.tiny import tiny_model
+
+
+def in_place(pool, rows, values, carry=None):  # noqa: ANN001, ANN201 - write_rows' signature, as CUDA's writes
+    a, b, d = pool.shape
+    flat = pool.reshape(a * b, d)
+    flat[rows] = values
+    pool[...] = flat.reshape(a, b, d)  # its value replaced, its identity kept
+    return pool, mx.array([1], mx.int32)  # a token, as the CUDA kernel's
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(),
+                                                                         reason="needs an MLX CUDA GPU")])
+
+
+@pytest.mark.parametrize("arm", ["scatter", "stand-in", CUDA])
+def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> None:
+    inplace = arm != "scatter"
+    if arm == "stand-in":
+        monkeypatch.setattr(state_copy, "write_rows", in_place)
+    _, args, _ = tiny_model()
+    pools = StatePools(args, max_slots=3, max_positions=128, page_size=16, dtype=mx.float32)
+    rng = np.random.default_rng(3)
+    start = {name: rng.standard_normal(a.shape).astype(np.float32) for name, a in pools.slot_arrays().items()}
+    for name, c, k in pools._slot_fields():  # every slot holds a predecessor's values
+        c[k] = mx.array(start[name])
+    homes = dict(pools.slot_arrays())
+    want = {name: v.copy() for name, v in start.items()}
+
+    a = pools.alloc(64)  # slot 0 reset: scores -inf, values and rings 0
+    for name, v in want.items():
+        v[a.slot] = -np.inf if "score" in name else 0.0
+    b = pools.alloc(64)
+    for name, v in want.items():
+        v[b.slot] = -np.inf if "score" in name else 0.0
+    for name, c, k in pools._slot_fields():  # a writes its slot (as a prefill would), then b takes a copy
+        c[k][a.slot] = mx.array(rng.standard_normal(c[k].shape[1:]).astype(np.float32))  # the same array
+        want[name][a.slot] = np.array(c[k][a.slot])
+    pools.copy_slot(a, b, 0)
+    for v in want.values():
+        v[b.slot] = v[a.slot]
+    loaded = {name: rng.standard_normal(v.shape[1:]).astype(np.float32) for name, v in want.items()}
+    pools.load_slot(a.slot, {name: mx.array(x) for name, x in loaded.items()})
+    for name, x in loaded.items():
+        want[name][a.slot] = x
+
+    got = pools.slot_arrays()
+    for name, v in want.items():
+        np.testing.assert_array_equal(np.array(got[name]), v, err_msg=name)  # slot 2 (never written) as it was
+    if inplace:
+        moved = [name for name, x in got.items() if x is not homes[name]]
+        assert not moved, f"per-slot arrays made new by a slot write: {moved[:5]}"
