@@ -140,13 +140,15 @@ for part in ${PART:-tests}; do
                # each iteration of 50 ms or more logged with its phases and counters) at 1 and 8 streams, graphs
                # ${GRAPHS:-on} (full depth; GRAPHS="on overlap off": each, one server after the other; overlap:
                # on with DSV4_GRAPH_OVERLAP=1); then the slow iterations and the top functions; SERVER_EXTRA: more
-               # server flags (e.g. "--max-rows 4": 4 row counts' graphs, a shorter cold start)
+               # server flags (e.g. "--max-rows 4": 4 row counts' graphs, a shorter cold start); SERVE_EXTRA: more
+               # bench/serve.py flags (e.g. STREAMS=7 SERVE_EXTRA="--long-prompt 16384": the slow iterations of the
+               # streams' gaps while a long prompt prefills; "--request-rate 4": arrivals spread)
                arms=(${GRAPHS:-on}); left=${#arms[@]}
                for g in "${arms[@]}"; do  # each later arm keeps 110 s (a restart over the kernel caches + its cells)
                  left=$((left - 1)) mode=$g env=()  # overlap: graphs on, DSV4_GRAPH_OVERLAP=1
                  [ $g = overlap ] && { mode=on; env=(DSV4_GRAPH_OVERLAP=1); }
                  env "${env[@]}" DSV4_ENGINE_PROFILE="$OUT/prof_$g" timeout $((${BUDGET:-590} - SECONDS - 110 * left)) \
-                   python3 bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 \
+                   python3 bench/serve.py --concurrency ${STREAMS:-1,8} --output-len 128 --prompts-per-concurrency 2 ${SERVE_EXTRA:-} \
                    --server-args "$flash --decode-graphs $mode ${SERVER_EXTRA:-}" --out "$OUT/serve_prof_$g.json" 2>&1 \
                    | grep -v Warn | tail -9
                  echo "slow iterations: $(grep -c 'slow iteration' "$OUT/serve_prof_$g.log")"
@@ -249,10 +251,11 @@ sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue
                    --out "$OUT/serve_ab_$g.json" 2>&1 | grep -v Warn | tail -7
                done ;;
     graphpace) # 8 streams against the graph engine with prefill paced (auto) and in whole forwards (0 and 0): which
-               # costs the streams less, and the slices each cell built (bench/serve.py prints them)
+               # costs the streams less, and the slices each cell built (bench/serve.py prints them); RATE=4: arrivals
+               # at 4 requests/s (issue 59's spread TTFT), default a burst
                for t in auto 0; do
                  timeout $(((590 - SECONDS) / 2)) python3 bench/serve.py --concurrency 8 --output-len 128 \
-                   --prompts-per-concurrency 2 --out "$OUT/serve_pace_$t.json" --server-args \
+                   --prompts-per-concurrency 2 --request-rate ${RATE:-inf} --out "$OUT/serve_pace_$t.json" --server-args \
                    "$flash --decode-graphs on --itl-target-ms $t $([ $t = 0 ] && echo --prefill-slice-ms 0)" \
                    2>&1 | grep -v Warn | tail -5
                done ;;
