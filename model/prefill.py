@@ -25,7 +25,7 @@ import numpy as np
 
 from dsv4_serve.kernels import matmul as kmatmul
 from dsv4_serve.kernels import prefill_attention
-from dsv4_serve.kernels.pool_rows import commit, write_rows
+from dsv4_serve.kernels.pool_rows import write_rows
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model import prefill_compress
 from dsv4_serve.model.attention import Attention
@@ -105,15 +105,16 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
     ns, table, t_offs, key_rows, k_offs = _memo(memo, ("tables", r), lambda: _tables(chunks, r, page))
     eps = a.rms_norm_eps
+    written: list[mx.array] = []  # the in-place slot rows' write tokens: the layer's output waits for them
     if r:
         pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], table = compress_chunks(
             attn.compressor, proj[4:8], pools.comp_kv[layer], pools.comp_score[layer], pools.ckv[layer], chunks,
-            page, eps, table, pooled(eps, pools.ckv[layer].dtype), memo,
+            page, eps, table, pooled(eps, pools.ckv[layer].dtype), memo, written,
         )  # fmt: skip
     if r == 4:
         pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer], key_rows = compress_chunks(
             attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
-            chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype), memo,
+            chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype), memo, written,
         )  # fmt: skip
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and seen is not None:
@@ -136,9 +137,12 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
         outs.append(prefill_attention(qi, rings[i], kvi, c.start, pools.ckv[layer] if r else None, tab, ids,
                                       attn.attn_sink, scale=a.head_dim**-0.5, ratio=r or None))  # fmt: skip
     if prefill_compress.STATE_INPLACE:
-        ring_kv = mx.depends([kv[rows]], outs)[0]  # queued after every read of the old ring
-        pools.window[layer] = commit(*write_rows(pools.window[layer], flat, ring_kv))
+        ring_kv = mx.depends([kv[rows]], outs)[0]  # written after every read of the old ring
+        pools.window[layer], token = write_rows(pools.window[layer], flat, ring_kv)
+        written += [] if token is None else [token]
     o = outs[0] if one else mx.concatenate(outs)
+    if written:  # evaluated with the layer, not mid-build (a `commit` each was an evaluation of what came before)
+        o = mx.depends([o], written)[0]
     if picks is seen and key_rows is not None:
         # Nothing here read the keys, so nothing would evaluate the token of their write: on CUDA (written in place)
         # the keys were then never written (a later chunk, or decode past 512 entries, scored stale rows; the CPU's

@@ -86,13 +86,16 @@ def _indices(m: int, coff: int, n_state: int, chunks: Sequence[Chunk],
 
 def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.array, score_state: mx.array,
                     pool: mx.array, chunks: Sequence[Chunk], page: int, eps: float, carry: mx.array | None,
-                    pooled: Callable[..., mx.array], memo: dict[Any, Any] | None = None) -> Arrays4:  # fmt: skip
+                    pooled: Callable[..., mx.array], memo: dict[Any, Any] | None = None,
+                    written: list[mx.array] | None = None) -> Arrays4:  # fmt: skip
     """`compressor_rows` for every chunk of the forward (proj = kv, score, cos, sin over its T rows) ->
     (kv_state, score_state, pool, carry): the entries go into the pool in place on CUDA (`write_rows`), and what
     reads them takes the returned `carry` (the int32 array it reads them through) in its place. `pooled`: the
     entries' pooling (vals, gates, norm, cos, sin), compiled or not by the caller. `memo`: the forward's, where
     the index lists (the same for every layer of a ratio: the chunks' positions, slots and tables) are made and
-    uploaded once a forward, not once a layer."""
+    uploaded once a forward, not once a layer. `written` (DSV4_PREFILL_STATE_INPLACE): the slot rows' write tokens
+    go there for the caller to make a dependency of what it evaluates (no evaluation mid-build), else are queued
+    now (`commit`)."""
     kv, score, cos, sin = proj
     m, d, n_state, n_req = comp.ratio, comp.dim, kv_state.shape[1], len(chunks)
     coff = 2 if m == 4 else 1
@@ -118,8 +121,13 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
         else:
             carry = got
     if STATE_INPLACE:  # the rows written are made from the gathered old ones: the write runs after that read
-        kv_state = commit(*write_rows(kv_state, own_rows, ext_kv[state_rows].astype(kv_state.dtype)))
-        score_state = commit(*write_rows(score_state, own_rows, ext_s[state_rows].astype(score_state.dtype)))
+        kv_state, t_kv = write_rows(kv_state, own_rows, ext_kv[state_rows].astype(kv_state.dtype))
+        score_state, t_s = write_rows(score_state, own_rows, ext_s[state_rows].astype(score_state.dtype))
+        for t in (t_kv, t_s):
+            if written is not None and t is not None:
+                written.append(t)
+            else:
+                commit(kv_state, t)
     else:
         kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)
         score_state[slots] = ext_s[state_rows].reshape(n_req, n_state, -1)

@@ -88,10 +88,12 @@ def cuda_prefill() -> Iterator[None]:
     from dsv4_serve.model import prefill, prefill_compress
 
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel)
-    writes = [(m, m.write_rows, m.commit) for m in (prefill, prefill_compress)]
+    writes = [(m, m.write_rows, getattr(m, "commit", None)) for m in (prefill, prefill_compress)]
     ROOTS.clear()
-    for m, _, _ in writes:
-        m.write_rows, m.commit = _write_rows, _commit
+    for m, _, commit in writes:
+        m.write_rows = _write_rows
+        if commit is not None:
+            m.commit = _commit
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                   limit: float | None = None) -> _OneLaunch:  # fmt: skip
@@ -142,7 +144,9 @@ def cuda_prefill() -> Iterator[None]:
             ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel = saved
             mx.dequantize = deq
             for m, write, commit in writes:
-                m.write_rows, m.commit = write, commit
+                m.write_rows = write
+                if commit is not None:
+                    m.commit = commit
 
 
 RELEASE_TOPK = 512  # the release's index_topk (the tiny model's 4 would make a short prompt's picks a top-k)

@@ -174,10 +174,10 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
     300-token prompt in chunks of 100 and 200, 2026-12-07)."""
     import mlx.core as mx
 
-    from dsv4_serve.model import prefill, prefill_compress
+    from dsv4_serve.model import prefill_compress
 
     model, args = tiny
-    real_write, real_commit = prefill_compress.write_rows, prefill.commit
+    real_write, real_commit = prefill_compress.write_rows, prefill_compress.commit
     held: dict[int, tuple] = {}  # id(token) -> the write it runs
 
     def write(pool, rows, values, carry=None):  # noqa: ANN001, ANN202 - write_rows' signature
@@ -207,7 +207,6 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
     real_depends = mx.depends
     monkeypatch.setattr(prefill_compress, "write_rows", write)
     monkeypatch.setattr(prefill_compress, "commit", commit)
-    monkeypatch.setattr(prefill, "commit", commit)
     monkeypatch.setattr(mx, "depends", depends)
     rng = np.random.default_rng(5)
     n = 4 * args.index_topk  # the longest prompt whose queries all keep every entry
@@ -262,7 +261,7 @@ def test_every_in_place_write_of_a_forward_is_evaluated(tiny, monkeypatch, lens,
 
     for mod in (prefill_compress, prefill):
         monkeypatch.setattr(mod, "write_rows", write)
-        monkeypatch.setattr(mod, "commit", commit)
+    monkeypatch.setattr(prefill_compress, "commit", commit)  # (prefill.py commits none: its tokens are dependencies)
     monkeypatch.setattr(prefill, "EVAL_EVERY", 0)
     monkeypatch.setattr(prefill_compress, "STATE_INPLACE", inplace)
     rng = np.random.default_rng(9)

@@ -34,10 +34,12 @@ def recorded_calls(tiny, n_req: int, monkeypatch: pytest.MonkeyPatch) -> list[tu
     model, args = tiny
     calls: list[tuple[Any, ...]] = []
 
-    def spy(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo=None):  # noqa: ANN001, ANN202
+    def spy(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo=None,  # noqa: ANN001, ANN202
+            written=None):  # noqa: ANN001
         calls.append((comp, [copy(p) for p in proj], copy(kv_state), copy(score_state), copy(pool), list(chunks),
                       page, eps, copy(carry), pooled))  # fmt: skip
-        return compress_chunks(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo)
+        return compress_chunks(comp, proj, kv_state, score_state, pool, chunks, page, eps, carry, pooled, memo,
+                               written)  # fmt: skip
 
     monkeypatch.setattr(prefill, "compress_chunks", spy)
     rng = np.random.default_rng(n_req)
