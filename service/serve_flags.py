@@ -29,6 +29,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "after each slice (default 10; 0: whole forwards)  [DSV4_PREFILL_SLICE_MS]",
     )
     p.add_argument(
+        "--prefill-whole-tokens", type=int,
+        help="a prefill forward of at most this many prompt tokens is built whole even while rows stream (one gap "
+        "for the streams instead of slices; default 256; 0: every forward in slices)  [DSV4_PREFILL_WHOLE_TOKENS]",
+    )
+    p.add_argument(
         "--itl-target-ms",
         help="while rows stream, a prompt's prefill forward is built in slices of as many layers as keep their "
         "inter-token latency under this many ms (default auto: 2x the measured decode step; 0: off, fixed "

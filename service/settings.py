@@ -33,6 +33,10 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)  # None: the model's own limit
     prefill_chunk: int | None = Field(None, ge=1)  # prompt tokens prefilled per step; None: 2048
     prefill_slice_ms: float = Field(10.0, ge=0)  # host ms of a forward between decode steps while rows stream; 0: whole
+    # a forward of at most this many prompt tokens is built whole even while rows stream: the streams wait one
+    # forward (~90-150 ms for 32-256 tokens at full depth) where slicing it kept the new requests' first tokens
+    # 300-700 ms late (H100, 2026-12-07); 0: every forward paced
+    prefill_whole_tokens: int = Field(256, ge=0)
     # while rows stream, prefill slices keep their inter-token latency under this many ms (service/engine/pacing.py;
     # the chunks stay --prefill-chunk, so a prompt's logits do not depend on the load); "auto" (default): 2x the
     # measured decode step; 0: off, fixed --prefill-slice-ms slices

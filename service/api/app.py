@@ -59,6 +59,7 @@ def default_worker(settings: Settings, ctl: Controller) -> Any:
         # Prompt tokens per step through the parallel prefill (token-serial engines: prefilling rows).
         prefill_chunk=settings.prefill_chunk,
         prefill_slice_ms=settings.prefill_slice_ms,
+        prefill_whole_tokens=settings.prefill_whole_tokens,
         itl_target_ms=None if settings.itl_target_ms == "auto" else settings.itl_target_ms,
         serial_prefill=settings.serial_prefill,
         pipeline=not settings.no_pipeline,

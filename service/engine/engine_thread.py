@@ -63,6 +63,7 @@ class EngineThread:
     max_queue: int
     prefill_chunk: int | None
     prefill_slice_ms: float
+    prefill_whole_tokens: int
     itl_target_ms: float | None
     _pacer: Pacer
     serial_prefill: bool
@@ -264,7 +265,7 @@ class EngineThread:
                                 rows=getattr(engine, "prefill_rows", None))  # the forward in flight's, if any
         out, self._ahead, self._inflight = iterate(
             engine, sched, sample, pace.budget, lambda: self._sync_counts(sched), self._ahead,
-            self.pipeline, self._inflight, pace.slice_seconds, pace.rows_layers,
+            self.pipeline, self._inflight, pace.slice_seconds, pace.rows_layers, self.prefill_whole_tokens,
         )  # fmt: skip
         now = self._built(engine)
         self._pacer.observe(time.perf_counter() - t0, bool(out.rows), now[0] - built, now[1] - layers)

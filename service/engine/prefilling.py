@@ -5,7 +5,9 @@ With decode rows streaming, a forward is built in slices (`Engine.prefill_batch(
 decode step of the other rows runs after each slice: a stream waits a slice, not a whole forward (on the
 H200 a 2,048-token V4-Flash forward is ~0.33 s against a ~20 ms step). Its requests sit out the decode
 steps until the forward is built (`InFlight`); no other prefill starts meanwhile. With no stream to keep
-going, the forward is built whole.
+going, or a forward of at most `--prefill-whole-tokens` (256) prompt tokens, the forward is built whole: sliced,
+a short forward kept its requests' first tokens 300-700 ms late beside 8 streams for a gap of ~90-150 ms it
+spared them (H100, 2026-12-07: docs/performance.md), as vLLM's chunked prefill would run it in one step.
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ def _fail(sched: Scheduler, pieces: list[Piece], e: Exception) -> list[TokenEven
 
 
 def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, slice_seconds: float | None = None,
-            rows_layers: int | None = None) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
+            rows_layers: int | None = None, whole_rows: int = 0,
+            ) -> tuple[list[TokenEvent], int, float, InFlight | None]:  # fmt: skip
     """Parallel prefill of the planned prompts, `budget` tokens in all, oldest request first; (events,
     tokens prefilled, seconds, the forward left in flight or None). The prefix cache goes first (a hit
     moves `fed` on). The pieces (one a request; with a cache, a piece short of its prompt's end ends on
     the snapshot interval, and the state is snapshotted after it) go through one shared forward
     (`engine.prefill_batch`), in slices of `slice_seconds` (and `rows_layers`, if given) when another planned
-    row samples this step; a
+    row samples this step and the pieces hold more than `whole_rows` tokens (a short forward is built whole: the
+    streams wait for it once, where its slices held the new requests' first tokens back for many steps); a
     request asking for prompt logprobs has the head over every token of its piece at the forward's end.
     A failed forward fails the requests in it (their state is half-written); the decode rows go on."""
     events: list[TokenEvent] = []
@@ -101,7 +105,8 @@ def prefill(engine: Engine, sched: Scheduler, plan: list[Request], budget: int, 
     inflight = None
     if work:
         streams = any(needs_sample(r) for r in plan if not any(w[0] is r for w in work))
-        sliced = streams and bool(slice_seconds) and getattr(engine, "sliced_prefill", False)
+        rows = sum(len(tokens) for _, _, tokens, _ in work)
+        sliced = streams and bool(slice_seconds) and getattr(engine, "sliced_prefill", False) and rows > whole_rows
         kw: dict[str, Any] = {"slice_seconds": slice_seconds} if sliced else {}
         if sliced and rows_layers:  # paced (pacing.py): the slice's rows x layers
             kw["rows_layers"] = rows_layers

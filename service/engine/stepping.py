@@ -177,12 +177,13 @@ def held(inflight: InFlight | None) -> int:
 def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], budget: int,
             admitted: Callable[[], None], ahead: Ahead | None = None, pipeline: bool = False,
             inflight: InFlight | None = None, slice_seconds: float | None = None, rows_layers: int | None = None,
-            ) -> tuple[Outcome, Ahead | None, InFlight | None]:  # fmt: skip
+            whole_rows: int = 0) -> tuple[Outcome, Ahead | None, InFlight | None]:  # fmt: skip
     """plan -> prefill (`budget` prompt tokens; or the next slice of the forward `inflight`) -> step + sample
     -> on_step; with `ahead`, its step instead (no admission this time). `admitted()` runs right after
     admission (the worker publishes the new queue counts). Returns the outcome, the step queued ahead, if
     any (`pipeline`), and the prefill forward still in flight, if any (built `slice_seconds` at a time
-    while other rows stream, at most `rows_layers` rows x layers if given: prefilling.py, pacing.py)."""
+    while other rows stream, at most `rows_layers` rows x layers if given, unless its prompt tokens are at most
+    `whole_rows`: prefilling.py, pacing.py)."""
     live = [i for i, r in enumerate(ahead.rows) if r.status is RequestStatus.RUNNING] if ahead is not None else []
     if ahead is not None and live:  # else every row of it was aborted: nothing to read, plan as usual
         from dsv4_serve.kernels.upload import upload
@@ -214,7 +215,7 @@ def iterate(engine: Engine, sched: Scheduler, sample: Callable[..., Pending], bu
     if inflight is not None:
         events, n_pre, t_pre, inflight = advance(engine, sched, inflight, plan, slice_seconds, rows_layers)
     else:
-        events, n_pre, t_pre, inflight = prefill(engine, sched, plan, budget, slice_seconds, rows_layers)
+        events, n_pre, t_pre, inflight = prefill(engine, sched, plan, budget, slice_seconds, rows_layers, whole_rows)
     out = Outcome(events, n_pre, t_pre)
     # The rows of a forward still in flight sit this step out (their prompt is not fed yet).
     plan = sched.resume([r for r in plan if r.status is RequestStatus.RUNNING

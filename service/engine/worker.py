@@ -61,6 +61,7 @@ class EngineWorker(EngineThread):
         max_queue: int = 64,
         prefill_chunk: int | None = None,
         prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS,
+        prefill_whole_tokens: int = 0,
         itl_target_ms: float | None = 0.0,
         serial_prefill: bool = False,
         pipeline: bool = True,
@@ -91,6 +92,11 @@ class EngineWorker(EngineThread):
         if prefill_slice_ms < 0:
             raise ValueError(f"prefill_slice_ms must be >= 0, got {prefill_slice_ms}")
         self.prefill_slice_ms = prefill_slice_ms
+        # A forward of at most this many prompt tokens is built whole even while rows stream (0: none; the
+        # server's default is 256: settings.py).
+        if prefill_whole_tokens < 0:
+            raise ValueError(f"prefill_whole_tokens must be >= 0, got {prefill_whole_tokens}")
+        self.prefill_whole_tokens = prefill_whole_tokens
         # While rows stream, prefill slices and chunks sized to keep their inter-token latency under this many
         # ms (pacing.py; None: 2x the measured step; 0: off, fixed slices as above). The server's default is None.
         if itl_target_ms is not None and itl_target_ms < 0:

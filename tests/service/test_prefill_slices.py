@@ -202,3 +202,28 @@ def test_prompt_logprobs_go_through_the_slices_and_a_stream_steps_between(tiny) 
         assert [i for i, _ in p.top] == np.argsort(-row, kind="stable")[:3].tolist(), t
         np.testing.assert_allclose([v for _, v in p.top], np.sort(row)[::-1][:3], atol=1e-4, rtol=0)
     assert eng.bytes_in_use() == 0
+
+
+def test_a_forward_of_few_tokens_is_built_whole_beside_a_stream(tiny) -> None:
+    """`prefill_whole_tokens`: the 70-token prompt's forwards of 32 tokens go in slices beside the stream, its last
+    piece (at most 8 tokens) is built whole though the stream runs; the tokens are the model's own either way."""
+    long = long_prompt(tiny)
+    want_s, want_l = reference(tiny, [5, 6], STREAM)[0], reference(tiny, long, LONG)[0]
+    eng = Recording(tiny[0])
+    s, lg = run(lambda w, e: stream_then_long(w, e, long), eng, prefill_chunk=32, prefill_slice_ms=1e-6,
+                prefill_whole_tokens=8)  # fmt: skip
+    assert tokens(s) == want_s and tokens(lg) == want_l
+    layers = tiny[1].num_hidden_layers
+    pieces = [(n, i) for i, (k, n) in enumerate(eng.calls) if k == "prefill"]
+    assert [n for n, _ in pieces][:2] == [32, 32] and pieces[2][0] <= 8 and len(pieces) == 3
+    assert eng.calls.count(("advance", 1)) == 2 * layers  # the two 32-token forwards, a layer a slice
+    assert eng.calls[pieces[2][1] + 1] == ("advance", 0)  # the short one: whole, the stream's step after it
+    assert eng.bytes_in_use() == 0
+
+
+def test_the_server_builds_short_forwards_whole_by_default() -> None:
+    from dsv4_serve.service.settings import Settings
+
+    assert Settings().prefill_whole_tokens == 256
+    with pytest.raises(ValueError):
+        Settings(prefill_whole_tokens=-1)
