@@ -20,12 +20,21 @@ plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is MLX's functional scatte
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from dsv4_serve.kernels import backend
 from dsv4_serve.kernels.rows import fail
 
 OP = "write_rows"
+
+# DSV4_PREFILL_STATE_INPLACE=1: the per-slot arrays (window rings, compressor windows) are written through
+# `write_rows` too: by prefill's forward (model/prefill.py, prefill_compress.py) and by a slot's reset, copy and
+# load (model/state_copy.py). Both or neither: a graph server finds the pools MLX moved by the Python array's
+# identity, and `a[idx] = v` keeps it (a new buffer under the same array); the default path's reset makes each
+# per-slot array a new one, which is what shows the forward's writes to it as moved (docs/cuda_graphs.md).
+SLOT_ROWS_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "0").strip() == "1"
 
 
 def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None) -> None:

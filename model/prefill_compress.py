@@ -11,22 +11,23 @@ node costs ~20 us of host: a forward of 8 prompts of 32 tokens cost 5x one promp
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from dsv4_serve.kernels import pool_rows
 from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.model.attention import Compressor
 
-# DSV4_PREFILL_STATE_INPLACE=1: a forward's slot-state writes (the compressors' windows here, the window rings in
-# model/prefill.py) go through `write_rows`, in place on CUDA as the page pools' entries already are. Else each is
-# MLX's scatter, which copies the whole array: on a graph server every 32-token prefill moved all 167 slot arrays
-# and the next replay copied them home (a 5-11 ms refresh, H100, 2026-12-07). Off until its ordering (a write after
-# every read of the old rows) has run on a GPU (tests/model/test_cuda_prefill.py); the CPU's twin is the scatter.
-STATE_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "0").strip() == "1"
+# DSV4_PREFILL_STATE_INPLACE=1 (kernels/pool_rows.py SLOT_ROWS_INPLACE): a forward's slot-state writes (the
+# compressors' windows here, the window rings in model/prefill.py) go through `write_rows`, in place on CUDA as the
+# page pools' entries already are. Else each is MLX's scatter, which copies the whole array: on a graph server
+# every 32-token prefill moved all 167 slot arrays and the next replay copied them home (a 5-11 ms refresh, H100,
+# 2026-12-07). Its ordering (a write after every read of the old rows) passed on an H100
+# (tests/model/test_cuda_prefill.py, a40c3ad); the CPU's twin is the scatter. Opt-in until measured.
+STATE_INPLACE = pool_rows.SLOT_ROWS_INPLACE
 
 
 class Chunk(NamedTuple):

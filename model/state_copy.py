@@ -4,10 +4,12 @@ Slots: a slot's fixed-size state (window ring, compressor windows) copied out (`
 (`load_slot`), to another slot (`copy_slot`, n > 1 sampling), or reset for a new occupant (`_reset_slot`).
 Pages: a page copied before a shared partial page is written (`copy_page`), and a table's entries read and
 written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
-`kernels.write_rows` (in place on CUDA, queued at once), and so do a slot's rows (`_write_slot`: its reset, a copy
-from another slot, a cached prefix's slot state): MLX's scatter copied the whole array each time, and on a graph
-server every admitted request then moved all 167 slot arrays of V4-Flash, which the next replay copied home (a 5.6
-ms refresh in the first step's 16-17 ms, H100, 2026-12-07).
+`kernels.write_rows` (in place on CUDA, queued at once). A slot's rows (`_write_slot`: its reset, a copy from another
+slot, a cached prefix's slot state) do too where prefill's forward writes its slot rows in place as well
+(`kernels.pool_rows.SLOT_ROWS_INPLACE`, DSV4_PREFILL_STATE_INPLACE=1); else each is MLX's scatter followed by
+`mx.contiguous`, a new array: on a graph server every admitted request then moves all 167 per-slot arrays of
+V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of 16-17 ms, H100, 2026-12-07), and
+that new array is what shows the forward's own scatters into it (same array, new buffer) as moved.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from dsv4_serve.kernels import pool_rows
 from dsv4_serve.kernels.pool_rows import commit, write_rows
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.config import ModelArgs
@@ -170,10 +173,15 @@ class StateCopies:
 
     def _write_slot(self, c: list[mx.array] | dict[int, mx.array], k: int, slot: int, values: mx.array,
                     tokens: list[mx.array]) -> None:  # fmt: skip
-        """Slot `slot`'s rows of the per-slot array `c[k]` [slots, b, d] set to `values` [b, d] through `write_rows`:
-        in place on CUDA (the array keeps its buffer, so the decode graphs' home stays the pool's and nothing is
-        copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the caller queues."""
+        """Slot `slot`'s rows of the per-slot array `c[k]` [slots, b, d] set to `values` [b, d]. With SLOT_ROWS_INPLACE
+        through `write_rows`: in place on CUDA (the array keeps its buffer, so the decode graphs' home stays the
+        pool's and nothing is copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the
+        caller queues. Else MLX's scatter and a new array (module doc)."""
         a = c[k]
+        if not pool_rows.SLOT_ROWS_INPLACE:
+            a[slot] = values.astype(a.dtype)
+            c[k] = mx.contiguous(a)  # a new array: the graphs see the pool as moved (and a one-slot pool a buffer)
+            return
         b = a.shape[1]
         rows = upload(np.arange(slot * b, (slot + 1) * b, dtype=np.int32))  # cached by content
         c[k], token = write_rows(a, rows, values.astype(a.dtype))

@@ -1,9 +1,11 @@
-"""A slot's rows written through `write_rows` (model/state_copy.py `_write_slot`): its reset on allocation, a copy
-from another slot (n > 1), a cached prefix's slot state loaded. The values against NumPy's, on the CPU's scatter
-and on a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept), under which no
-per-slot array may become a new array: a graph server copies every array that did home before its next replay
-(a 5.6 ms refresh after each admitted request, H100, 2026-12-07, when the reset was MLX's scatter). The gpu arm
-runs CUDA's own write (kernels/cuda/pool_rows.py), no stand-in."""
+"""A slot's rows (model/state_copy.py `_write_slot`): its reset on allocation, a copy from another slot (n > 1), a
+cached prefix's slot state loaded. The values against NumPy's, both ways:
+- the default (MLX's scatter): the reset makes every per-slot array a new one, which is how a graph server sees the
+  forward's own scatters into it (same array, new buffer) as moved, and copies them home;
+- with the slot rows in place (`SLOT_ROWS_INPLACE`, as prefill's forward then writes them): through `write_rows`,
+  a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept) and, on a GPU, CUDA's own
+  (kernels/cuda/pool_rows.py): no per-slot array may become a new array, or the graphs copy it home before the next
+  replay (a 5.6 ms refresh after each admitted request, H100, 2026-12-07)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import backend, pool_rows
 from dsv4_serve.model import state_copy
 from dsv4_serve.model.state import StatePools
 from dsv4_serve.model.tiny import tiny_model
@@ -32,6 +34,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not backe
 @pytest.mark.parametrize("arm", ["scatter", "stand-in", CUDA])
 def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> None:
     inplace = arm != "scatter"
+    monkeypatch.setattr(pool_rows, "SLOT_ROWS_INPLACE", inplace)
     if arm == "stand-in":
         monkeypatch.setattr(state_copy, "write_rows", in_place)
     _, args, _ = tiny_model()
@@ -44,6 +47,9 @@ def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> N
     want = {name: v.copy() for name, v in start.items()}
 
     a = pools.alloc(64)  # slot 0 reset: scores -inf, values and rings 0
+    renewed = [name for name, x in pools.slot_arrays().items() if x is not homes[name]]
+    assert renewed == ([] if inplace else list(homes)), renewed[:5]
+    homes = dict(pools.slot_arrays())
     for name, v in want.items():
         v[a.slot] = -np.inf if "score" in name else 0.0
     b = pools.alloc(64)
