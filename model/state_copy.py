@@ -132,7 +132,8 @@ class StateCopies:
         tokens: list[mx.array] = []
         for name, c, k in fields:
             self._write_slot(c, k, slot, state[name], tokens)
-        mx.async_eval(tokens)
+        if tokens:  # the in-place writes queued now (none on the scatter path)
+            mx.async_eval(tokens)
 
     def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
         """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one
@@ -150,7 +151,8 @@ class StateCopies:
         tokens: list[mx.array] = []
         for _, c, k in self._slot_fields():
             self._write_slot(c, k, d, c[k][s], tokens)
-        mx.async_eval(tokens)
+        if tokens:  # the in-place writes queued now (none on the scatter path)
+            mx.async_eval(tokens)
         ratios = self.args.compress_ratios
         for pools in (self.ckv, self.ikeys):
             for layer in pools:
@@ -169,7 +171,8 @@ class StateCopies:
         tokens: list[mx.array] = []
         for name, c, k in self._slot_fields():
             self._write_slot(c, k, slot, self._fill(c[k], -mx.inf if "score" in name else 0.0), tokens)
-        mx.async_eval(tokens)
+        if tokens:  # the in-place writes queued now (none on the scatter path)
+            mx.async_eval(tokens)
 
     def _write_slot(self, c: list[mx.array] | dict[int, mx.array], k: int, slot: int, values: mx.array,
                     tokens: list[mx.array]) -> None:  # fmt: skip
