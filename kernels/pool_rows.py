@@ -37,6 +37,16 @@ OP = "write_rows"
 SLOT_ROWS_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "0").strip() == "1"
 
 
+def renewed(a: mx.array) -> mx.array:
+    """A new Python array over `a`'s value (no graph node), for a scatter (`x[idx] = v`) into a state pool: the
+    scatter then replaces the new array's value and leaves `a`'s alone. A scatter into `a` itself keeps the Python
+    array and gives it a new buffer unless MLX donates the old one; the decode graphs find the pools MLX moved by
+    the array's identity (model/graph_step.py), so that write would be seen only if donated. Through a renewed
+    array it is always seen: the old buffer is still `a`'s (never donated), the pool's array is a new one, and the
+    next replay copies its bytes home."""
+    return a[:]
+
+
 def check_write_rows(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.array | None = None) -> None:
     for name, a in (("pool", pool), ("rows", rows), ("values", values)):
         if not isinstance(a, mx.array):

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsv4_serve.kernels import matmul as kmatmul
 from dsv4_serve.kernels import prefill_attention
-from dsv4_serve.kernels.pool_rows import write_rows
+from dsv4_serve.kernels.pool_rows import renewed, write_rows
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model import prefill_compress
 from dsv4_serve.model.attention import Attention
@@ -99,8 +99,10 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
     rings = [win[c.slot : c.slot + 1].reshape(win.shape[1:]) for c in chunks]  # a slice view, not a gather kernel
     # one scatter for every request's ring rows (in place: after the attention, which reads the old ring)
     slots, at, rows, flat = _memo(memo, "ring", lambda: _ring_rows(chunks, wl))
-    if not prefill_compress.STATE_INPLACE:
-        pools.window[layer][slots, at] = kv[rows]
+    if not prefill_compress.STATE_INPLACE:  # a new array (`renewed`): the pool's own keeps its buffer
+        ring = renewed(pools.window[layer])
+        ring[slots, at] = kv[rows]
+        pools.window[layer] = ring
     # What reads the entries the compressors write (in place on CUDA) goes through the int32 array each write
     # hands back: the attention's block tables, the indexer's key rows (they share the ratio-4 table).
     ns, table, t_offs, key_rows, k_offs = _memo(memo, ("tables", r), lambda: _tables(chunks, r, page))

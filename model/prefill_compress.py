@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4_serve.kernels import pool_rows
-from dsv4_serve.kernels.pool_rows import commit, write_rows
+from dsv4_serve.kernels.pool_rows import commit, renewed, write_rows
 from dsv4_serve.model.attention import Compressor
 
 # DSV4_PREFILL_STATE_INPLACE=1 (kernels/pool_rows.py SLOT_ROWS_INPLACE): a forward's slot-state writes (the
@@ -129,7 +129,8 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
                 written.append(t)
             else:
                 commit(kv_state, t)
-    else:
+    else:  # new arrays (`renewed`): the caller's keep their buffers
+        kv_state, score_state = renewed(kv_state), renewed(score_state)
         kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)
         score_state[slots] = ext_s[state_rows].reshape(n_req, n_state, -1)
     return kv_state, score_state, pool, carry

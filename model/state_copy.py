@@ -181,9 +181,10 @@ class StateCopies:
         pool's and nothing is copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the
         caller queues. Else MLX's scatter and a new array (module doc)."""
         a = c[k]
-        if not pool_rows.SLOT_ROWS_INPLACE:
-            a[slot] = values.astype(a.dtype)
-            c[k] = mx.contiguous(a)  # a new array: the graphs see the pool as moved (and a one-slot pool a buffer)
+        if not pool_rows.SLOT_ROWS_INPLACE:  # a new array: the graphs see the pool as moved, its home keeps its buffer
+            new = pool_rows.renewed(a)
+            new[slot] = values.astype(a.dtype)
+            c[k] = mx.contiguous(new)  # (a one-slot pool's full update is a broadcast: a buffer again)
             return
         b = a.shape[1]
         rows = upload(np.arange(slot * b, (slot + 1) * b, dtype=np.int32))  # cached by content

@@ -49,6 +49,9 @@ def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> N
     a = pools.alloc(64)  # slot 0 reset: scores -inf, values and rings 0
     renewed = [name for name, x in pools.slot_arrays().items() if x is not homes[name]]
     assert renewed == ([] if inplace else list(homes)), renewed[:5]
+    if not inplace:  # the scatter went to the new arrays: the old ones (a graph server's homes) keep their values
+        for name, x in homes.items():
+            np.testing.assert_array_equal(np.array(x), start[name], err_msg=name)
     homes = dict(pools.slot_arrays())
     for name, v in want.items():
         v[a.slot] = -np.inf if "score" in name else 0.0
@@ -72,3 +75,29 @@ def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> N
     if inplace:
         moved = [name for name, x in got.items() if x is not homes[name]]
         assert not moved, f"per-slot arrays made new by a slot write: {moved[:5]}"
+
+
+def test_a_forward_s_scatters_make_new_arrays_and_leave_the_pools_own(monkeypatch) -> None:
+    """The default forward (slot rows by MLX's scatter) writes each per-slot array it touches into a new array and
+    leaves the array the pools held (a graph server's home, handed back at a replay) as it was: so the graphs'
+    identity test sees every such write, and none rests on MLX donating the home's buffer. Before, the scatter went
+    into the pools' own array (same array, new value): a later forward of a prompt after a replay wrote into the
+    home array itself."""
+    from dsv4_serve.model import prefill, prefill_compress
+
+    monkeypatch.setattr(prefill_compress, "STATE_INPLACE", False)
+    model, args, _ = tiny_model(seed=0)
+    pools = StatePools(args, max_slots=2, max_positions=256, page_size=16, dtype=mx.float32)
+    h = pools.alloc(200)
+    mx.eval(pools.arrays())
+    homes = dict(pools.slot_arrays())
+    kept = {name: np.array(x) for name, x in homes.items()}
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, args.vocab_size, 150)]
+    mx.eval(prefill.prefill_batch(model, pools, [(h, prompt, 0)]), pools.arrays())
+    after = pools.slot_arrays()
+    written = [n for n, x in after.items() if not np.array_equal(np.array(x), kept[n], equal_nan=True)]
+    assert any(n.startswith("window") for n in written) and any(n.startswith("comp_kv") for n in written), written
+    for n in written:
+        assert after[n] is not homes[n], n
+    for n, x in homes.items():
+        np.testing.assert_array_equal(np.array(x), kept[n], err_msg=n)
