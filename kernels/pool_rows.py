@@ -31,9 +31,8 @@ OP = "write_rows"
 
 # DSV4_PREFILL_STATE_INPLACE=1: the per-slot arrays (window rings, compressor windows) are written through
 # `write_rows` too: by prefill's forward (model/prefill.py, prefill_compress.py) and by a slot's reset, copy and
-# load (model/state_copy.py). Both or neither: a graph server finds the pools MLX moved by the Python array's
-# identity, and `a[idx] = v` keeps it (a new buffer under the same array); the default path's reset makes each
-# per-slot array a new one, which is what shows the forward's writes to it as moved (docs/cuda_graphs.md).
+# load (model/state_copy.py). Together: either alone leaves the other's scatters to move the arrays, and a graph
+# server copies every moved array home before its next replay (167 a prefill on the H100, 2026-12-07: the reset's).
 SLOT_ROWS_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "0").strip() == "1"
 
 

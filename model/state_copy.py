@@ -6,10 +6,10 @@ Pages: a page copied before a shared partial page is written (`copy_page`), and 
 written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
 `kernels.write_rows` (in place on CUDA, queued at once). A slot's rows (`_write_slot`: its reset, a copy from another
 slot, a cached prefix's slot state) do too where prefill's forward writes its slot rows in place as well
-(`kernels.pool_rows.SLOT_ROWS_INPLACE`, DSV4_PREFILL_STATE_INPLACE=1); else each is MLX's scatter followed by
-`mx.contiguous`, a new array: on a graph server every admitted request then moves all 167 per-slot arrays of
-V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of 16-17 ms, H100, 2026-12-07), and
-that new array is what shows the forward's own scatters into it (same array, new buffer) as moved.
+(`kernels.pool_rows.SLOT_ROWS_INPLACE`, DSV4_PREFILL_STATE_INPLACE=1); else each is MLX's scatter into a renewed
+array (`pool_rows.renewed`) and `mx.contiguous`, a new array: on a graph server every admitted request then moves
+all 167 per-slot arrays of V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of 16-17
+ms, H100, 2026-12-07), and the pool's old array, a graph's home, is left as it was.
 """
 
 from __future__ import annotations
