@@ -124,11 +124,10 @@ def compress_chunks(comp: Compressor, proj: Sequence[mx.array], kv_state: mx.arr
     if STATE_INPLACE:  # the rows written are made from the gathered old ones: the write runs after that read
         kv_state, t_kv = write_rows(kv_state, own_rows, ext_kv[state_rows].astype(kv_state.dtype))
         score_state, t_s = write_rows(score_state, own_rows, ext_s[state_rows].astype(score_state.dtype))
-        for t in (t_kv, t_s):
-            if written is not None and t is not None:
-                written.append(t)
-            else:
-                commit(kv_state, t)
+        if written is None:  # queued now
+            kv_state, score_state = commit(kv_state, t_kv), commit(score_state, t_s)
+        else:
+            written += [t for t in (t_kv, t_s) if t is not None]
     else:  # new arrays (`renewed`): the caller's keep their buffers
         kv_state, score_state = renewed(kv_state), renewed(score_state)
         kv_state[slots] = ext_kv[state_rows].reshape(n_req, n_state, -1)

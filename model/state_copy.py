@@ -14,6 +14,7 @@ ms, H100, 2026-12-07), and the pool's old array, a graph's home, is left as it w
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import mlx.core as mx
@@ -192,11 +193,14 @@ class StateCopies:
         if token is not None:
             tokens.append(token)
 
-    def _fill(self, a: mx.array, value: float) -> mx.array:
-        """A [b, d] array of `value` in `a`'s dtype, made once per shape (a reset's rows)."""
-        fills: dict[tuple, mx.array] = self.__dict__.setdefault("_fills", {})
-        key = (a.shape[1], a.shape[2], a.dtype, value)
-        if key not in fills:
-            fills[key] = mx.full(key[:2], value, a.dtype)
-            mx.eval(fills[key])
-        return fills[key]
+    @staticmethod
+    def _fill(a: mx.array, value: float) -> mx.array:
+        """A [b, d] array of `value` in `a`'s dtype (a reset's rows), made once per shape."""
+        return _fill_rows(a.shape[1], a.shape[2], a.dtype, value)
+
+
+@functools.cache
+def _fill_rows(b: int, d: int, dtype: mx.Dtype, value: float) -> mx.array:
+    out = mx.full((b, d), value, dtype)
+    mx.eval(out)
+    return out

@@ -88,12 +88,10 @@ def cuda_prefill() -> Iterator[None]:
     from dsv4_serve.model import prefill, prefill_compress
 
     saved = (ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel)
-    writes = [(m, m.write_rows, getattr(m, "commit", None)) for m in (prefill, prefill_compress)]
+    saved_writes = (prefill.write_rows, prefill_compress.write_rows, prefill_compress.commit)
     ROOTS.clear()
-    for m, _, commit in writes:
-        m.write_rows = _write_rows
-        if commit is not None:
-            m.commit = _commit
+    prefill.write_rows = prefill_compress.write_rows = _write_rows
+    prefill_compress.commit = _commit  # (prefill.py commits none: its tokens are the layer output's dependencies)
 
     def tile_plan(p: int, k: int, n: int, tiles: int, *, wf: int, pair: int, xdiv: int, out: mx.Dtype,
                   limit: float | None = None) -> _OneLaunch:  # fmt: skip
@@ -143,10 +141,7 @@ def cuda_prefill() -> Iterator[None]:
         finally:
             ceg.Plan, cpa.Plan, ceg.plan_cached, cpa.plan_cached, cpa.kernel, cpo.kernel = saved
             mx.dequantize = deq
-            for m, write, commit in writes:
-                m.write_rows = write
-                if commit is not None:
-                    m.commit = commit
+            prefill.write_rows, prefill_compress.write_rows, prefill_compress.commit = saved_writes
 
 
 RELEASE_TOPK = 512  # the release's index_topk (the tiny model's 4 would make a short prompt's picks a top-k)
