@@ -328,7 +328,7 @@ sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue
                until grep -q "kernel cache:" "$OUT/verify_off.log" || [ $SECONDS -gt 300 ]; do sleep 2; done
                kill $pid_off; serve warm 8702 off DSV4_KERNEL_CACHE=1
                scenario pipe 8701
-               kill $pid_pipe; serve on 8703 $on DSV4_GRAPH_PIPELINE=0
+               kill $pid_pipe; serve on 8703 $on DSV4_GRAPH_PIPELINE=0 ${VERIFY_ON_ENV:-}  # e.g. DSV4_PREFILL_STATE_INPLACE=1
                scenario warm 8702
                scenario on 8703
                kill $(jobs -p) 2>/dev/null
