@@ -21,12 +21,12 @@ from dsv4_serve.kernels import pool_rows
 from dsv4_serve.kernels.pool_rows import commit, renewed, write_rows
 from dsv4_serve.model.attention import Compressor
 
-# DSV4_PREFILL_STATE_INPLACE=1 (kernels/pool_rows.py SLOT_ROWS_INPLACE): a forward's slot-state writes (the
+# DSV4_PREFILL_STATE_INPLACE (kernels/pool_rows.py SLOT_ROWS_INPLACE, default on): a forward's slot-state writes (the
 # compressors' windows here, the window rings in model/prefill.py) go through `write_rows`, in place on CUDA as the
-# page pools' entries already are. Else each is MLX's scatter, which copies the whole array: on a graph server
-# every 32-token prefill moved all 167 slot arrays and the next replay copied them home (a 5-11 ms refresh, H100,
-# 2026-12-07). Its ordering (a write after every read of the old rows) passed on an H100
-# (tests/model/test_cuda_prefill.py, a40c3ad); the CPU's twin is the scatter. Opt-in until measured.
+# page pools' entries already are. With 0 each is MLX's scatter, which copies the whole array: on a graph server
+# every 32-token prefill moved all 167 slot arrays and the next replay copied them home (a 5-11 ms refresh, H100
+# and H200, 2026-12-07). Its ordering (a write after every read of the old rows) passed on an H100
+# (tests/model/test_cuda_prefill.py, a40c3ad); the CPU's twin is the scatter.
 STATE_INPLACE = pool_rows.SLOT_ROWS_INPLACE
 
 

@@ -5,11 +5,11 @@ Slots: a slot's fixed-size state (window ring, compressor windows) copied out (`
 Pages: a page copied before a shared partial page is written (`copy_page`), and a table's entries read and
 written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
 `kernels.write_rows` (in place on CUDA, queued at once). A slot's rows (`_write_slot`: its reset, a copy from another
-slot, a cached prefix's slot state) do too where prefill's forward writes its slot rows in place as well
-(`kernels.pool_rows.SLOT_ROWS_INPLACE`, DSV4_PREFILL_STATE_INPLACE=1); else each is MLX's scatter into a renewed
-array (`pool_rows.renewed`) and `mx.contiguous`, a new array: on a graph server every admitted request then moves
-all 167 per-slot arrays of V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of 16-17
-ms, H100, 2026-12-07), and the pool's old array, a graph's home, is left as it was.
+slot, a cached prefix's slot state) do too, as prefill's forward writes its slot rows in place as well
+(`kernels.pool_rows.SLOT_ROWS_INPLACE`, the default); with DSV4_PREFILL_STATE_INPLACE=0 each is MLX's scatter into a
+renewed array (`pool_rows.renewed`) and `mx.contiguous`, a new array: on a graph server every admitted request then
+moves all 167 per-slot arrays of V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of
+16-17 ms, H100, 2026-12-07), and the pool's old array, a graph's home, is left as it was.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class StateCopies:
         """Slot `slot`'s rows of the per-slot array `c[k]` [slots, b, d] set to `values` [b, d]. With SLOT_ROWS_INPLACE
         through `write_rows`: in place on CUDA (the array keeps its buffer, so the decode graphs' home stays the
         pool's and nothing is copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the
-        caller queues. Else MLX's scatter and a new array (module doc)."""
+        caller queues. Else (DSV4_PREFILL_STATE_INPLACE=0) MLX's scatter and a new array (module doc)."""
         a = c[k]
         if not pool_rows.SLOT_ROWS_INPLACE:  # a new array: the graphs see the pool as moved, its home keeps its buffer
             new = pool_rows.renewed(a)

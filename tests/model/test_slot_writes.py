@@ -1,12 +1,12 @@
 """A slot's rows (model/state_copy.py `_write_slot`): its reset on allocation, a copy from another slot (n > 1), a
 cached prefix's slot state loaded. The values against NumPy's, both ways:
-- the default (MLX's scatter into a renewed array, kernels/pool_rows.py `renewed`): the reset makes every per-slot
-  array a new one and leaves the old one (a graph server's home) as it was, so the graphs see each write and copy
-  it home; the forward's own scatters the same way (the last test);
-- with the slot rows in place (`SLOT_ROWS_INPLACE`, as prefill's forward then writes them): through `write_rows`,
-  a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept) and, on a GPU, CUDA's own
-  (kernels/cuda/pool_rows.py): no per-slot array may become a new array, or the graphs copy it home before the next
-  replay (a 5.6 ms refresh after each admitted request, H100, 2026-12-07)."""
+- with DSV4_PREFILL_STATE_INPLACE=0 (MLX's scatter into a renewed array, kernels/pool_rows.py `renewed`): the reset
+  makes every per-slot array a new one and leaves the old one (a graph server's home) as it was, so the graphs see
+  each write and copy it home; the forward's own scatters the same way (the last test);
+- with the slot rows in place (`SLOT_ROWS_INPLACE`, the default, as prefill's forward writes them): through
+  `write_rows`, a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept) and, on a
+  GPU, CUDA's own (kernels/cuda/pool_rows.py): no per-slot array may become a new array, or the graphs copy it home
+  before the next replay (a 5.6 ms refresh after each admitted request, H100, 2026-12-07)."""
 
 from __future__ import annotations
 
