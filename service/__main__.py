@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -173,18 +174,28 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     ctl = app.state.ctl
     ctl.on_fatal = lambda: setattr(server, "should_exit", True)  # an engine that cannot serve ends the process
     server.run(sockets=[sock] if sock is not None else None)
+    code = 0
     if getattr(ctl.worker, "starting", False):
-        # stopped while the engine thread still loads or warms up (MLX, NVRTC): the interpreter's finalization under
-        # a running native thread ends in std::terminate (exit 134), so the process ends here, as asked
-        print("dsv4-serve: stopped during start-up", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(0)
-    if ctl.failure is not None:
+        print("dsv4-serve: stopped during start-up", file=sys.stderr)
+    elif ctl.failure is not None:
         from dsv4_serve.service.api.controller import describe_failure
 
         print(f"dsv4-serve: the engine cannot serve: {describe_failure(ctl.failure)}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    leave(code)
+    return code  # (not reached)
+
+
+def leave(code: int) -> None:
+    """End a served process with `code` once its output is flushed, skipping the interpreter's finalization: there
+    the native libraries' static destructors (MLX's, NVRTC's, CUDA's) run in no set order, under a native thread
+    still running (stopped during start-up: std::terminate) or not (a drained graph-less server whose kernel-cache
+    writer had built 37 entries with NVRTC: `free(): invalid pointer`, H200, 2026-12-07): exit 134 where the server
+    had stopped as asked. Everything a drain ends (streams, the engine thread, grammar workers) has ended by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exact_f32_matmuls() -> None:
