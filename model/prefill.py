@@ -85,13 +85,16 @@ def _memo(memo: dict[Any, Any] | None, key: Any, make: Callable[[], Any]) -> Any
 
 
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks: Sequence[Chunk],
-            seen: mx.array | None = None, memo: dict[Any, Any] | None = None) -> mx.array:  # fmt: skip
+            seen: mx.array | None = None, memo: dict[Any, Any] | None = None,
+            roots: list[mx.array] | None = None) -> mx.array | None:  # fmt: skip
     """`Attention.attend`'s kernel part for the forward's requests (`chunks`: each one's rows of proj): the window
     rings' update, the compressors' entries (every request in one call each: model/prefill_compress.py), the
     indexer's picks (CSA; `seen`: every entry each query sees, where that is what the top-k keeps:
     prefill_indexer.every_visible), then `prefill_attention` for each request on its rows; o [T, nh, D] in the
     pool dtype. `memo`: the forward's, holding the host-made index arrays every layer of a ratio shares (made and
-    uploaded once a forward)."""
+    uploaded once a forward). `roots` (a layer whose output nothing reads: the last of a forward without a head):
+    the state writes alone, no picks and no attention; the tokens of its in-place writes go to `roots` (on CUDA a
+    write whose token nothing evaluates never runs) and None is returned."""
     a, layer, r = attn.args, attn.layer, attn.ratio
     q, kv = proj[0].astype(pools.dtype), proj[1].astype(pools.dtype)
     wl, page, one = a.sliding_window, pools.page_size, len(chunks) == 1
@@ -118,6 +121,12 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
             attn.indexer.compressor, proj[10:14], pools.idx_kv[layer], pools.idx_score[layer], pools.ikeys[layer],
             chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype), memo, written,
         )  # fmt: skip
+    if roots is not None:  # nothing reads the old ring nor the entries here: the writes alone
+        if prefill_compress.STATE_INPLACE:
+            pools.window[layer], token = write_rows(pools.window[layer], flat, kv[rows])
+            written += [] if token is None else [token]
+        roots += [t for t in (*written, table, key_rows) if t is not None]
+        return None
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
     if r == 4 and seen is not None:
         picks = seen
@@ -172,12 +181,15 @@ def check_work(work: Sequence[tuple[StateHandle, Sequence[int], int]]) -> None:
 
 
 def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]], logits: bool,
-            every: list[bool], mtp_next: Sequence[int] | None = None,
+            every: list[bool], mtp_next: Sequence[int] | None = None, roots: list[mx.array] | None = None,
             ) -> Generator[mx.array, None, list[mx.array | None] | None]:  # fmt: skip
     """`prefill_batch`'s forward, yielding the residual stream after each layer (the driver decides when to
     evaluate); returns what `prefill_batch` returns. With `mtp_next` (speculative decoding: the token after each
-    chunk), the MTP block's ring over every position from the final streams (model/mtp.py: prompt_ring)."""
+    chunk), the MTP block's ring over every position from the final streams (model/mtp.py: prompt_ring).
+    Without a head, the MTP ring or scores nothing reads the last layer's output: that layer makes its state
+    writes alone (`_attend`'s `roots`, which the driver must evaluate: the tokens of its in-place writes)."""
     a = model.args
+    dead = len(model.layers) - 1 if roots is not None and not logits and not any(every) and mtp_next is None else -1
     ids = mx.array([int(x) for _, toks, _ in work for x in toks], dtype=mx.int32)
     lens = [len(toks) for _, toks, _ in work]
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
@@ -201,7 +213,12 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
         post, comb, *proj = before(hs, *angles[r][:-1])
         chunks = [Chunk(h.slot, h.tables[r] if r else (), start, b0, b1)
                   for (h, _, start), b0, b1 in zip(work, bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+        if i == dead:  # its state writes alone (no attention, no MoE: nothing reads them)
+            _attend(block.attn, proj, pools, chunks, None, memo, roots)
+            yield hs
+            break
         o = _attend(block.attn, proj, pools, chunks, seen if r == 4 else None, memo)
+        assert o is not None
         hs = after(o, hs, post, comb, proj[2], angles[r][-1], ids)
         yield hs
     if mtp_next is not None:
@@ -243,7 +260,8 @@ class Forward:
         self.out: list[mx.array | None] | None = None
         self._head_alone = any(every)  # an every-row head ([T, V]: a layer's GPU time or more) is a slice alone
         self._pools = pools
-        self._gen = _layers(model, pools, work, logits, every, mtp_next)
+        self.roots: list[mx.array] = []  # the last layer's write tokens when nothing reads its output (`_layers`)
+        self._gen = _layers(model, pools, work, logits, every, mtp_next, self.roots)
 
     def advance(self, seconds: float | None = None, rows_layers: int = 0,
                 before_eval: Callable[[], None] | None = None) -> bool:  # fmt: skip
@@ -277,6 +295,8 @@ class Forward:
                 break  # (the last layer's slice goes on to a one-row head: no empty slice at the end)
         if hs is not None and seconds is not None:  # after the last layer (an every-row head next, alone): its
             queue(hs if self.built < self.layers else self._pools.arrays())  # state; the MoE half: the head's
+        if self.done and self.roots:  # the last layer's writes, which nothing the forward returns reads
+            queue(self.roots)
         return self.done
 
 

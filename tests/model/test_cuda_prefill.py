@@ -40,8 +40,10 @@ def agree(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert cos >= 0.999, (what, float(cos))
 
 
-def compare_prefill_to_decode(model, args, dtype: mx.Dtype, page: int, chunks: list[list[int]]) -> None:
-    """Each chunking of a LEN-token prompt against the prompt decoded token by token."""
+def compare_prefill_to_decode(model, args, dtype: mx.Dtype, page: int, chunks: list[list[int]],
+                              head: bool = True) -> None:  # fmt: skip
+    """Each chunking of a LEN-token prompt against the prompt decoded token by token. `head=False`: the chunks'
+    forwards without a head, as the engine runs them (nothing reads the last layer's output), the state alone."""
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, args.vocab_size, LEN)]
     pools = StatePools(args, max_slots=2, max_positions=LEN + 8, page_size=page, dtype=dtype)
     ref = pools.alloc(LEN + 8)
@@ -51,9 +53,13 @@ def compare_prefill_to_decode(model, args, dtype: mx.Dtype, page: int, chunks: l
     for sizes in chunks:
         h, start = pools.alloc(LEN + 8), 0
         for c in sizes:
-            got_logits = model.prefill(pools, h, prompt[start : start + c], start, chunk=c)
+            if head:
+                got_logits = model.prefill(pools, h, prompt[start : start + c], start, chunk=c)
+            else:
+                assert model.prefill_batch(pools, [(h, prompt[start : start + c], start)], logits=False) is None
             start += c
-        agree(np.array(got_logits), want_logits, f"logits {sizes}")
+        if head:
+            agree(np.array(got_logits), want_logits, f"logits {sizes}")
         for k, v in owned(pools, h, args, LEN).items():
             agree(v, want[k], f"{k} {sizes}")
         pools.free(h)
@@ -66,6 +72,21 @@ def test_cuda_prefill_leaves_decodes_logits_and_state() -> None:
 
     args = flash_args(4, 8)
     compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[LEN], [100, 200], [37, 263]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cuda_prefill_without_a_head_writes_the_last_layer(monkeypatch, inplace: bool) -> None:
+    """The engine's forwards have no head, so nothing reads the last layer's output; its writes (entries, indexer
+    keys, and in place the ring and compressor rows) ran on CUDA only through tokens that hung on that output, and
+    never ran (2026-12-07). The last layer here is CSA: its entries and keys are compared."""
+    from bench.step import flash_args, random_model
+    from dsv4_serve.model import prefill_compress
+
+    monkeypatch.setattr(prefill_compress, "STATE_INPLACE", inplace)
+    args = flash_args(4, 8)
+    compare_prefill_to_decode(random_model(args), args, mx.bfloat16, 256, [[LEN], [100, 200]], head=False)
 
 
 @pytest.mark.gpu

@@ -204,10 +204,17 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
             run(d)
         return real_depends(inputs, dependencies)
 
-    real_depends = mx.depends
+    def queue(*xs):  # noqa: ANN002, ANN202 - a token queued (the last layer's writes: nothing reads its output)
+        for a in xs:
+            for x in a if isinstance(a, list) else [a]:
+                run(x)
+        return real_queue(*xs)
+
+    real_depends, real_queue = mx.depends, mx.async_eval
     monkeypatch.setattr(prefill_compress, "write_rows", write)
     monkeypatch.setattr(prefill_compress, "commit", commit)
     monkeypatch.setattr(mx, "depends", depends)
+    monkeypatch.setattr(mx, "async_eval", queue)
     rng = np.random.default_rng(5)
     n = 4 * args.index_topk  # the longest prompt whose queries all keep every entry
     prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for _ in range(requests)]
@@ -227,15 +234,18 @@ def test_a_short_prompt_s_indexer_keys_are_written_though_its_forward_reads_none
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.parametrize("logits", [True, False])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("lens", [(16,), (16, 16, 9), (40,), (40, 23)])
-def test_every_in_place_write_of_a_forward_is_evaluated(tiny, monkeypatch, lens, inplace) -> None:
+def test_every_in_place_write_of_a_forward_is_evaluated(tiny, monkeypatch, lens, inplace, logits) -> None:
     """The mechanical form of the check above, for every `write_rows` of a forward: on CUDA a write runs only when
     its token is evaluated, so each token must be committed or reachable from what the forward evaluates (its
     outputs and the pools). Here every token carries a marker op (ErfInv, which nothing else in a forward uses),
     nothing is evaluated while the forward is built (EVAL_EVERY 0, commits kept as roots), and the graph of the
     outputs, the pools and the committed tokens must hold every marker: short contexts (picks made on the host)
-    and scored ones, 1 and 3 requests, with the slot rows written in place or not."""
+    and scored ones, 1 and 3 requests, with the slot rows written in place or not, with the head or without it (the
+    engine's forwards: nothing reads the last layer's output, and on CUDA its window rings were never written while
+    their tokens hung on it, 2026-12-07)."""
     import io
 
     import mlx.core as mx
@@ -262,14 +272,17 @@ def test_every_in_place_write_of_a_forward_is_evaluated(tiny, monkeypatch, lens,
     for mod in (prefill_compress, prefill):
         monkeypatch.setattr(mod, "write_rows", write)
     monkeypatch.setattr(prefill_compress, "commit", commit)  # (prefill.py commits none: its tokens are dependencies)
+    monkeypatch.setattr(mx, "async_eval", lambda *xs: roots.extend(x for a in xs for x in (a if isinstance(a, list)
+                                                                                         else [a])))  # the same
     monkeypatch.setattr(prefill, "EVAL_EVERY", 0)
     monkeypatch.setattr(prefill_compress, "STATE_INPLACE", inplace)
     rng = np.random.default_rng(9)
     prompts = [[int(t) for t in rng.integers(0, args.vocab_size, n)] for n in lens]
     pools = pools_for(args)
     handles = [pools.alloc(64) for _ in prompts]
-    out = prefill.prefill_batch(model, pools, [(h, p, 0) for h, p in zip(handles, prompts, strict=True)])  # lazy
+    out = prefill.prefill_batch(model, pools, [(h, p, 0) for h, p in zip(handles, prompts, strict=True)],
+                                logits=logits)  # lazy
     assert tokens  # the forward wrote through write_rows
     dot = io.StringIO()
-    mx.export_to_dot(dot, *out, *pools.arrays(), *roots)
+    mx.export_to_dot(dot, *(out or []), *pools.arrays(), *roots)
     assert dot.getvalue().count('"ErfInv"') == len(tokens), "a write whose token nothing evaluates"
