@@ -186,7 +186,7 @@ def _layers(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence
     """`prefill_batch`'s forward, yielding the residual stream after each layer (the driver decides when to
     evaluate); returns what `prefill_batch` returns. With `mtp_next` (speculative decoding: the token after each
     chunk), the MTP block's ring over every position from the final streams (model/mtp.py: prompt_ring).
-    Without a head, the MTP ring or scores nothing reads the last layer's output: that layer makes its state
+    Without a head, an MTP ring or scores, nothing reads the last layer's output: that layer makes its state
     writes alone (`_attend`'s `roots`, which the driver must evaluate: the tokens of its in-place writes)."""
     a = model.args
     dead = len(model.layers) - 1 if roots is not None and not logits and not any(every) and mtp_next is None else -1
