@@ -182,16 +182,16 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
 
         print(f"dsv4-serve: the engine cannot serve: {describe_failure(ctl.failure)}", file=sys.stderr)
         code = 1
-    leave(code)
-    return code  # (not reached)
+    return code
 
 
 def leave(code: int) -> None:
-    """End a served process with `code` once its output is flushed, skipping the interpreter's finalization: there
-    the native libraries' static destructors (MLX's, NVRTC's, CUDA's) run in no set order, under a native thread
-    still running (stopped during start-up: std::terminate) or not (a drained graph-less server whose kernel-cache
-    writer had built 37 entries with NVRTC: `free(): invalid pointer`, H200, 2026-12-07): exit 134 where the server
-    had stopped as asked. Everything a drain ends (streams, the engine thread, grammar workers) has ended by now."""
+    """End a served process (`main`, after `serve` returned) with `code` once its output is flushed, skipping the
+    interpreter's finalization: there the native libraries' static destructors (MLX's, NVRTC's, CUDA's) run in no
+    set order, under a native thread still running (stopped during start-up: std::terminate) or not (a drained
+    graph-less server whose kernel-cache writer had built 37 entries with NVRTC: `free(): invalid pointer`, H200,
+    2026-12-07): exit 134 where the server had stopped as asked. Everything a drain ends (streams, the engine
+    thread, grammar workers) has ended by now. (`serve` itself returns: tests run it in their own process.)"""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -230,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as err:
         print(f"dsv4-serve: invalid settings: {describe_error(err)}", file=sys.stderr)
         return 2
-    return serve(settings, sock)
+    leave(serve(settings, sock))
+    return 0  # (not reached)
 
 
 if __name__ == "__main__":
