@@ -4,7 +4,10 @@ must be equal token for token.
 The scenario (fixed prompts, temperature 0, ignore_eos): 8 requests of ~4K-token prompts, two groups of four
 sharing a 3,584-token prefix, sent 0.25 s apart with 64..256 output tokens, so rows join and leave a running
 batch at every row count; then the same 8 prompts again, all at once, 256 tokens each: prefix-cache hits (their
-`cached_tokens` recorded). The token ids come from each stream's logprobs.
+`cached_tokens` recorded). The token ids come from each stream's logprobs, named "token_id:<id>"
+(`return_tokens_as_token_ids`): without it a server with no tokenizer (`--load-format dummy`) names every token "",
+and every comparison before 2026-12-07 compared those empty strings. A file whose tokens are not ids, or all one,
+compares as a failure.
 
     python tools/graph_agree.py --server-args "--load-format dummy --model flash --layers 8 --experts 16 \
         --decode-graphs on" --out on.json
@@ -41,7 +44,8 @@ def prompts(seed: int, vocab: int) -> list[list[int]]:
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int, delay: float) -> dict:
     await asyncio.sleep(delay)
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True},
+            "return_tokens_as_token_ids": True}  # fmt: skip
     tokens: list[str] = []
     usage = None
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
@@ -69,8 +73,16 @@ async def scenario(url: str, model: str, ps: list[list[int]]) -> dict:
         return {"joins_and_leaves": first, "prefix_hits": again, "seconds": [t1 - t0, time.perf_counter() - t1]}
 
 
+def vacuous(a: dict) -> bool:
+    """Tokens that could not tell two outputs apart: none, not ids, or all one id."""
+    toks = [t for part in ("joins_and_leaves", "prefix_hits") for r in a[part] for t in r.get("tokens", ())]
+    return not toks or not all(t.startswith("token_id:") for t in toks) or len(set(toks)) < 2
+
+
 def compare(a: dict, b: dict) -> str | None:
     """None if every request's tokens are equal, else where they first differ."""
+    if vacuous(a) or vacuous(b):
+        return "no token ids to compare (a server without return_tokens_as_token_ids, or one token throughout)"
     for part in ("joins_and_leaves", "prefix_hits"):
         for i, (x, y) in enumerate(zip(a[part], b[part], strict=True)):
             if "error" in x or "error" in y:

@@ -154,6 +154,7 @@ class _Sampling(Body, Guided):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: logprobs of every prompt token
     skip_special_tokens: bool | None = None  # vLLM: default true, special tokens never reach the text
     include_stop_str_in_output: bool | None = None  # vLLM: the text ends with the stop string (or stop token)
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name each token "token_id:<id>", not its text
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: accepted, carries no behaviour

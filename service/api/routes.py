@@ -149,6 +149,7 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
         skip.add(ctl.eos_token_id)
     stop_ids = frozenset(skip - {ctl.eos_token_id})  # vLLM's stop_reason: a stop token id, never EOS
     include_stop = bool(req.include_stop_str_in_output)  # the stop token's text too (hidden if special)
+    as_ids = (lambda i: f"token_id:{i}") if req.return_tokens_as_token_ids else None  # vLLM's logprob tokens
     try:
         for pi, p in enumerate(prompts):
             seeds = [p.params.seed if p.params.seed is None else (p.params.seed + j) % 2**63 for j in range(n)]
@@ -166,7 +167,8 @@ async def _submit(request: Request, ctl: Controller, kind: str, req: Any, rid: s
                     stop_ids=stop_ids, include_stop=include_stop,
                     abort=ctl.abort, metrics=ctl.metrics, on_done=lambda x: ctl.active.pop(x, None), t0=t0,
                     index=pi * n + j, logprobs=p.params.logprobs is not None, thinking=thinking,
-                    token_str=lambda i: token_text(tok, i), token_bytes=lambda i: token_bytes(tok, i),
+                    token_str=as_ids or (lambda i: token_text(tok, i)),
+                    token_bytes=(lambda i: as_ids(i).encode()) if as_ids else (lambda i: token_bytes(tok, i)),
                     echo=p.echo, prompt_ids=p.ids, prompt_logprobs=req.prompt_logprobs is not None,
                     tools=ToolStream() if tools else None,
                 ))  # fmt: skip

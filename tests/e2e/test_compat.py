@@ -154,3 +154,25 @@ def test_image_part_names_what_is_unsupported(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=2)
     err = e.value.body
     assert err["param"] == "messages" and "image_url" in err["message"] and "text only" in err["message"], err
+
+
+def test_return_tokens_as_token_ids(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's `return_tokens_as_token_ids`: each logprobs token (and each top-k key) is "token_id:<id>", the ids
+    the same greedy text gives through /tokenize; chat's `bytes` are the string's. What tools/graph_agree.py
+    compares: a server without a tokenizer names every token "" otherwise."""
+    plain = _complete(client, "hello", max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})
+    ids = _complete(client, "hello", max_tokens=6, logprobs=2,
+                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    assert ids.text == plain.text
+    toks = ids.logprobs.tokens
+    assert all(t.startswith("token_id:") for t in toks) and len(toks) == 6
+    got = [int(t.split(":", 1)[1]) for t in toks]
+    r = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": got})
+    assert r.status_code == 200 and r.json()["prompt"] == plain.text, r.text
+    assert all(len(d) == 2 and all(k.startswith("token_id:") for k in d) for d in ids.logprobs.top_logprobs)
+    assert all(t in d for t, d in zip(toks, ids.logprobs.top_logprobs, strict=True))  # greedy: its token is a top-1
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    for c in chat.choices[0].logprobs.content:
+        assert c.token.startswith("token_id:") and int(c.token.split(":")[1]) >= 0
+        assert c.bytes == list(c.token.encode())

@@ -37,6 +37,7 @@ SHARED: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (1, OK),
     "skip_special_tokens": (False, OK),
     "include_stop_str_in_output": (True, OK),
+    "return_tokens_as_token_ids": (True, OK),  # what it does: test_compat.py
     "cache_salt": ("salt-1", OK),
     "stream": (True, OK),
     "stream_options": ({"include_usage": True}, REJECTED),  # without stream: true (as OpenAI); with: test_api.py
