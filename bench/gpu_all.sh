@@ -26,6 +26,8 @@
 #                store": the plans stored, then loaded); prefill at 32 tokens
 #   PART=inplace the in-place slot writes: their gpu test, then graph servers with DSV4_PREFILL_STATE_INPLACE=0 and 1
 #                (1 and 8 streams: TTFT's prefill and first step, refreshes, pools moved)
+#   PART=correct the prefill's gpu tests (a headless forward's state), then a graph server's canary every 2 s beside
+#                8 streams (its checks and failures): run first
 #   PART=p59     issue 59's acceptance in one call: one graph server's cells (1 and 8 streams, 8 at 4 requests/s, 7
 #                beside a 16K prompt), then bench/step.py's graph step (POOLED=1: with DSV4_POOLED_KERNEL=1)
 #   PART=ttft    bench/serve.py at 1 and 8 streams, arrivals at 4 requests/s, against the graph engine: TTFT median,
@@ -215,6 +217,26 @@ for part in ${PART:-tests}; do
                    --concurrency 1,8 --output-len 128 --prompts-per-concurrency 3 --server-args "$flash --decode-graphs on" \
                    --out "$OUT/inplace_$k.json" 2>&1 | grep -v Warn | grep -E "concurrency|TTFT by" | sed "s/^/inplace=$k: /"
                done ;;
+    correct)   # the correctness checks first (2026-12-07: the HTTP greedy comparisons had compared empty strings, and
+               # headless prefill forwards had left their last layer's writes unrun): the prefill's gpu tests (a
+               # headless forward's state against decode's, scatter and in place), then a full-depth graph server
+               # whose canary (its start-up plain decode, re-admitted every 2 s through the parallel prefill and the
+               # replayed steps) runs beside 8 streams: its checks and failures from /metrics
+               timeout 240 python3 -m pytest -m gpu -q --tb=short -rA -p no:cacheprovider tests/model/test_cuda_prefill.py \
+                 tests/model/test_slot_writes.py 2>&1 | grep -E "PASS|FAIL|ERROR|passed|failed|skipped" | tail -12
+               port=18124 url=http://127.0.0.1:18124
+               python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port ${CORRECT_SERVER-$flash --decode-graphs on} \
+                 --canary-interval 2 --canary-action warn > "$OUT/canary_server.log" 2>&1 & spid=$!  # (CORRECT_SERVER="": the tiny model, a CPU dry run)
+               until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
+                 [ $SECONDS -gt 500 ] && { echo "canary server not ready"; tail -3 "$OUT/canary_server.log"; break; }
+                 sleep 2
+               done
+               timeout $((570 - SECONDS)) python3 bench/serve.py --url $url --concurrency 8 --output-len 256 \
+                 --prompts-per-concurrency 2 --out "$OUT/canary_serve.json" 2>&1 | grep -v Warn | tail -3
+               python3 -c "import httpx; print(*[l for l in httpx.get('$url/metrics').text.splitlines()
+                                                 if l.startswith('dsv4_canary')], sep='\n')"
+               grep -E "canary" "$OUT/canary_server.log" | tail -4 | cut -c1-400
+               kill $spid; wait $spid 2>/dev/null ;;
     p59)       # issue 59's acceptance in one call: one graph server (full depth; POOLED=1: DSV4_POOLED_KERNEL=1), 1 and 8
                # streams (each cell's first wave a burst), 8 streams at 4 requests/s (arrivals spread), 7 streams beside a
                # 16K prompt (their ITL during its prefill); the server stopped (memory), the step at rows 1 and 8
