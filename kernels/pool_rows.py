@@ -33,8 +33,7 @@ OP = "write_rows"
 # compressor windows) are written through `write_rows` too: by prefill's forward (model/prefill.py,
 # prefill_compress.py) and by a slot's reset, copy and load (model/state_copy.py). Together: either alone leaves the
 # other's scatters to move the arrays, and a graph server copies every moved array home before its next replay (167
-# a prefill, an 8 ms refresh on the H200; with both in place none, and the graph step's greedy tokens equal the MLX
-# step's: 2026-12-07, 05837ee).
+# a prefill, an 8 ms refresh on the H200; with both in place none: 2026-12-07, 05837ee).
 SLOT_ROWS_INPLACE = os.environ.get("DSV4_PREFILL_STATE_INPLACE", "1").strip() != "0"
 
 
