@@ -84,6 +84,15 @@ def _memo(memo: dict[Any, Any] | None, key: Any, make: Callable[[], Any]) -> Any
     return memo[key]
 
 
+def _ring_in_place(pools: StatePools, layer: int, flat: mx.array | None, values: mx.array,
+                   written: list[mx.array]) -> None:  # fmt: skip
+    """With the slot rows in place, the window rings' rows `flat` of the [slots * W, D] view set to `values`
+    (`write_rows`); its token joins `written`. Nothing otherwise (the scatter into a renewed ring is `_attend`'s)."""
+    if prefill_compress.STATE_INPLACE:
+        pools.window[layer], token = write_rows(pools.window[layer], flat, values)
+        written += [] if token is None else [token]
+
+
 def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks: Sequence[Chunk],
             seen: mx.array | None = None, memo: dict[Any, Any] | None = None,
             roots: list[mx.array] | None = None) -> mx.array | None:  # fmt: skip
@@ -122,9 +131,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
             chunks, page, eps, key_rows, pooled(eps, pools.ikeys[layer].dtype), memo, written,
         )  # fmt: skip
     if roots is not None:  # nothing reads the old ring nor the entries here: the writes alone
-        if prefill_compress.STATE_INPLACE:
-            pools.window[layer], token = write_rows(pools.window[layer], flat, kv[rows])
-            written += [] if token is None else [token]
+        _ring_in_place(pools, layer, flat, kv[rows], written)
         roots += [t for t in (*written, table, key_rows) if t is not None]
         return None
     picks, ikeys = None, pools.ikeys[layer].reshape(-1, pools.ikeys[layer].shape[2]) if r == 4 else None
@@ -147,10 +154,7 @@ def _attend(attn: Attention, proj: Sequence[mx.array], pools: StatePools, chunks
         tab = table[t_offs[i] : t_offs[i + 1]] if r else None
         outs.append(prefill_attention(qi, rings[i], kvi, c.start, pools.ckv[layer] if r else None, tab, ids,
                                       attn.attn_sink, scale=a.head_dim**-0.5, ratio=r or None))  # fmt: skip
-    if prefill_compress.STATE_INPLACE:
-        ring_kv = mx.depends([kv[rows]], outs)[0]  # written after every read of the old ring
-        pools.window[layer], token = write_rows(pools.window[layer], flat, ring_kv)
-        written += [] if token is None else [token]
+    _ring_in_place(pools, layer, flat, mx.depends([kv[rows]], outs)[0], written)  # after every read of the old ring
     o = outs[0] if one else mx.concatenate(outs)
     if written:  # evaluated with the layer, not mid-build (a `commit` each was an evaluation of what came before)
         o = mx.depends([o], written)[0]
