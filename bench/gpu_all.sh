@@ -87,6 +87,13 @@ python3 bench/common.py  # the code's provenance (the device's .git may be stale
 # mlx.launch's entry point (pip --target leaves no console script on PATH); `timeout` needs a program.
 flash="--load-format dummy --model flash --experts 32"  # the full V4-Flash on random weights (PART=http, prefix)
 launch=(python3 -c "import sys; from mlx._distributed_utils.launch import main; sys.argv[0]='mlx.launch'; sys.exit(main())")
+wait_ready() {  # url log until-seconds name: poll /ready each second; on giving up the log's tail and status 1
+  until python3 -c "import httpx, sys; sys.exit(httpx.get('$1/ready').status_code != 200)" 2>/dev/null; do
+    [ $SECONDS -gt $3 ] && { echo "$4: not ready"; tail -3 "$2"; return 1; }
+    sleep 1
+  done
+  echo "$4: ready at $SECONDS s"
+}
 for part in ${PART:-tests}; do
   echo "== $part"
   case $part in
@@ -227,10 +234,7 @@ for part in ${PART:-tests}; do
                port=18124 url=http://127.0.0.1:18124
                python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port ${CORRECT_SERVER-$flash --decode-graphs on} \
                  --canary-interval 2 --canary-action warn > "$OUT/canary_server.log" 2>&1 & spid=$!  # (CORRECT_SERVER="": the tiny model, a CPU dry run)
-               until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
-                 [ $SECONDS -gt 500 ] && { echo "canary server not ready"; tail -3 "$OUT/canary_server.log"; break; }
-                 sleep 2
-               done
+               wait_ready $url "$OUT/canary_server.log" 500 "canary server"
                timeout $((570 - SECONDS)) python3 bench/serve.py --url $url --concurrency 8 --output-len 256 \
                  --prompts-per-concurrency 2 --out "$OUT/canary_serve.json" 2>&1 | grep -v Warn | tail -3
                python3 -c "import httpx; print(*[l for l in httpx.get('$url/metrics').text.splitlines()
@@ -243,13 +247,7 @@ for part in ${PART:-tests}; do
                port=18123 url=http://127.0.0.1:18123
                DSV4_POOLED_KERNEL=${POOLED:-0} python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port $flash \
                  --decode-graphs on > "$OUT/p59_server.log" 2>&1 & spid=$!
-               python3 -c "import httpx, sys, time
-for i in range(400):
-    try:
-        if httpx.get('$url/ready', timeout=1).status_code == 200: print(f'server ready after {i} polls'); sys.exit(0)
-    except httpx.HTTPError: pass
-    time.sleep(1)
-sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue; }
+               wait_ready $url "$OUT/p59_server.log" $((SECONDS + 400)) "p59 server" || { kill $spid; continue; }
                grep -E "warm-up took|decode graph" "$OUT/p59_server.log" | tail -3 | cut -c1-220
                timeout 150 python3 bench/serve.py --url $url --concurrency 1,8 --output-len 256 --prompts-per-concurrency 3 \
                  --out "$OUT/p59_burst.json" 2>&1 | grep -v Warn | tail -12
@@ -305,11 +303,7 @@ sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue
                }
                run() {  # arm index: wait for its server, the scenario on it, then stop it
                  local arm=${arms[$1]} url="http://127.0.0.1:$((8700 + $1))"
-                 until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
-                   [ $SECONDS -gt ${AGREE_READY_S:-420} ] && { echo "agree: $arm not ready"; tail -3 "$OUT/agree_$arm.log"; return; }
-                   sleep 2
-                 done
-                 echo "agree: $arm ready at $SECONDS s"
+                 wait_ready "$url" "$OUT/agree_$arm.log" ${AGREE_READY_S:-420} "agree: $arm" || return
                  timeout $((580 - SECONDS)) python3 tools/graph_agree.py --url "$url" --out "$OUT/agree_$arm.json" 2>&1 | tail -1
                }
                if [ -n "${AGREE_PARALLEL:-}" ]; then  # every server started at once: their start-ups overlap
@@ -335,16 +329,12 @@ sys.exit('not ready')" || { tail -20 "$OUT/p59_server.log"; kill $spid; continue
                }
                scenario() {  # name port: wait for its /ready, then the scenario on it
                  local name=$1 url="http://127.0.0.1:$2"
-                 until python3 -c "import httpx, sys; sys.exit(httpx.get('$url/ready').status_code != 200)" 2>/dev/null; do
-                   [ $SECONDS -gt 560 ] && { echo "verify: $name not ready"; tail -3 "$OUT/verify_$name.log"; return; }
-                   sleep 1
-                 done
-                 echo "verify: $name ready at $SECONDS s"
+                 wait_ready "$url" "$OUT/verify_$name.log" 560 "verify: $name" || return
                  timeout $((585 - SECONDS)) python3 tools/graph_agree.py --url "$url" --out "$OUT/verify_$name.json" \
                    2>&1 | tail -1
                }
                serve off 8700 off DSV4_KERNEL_CACHE=1
-               on=${VERIFY_ON:-on}  # off: the flow checked on a CPU (AGREE_MODEL="": the tiny model)
+               on=${VERIFY_ON:-on}  # off: the flow checked on a CPU (AGREE_MODEL="" AGREE_STATE_GIB=2: the tiny model)
                serve pipe 8701 $on DSV4_GRAPH_PIPELINE=1
                scenario off 8700
                until grep -q "kernel cache:" "$OUT/verify_off.log" || [ $SECONDS -gt 300 ]; do sleep 2; done
