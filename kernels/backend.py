@@ -28,7 +28,7 @@ OPS = ("compressor_rows", "compressor_rows_inplace", "compressor_pair_rows_inpla
        "hc_post_rows", "router_topk", "hc_pre_rows", "moe_combine_rows", "moe_combine_post_rows",
        "rms_rope_rows", "hc_pre_norm_rows", "prefill_attention", "grouped_experts", "dequantize_mxfp8",
        "indexer_scores", "rope_step_tables", "rms_rope_ring_rows", "router_hash", "index_weights_rows",
-       "embed_streams", "hc_head_rows", "write_rows")
+       "embed_streams", "hc_head_rows", "write_rows", "write_slots")
 ENV = "DSV4_KERNELS"
 
 _fast: dict[str, Callable[..., Any]] = {}

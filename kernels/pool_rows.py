@@ -16,11 +16,18 @@ must hand it to a reader in the same graph or commit it (a short prompt's forwar
 keys' writes went unevaluated on CUDA from 4a73807 until the layer's output was made to depend on them). The
 plain twin (the CPU, Metal, `DSV4_KERNELS=reference`) is MLX's functional scatter: a new pool, and `carry` itself
 (None without).
+
+`write_slots(pools, slot, values) -> (pools, token)`: one slot of many per-slot pools at once (a slot's reset, load
+or copy: V4-Flash has 167 such arrays, each a `write_rows` launch and node before): pools[i] [a_i, b_i, d_i],
+values[i] [b_i, d_i] in its dtype; slot `slot`'s b_i rows of pools[i] become values[i]. On CUDA one launch writes
+them all in place (kernels/cuda/pool_rows.py) and returns the pools themselves and a 1-element token to commit;
+the twin is `write_rows_reference` on each pool (new pools, no token).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -28,6 +35,7 @@ from dsv4_serve.kernels import backend
 from dsv4_serve.kernels.rows import fail
 
 OP = "write_rows"
+SLOTS_OP = "write_slots"
 
 # DSV4_PREFILL_STATE_INPLACE (default 1; 0: MLX's scatters into renewed arrays): the per-slot arrays (window rings,
 # compressor windows) are written through `write_rows` too: by prefill's forward (model/prefill.py,
@@ -88,3 +96,40 @@ def commit(pool: mx.array, token: mx.array | None) -> mx.array:
     if token is not None:
         mx.async_eval(token)
     return pool
+
+
+def check_write_slots(pools: Sequence[mx.array], slot: int, values: Sequence[mx.array]) -> None:
+    if not isinstance(pools, (list, tuple)) or not pools:
+        raise fail(SLOTS_OP, "pools", "must be a non-empty list of mx.array")
+    if not isinstance(values, (list, tuple)) or len(values) != len(pools):
+        raise fail(SLOTS_OP, "values", f"must be a list of {len(pools)} mx.array (one a pool)")
+    if len({id(p) for p in pools}) != len(pools):
+        raise fail(SLOTS_OP, "pools", "must be distinct arrays (two writes of one buffer would race)")
+    for i, (p, v) in enumerate(zip(pools, values, strict=True)):
+        if not isinstance(p, mx.array) or p.ndim != 3:
+            raise fail(SLOTS_OP, "pools", f"[{i}] must be an mx.array [a, b, d], got {getattr(p, 'shape', p)!r}")
+        if not isinstance(v, mx.array) or tuple(v.shape) != tuple(p.shape[1:]):
+            raise fail(SLOTS_OP, "values", f"[{i}] must be [{p.shape[1]}, {p.shape[2]}] (a slot's rows), "
+                                            f"got {getattr(v, 'shape', v)!r}")  # fmt: skip
+        if v.dtype != p.dtype:
+            raise fail(SLOTS_OP, "values", f"[{i}] dtype must be its pool's {p.dtype}, got {v.dtype}")
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < min(p.shape[0] for p in pools):
+        raise fail(SLOTS_OP, "slot", f"must be an int in 0..{min(p.shape[0] for p in pools) - 1}, got {slot!r}")
+
+
+def write_slots_reference(pools: Sequence[mx.array], slot: int, values: Sequence[mx.array]
+                          ) -> tuple[list[mx.array], mx.array | None]:  # fmt: skip
+    """`write_rows_reference` on each pool: new pools, no token."""
+    check_write_slots(pools, slot, values)
+    out = []
+    for p, v in zip(pools, values, strict=True):
+        b = p.shape[1]
+        rows = mx.arange(slot * b, (slot + 1) * b, dtype=mx.int32)
+        out.append(write_rows_reference(p, rows, v)[0])
+    return out, None
+
+
+def write_slots(pools: Sequence[mx.array], slot: int, values: Sequence[mx.array]
+                ) -> tuple[list[mx.array], mx.array | None]:  # fmt: skip
+    """-> (the pools after the write, a token to commit or None): see the module's docstring."""
+    return backend.pick(SLOTS_OP, write_slots_reference)(pools, slot, values)

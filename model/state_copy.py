@@ -5,8 +5,10 @@ Slots: a slot's fixed-size state (window ring, compressor windows) copied out (`
 Pages: a page copied before a shared partial page is written (`copy_page`), and a table's entries read and
 written by name (`read_entries` / `write_entries`: the prefix cache and state export). Page rows go through
 `kernels.write_rows` (in place on CUDA, queued at once). A slot's rows (`_write_slot`: its reset, a copy from another
-slot, a cached prefix's slot state) do too, as prefill's forward writes its slot rows in place as well
-(`kernels.pool_rows.SLOT_ROWS_INPLACE`, the default); with DSV4_PREFILL_STATE_INPLACE=0 each is MLX's scatter into a
+slot, a cached prefix's slot state) go through `kernels.write_slots`: every per-slot array in one launch on CUDA
+(a `write_rows` node each, 167, had made an admission's wait 11.2 ms against 1.8 with the scatters, H200,
+2026-12-07), as prefill's forward writes its slot rows in place as well (`kernels.pool_rows.SLOT_ROWS_INPLACE`, the
+default); with DSV4_PREFILL_STATE_INPLACE=0 each is MLX's scatter into a
 renewed array (`pool_rows.renewed`) and `mx.contiguous`, a new array: on a graph server every admitted request then
 moves all 167 per-slot arrays of V4-Flash, which the next replay copies home (a 5.6 ms refresh in a first step of
 16-17 ms, H100, 2026-12-07), and the pool's old array, a graph's home, is left as it was.
@@ -18,11 +20,9 @@ import functools
 from typing import Protocol
 
 import mlx.core as mx
-import numpy as np
 
 from dsv4_serve.kernels import pool_rows
-from dsv4_serve.kernels.pool_rows import commit, write_rows
-from dsv4_serve.kernels.upload import upload
+from dsv4_serve.kernels.pool_rows import commit, write_rows, write_slots
 from dsv4_serve.model.config import ModelArgs
 
 
@@ -130,11 +130,7 @@ class StateCopies:
         fields = self._slot_fields()
         if state.keys() != {f[0] for f in fields}:
             raise ValueError("StatePools.load_slot: state does not match these pools' arrays")
-        tokens: list[mx.array] = []
-        for name, c, k in fields:
-            self._write_slot(c, k, slot, state[name], tokens)
-        if tokens:  # the in-place writes queued now (none on the scatter path)
-            mx.async_eval(tokens)
+        self._write_slot(slot, [(c, k, state[name]) for name, c, k in fields])
 
     def copy_slot(self, src: StateHandle, dst: StateHandle, positions: int) -> None:
         """Make `dst` hold the state `src` holds after its first `positions` positions (n > 1 sampling: one
@@ -149,11 +145,7 @@ class StateCopies:
             raise ValueError(f"StatePools.copy_slot: positions must be in 0..{min(src.capacity, dst.capacity)}, "
                              f"got {positions}")  # fmt: skip
         s, d = src.slot, dst.slot
-        tokens: list[mx.array] = []
-        for _, c, k in self._slot_fields():
-            self._write_slot(c, k, d, c[k][s], tokens)
-        if tokens:  # the in-place writes queued now (none on the scatter path)
-            mx.async_eval(tokens)
+        self._write_slot(d, [(c, k, c[k][s]) for _, c, k in self._slot_fields()])
         ratios = self.args.compress_ratios
         for pools in (self.ckv, self.ikeys):
             for layer in pools:
@@ -169,29 +161,27 @@ class StateCopies:
         # written are read with weight 0 (masked window rows, the previous half), and 0 x NaN is NaN: a
         # predecessor's non-finite or merely old values must never reach it. Pages need no reset: entries
         # a request has not written are masked and their keys zeroed before use.
-        tokens: list[mx.array] = []
-        for name, c, k in self._slot_fields():
-            self._write_slot(c, k, slot, self._fill(c[k], -mx.inf if "score" in name else 0.0), tokens)
-        if tokens:  # the in-place writes queued now (none on the scatter path)
-            mx.async_eval(tokens)
+        self._write_slot(slot, [(c, k, self._fill(c[k], -mx.inf if "score" in name else 0.0))
+                                for name, c, k in self._slot_fields()])  # fmt: skip
 
-    def _write_slot(self, c: list[mx.array] | dict[int, mx.array], k: int, slot: int, values: mx.array,
-                    tokens: list[mx.array]) -> None:  # fmt: skip
-        """Slot `slot`'s rows of the per-slot array `c[k]` [slots, b, d] set to `values` [b, d]. With SLOT_ROWS_INPLACE
-        through `write_rows`: in place on CUDA (the array keeps its buffer, so the decode graphs' home stays the
-        pool's and nothing is copied home), MLX's scatter elsewhere; the write's token joins `tokens`, which the
-        caller queues. Else (DSV4_PREFILL_STATE_INPLACE=0) MLX's scatter and a new array (module doc)."""
-        a = c[k]
+    def _write_slot(self, slot: int, writes: list[tuple[list[mx.array] | dict[int, mx.array], int, mx.array]]
+                    ) -> None:  # fmt: skip
+        """Slot `slot`'s rows of each per-slot array `c[k]` [slots, b, d] set to its `values` [b, d], for every
+        (c, k, values) of `writes`. With SLOT_ROWS_INPLACE through `write_slots`, all in one launch: in place on
+        CUDA (each array keeps its buffer, so the decode graphs' home stays the pool's and nothing is copied home),
+        MLX's scatters elsewhere; the write is queued now. Else (DSV4_PREFILL_STATE_INPLACE=0) MLX's scatter into a
+        new array each (module doc)."""
         if not pool_rows.SLOT_ROWS_INPLACE:  # a new array: the graphs see the pool as moved, its home keeps its buffer
-            new = pool_rows.renewed(a)
-            new[slot] = values.astype(a.dtype)
-            c[k] = mx.contiguous(new)  # (a one-slot pool's full update is a broadcast: a buffer again)
+            for c, k, values in writes:
+                new = pool_rows.renewed(c[k])
+                new[slot] = values.astype(c[k].dtype)
+                c[k] = mx.contiguous(new)  # (a one-slot pool's full update is a broadcast: a buffer again)
             return
-        b = a.shape[1]
-        rows = upload(np.arange(slot * b, (slot + 1) * b, dtype=np.int32))  # cached by content
-        c[k], token = write_rows(a, rows, values.astype(a.dtype))
-        if token is not None:
-            tokens.append(token)
+        pools = [c[k] for c, k, _ in writes]
+        out, token = write_slots(pools, slot, [v.astype(p.dtype) for p, (_, _, v) in zip(pools, writes, strict=True)])
+        for (c, k, _), a in zip(writes, out, strict=True):
+            c[k] = a
+        commit(out[0], token)
 
     @staticmethod
     def _fill(a: mx.array, value: float) -> mx.array:

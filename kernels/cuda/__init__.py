@@ -71,7 +71,7 @@ from dsv4_serve.kernels.cuda.matmul import (
     swiglu_rows_cuda,
 )
 from dsv4_serve.kernels.cuda.norms import hc_post_rows_cuda, rms_norm_rows_cuda
-from dsv4_serve.kernels.cuda.pool_rows import write_rows_cuda
+from dsv4_serve.kernels.cuda.pool_rows import write_rows_cuda, write_slots_cuda
 from dsv4_serve.kernels.cuda.prefill_attention import prefill_attention_cuda
 from dsv4_serve.kernels.cuda.rope import rms_rope_rows_cuda
 from dsv4_serve.kernels.cuda.router import moe_combine_post_rows_cuda, moe_combine_rows_cuda, router_topk_cuda
@@ -112,6 +112,7 @@ backend.register("indexer_rows", indexer_rows_cuda)
 backend.register("sparse_attention_rows", sparse_attention_rows_cuda)
 # State pools' rows written in place (kernels/pool_rows.py): no copy of a whole pool a prefill chunk
 backend.register("write_rows", write_rows_cuda)
+backend.register("write_slots", write_slots_cuda)  # a slot of many per-slot pools in one launch
 # Prefill's attention on CUDA (kernels/cuda/prefill_attention.py: `HEADS`, or with DSV4_PREFILL_ATTN=dsplit each
 # query a row of decode's kernel). On unless DSV4_PREFILL_ATTN=0 (the plain masked f32 ops, ATTN_BLOCK queries at a
 # time).

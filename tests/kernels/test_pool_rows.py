@@ -13,6 +13,7 @@ import pytest
 from dsv4_serve.kernels import backend
 from dsv4_serve.kernels.pool_rows import write_rows, write_rows_reference
 from dsv4_serve.kernels.rows import ordered
+from tests.kernels.nvrtc_here import NEEDS_NVRTC
 
 NEEDS_GPU = pytest.mark.skipif(not backend.cuda_available(), reason="needs an MLX CUDA GPU")
 CASES = [((9, 64, 512), 37), ((5, 64, 128), 64), ((3, 4, 7), 5), ((2, 8, 1), 16), ((4, 16, 512), 0)]
@@ -103,3 +104,100 @@ def test_unaligned_values_and_a_reader_after_the_token() -> None:
     later = pool.reshape(-1, 512)[ordered(rows[:3], token)]  # without a carry: the 1-element token, ordered
     mx.eval(later)
     assert np.array_equal(np.array(later.astype(mx.float32)), np.array((shifted[:3] * 2).astype(mx.float32)))
+
+
+# ---- write_slots: one slot of many per-slot pools in one launch (a slot's reset, load, copy) --------------------
+# (slots, b, d, dtype): V4's rings and compressor windows (bf16 and f32, 512 / 128 wide) and odd sizes (84 bytes a
+# slot: the byte-wise path)
+SLOT_POOLS = [(4, 128, 512, mx.bfloat16), (4, 8, 512, mx.float32), (4, 16, 128, mx.float32), (4, 3, 7, mx.float32),
+              (4, 2, 128, mx.bfloat16)]
+
+
+def slot_case(layout: list, seed: int) -> tuple[list[mx.array], list[mx.array]]:
+    rng = np.random.default_rng(seed)
+    pools = [mx.array(rng.standard_normal((a, b, d)).astype(np.float32)).astype(t) + 0 for a, b, d, t in layout]
+    values = [mx.array(rng.standard_normal((b, d)).astype(np.float32)).astype(t) for _, b, d, t in layout]
+    mx.eval(pools, values)
+    return pools, values
+
+
+def slot_expected(pools: list[mx.array], slot: int, values: list[mx.array]) -> list[np.ndarray]:
+    out = []
+    for p, v in zip(pools, values, strict=True):
+        w = np.array(p.astype(mx.float32))
+        w[slot] = np.array(v.astype(mx.float32))
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("slot", [0, 3])
+def test_the_slots_twin_writes_one_slot_of_every_pool(slot: int) -> None:
+    from dsv4_serve.kernels.pool_rows import write_slots_reference
+
+    pools, values = slot_case(SLOT_POOLS, seed=slot)
+    want = slot_expected(pools, slot, values)
+    out, token = write_slots_reference(pools, slot, values)
+    assert token is None and len(out) == len(pools)
+    for o, w in zip(out, want, strict=True):
+        assert np.array_equal(np.array(o.astype(mx.float32)), w)
+
+
+def test_write_slots_refuses_bad_arguments_by_name() -> None:
+    from dsv4_serve.kernels.pool_rows import write_slots
+
+    p, q = mx.zeros((2, 4, 8), mx.bfloat16), mx.zeros((2, 3, 5), mx.float32)
+    v, w = mx.zeros((4, 8), mx.bfloat16), mx.zeros((3, 5), mx.float32)
+    for args, name in [
+        (([], 0, []), "pools"),
+        (([p, q], 0, [v]), "values"),
+        (([p, p], 0, [v, v]), "pools"),
+        (([p.reshape(8, 8)], 0, [v]), "pools"),
+        (([p, q], 0, [v, mx.zeros((3, 4), mx.float32)]), "values"),
+        (([p, q], 0, [v, w.astype(mx.bfloat16)]), "values"),
+        (([p, q], 2, [v, w]), "slot"),
+        (([p, q], -1, [v, w]), "slot"),
+        (([p, q], True, [v, w]), "slot"),
+    ]:
+        with pytest.raises(ValueError, match=f"write_slots: {name}:"):
+            write_slots(*args)
+
+
+@NEEDS_NVRTC
+def test_the_slots_kernel_builds_with_nvrtc() -> None:
+    """The kernel as MLX would build it for V4-Flash's 167 per-slot arrays (two launches: 96 + 71 pools)."""
+    from dsv4_serve.kernels.cuda.common import HEADER, minify
+    from dsv4_serve.kernels.cuda.pool_rows import MAX_POOLS, slots_source
+    from dsv4_serve.kernels.graph.codegen import translation_unit
+    from dsv4_serve.kernels.graph.nvrtc import compile_cubin
+    from dsv4_serve.kernels.graph.record import KernelSource
+
+    layout = (SLOT_POOLS * 40)[:MAX_POOLS]
+    n = len(layout)
+    names = tuple(f"pool{y}" for y in range(n)) + tuple(f"val{y}" for y in range(n)) + ("slot",)
+    src = slots_source([(a, b * d * t.size) for a, b, d, t in layout])
+    ks = KernelSource(f"dsv4_write_slots{n}_test", names, ("token",), minify(src), minify(HEADER) + "\n", 0)
+    pools = [mx.zeros((a, 1, 1), t) for a, _, _, t in layout]  # (dtypes are what the unit takes from them)
+    unit = translation_unit(ks, [], [*pools, *pools, mx.zeros((1,), mx.int32)], [mx.int32])
+    cubin, lowered = compile_cubin(unit, f"mlx::core::cu::{ks.name}", "sm_90a")
+    assert cubin and ks.name in lowered
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("count", [1, len(SLOT_POOLS), 167])
+def test_the_slots_kernel_writes_every_pool_in_place(count: int) -> None:
+    """One slot of 1, 5 and 167 pools (two launches) against the twin bit for bit; every pool keeps its buffer and
+    the other slots their values."""
+    from dsv4_serve.kernels.cuda.pool_rows import write_slots_cuda
+    from dsv4_serve.kernels.graph.record import address
+
+    pools, values = slot_case((SLOT_POOLS * 34)[:count], seed=count)
+    slot = 2
+    want = slot_expected(pools, slot, values)
+    where = [address(p) for p in pools]
+    out, token = write_slots_cuda(pools, slot, values)
+    assert all(o is p for o, p in zip(out, pools, strict=True))
+    mx.eval(token)
+    assert [address(p) for p in pools] == where
+    for p, w in zip(pools, want, strict=True):
+        assert np.array_equal(np.array(p.astype(mx.float32)), w)

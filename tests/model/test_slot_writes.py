@@ -4,9 +4,10 @@ cached prefix's slot state loaded. The values against NumPy's, both ways:
   makes every per-slot array a new one and leaves the old one (a graph server's home) as it was, so the graphs see
   each write and copy it home; the forward's own scatters the same way (the last test);
 - with the slot rows in place (`SLOT_ROWS_INPLACE`, the default, as prefill's forward writes them): through
-  `write_rows`, a stand-in for CUDA's in-place write (the pool's value replaced, its Python array kept) and, on a
-  GPU, CUDA's own (kernels/cuda/pool_rows.py): no per-slot array may become a new array, or the graphs copy it home
-  before the next replay (a 5.6 ms refresh after each admitted request, H100, 2026-12-07)."""
+  `write_slots` (every per-slot array in one launch), a stand-in for CUDA's in-place write (the pool's value
+  replaced, its Python array kept) and, on a GPU, CUDA's own (kernels/cuda/pool_rows.py): no per-slot array may
+  become a new array, or the graphs copy it home before the next replay (a 5.6 ms refresh after each admitted
+  request, H100, 2026-12-07)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def in_place(pool, rows, values, carry=None):  # noqa: ANN001, ANN201 - write_ro
     return pool, mx.array([1], mx.int32)  # a token, as the CUDA kernel's
 
 
+def in_place_slots(pools, slot, values):  # noqa: ANN001, ANN201 - write_slots' signature, as CUDA's one launch
+    pool_rows.check_write_slots(pools, slot, values)
+    for p, v in zip(pools, values, strict=True):
+        b = p.shape[1]
+        in_place(p, mx.arange(slot * b, (slot + 1) * b, dtype=mx.int32), v)
+    return list(pools), mx.array([slot], mx.int32)
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not backend.cuda_available(),
                                                                          reason="needs an MLX CUDA GPU")])
 
@@ -38,6 +47,7 @@ def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> N
     monkeypatch.setattr(pool_rows, "SLOT_ROWS_INPLACE", inplace)
     if arm == "stand-in":
         monkeypatch.setattr(state_copy, "write_rows", in_place)
+        monkeypatch.setattr(state_copy, "write_slots", in_place_slots)
     _, args, _ = tiny_model()
     pools = StatePools(args, max_slots=3, max_positions=128, page_size=16, dtype=mx.float32)
     rng = np.random.default_rng(3)
