@@ -1,6 +1,7 @@
 """Skinny matmuls for 1..8 rows on CUDA: the launch plans and the ops (the device code and its layout:
 kernels/cuda/matmul_src.py; `kernels.matmul` has the plain twins). 9..64 rows (a short prompt's forward) run
-as 8-row groups of one launch, each group's bits those of an 8-row launch of its rows (`GROUPED_ROWS`).
+as 8-row groups of one launch, each block running them in turn over its weight tile (read from DRAM once), each
+group's bits those of an 8-row launch of its rows (`GROUPED_ROWS`).
 
 `geometry` sets a launch's shape by product kind: a warp's next loads wait for its last products, so the
 warps in flight set the bytes in flight (`DENSE` / `EXPERTS`, timed by bench/matmuls.py). A `Plan` is one
@@ -88,13 +89,12 @@ class Plan:
                      ("GR", nb > MAX_ROWS)]  # fmt: skip
         self.nt = 32 * wk * wr
         # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks;
-        # past 8 rows the 8-row groups are grid.y (grid.z for experts, whose grid.y is a group's pairs)
-        groups = -(-nb // MAX_ROWS)
+        # past 8 rows each block runs the 8-row groups itself (experts: grid.y is every row's pairs)
         x_blocks = (n + n2) // (16 * mt * wr) * self.nt
         if exp:
-            self.grid = (x_blocks, topk if dense else min(nb, MAX_ROWS) * topk, groups)
+            self.grid = (x_blocks, topk if dense else nb * topk, 1)
         else:
-            self.grid = (x_blocks, groups, 1)
+            self.grid = (x_blocks, 1, 1)
         self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else ((nb * (n + n2),) if n2 else (nb, n)))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))

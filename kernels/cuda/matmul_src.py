@@ -21,10 +21,12 @@ warps reading it instead, out [B, N] then [B, N2] (wq_a and wkv of one x; the tw
 `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
 first pair computes it for every batch row that chose it (the others exit): each distinct expert's
 weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
-`GR` (past 8 rows: a short prompt's forward, up to 64): the rows are 8-row groups on a grid axis (grid.y, or
-grid.z for experts), each group computed exactly as an 8-row launch of its rows would be: one launch where 8-row
-slices were up to eight, the same bits; a block reads its weight tile once a group. Without it (the decode
-step's 1..8 rows) the code is the 8-row kernel's, its registers unchanged.
+`GR` (past 8 rows: a short prompt's forward, up to 64): the rows are 8-row groups that each block runs one after
+another over its weight tile, each group computed exactly as an 8-row launch of its rows would be (the same bits):
+DRAM gives the tile once and L2 the later groups, where a group a block (the groups on a grid axis) read every
+weight from DRAM once a group (a 32-token forward's products 32.9 ms against 8.9 for an 8-row step's, H200,
+2026-12-07). Experts: a block is an expert of any row's pair (the first), and skips the groups none of whose rows
+chose it. Without GR (the decode step's 1..8 rows) the loop is one group, the code the 8-row kernel's.
 """
 
 from __future__ import annotations
@@ -37,13 +39,7 @@ SOURCE = r"""
   constexpr int CPW = K / CK / WK;                           // chunks a warp
   constexpr int G32 = K / 32;                                // scale groups a row
   const int NBT = (int)fparams[1];                            // batch rows (1..64; 1..8 unless GR), a runtime value
-  const int grp = GR ? (EXP ? blockIdx.z : blockIdx.y) : 0;   // this block's 8-row group
-  const int NB = GR ? min(8, NBT - 8 * grp) : NBT;            // the group's rows (1..8)
-  if (GR) {
-    x += (size_t)grp * 8 * (EXP == 2 ? TOPK : 1) * K;
-    if (EXP) idx += (size_t)grp * 8 * TOPK;
-    out += (size_t)grp * 8 * (EXP ? TOPK : 1) * (PAIR == 3 ? 0 : N);  // CAT: offset per product below
-  }
+  const int NG = GR ? (NBT + 7) / 8 : 1;                      // 8-row groups, one after another in this block
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wr = warp / WK;
   const int gq = lane >> 2, cq = lane & 3;
@@ -54,30 +50,43 @@ SOURCE = r"""
   const uint8_t* wb2 = reinterpret_cast<const uint8_t*>(w2);
   const uint8_t* sb = sec ? s2 : s;
   const uint8_t* sb2 = s2;
-  // CAT: [NBT][N] then [NBT][N2]
-  O* const ob = out + (PAIR == 3 ? (sec ? (size_t)NBT * N + (size_t)grp * 8 * N2 : (size_t)grp * 8 * N) : 0);
   const int NO = sec ? N2 : N;
-  int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
+  int e = 0;
   if (EXP) {
-    const int p = blockIdx.y;
-    if (GR && p >= NB * TOPK) return;  // the last group's missing rows (uniform: whole block)
-    const int e = idx[p];
+    const int p = blockIdx.y;  // a pair of any row (GR: of every group's rows)
+    e = idx[p];
     for (int q = 0; q < p; ++q)
       if (idx[q] == e) return;  // an earlier pair's block computes this expert (uniform: whole block)
-    jn = -1;
-#pragma unroll
-    for (int j = 0; j < TOPK; ++j) {
-      if (gq < NB && idx[gq * TOPK + j] == e) jn = j;
-      if (2 * cq < NB && idx[2 * cq * TOPK + j] == e) jb0 = j;
-      if (2 * cq + 1 < NB && idx[(2 * cq + 1) * TOPK + j] == e) jb1 = j;
-    }
     wb += (size_t)e * N * RB;
     wb2 += (size_t)e * N * RB;
     sb += (size_t)e * N * G32;
     sb2 += (size_t)e * N * G32;
   }
+  // GR: the groups one after another over the same weight tile, so DRAM gives it once and L2 the later groups;
+  // each group's products are summed exactly as an 8-row launch of its rows sums them
+  for (int grp = 0; grp < NG; ++grp) {
+  const int NB = GR ? min(8, NBT - 8 * grp) : NBT;            // the group's rows (1..8)
+  const T* const xg = x + (GR ? (size_t)grp * 8 * (EXP == 2 ? TOPK : 1) * K : 0);
+  const uint32_t* const ig = idx + (GR && EXP ? (size_t)grp * 8 * TOPK : 0);
+  O* const og = out + (GR ? (size_t)grp * 8 * (EXP ? TOPK : 1) * (PAIR == 3 ? 0 : N) : 0);  // CAT: below
+  // CAT: [NBT][N] then [NBT][N2]
+  O* const ob = og + (PAIR == 3 ? (sec ? (size_t)NBT * N + (size_t)grp * 8 * N2 : (size_t)grp * 8 * N) : 0);
+  int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
+  if (EXP) {
+    jn = -1;
+    bool any = !GR;
+#pragma unroll
+    for (int j = 0; j < TOPK; ++j) {
+      if (gq < NB && ig[gq * TOPK + j] == e) jn = j;
+      if (2 * cq < NB && ig[2 * cq * TOPK + j] == e) jb0 = j;
+      if (2 * cq + 1 < NB && ig[(2 * cq + 1) * TOPK + j] == e) jb1 = j;
+    }
+    if (GR)
+      for (int q = 0; q < NB * TOPK; ++q) any |= ig[q] == e;
+    if (!any) continue;  // no row of this group chose the expert (uniform: whole block)
+  }
   const bool xok = gq < NB && jn >= 0;
-  const T* xr = x + (size_t)(EXP == 2 ? gq * TOPK + (jn < 0 ? 0 : jn) : gq) * K;
+  const T* xr = xg + (size_t)(EXP == 2 ? gq * TOPK + (jn < 0 ? 0 : jn) : gq) * K;
   float acc[NT][4];
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -175,12 +184,15 @@ SOURCE = r"""
         for (int i = 0; i < 4; ++i) red[(((wk - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane] = acc[t][i];
     }
     __syncthreads();
-    if (wk > 0) return;
-    for (int k2 = 1; k2 < WK; ++k2)
+    if (!GR && wk > 0) return;
+    if (wk == 0)
+      for (int k2 = 1; k2 < WK; ++k2)
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
+        for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[t][i] += red[(((k2 - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane];
+          for (int i = 0; i < 4; ++i) acc[t][i] += red[(((k2 - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane];
+    if (GR) __syncthreads();  // read before the next group writes it
+    if (wk > 0) continue;
   }
   const float lim = fparams[0];
 #pragma unroll
@@ -198,8 +210,8 @@ SOURCE = r"""
       }
       float v = acc[t][i];
       if (PAIR == 2) {  // both products: out [2][NBT][N] (out is at this group's first row of the first)
-        out[(size_t)orow * N + row] = dsv4_t<O>(v);
-        out[((size_t)NBT + orow) * N + row] = dsv4_t<O>(acc[t + MT][i]);
+        og[(size_t)orow * N + row] = dsv4_t<O>(v);
+        og[((size_t)NBT + orow) * N + row] = dsv4_t<O>(acc[t + MT][i]);
         continue;
       }
       if (PAIR == 1) {  // SwiGLU of the two products, each rounded to T first (the reference's matmul outputs)
@@ -212,4 +224,5 @@ SOURCE = r"""
       }
       ob[(size_t)orow * NO + row] = dsv4_t<O>(v);
     }
+  }
 """
