@@ -17,8 +17,10 @@
 #   PART=graphhttp bench/serve.py at 1 and 8 streams against `serve --decode-graphs on` (full depth)
 #   PART=profile the engine thread under cProfile while serving 1 and 8 streams (graphs on): slow iterations,
 #                top functions (DSV4_ENGINE_PROFILE, service/engine/engine_profile.py)
-#   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups against the 8-row launches (gpu test)
-#   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices (the 8-row groups or not)
+#   PART=grouped the skinny kernels' 9..64 rows in one launch of 8-row groups (a group a block, or each block
+#                running them in turn) against the 8-row launches (gpu test)
+#   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices / group_loop (the 8-row groups
+#                a block, a launch each, run in turn by each block)
 #   PART=prefillenv a 32-token prompt's forward plain, with the glue kernels, with managed weights and pools, both,
 #                with the pooling kernel (DSV4_POOLED_KERNEL=1)
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
@@ -174,7 +176,7 @@ for part in ${PART:-tests}; do
     short)     # a short prompt's forward (32 tokens; 1, 2 and 8 prompts: 32, 64, 256 rows): the skinny kernels' 8-row
                # groups in one launch (fast) against a launch a slice (slices), host and GPU time (issue 59's TTFT)
                timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 \
-                 --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices \
+                 --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices,group_loop \
                  --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
     prefillenv) # a 32-token prompt's forward (1 and 8 prompts) as bench/prefill.py runs it, then with what a graph
                # server changes around it: the glue kernels (DSV4_GRAPH_GLUE=1), the weights and pools in managed

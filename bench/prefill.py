@@ -140,7 +140,7 @@ ARMS = {"fast": ((), None), "plain_attn": (("prefill_attention",), None),
         "tiles": ((experts_grouped.OP,), None), "qtiles": ((experts_grouped.OP,), "qtiles"),
         "f32_simt": ((), None), "dsplit_attn": ((), None), "mlx_dequant": (("dequantize_mxfp8",), None),
         "idx_ops": (("indexer_scores",), None), "sync_build": ((), None), "rope_block": ((), None),
-        "slices": ((), None)}  # fmt: skip
+        "slices": ((), None), "group_loop": ((), None)}  # fmt: skip
 
 
 EVAL_EVERY = mprefill.EVAL_EVERY
@@ -167,6 +167,9 @@ def set_arm(arm: str, held: dict, grouped: str) -> None:
         import dsv4_serve.kernels.cuda.rope as kp  # rope_block: rms_rope a block a vector at every count
 
         kp.MANY_ON = arm != "rope_block"
+        import dsv4_serve.kernels.cuda.matmul as km  # group_loop: each block runs the 8-row groups in turn
+
+        km.GROUP_LOOP = arm == "group_loop"
 
 
 def main() -> None:
@@ -191,6 +194,8 @@ def main() -> None:
         "idx_ops (the indexer's scores as products + MLX ops, DSV4_INDEXER_SCORES=0), "
         "sync_build (the forward built whole before its evaluation starts, DSV4_PREFILL_EVAL_EVERY=0), "
         "rope_block (rms_rope a block a vector for prefill's counts too, DSV4_ROPE_MANY=0), "
+        "slices (9..64 rows a launch an 8-row slice, DSV4_SKINNY_GROUPS=0), "
+        "group_loop (those rows' 8-row groups run in turn by each block, DSV4_SKINNY_GROUP_LOOP=1), "
         "alternated per cell; the first is profiled",
     )
     ap.add_argument("--tiny", action="store_true", help="the tiny model (f32) instead: the script's check on a CPU")

@@ -1,7 +1,7 @@
 """Skinny matmuls for 1..8 rows on CUDA: the launch plans and the ops (the device code and its layout:
 kernels/cuda/matmul_src.py; `kernels.matmul` has the plain twins). 9..64 rows (a short prompt's forward) run
-as 8-row groups of one launch, each block running them in turn over its weight tile (read from DRAM once), each
-group's bits those of an 8-row launch of its rows (`GROUPED_ROWS`).
+as 8-row groups of one launch, each group's bits those of an 8-row launch of its rows (`GROUPED_ROWS`; with
+`GROUP_LOOP` each block runs them in turn over its weight tile, read from DRAM once).
 
 `geometry` sets a launch's shape by product kind: a warp's next loads wait for its last products, so the
 warps in flight set the bytes in flight (`DENSE` / `EXPERTS`, timed by bench/matmuls.py). A `Plan` is one
@@ -11,6 +11,7 @@ or dtypes the kernel does not take run the reference.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,10 @@ from dsv4_serve.kernels.cuda.matmul_src import SOURCE
 
 MAX_ROWS = 8  # the mma's n: a group's rows
 GROUPED_ROWS = 64  # the most rows a launch takes as 8-row groups (kernels.matmul.MANY_ROWS: a short prompt's forward)
+# DSV4_SKINNY_GROUP_LOOP=1: those groups run in turn by each block over its weight tile (`GR` 2: the weights read
+# from DRAM once, not once a group). Off until its gpu test (tests/kernels/test_cuda_matmul.py, the groups against
+# the 8-row launches bit for bit) has passed on a GPU; bench/prefill.py's arm `group_loop` measures it.
+GROUP_LOOP = os.environ.get("DSV4_SKINNY_GROUP_LOOP", "0").strip() not in ("0", "")
 INPUTS = ("x", "w", "s", "w2", "s2", "idx", "fparams")
 CK = {0: 32, 1: 64, 2: 128}  # k values a chunk by weight format
 # U by weight format: chunks whose loads a warp issues before using any (mxfp4 at 4: the routed experts at 8
@@ -81,20 +86,23 @@ class Plan:
         if not self.fast:
             return
         mt, wk, wr, u = geo
+        loop = GROUP_LOOP and nb > MAX_ROWS
         # past 512 threads a block the registers a thread must fit 64K / threads: ptxas is told so
         bounds = launch_bounds(32 * wk * wr, 1) if 32 * wk * wr > 512 else ""
         self.kernel = kernel("skinny_mm", INPUTS, ("out",), SOURCE, header=E2M1 + bounds)
         self.tmpl = [("T", dtype), ("O", out), ("WF", wf), ("K", k), ("N", n), ("MT", mt), ("PAIR", pair),
                      ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", max(topk, 1)), ("N2", n2),
-                     ("GR", nb > MAX_ROWS)]  # fmt: skip
+                     ("GR", 0 if nb <= MAX_ROWS else 2 if loop else 1)]  # fmt: skip
         self.nt = 32 * wk * wr
         # dense (the grouped product): every row's pair j is group j, so the first row's pairs are all the blocks;
-        # past 8 rows each block runs the 8-row groups itself (experts: grid.y is every row's pairs)
+        # past 8 rows the 8-row groups are grid.y (grid.z for experts, whose grid.y is a group's pairs), or each
+        # block runs them in turn (`loop`; experts: grid.y is every row's pairs)
+        groups = 1 if loop else -(-nb // MAX_ROWS)
         x_blocks = (n + n2) // (16 * mt * wr) * self.nt
         if exp:
-            self.grid = (x_blocks, topk if dense else nb * topk, 1)
+            self.grid = (x_blocks, topk if dense else (nb if loop else min(nb, MAX_ROWS)) * topk, groups)
         else:
-            self.grid = (x_blocks, 1, 1)
+            self.grid = (x_blocks, groups, 1)
         self.shape = (nb * topk, n) if exp else ((2, nb, n) if pair == 2 else ((nb * (n + n2),) if n2 else (nb, n)))
         self.dtype = out
         self.fparams = f32_params(float(limit or 0.0), float(nb))
@@ -109,7 +117,7 @@ def _plan(op: str, arrays: tuple[object, ...], check: Callable[[], object], **kw
     """The cached plan of `op` for these arrays (None: not arrays; the reference's check names the argument)."""
     if not all(isinstance(a, mx.array) for a in arrays):
         return None
-    key = (op, *((a.shape, a.dtype) for a in arrays), tuple(sorted(kw.items())))
+    key = (op, *((a.shape, a.dtype) for a in arrays), tuple(sorted(kw.items())), GROUP_LOOP)
 
     def make() -> Plan:
         check()  # once per shape key

@@ -21,12 +21,13 @@ warps reading it instead, out [B, N] then [B, N2] (wq_a and wkv of one x; the tw
 `EXP` 1 / 2: routed experts; grid.y is the (row, k) pair, the block of an expert's
 first pair computes it for every batch row that chose it (the others exit): each distinct expert's
 weights are read once a step. EXP 1 takes x [B, K], EXP 2 the pair's own hidden [B * k, K].
-`GR` (past 8 rows: a short prompt's forward, up to 64): the rows are 8-row groups that each block runs one after
-another over its weight tile, each group computed exactly as an 8-row launch of its rows would be (the same bits):
-DRAM gives the tile once and L2 the later groups, where a group a block (the groups on a grid axis) read every
-weight from DRAM once a group (a 32-token forward's products 32.9 ms against 8.9 for an 8-row step's, H200,
-2026-12-07). Experts: a block is an expert of any row's pair (the first), and skips the groups none of whose rows
-chose it. Without GR (the decode step's 1..8 rows) the loop is one group, the code the 8-row kernel's.
+`GR` (past 8 rows: a short prompt's forward, up to 64): the rows are 8-row groups, each computed exactly as an
+8-row launch of its rows would be (the same bits). `GR` 1: a group a block (grid.y, or grid.z for experts), so
+every group reads the weights from DRAM again (a 32-token forward's products 32.9 ms against 8.9 for an 8-row
+step's, H200, 2026-12-07). `GR` 2 (DSV4_SKINNY_GROUP_LOOP=1, not yet run on a GPU): each block runs every group in
+turn over its weight tile, so DRAM gives the tile once and L2 the later groups; experts: a block is an expert of
+any row's pair (the first), and skips the groups none of whose rows chose it. Without GR (the decode step's 1..8
+rows) the loop is one group, the code the 8-row kernel's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ SOURCE = r"""
   constexpr int CPW = K / CK / WK;                           // chunks a warp
   constexpr int G32 = K / 32;                                // scale groups a row
   const int NBT = (int)fparams[1];                            // batch rows (1..64; 1..8 unless GR), a runtime value
-  const int NG = GR ? (NBT + 7) / 8 : 1;                      // 8-row groups, one after another in this block
+  const int g0 = GR == 1 ? (EXP ? blockIdx.z : blockIdx.y) : 0;  // GR 1: this block's 8-row group
+  const int NG = GR == 2 ? (NBT + 7) / 8 : g0 + 1;              // GR 2: every group, one after another
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wr = warp / WK;
   const int gq = lane >> 2, cq = lane & 3;
@@ -53,18 +55,20 @@ SOURCE = r"""
   const int NO = sec ? N2 : N;
   int e = 0;
   if (EXP) {
-    const int p = blockIdx.y;  // a pair of any row (GR: of every group's rows)
-    e = idx[p];
+    const int p = blockIdx.y;  // a pair of the group's rows (GR 1), of any row (else)
+    const uint32_t* const ip = idx + (GR == 1 ? (size_t)g0 * 8 * TOPK : 0);
+    if (GR == 1 && p >= min(8, NBT - 8 * g0) * TOPK) return;  // the last group's missing rows (uniform)
+    e = ip[p];
     for (int q = 0; q < p; ++q)
-      if (idx[q] == e) return;  // an earlier pair's block computes this expert (uniform: whole block)
+      if (ip[q] == e) return;  // an earlier pair's block computes this expert (uniform: whole block)
     wb += (size_t)e * N * RB;
     wb2 += (size_t)e * N * RB;
     sb += (size_t)e * N * G32;
     sb2 += (size_t)e * N * G32;
   }
-  // GR: the groups one after another over the same weight tile, so DRAM gives it once and L2 the later groups;
+  // GR 2: the groups one after another over the same weight tile, so DRAM gives it once and L2 the later groups;
   // each group's products are summed exactly as an 8-row launch of its rows sums them
-  for (int grp = 0; grp < NG; ++grp) {
+  for (int grp = g0; grp < NG; ++grp) {
   const int NB = GR ? min(8, NBT - 8 * grp) : NBT;            // the group's rows (1..8)
   const T* const xg = x + (GR ? (size_t)grp * 8 * (EXP == 2 ? TOPK : 1) * K : 0);
   const uint32_t* const ig = idx + (GR && EXP ? (size_t)grp * 8 * TOPK : 0);
@@ -74,14 +78,14 @@ SOURCE = r"""
   int jn = 0, jb0 = -1, jb1 = -1;  // experts: this lane's x row's pair slot; its two output columns' slots
   if (EXP) {
     jn = -1;
-    bool any = !GR;
+    bool any = GR != 2;
 #pragma unroll
     for (int j = 0; j < TOPK; ++j) {
       if (gq < NB && ig[gq * TOPK + j] == e) jn = j;
       if (2 * cq < NB && ig[2 * cq * TOPK + j] == e) jb0 = j;
       if (2 * cq + 1 < NB && ig[(2 * cq + 1) * TOPK + j] == e) jb1 = j;
     }
-    if (GR)
+    if (GR == 2)
       for (int q = 0; q < NB * TOPK; ++q) any |= ig[q] == e;
     if (!any) continue;  // no row of this group chose the expert (uniform: whole block)
   }
@@ -184,14 +188,14 @@ SOURCE = r"""
         for (int i = 0; i < 4; ++i) red[(((wk - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane] = acc[t][i];
     }
     __syncthreads();
-    if (!GR && wk > 0) return;
+    if (GR != 2 && wk > 0) return;
     if (wk == 0)
       for (int k2 = 1; k2 < WK; ++k2)
 #pragma unroll
         for (int t = 0; t < NT; ++t)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[t][i] += red[(((k2 - 1) * WR + wr) * NT + t) * 128 + i * 32 + lane];
-    if (GR) __syncthreads();  // read before the next group writes it
+    if (GR == 2) __syncthreads();  // read before the next group writes it
     if (wk > 0) continue;
   }
   const float lim = fparams[0];

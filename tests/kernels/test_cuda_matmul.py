@@ -147,11 +147,14 @@ def same(got, want) -> None:
         assert mx.array_equal(g, w).item()
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["group_a_block", "group_loop"])
 @pytest.mark.parametrize("rows", [9, 13, 16, 40, 64])
-def test_grouped_rows_are_the_8_row_launches_bit_for_bit(rows: int) -> None:
-    """9..64 rows in one launch of 8-row groups: every product (dense, CAT, the compressor pair, SwiGLU, both
-    routed-expert halves) equals its 8-row launches joined, bit for bit, and stays within the reference's bound."""
+def test_grouped_rows_are_the_8_row_launches_bit_for_bit(monkeypatch, rows: int, loop: bool) -> None:
+    """9..64 rows in one launch of 8-row groups (a group a block, or each block running them in turn:
+    DSV4_SKINNY_GROUP_LOOP): every product (dense, CAT, the compressor pair, SwiGLU, both routed-expert halves)
+    equals its 8-row launches joined, bit for bit, and stays within the reference's bound."""
     m = cuda()
+    monkeypatch.setattr(m, "GROUP_LOOP", loop)
     x = (2 * mx.random.normal((rows, 1024))).astype(mx.bfloat16)
     (w1, s1), (w2, s2), (w3, s3) = mxfp((512, 1024), 8), mxfp((256, 1024), 8), mxfp((512, 1024), 8)
     wb1, wb2 = ((mx.random.normal((256, 1024)) * 1024**-0.5).astype(mx.bfloat16) for _ in range(2))

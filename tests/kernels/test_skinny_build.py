@@ -1,8 +1,8 @@
 """The skinny matmuls' kernel (kernels/cuda/matmul_src.py) builds with NVRTC for sm_90a in every form a model
 launches: each weight format, the pairs (SwiGLU, both products, CAT), the routed experts (x or the pairs' own
-hidden) and the grouped product, for the decode step's 1..8 rows and a short prompt's 8-row groups run in turn by
-each block (`GR`), K split among warps (the shared-memory sum between groups) and not. No GPU: the bits are
-the gpu tests' (tests/kernels/test_cuda_matmul.py)."""
+hidden) and the grouped product, for the decode step's 1..8 rows and a short prompt's 8-row groups (`GR` 1: a
+group a block; 2: each block runs them in turn), K split among warps (the shared-memory sum between groups) and
+not. No GPU: the bits are the gpu tests' (tests/kernels/test_cuda_matmul.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ FORMS = [(1, 0, 0, 1024, 4096, 0), (1, 3, 0, 1024, 4096, 512), (0, 2, 0, 512, 40
 
 
 @NEEDS_NVRTC
-@pytest.mark.parametrize("grouped", [False, True], ids=["rows", "groups"])
+@pytest.mark.parametrize("grouped", [0, 1, 2], ids=["rows", "groups", "group_loop"])
 @pytest.mark.parametrize("form", FORMS, ids=[f"wf{f[0]}-pair{f[1]}-exp{f[2]}" for f in FORMS])
-def test_the_skinny_kernel_builds(form: tuple[int, ...], grouped: bool) -> None:
+def test_the_skinny_kernel_builds(form: tuple[int, ...], grouped: int) -> None:
     from dsv4_serve.kernels.cuda.common import E2M1, HEADER, minify
     from dsv4_serve.kernels.cuda.matmul import INPUTS, geometry
     from dsv4_serve.kernels.cuda.matmul_src import SOURCE
@@ -32,7 +32,7 @@ def test_the_skinny_kernel_builds(form: tuple[int, ...], grouped: bool) -> None:
     tmpl = [("T", mx.bfloat16), ("O", mx.float32 if wf == 0 else mx.bfloat16), ("WF", wf), ("K", k), ("N", n),
             ("MT", mt), ("PAIR", pair), ("WK", wk), ("WR", wr), ("U", u), ("EXP", exp), ("TOPK", 6 if exp else 1),
             ("N2", n2), ("GR", grouped)]  # fmt: skip
-    name = f"dsv4_skinny_mm_test_{wf}{pair}{exp}{int(grouped)}"
+    name = f"dsv4_skinny_mm_test_{wf}{pair}{exp}{grouped}"
     ks = KernelSource(name, INPUTS, ("out",), minify(SOURCE), minify(HEADER + E2M1) + "\n", 0)
     arrays = [mx.zeros((1,), t) for t in (mx.bfloat16, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.uint32,
                                           mx.float32)]  # fmt: skip
