@@ -21,6 +21,7 @@
 #                running them in turn) against the 8-row launches (gpu test)
 #   PART=short   bench/prefill.py at 32 tokens (1, 2, 8 prompts), arms fast / slices / group_loop (the 8-row groups
 #                a block, a launch each, run in turn by each block)
+#   PART=fwd32   a 32-token forward (1 and 8 prompts): GPU busy, idle and longest gaps (CUPTI), arms fast / group_loop
 #   PART=prefillenv a 32-token prompt's forward plain, with the glue kernels, with managed weights and pools, both,
 #                with the pooling kernel (DSV4_POOLED_KERNEL=1)
 #   PART=poolkeep one stream's TTFT with the device pool's free bytes given back or kept (DSV4_POOL_KEEP), then the step
@@ -178,6 +179,10 @@ for part in ${PART:-tests}; do
                timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 \
                  --concurrent ${SHORT_CONC:-1,2,8} --agree 0 --no-profile --arms fast,slices,group_loop \
                  --out "$OUT/prefill_short.json" 2>&1 | grep -v Warn | tail -9 ;;
+    fwd32)     # a 32-token prompt's forward (issue 59's TTFT): CUPTI on the fast arm (GPU busy, its idle span and the
+               # longest gaps: whether the GPU waits for the host), then the 8-row groups run in turn by each block
+               timeout $((${BUDGET:-590} - SECONDS)) python3 bench/prefill.py --experts 32 --prompts 32 --concurrent 1,8 \
+                 --agree 0 --profile --arms fast,group_loop --out "$OUT/prefill_fwd32.json" 2>&1 | grep -v Warn | tail -12 ;;
     prefillenv) # a 32-token prompt's forward (1 and 8 prompts) as bench/prefill.py runs it, then with what a graph
                # server changes around it: the glue kernels (DSV4_GRAPH_GLUE=1), the weights and pools in managed
                # memory (--managed), both; one process each (the server's prefill took ~2x the script's, 2026-12-07)
@@ -425,6 +430,6 @@ for part in ${PART:-tests}; do
              --out "$OUT/serve_no_pipeline.json" 2>&1 | tail -6 ;;
     dist) timeout 400 "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \
             python3 bench/distributed_step.py --backend nccl --out "$OUT/distributed_step.json" 2>&1 | tail -20 ;;
-    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify p59 inplace profile grouped short prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
+    *) echo "gpu_all.sh: unknown PART $part (tests pytest tests2 verify p59 inplace profile grouped short fwd32 prefillenv poolkeep restart graph graphhttp graphab graphpace startup roofline prefill graphs http dispatch now http90 ncu moe itl long64 prefix step serve dist)" >&2; exit 2 ;;
   esac
 done 2>&1 | tee -a "$OUT/gpu_all.log"

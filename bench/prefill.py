@@ -263,10 +263,11 @@ def main() -> None:
             prof = gpu_profile(lambda k, ps=prompts: [run_cell(model, pools, ps, opt.chunk) for _ in range(k)],
                                1, None, f"prefill_{n}_{c}")  # fmt: skip
             cell |= {"kernels": prof["kernels_per_step"], "gpu_busy_s": prof["gpu_busy_ms_per_step"] / 1e3,
+                     "gpu_idle_s": prof["gpu_idle_ms_per_step"] / 1e3, "longest_gaps_ms": prof["longest_gaps_ms"],
                      "top": prof["top"]}  # fmt: skip
             cell["busy_x_floor"] = cell["gpu_busy_s"] / cell["floor_s"]
-            print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "top")}),
-                  flush=True)  # fmt: skip
+            print(json.dumps({k: cell[k] for k in ("prompt", "concurrent", "kernels", "gpu_busy_s", "gpu_idle_s",
+                                                   "longest_gaps_ms", "top")}), flush=True)  # fmt: skip
         results.append(cell)
     set_arm("fast", held, grouped)
     agree = agreement(model, pools, prompt[: min(opt.agree, cap)], opt.chunk) if opt.agree > 0 else {}

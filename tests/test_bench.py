@@ -72,3 +72,25 @@ def test_spec_decode_forced_drafts_keep_the_plain_tokens(tmp_path: Path) -> None
     cells = json.loads(out.read_text())["results"]
     assert [c["arm"] for c in cells] == ["plain", "spec", "spec"] and all(c["exact"] for c in cells)
     assert cells[1]["accepted_per_draft"] == 1.0 and cells[2]["accepted_per_draft"] < 1.0
+
+
+def test_trace_stats_parts_busy_from_idle_and_names_the_longest_gaps() -> None:
+    """bench/step.py's CUPTI figures from a hand-made trace of 2 steps: kernels A 0-10 us, B 5-20 (overlapping A),
+    a memset 120-130, then C 1,130-1,150 (a 1 ms wait for the host before it); busy 20 + 10 + 20 = 50 us, span
+    1,150 us, idle 1,100 us, the longest gap before C, one gap over 100 us; the API time by name."""
+    from bench.step import trace_stats
+
+    trace = [{"ph": "X", "cat": "kernel", "name": "A", "ts": 0, "dur": 10},
+             {"ph": "X", "cat": "kernel", "name": "B", "ts": 5, "dur": 15},
+             {"ph": "X", "cat": "gpu_memset", "name": "M", "ts": 120, "dur": 10},
+             {"ph": "X", "cat": "kernel", "name": "C", "ts": 1130, "dur": 20},
+             {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 4},
+             {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 100, "dur": 6}]  # fmt: skip
+    got = trace_stats(trace, steps=2)
+    assert got["kernels_per_step"] == 2.0
+    assert got["gpu_busy_ms_per_step"] == pytest.approx(0.025)
+    assert got["gpu_span_ms_per_step"] == pytest.approx(0.575)
+    assert got["gpu_idle_ms_per_step"] == pytest.approx(0.55)
+    assert got["gaps_over_100us_per_step"] == 0.5
+    assert got["longest_gaps_ms"] == [["C", 1.0], ["M", 0.1]]
+    assert got["api_top"] == [["cudaGraphLaunch", 0.005]]
