@@ -236,8 +236,10 @@ for part in ${PART:-tests}; do
                # headless forward's state against decode's, scatter and in place), then a full-depth graph server
                # whose canary (its start-up plain decode, re-admitted every 2 s through the parallel prefill and the
                # replayed steps) runs beside 8 streams: its checks and failures from /metrics
-               timeout 240 python3 -m pytest -m gpu -q --tb=short -rA -p no:cacheprovider tests/model/test_cuda_prefill.py \
-                 tests/model/test_slot_writes.py tests/kernels/test_pool_rows.py 2>&1 | grep -E "PASS|FAIL|ERROR|passed|failed|skipped" | tail -12
+               # (the skinny products' tests first: their kernel's text changed 2026-12-07, the decode step's included)
+               timeout 300 python3 -m pytest -m gpu -q --tb=short -rf -p no:cacheprovider tests/kernels/test_cuda_matmul.py \
+                 tests/kernels/test_pool_rows.py tests/model/test_slot_writes.py tests/model/test_cuda_prefill.py 2>&1 \
+                 | grep -E "FAIL|ERROR|passed|failed|skipped" | tail -12
                port=18124 url=http://127.0.0.1:18124
                python3 -m dsv4_serve.service serve --host 127.0.0.1 --port $port ${CORRECT_SERVER-$flash --decode-graphs on} \
                  --canary-interval 2 --canary-action warn > "$OUT/canary_server.log" 2>&1 & spid=$!  # (CORRECT_SERVER="": the tiny model, a CPU dry run)
