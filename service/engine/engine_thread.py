@@ -261,14 +261,16 @@ class EngineThread:
 
     def _step(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> list[TokenEvent]:
         t0, built, layers = time.perf_counter(), *self._built(engine)
-        pace = self._pacer.pace(streaming=any(needs_sample(r) for r in sched.running),
-                                rows=getattr(engine, "prefill_rows", None))  # the forward in flight's, if any
+        rows = getattr(engine, "prefill_rows", None)  # the forward in flight's, if any (else a new one's first slice)
+        pace = self._pacer.pace(streaming=any(needs_sample(r) for r in sched.running), rows=rows)
         out, self._ahead, self._inflight = iterate(
             engine, sched, sample, pace.budget, lambda: self._sync_counts(sched), self._ahead,
             self.pipeline, self._inflight, pace.slice_seconds, pace.rows_layers, self.prefill_whole_tokens,
         )  # fmt: skip
         now = self._built(engine)
-        self._pacer.observe(time.perf_counter() - t0, bool(out.rows), now[0] - built, now[1] - layers)
+        # a first slice: a forward begun here and still in flight (not one built whole)
+        first = rows is None and getattr(engine, "prefill_rows", None) is not None
+        self._pacer.observe(time.perf_counter() - t0, bool(out.rows), now[0] - built, now[1] - layers, first)
         with self._lock:
             self._c.record(out)
         if out.rows and self.on_step_metrics is not None:

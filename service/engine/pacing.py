@@ -26,6 +26,13 @@ a line is trusted about as far as it was seen). Where even one layer misses (roo
 then L = ceil(F / c): F is at most the layers' cost, so the prompt goes at least half as fast as built whole, and a
 stream's gap stays within the step + 2F + c. Before a forward of that size (or a smaller one) was measured, a layer
 a slice.
+
+A forward's first slice costs more than its layers: the forward's preamble (its token, position and index arrays,
+the first layer of each kind making the index lists every layer of that kind shares). On the H200 those first
+slices of a 16K prompt's 2,048-token chunks were the streams' slowest iterations beside it (2026-12-07), and with
+a slice every few steps they are a few percent of the gaps: the p99. So a first slice beside a step, once the
+line is parted, goes into `lead` (an EWMA of its seconds past the line, by size) and not into the line, and a new
+forward's first slice gets the layers that fit the room less the lead (at least one).
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ class Pacer:
         self.step: float | None = None  # seconds of an iteration with a step and no prefill
         self.fits: dict[int, Fit] = {}  # a slice's cost, by bucket(rows)
         self.recent: Fit | None = None  # the fit observed last (/metrics)
+        self.lead: dict[int, float] = {}  # a forward's first slice's seconds past the line, by bucket(rows)
         self.slices = self.slice_layers = 0  # iterations that built a slice beside a step, and its layers (/metrics)
 
     @property
@@ -144,16 +152,21 @@ class Pacer:
 
     def pace(self, streaming: bool, rows: int | None = None) -> Pace:
         """This iteration's prefill (`streaming`: rows decode beside it, else the forward is built whole; `rows`:
-        the forward in flight's, else a new forward's: the chunk)."""
+        the forward in flight's, else a new forward's, the chunk: its first slice, less its `lead`)."""
         target = self.target()
         if target is None or self.step is None or not self.slice_seconds:
             return Pace(self.chunk, self.slice_seconds)
+        lead = self.lead.get(bucket(rows or self.chunk), 0.0) if rows is None else 0.0
         rows = rows or self.chunk
         room = max(target - self.step, 0.1 * self.step)
         cost = self.slice_cost(rows)
         if not streaming or cost is None:
             return Pace(self.chunk, room, rows if streaming else None)
         fixed, per = cost
+        if lead:  # a first slice: what the room less its lead holds, else one layer (no more time to give it)
+            fits = (room - lead - fixed) / per
+            layers = int(fits + EPS) if fits >= 1 - EPS else 1
+            return Pace(self.chunk, max(room, lead + fixed + per * layers), rows * layers)
         layers = layers_for(room, fixed, per)
         fit = self.fits.get(bucket(rows))
         if fit is not None and fit.parted:  # a line is trusted about as far as it was measured
@@ -180,9 +193,9 @@ class Pacer:
                 "pacer_step_seconds": step or 0.0, "itl_target_seconds": self.target(step) or 0.0,
                 "pacer_slice_fixed_seconds": fixed, "pacer_layer_seconds": per}  # fmt: skip
 
-    def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0) -> None:
+    def observe(self, seconds: float, stepped: bool, rows_layers: int, layers: int = 0, first: bool = False) -> None:
         """One iteration: its wall seconds, whether it ran a decode step, the prefill rows x layers and layers
-        it built."""
+        it built, and whether they began a forward still in flight after them (`first`: a first slice)."""
         if not self.on:
             return
         if not rows_layers:
@@ -193,7 +206,12 @@ class Pacer:
             self.slices, self.slice_layers = self.slices + 1, self.slice_layers + layers
         extra = seconds - ((self.step or 0.0) if stepped else 0.0)
         if extra > 0 and layers:
-            fit = self.fits.setdefault(bucket(rows_layers // layers), Fit())
+            key = bucket(rows_layers // layers)
+            fit = self.fits.setdefault(key, Fit())
+            if first and stepped and fit.parted:  # its preamble is no fixed cost of every slice: kept apart
+                fixed, per = fit.est
+                self.lead[key] = ewma(self.lead.get(key), max(0.0, extra - fixed - per * layers))
+                return
             fit.add(layers, extra)
             if stepped:
                 fit.last = (layers, extra)

@@ -217,3 +217,23 @@ def test_streams_beside_a_long_prompt_keep_under_the_target(tiny) -> None:
     # the paced worst gap sits near half the unpaced one by construction (154 against 306 ms failed a bound of half
     # in CI). What pacing must give here is the costliest layer, well under the whole forward: a quarter less at least.
     assert max(paced) < 0.75 * max(off), (max(paced), max(off))
+
+
+def test_a_first_slice_s_lead_is_kept_apart_and_taken_off_its_room() -> None:
+    """F = 1 ms, c = 2 ms a layer beside a 10 ms step (room 10 ms: 4 layers); every forward's first slice costs 6 ms
+    more (its preamble). Once the line is parted, first slices go to the lead (not the line, which stays 1 + 2 L),
+    and a new forward's first slice takes (10 - 6 - 1) / 2 = 1 layer; the slices after it 4 again. A lead over the
+    room still gives the first slice one layer."""
+    p = auto(0.010)
+    for layers in (1, 3, 2, 4):  # slices inside forwards: the line 1 ms + 2 ms a layer
+        p.observe(0.010 + 0.001 + 0.002 * layers, True, 2048 * layers, layers)
+    assert p.slice_cost(2048) == pytest.approx((0.001, 0.002))
+    assert p.pace(True).rows_layers == 4 * 2048  # no lead measured yet: a first slice as any
+    p.observe(0.010 + 0.006 + 0.001 + 0.002 * 4, True, 4 * 2048, 4, first=True)
+    assert p.lead == {2048: pytest.approx(0.006)}
+    assert p.slice_cost(2048) == pytest.approx((0.001, 0.002))  # the line as it was
+    assert p.pace(True) == Pace(2048, pytest.approx(0.010), 2048)  # a new forward: 1 layer (9 ms of 10)
+    assert p.pace(True, rows=2048).rows_layers == 4 * 2048  # the forward in flight: the room as before
+    p.observe(0.010 + 0.030 + 0.003, True, 2048, 1, first=True)  # a 30 ms preamble: lead 0.75 x 6 + 0.25 x 30
+    assert p.lead[2048] == pytest.approx(0.012)
+    assert p.pace(True) == Pace(2048, pytest.approx(0.015), 2048)  # over the room: one layer, its cap 12 + 1 + 2
