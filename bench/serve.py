@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import plot_serve, provenance  # noqa: E402
-from bench.server_metrics import engine_host, host_ms_per_step, pacing, scrape, ttft_split  # noqa: E402
+from bench.server_metrics import engine_host, host_ms_per_step, pacing, prefill_split, scrape, ttft_split  # noqa: E402
 
 STARTUP_LINES = ("warm-up took", "decode graph")  # printed once ready: the warm-up after the weights, the graphs
 
@@ -257,6 +257,7 @@ def main() -> None:
             after = scrape(url)
             summary["engine_host_ms_per_step"] = host_ms_per_step(engine_host(before), engine_host(after))
             summary["ttft_phases_ms"], summary["pacing"] = ttft_split(before, after), pacing(before, after)
+            summary["prefill_host_ms_a_prompt"] = prefill_split(before, after)
             check[c] = [r.get("text") for r in results[:8]]
             cells.append(summary)
             host = " ".join(f"{k} {v:.2f}" for k, v in summary["engine_host_ms_per_step"].items())
@@ -266,6 +267,8 @@ def main() -> None:
                   f"ITL p99 {summary['p99_itl_ms']:.1f} ms; engine host ms a step: {host}", flush=True)
             split = ", ".join(f"{p} {v['median_ms']:.1f} / {v['mean_ms']:.1f}"
                               for p, v in summary["ttft_phases_ms"].items())  # fmt: skip
+            split += "; a prompt's host ms: " + ", ".join(f"{p} {v:.1f}"
+                                                           for p, v in summary["prefill_host_ms_a_prompt"].items())
             pc = summary["pacing"]
             print(f"  TTFT by phase, median / mean ms: {split}; prefill slices beside a step {pc['slices']:.0f}, "
                   f"{pc['layers_a_slice']:.1f} layers each (step {pc['step_ms']:.1f} ms, "

@@ -1,6 +1,6 @@
 """The server's /metrics as bench/serve.py reads it around a cell: the engine thread's host time a step
-(dsv4_engine_host_seconds) and the time to first token by phase (dsv4_ttft_phase_seconds), each as the
-difference between two scrapes."""
+(dsv4_engine_host_seconds), the time to first token by phase (dsv4_ttft_phase_seconds) and the prompts' host time
+by part (dsv4_prefill_host_seconds), each as the difference between two scrapes."""
 
 from __future__ import annotations
 
@@ -87,3 +87,18 @@ def pacing(before: list[tuple[str, dict[str, str], float]], after: list[tuple[st
             "graph_pool_moves": moves,
             # variants first built while serving (the noter's, DSV4_KERNEL_CACHE=watch): NVRTC in a request's path
             "kernels_late": a.get("dsv4_kernels_late_total", 0.0) - b.get("dsv4_kernels_late_total", 0.0)}  # fmt: skip
+
+
+def prefill_split(before: list[tuple[str, dict[str, str], float]], after: list[tuple[str, dict[str, str], float]],
+                  ) -> dict[str, float]:  # fmt: skip
+    """The engine's prompt host time over a cell by part (dsv4_prefill_host_seconds: build, eval, snapshot, admit),
+    in ms a first token (the cell's dsv4_ttft_phase_seconds prefill count); {} without either."""
+    delta: dict[str, float] = {}
+    n = 0.0
+    for sign, samples in ((-1, before), (1, after)):
+        for name, labels, value in samples:
+            if name == "dsv4_prefill_host_seconds_total":
+                delta[labels["part"]] = delta.get(labels["part"], 0.0) + sign * value
+            elif name == "dsv4_ttft_phase_seconds_count" and labels.get("phase") == "prefill":
+                n += sign * value
+    return {part: 1e3 * v / n for part, v in delta.items()} if n > 0 else {}

@@ -134,6 +134,15 @@ class _EngineCollector(Collector):
             for phase, v in host.items():
                 c.add_metric([phase], float(v))
             yield c
+        split = s.get("prefill_host_ms") or {}
+        if split:  # Engine.prefill_ms: prefill_<part>_ms
+            c = CounterMetricFamily(f"{PREFIX}_prefill_host_seconds", "Engine thread host seconds of prompts by "
+                                    "part: build (a forward's layers built and queued), eval (its end waited for: the "
+                                    "GPU behind the build), snapshot (the prefix cache's at a prompt's end), admit (a "
+                                    "slot's reset at admission)", labels=["part"])  # fmt: skip
+            for key, ms in split.items():
+                c.add_metric([key.removeprefix("prefill_").removesuffix("_ms")], float(ms) / 1e3)
+            yield c
         by_rows = dict(enumerate(int(n) for n in s.get("rows_per_step") or ()))
         buckets, acc = [], 0
         for rows in range(1, self.max_rows + 1):

@@ -110,9 +110,11 @@ class Engine(PrefixOps):
         self._scoring: list[tuple[int, Sequence[int]] | None] = []
         self._scores: list[PendingPrompt | None] = []
         self.prefill_rows_layers = self.prefill_layers = 0  # prefill built so far (the pacer's measure: pacing.py)
-        # A prefill's host ms by part, cumulative (the engine profile's slow lines): its layers built and queued,
-        # the whole forward's evaluation waited for, the prefix cache's snapshot at the prompt's end.
-        self.prefill_ms = {"prefill_build_ms": 0.0, "prefill_eval_ms": 0.0, "prefill_snapshot_ms": 0.0}
+        # A prefill's host ms by part, cumulative (the engine profile's slow lines, dsv4_prefill_host_seconds): its
+        # layers built and queued, the whole forward's evaluation waited for (the GPU's lag behind the build),
+        # the prefix cache's snapshot at the prompt's end, and the admission's slot reset (a replay settled first).
+        self.prefill_ms = {"prefill_build_ms": 0.0, "prefill_eval_ms": 0.0, "prefill_snapshot_ms": 0.0,
+                           "prefill_admit_ms": 0.0}  # fmt: skip
         if prefix_cache_bytes > 0 and self.parallel_prefill:
             self.prefix_cache = PrefixCache(self.pools, prefix_cache_bytes, prefix_interval)
             log.info("prefix cache: %.3f GiB, a snapshot every %d prompt positions", prefix_cache_bytes / 2**30,
@@ -149,8 +151,11 @@ class Engine(PrefixOps):
         return p.can_alloc(n_tokens)
 
     def admit(self, n_tokens: int) -> Handle:
+        t0 = time.perf_counter()
         self.touched()  # a slot reset on allocation
-        return self.pools.alloc(n_tokens)
+        handle = self.pools.alloc(n_tokens)
+        self.prefill_ms["prefill_admit_ms"] += 1e3 * (time.perf_counter() - t0)
+        return handle
 
     def touched(self) -> None:
         """MLX work is about to write the state pools: a replay left running ends first, and the decode graphs read

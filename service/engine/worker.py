@@ -273,6 +273,9 @@ class EngineWorker(EngineThread):
         host = getattr(getattr(self, "_engine", None), "host_seconds", None)  # Engine.host_seconds
         if host:
             s["host_seconds_total"] = dict(host)
+        split = getattr(getattr(self, "_engine", None), "prefill_ms", None)  # Engine.prefill_ms: plain floats
+        if split:
+            s["prefill_host_ms"] = dict(split)
         if self._canary is not None:  # plain ints and a float, written by the engine thread
             s.update(self._canary.stats())
         pacer = getattr(self, "_pacer", None)  # pacing.py, once the engine started

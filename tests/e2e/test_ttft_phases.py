@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_metrics import pacing, scrape, ttft_split
+from bench.server_metrics import pacing, prefill_split, scrape, ttft_split
 from tests.e2e.conftest import MODEL
 
 PHASES = ("tokenize", "queue", "prefill", "first_step", "first_byte")
@@ -138,3 +138,40 @@ def test_pacing_is_on_by_default_at_twice_the_measured_step(server) -> None:
     assert 0 <= got["dsv4_prefill_slices_total"] <= got["dsv4_prefill_slice_layers_total"], got
     # the slice cost pacing fitted (F + c x layers; 0 before a prefill was measured) is published too
     assert got["dsv4_pacer_slice_fixed_seconds"] >= 0 and got["dsv4_pacer_layer_seconds"] >= 0, got
+
+
+def test_a_prompt_s_host_time_by_part_is_in_metrics_and_bounded_by_its_prefill(server) -> None:
+    """Three streamed prompts of 40 tokens: dsv4_prefill_host_seconds counts build, eval, snapshot and admit; their
+    growth is positive for build and admit, and no part's exceeds the prefill phases' plus the queue's time (the
+    admission's reset ends the queue phase, the forward's build and eval are in the prefill phase); bench/serve.py's
+    reading gives the same per prompt."""
+    def parts() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return {s.labels["part"]: s.value for fam in text_string_to_metric_families(text)
+                if fam.name == "dsv4_prefill_host_seconds" for s in fam.samples}  # fmt: skip
+
+    before, phases0, scraped0 = parts(), phases(server.url), scrape(server.url)
+    for i in range(3):
+        streamed_ttft(server.url, [(11 * i + j) % 400 + 3 for j in range(40)])
+    after, took, scraped1 = parts(), diff(phases(server.url), phases0), scrape(server.url)
+    assert set(after) == {"build", "eval", "snapshot", "admit"}, after
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert grew["build"] > 0 and grew["admit"] > 0 and min(grew.values()) >= 0, grew
+    bound = took["prefill"][1] + took["queue"][1] + took["first_step"][1]
+    assert max(grew.values()) <= bound, (grew, took)
+    per = prefill_split(scraped0, scraped1)
+    assert per == {k: pytest.approx(1e3 * v / took["prefill"][0], rel=1e-6, abs=1e-6) for k, v in grew.items()}
+
+
+def test_bench_prefill_split_is_ms_a_first_token() -> None:
+    """Hand-made scrapes: 2 first tokens over the cell, 30 ms of build and 4 ms of admit: 15 and 2 ms a prompt."""
+    before = [("dsv4_prefill_host_seconds_total", {"part": "build"}, 1.0),
+              ("dsv4_prefill_host_seconds_total", {"part": "admit"}, 0.5),
+              ("dsv4_ttft_phase_seconds_count", {"phase": "prefill"}, 7.0),
+              ("dsv4_ttft_phase_seconds_count", {"phase": "queue"}, 7.0)]  # fmt: skip
+    after = [("dsv4_prefill_host_seconds_total", {"part": "build"}, 1.030),
+             ("dsv4_prefill_host_seconds_total", {"part": "admit"}, 0.504),
+             ("dsv4_ttft_phase_seconds_count", {"phase": "prefill"}, 9.0),
+             ("dsv4_ttft_phase_seconds_count", {"phase": "queue"}, 9.0)]  # fmt: skip
+    assert prefill_split(before, after) == {"build": pytest.approx(15.0), "admit": pytest.approx(2.0)}
+    assert prefill_split(after, after) == {}  # no first token in the cell
