@@ -155,8 +155,13 @@ class EngineThread:
             self._started.set()
             self._report(e)
             return
-        self._ready.set()
-        self._started.set()
+        if self._canary is not None and not self._first_check(engine, sched, sample):
+            with self._lock:
+                self.start_error = self.canary_failure
+            self._started.set()  # never ready: the failure is reported (the server exits non-zero)
+        else:
+            self._ready.set()
+            self._started.set()
         prof = EngineProfile.start()  # DSV4_ENGINE_PROFILE: cProfile + slow iterations; else nothing
         try:
             self._loop(engine, sched, sample, prof)
@@ -200,6 +205,30 @@ class EngineThread:
         with self._lock:
             self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
+
+    def _first_check(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> bool:
+        """The canary's first check, through the served path (the parallel prefill, the batched step or its graphs,
+        sampling), before /ready: a path that gives other tokens than the start-up decode never serves a request
+        (under "fail"; "warn" logs it and serves). False: it failed under "fail". A check that cannot run (no room)
+        waits for its interval."""
+        c = self._canary
+        assert c is not None
+        t0 = time.perf_counter()
+        c.due = c.clock()
+        c.offer(sched, engine)
+        if c.request is None:
+            return True
+        while c.request is not None and self.canary_failure is None:
+            try:
+                events = self._step(engine, sched, sample)
+            except Exception as e:  # noqa: BLE001 - as the loop: the step's request fails (an error, not a token)
+                log.exception("engine iteration failed")
+                events = sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
+            self._take_canary(c, events, sched)
+        self._sync_counts(sched)
+        canary.log.info("first check through the served path %s in %.2f s", "failed" if c.failures else "passed",
+                 time.perf_counter() - t0)  # fmt: skip
+        return self.canary_failure is None
 
     def _take_canary(self, c: canary.Canary, events: list[TokenEvent], sched: Scheduler) -> list[TokenEvent]:
         """The canary's events leave the iteration's (no client sees them); a failed check under "fail" stops

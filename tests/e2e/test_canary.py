@@ -95,8 +95,10 @@ def flip_norm_byte(engine: Any) -> None:
     raw[w.itemsize - 1] ^= 0x01
 
 
-def serve_in_process(action: str, body: Callable[[str, Any], None], monkeypatch: pytest.MonkeyPatch) -> int:
-    """`serve()` on this thread (its return value: the exit status) with `body(url, ctl)` on a client thread."""
+def serve_in_process(action: str, body: Callable[[str, Any], None], monkeypatch: pytest.MonkeyPatch,
+                     ready: bool = True, interval: float = 1.0) -> int:  # fmt: skip
+    """`serve()` on this thread (its return value: the exit status) with `body(url, ctl)` on a client thread, once
+    the server is ready (`ready` False: once the app exists)."""
     from dsv4_serve.service import __main__ as cli
     from dsv4_serve.service.api import app as app_module
     from dsv4_serve.service.settings import Settings
@@ -108,7 +110,7 @@ def serve_in_process(action: str, body: Callable[[str, Any], None], monkeypatch:
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     port = sock.getsockname()[1]
-    settings = Settings.load({"port": port, "canary_interval": 1.0, "canary_action": action, "drain_timeout": 2.0,
+    settings = Settings.load({"port": port, "canary_interval": interval, "canary_action": action, "drain_timeout": 2.0,
                               "log_level": "warning"}, env={})  # fmt: skip
     url, errors = f"http://127.0.0.1:{port}", []
 
@@ -116,7 +118,8 @@ def serve_in_process(action: str, body: Callable[[str, Any], None], monkeypatch:
         try:
             wait_for(lambda: bool(made), 60, "the app")
             ctl = made[0].state.ctl
-            wait_for(lambda: ctl.ready, 120, "ready")
+            if ready:
+                wait_for(lambda: ctl.ready, 120, "ready")
             body(url, ctl)
         except BaseException as e:  # noqa: BLE001 - reported on the test's thread
             errors.append(e)
@@ -193,3 +196,69 @@ def test_flipped_weight_under_warn_is_counted_and_serving_goes_on(monkeypatch, c
     assert seen["ready"] == 200 and seen["health"] == 200
     assert seen["completion"]["usage"]["completion_tokens"] == 2
     assert sum("canary mismatch" in r.getMessage() for r in caplog.records) >= 2
+
+
+def wrong_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in the served path alone: every attention output of the parallel prefill doubled (the start-up
+    decode, token by token through the step, never runs it)."""
+    from dsv4_serve.model import prefill as mprefill
+
+    real = mprefill._attend
+
+    def doubled(*a: Any, **k: Any) -> Any:
+        o = real(*a, **k)
+        return None if o is None else o * 2
+
+    monkeypatch.setattr(mprefill, "_attend", doubled)
+
+
+def statuses(url: str) -> dict[str, list[int]]:
+    """/ready's, /health's and a completion's status codes, polled until the server is gone."""
+    seen: dict[str, list[int]] = {"ready": [], "health": [], "request": []}
+    while True:
+        try:
+            seen["ready"].append(httpx.get(f"{url}/ready", timeout=5).status_code)
+            seen["health"].append(httpx.get(f"{url}/health", timeout=5).status_code)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=5)
+            seen["request"].append(r.status_code)
+        except httpx.HTTPError:
+            return seen
+        time.sleep(0.05)
+
+
+def test_a_served_path_wrong_at_start_up_never_serves_and_exits_1(monkeypatch, caplog) -> None:
+    """The canary's first check runs through the served path before /ready: with the prefill wrong, the server is
+    never ready (no request is ever served) and exits 1 with the mismatch; the interval (300 s) is not waited for."""
+    wrong_prefill(monkeypatch)
+    seen: dict[str, Any] = {}
+
+    def body(url: str, ctl: Any) -> None:
+        seen.update(statuses(url))
+
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="dsv4.canary"):
+        rc = serve_in_process("fail", body, monkeypatch, ready=False, interval=300.0)
+    assert rc == 1 and time.monotonic() - t0 < 200
+    assert seen["ready"] and 200 not in seen["ready"], seen  # answered while loading, never ready
+    assert 200 not in seen["request"], seen  # held while loading (503 past the ready timeout), never served
+    text = [r.getMessage() for r in caplog.records if r.name == "dsv4.canary"]
+    assert any("canary mismatch (check 1)" in m for m in text), text
+    assert any("first check through the served path failed" in m for m in text), text
+
+
+def test_a_served_path_wrong_at_start_up_under_warn_is_counted_and_serves(monkeypatch, caplog) -> None:
+    """Under `warn` the first check's failure is logged and counted before /ready, and the server serves."""
+    wrong_prefill(monkeypatch)
+    seen: dict[str, Any] = {}
+
+    def body(url: str, ctl: Any) -> None:
+        seen["failures"] = metric(url, "dsv4_canary_failures_total")
+        seen["checks"] = metric(url, "dsv4_canary_checks_total")
+        seen["completion"] = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).json()
+        ctl.on_fatal()  # as a SIGTERM's drain would end: uvicorn stops
+
+    with caplog.at_level(logging.ERROR, logger="dsv4.canary"):
+        rc = serve_in_process("warn", body, monkeypatch, interval=300.0)
+    assert rc == 0
+    assert seen["failures"] == 1 and seen["checks"] == 1, seen  # the first check, before /ready: none since
+    assert seen["completion"]["usage"]["completion_tokens"] == 2
