@@ -113,7 +113,7 @@ def write_slots_cuda(pools: Sequence[mx.array], slot: int, values: Sequence[mx.a
         words = max(n for _, n in layout) // 16 + 1
         blocks = max(1, min(SLOTS_BLOCKS, -(-words // THREADS)))
         (token,) = kernel(f"write_slots{len(ps)}", names, ("token",), slots_source(layout))(
-            inputs=[*ps, *vs, at], grid=(blocks * THREADS, len(ps), 1), threadgroup=(THREADS, 1, 1),
+            inputs=[*ps, *vs, at], template=[], grid=(blocks * THREADS, len(ps), 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(1,)], output_dtypes=[mx.int32],
         )  # fmt: skip
         tokens.append(token)
