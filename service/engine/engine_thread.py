@@ -155,22 +155,23 @@ class EngineThread:
             self._started.set()
             self._report(e)
             return
-        if self._canary is not None and not self._first_check(engine, sched, sample):
-            with self._lock:
-                self.start_error = self.canary_failure
-            self._started.set()  # never ready: the failure is reported (the server exits non-zero)
-        else:
-            self._ready.set()
-            self._started.set()
         prof = EngineProfile.start()  # DSV4_ENGINE_PROFILE: cProfile + slow iterations; else nothing
+        clock = PhaseClock(getattr(engine, "host_seconds", None), self._c,
+                           lambda: self._inflight.seconds if self._inflight is not None else 0.0)
         try:
-            self._loop(engine, sched, sample, prof)
+            if self._canary is not None and not self._first_check(engine, sched, sample, clock, prof):
+                with self._lock:
+                    self.start_error = self.canary_failure
+                self._started.set()  # never ready: the failure is reported (the server exits non-zero)
+            else:
+                self._ready.set()
+                self._started.set()
+            self._loop(engine, sched, sample, clock, prof)
         finally:
             prof.stop()
 
-    def _loop(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], prof: EngineProfile) -> None:
-        clock = PhaseClock(getattr(engine, "host_seconds", None), self._c,
-                           lambda: self._inflight.seconds if self._inflight is not None else 0.0)
+    def _loop(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], clock: PhaseClock,
+              prof: EngineProfile) -> None:  # fmt: skip
         while True:
             idle = not sched.has_work() and self._inflight is None and self._stop_deadline is None
             wait = self._canary.seconds_left() if self._canary is not None and idle else None
@@ -182,22 +183,7 @@ class EngineThread:
                 break
             if self._canary is not None and deadline is None and self._inbox.empty():  # adds not drained go first
                 self._canary.offer(sched, engine)
-            t0 = time.perf_counter()
-            clock.start()
-            try:
-                events += self._step(engine, sched, sample)
-            except Exception as e:  # noqa: BLE001 - never let one step kill the thread
-                log.exception("engine iteration failed")
-                events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
-            if self._canary is not None:
-                events = self._take_canary(self._canary, events, sched)
-            self._sync_counts(sched)
-            self._publish(events)
-            with self._lock:
-                self._c.loop_seconds += time.perf_counter() - t0
-            phases = clock.stop()
-            self._observe(phases)
-            prof.iteration(phases, engine)
+            self._iteration(engine, sched, sample, clock, prof, events)
         # Stopping: abort whatever is left, including adds that raced with the stop.
         events = self._drain_inbox(sched, block=False)
         for rid in sched.ids():
@@ -206,7 +192,29 @@ class EngineThread:
             self._c.waiting = self._c.running = 0
         self._publish([e for e in events if e is not None])
 
-    def _first_check(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending]) -> bool:
+    def _iteration(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], clock: PhaseClock,
+                   prof: EngineProfile, events: list[TokenEvent]) -> None:  # fmt: skip
+        """One iteration (`stepping.iterate`), its canary events taken out, the rest (and `events`) published, its
+        seconds by phase observed."""
+        t0 = time.perf_counter()
+        clock.start()
+        try:
+            events += self._step(engine, sched, sample)
+        except Exception as e:  # noqa: BLE001 - never let one step kill the thread
+            log.exception("engine iteration failed")
+            events += sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
+        if self._canary is not None:
+            events = self._take_canary(self._canary, events, sched)
+        self._sync_counts(sched)
+        self._publish(events)
+        with self._lock:
+            self._c.loop_seconds += time.perf_counter() - t0
+        phases = clock.stop()
+        self._observe(phases)
+        prof.iteration(phases, engine)
+
+    def _first_check(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], clock: PhaseClock,
+                     prof: EngineProfile) -> bool:  # fmt: skip
         """The canary's first check, through the served path (the parallel prefill, the batched step or its graphs,
         sampling), before /ready: a path that gives other tokens than the start-up decode never serves a request
         (under "fail"; "warn" logs it and serves). False: it failed under "fail". A check that cannot run (no room)
@@ -219,15 +227,9 @@ class EngineThread:
         if c.request is None:
             return True
         while c.request is not None and self.canary_failure is None:
-            try:
-                events = self._step(engine, sched, sample)
-            except Exception as e:  # noqa: BLE001 - as the loop: the step's request fails (an error, not a token)
-                log.exception("engine iteration failed")
-                events = sched.fail(sched.ids()[:1], f"engine error: {type(e).__name__}: {e}")
-            self._take_canary(c, events, sched)
-        self._sync_counts(sched)
+            self._iteration(engine, sched, sample, clock, prof, [])  # the loop's, with nothing else admitted
         canary.log.info("first check through the served path %s in %.2f s", "failed" if c.failures else "passed",
-                 time.perf_counter() - t0)  # fmt: skip
+                        time.perf_counter() - t0)  # fmt: skip
         return self.canary_failure is None
 
     def _take_canary(self, c: canary.Canary, events: list[TokenEvent], sched: Scheduler) -> list[TokenEvent]:

@@ -20,6 +20,7 @@ import pytest
 from dsv4_serve.model.checkpoint import write_checkpoint
 from dsv4_serve.model.loader import load_model
 from dsv4_serve.model.tiny import tiny_model
+from dsv4_serve.service.engine import canary
 from tests.distributed.run_rank import greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,8 +200,9 @@ def test_serve_distributed_http(tmp_path: Path, source: str) -> None:
     finally:
         _kill(proc)
     # Prompt tokens fed by the parallel prefill, 16 a step (the rest went one a step through the decode
-    # step, as on one process): more than one step's chunk, so plans carried prefills step after step.
-    assert 16 < prefilled <= sum(len(p) - 1 for p in PROMPTS)
+    # step, as on one process): more than one step's chunk, so plans carried prefills step after step. (The
+    # canary's first check before /ready prefills its prompt too: engine work, counted.)
+    assert 16 < prefilled <= sum(len(p) - 1 for p in PROMPTS) + canary.PROMPT_LEN - 1
     assert ahead > 0  # decode steps queued before the previous one was read back
     if source == "dummy":
         from dsv4_serve.model.config import ModelArgs

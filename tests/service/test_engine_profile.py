@@ -68,5 +68,6 @@ def test_a_prefill_s_host_ms_split_into_build_eval_and_snapshot() -> None:
 
     asyncio.run(main())
     split = {k: v for k, v in EngineProfile(None).counters(engine).items() if k.endswith("_ms")}
-    assert set(split) == {"prefill_build_ms", "prefill_eval_ms", "prefill_snapshot_ms"}
+    assert set(split) == {"prefill_build_ms", "prefill_eval_ms", "prefill_snapshot_ms", "prefill_admit_ms"}
     assert split["prefill_build_ms"] > 0 and split["prefill_snapshot_ms"] > 0 and split["prefill_eval_ms"] >= 0
+    assert split["prefill_admit_ms"] > 0
