@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the byte floor, the provenance of a run, and the `--plot` PNGs.
+"""What the benchmark scripts share: the byte floor, CUPTI's GPU time a step, the provenance of a run, and the
+`--plot` PNGs.
 
 The byte floor is a plain copy's bandwidth, measured in the same run. On a CUDA device the copy is a
 16-byte-per-thread kernel (`mx.fast.cuda_kernel`): MLX's own `x + 0` reads about half of it on the H200
@@ -18,6 +19,7 @@ Plots need matplotlib: `pip install -e '.[bench]'`.
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 import subprocess
 import time
@@ -84,6 +86,58 @@ def copy_bandwidth(nbytes: int = 1 << 31, reps: int = 10) -> float:
 
 
 # ---- provenance ---------------------------------------------------------------------------------
+# ---- the GPU time a step (CUPTI) -----------------------------------------------------------------
+def gpu_profile(run, steps: int, out: Path | None, tag: str) -> dict:
+    """CUPTI over `steps` steps: kernels a step, GPU busy us a step (union of activity), the kernels' own time a
+    step (their sum: above busy where kernels overlap, as in MLX's graphs), the top kernels; the steps' GPU span
+    (first kernel's start to last one's end) and its idle part, the longest idle gaps (what the GPU waited for)."""
+    import mlx.core as mx
+    from torch.profiler import ProfilerActivity, profile  # the device's python3; not a project dependency
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(steps)
+        mx.synchronize()
+    path = (out or Path("/tmp")) / f"trace_{tag}.json"
+    prof.export_chrome_trace(str(path))
+    trace = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+    if out is None:
+        path.unlink()
+    return trace_stats(trace, steps)
+
+
+def trace_stats(trace: list[dict], steps: int) -> dict:
+    """`gpu_profile`'s figures from a Chrome trace's complete events ("X": ts, dur in us, cat, name)."""
+    ev = [e for e in trace if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    # the host's CUDA API time (graph node adds, exec updates, launches): how much of `encode` is the driver's
+    api: dict[str, float] = {}
+    for e in trace:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            api[e["name"]] = api.get(e["name"], 0.0) + e.get("dur", 0)
+    by: dict[str, list[float]] = {}
+    for e in ev:
+        by.setdefault(e["name"][:70], []).append(e.get("dur", 0))
+    busy, start, end, gaps = 0.0, None, -1.0, []
+    for a, b, name in sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"][:40]) for e in ev):
+        start = a if start is None else start
+        if end >= 0 and a > end:  # the GPU idle from the last kernel's end to this one's start
+            gaps.append((a - end, name))
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]
+    span = end - start if start is not None else 0.0
+    # idle inside the steps' span (first start to last end, less busy): the GPU waiting for the host where it is
+    # large; the longest gaps name the kernel after each (what a host sync or a slow build held back)
+    return {"kernels_per_step": len(ev) / steps, "gpu_busy_ms_per_step": busy / steps / 1e3,
+            "gpu_span_ms_per_step": round(span / steps / 1e3, 3),
+            "gpu_idle_ms_per_step": round((span - busy) / steps / 1e3, 3),
+            "gaps_over_100us_per_step": round(sum(1 for g, _ in gaps if g > 100) / steps, 1),
+            "longest_gaps_ms": [[n, round(g / 1e3, 3)] for g, n in sorted(gaps, reverse=True)[:8]],
+            "kernel_ms_per_step": sum(e.get("dur", 0) for e in ev) / steps / 1e3,
+            "kernel_kinds": len(by), "api_ms_per_step": round(sum(api.values()) / steps / 1e3, 3),
+            "api_top": [[n, round(d / steps / 1e3, 3)] for n, d in sorted(api.items(), key=lambda kv: -kv[1])[:8]],
+            "top": [[n, round(len(d) / steps, 1), round(sum(d) / steps / 1e3, 3)] for n, d in top]}  # fmt: skip
+
+
 def source_digest() -> str:
     h = hashlib.sha1()
     for d in DIGEST_DIRS:

@@ -33,8 +33,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from bench.common import on_cuda, provenance  # noqa: E402
-from bench.step import flash_args, gpu_profile, most_experts, random_model  # noqa: E402
+from bench.common import gpu_profile, on_cuda, provenance  # noqa: E402
+from bench.step import flash_args, most_experts, random_model  # noqa: E402
 from dsv4_serve.kernels import backend, experts_grouped  # noqa: E402
 from dsv4_serve.kernels import matmul as kmatmul  # noqa: E402
 from dsv4_serve.model import prefill as mprefill  # noqa: E402

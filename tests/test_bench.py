@@ -75,10 +75,10 @@ def test_spec_decode_forced_drafts_keep_the_plain_tokens(tmp_path: Path) -> None
 
 
 def test_trace_stats_parts_busy_from_idle_and_names_the_longest_gaps() -> None:
-    """bench/step.py's CUPTI figures from a hand-made trace of 2 steps: kernels A 0-10 us, B 5-20 (overlapping A),
+    """bench/common.py's CUPTI figures from a hand-made trace of 2 steps: kernels A 0-10 us, B 5-20 (overlapping A),
     a memset 120-130, then C 1,130-1,150 (a 1 ms wait for the host before it); busy 20 + 10 + 20 = 50 us, span
     1,150 us, idle 1,100 us, the longest gap before C, one gap over 100 us; the API time by name."""
-    from bench.step import trace_stats
+    from bench.common import trace_stats
 
     trace = [{"ph": "X", "cat": "kernel", "name": "A", "ts": 0, "dur": 10},
              {"ph": "X", "cat": "kernel", "name": "B", "ts": 5, "dur": 15},
