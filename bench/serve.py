@@ -6,8 +6,10 @@ own) and at least 10 x concurrency prompts per cell; each cell's requests carry 
 measured prompt is a prefix-cache hit (up to 2026-12-07 the warm-ups were the first measured prompts, which made
 the first wave's TTFT a hit's, and the fixed prompts repeated across cells). TTFT = first chunk with non-empty
 choices - send time; ITL = gaps between chunks; TPOT = (latency - TTFT) / (output tokens - 1); E2E = latency.
-A greedy correctness check rides along: a fixed subset of prompts must give identical outputs at
-concurrency 1 and 8. Bounded in count and time. Starts its own server unless --url is given. Per cell
+A greedy correctness check rides along: 8 fixed prompts open every cell and must give the same greedy token ids
+(vLLM's return_tokens_as_token_ids: dummy weights stream no text) alone at concurrency 1 as batched in every other
+cell (`greedy_c1_equals` in the JSON's meta, printed at the end). Bounded in count and time. Starts its own
+server unless --url is given. Per cell
 it also reads the server's engine-thread host time a step from /metrics (`dsv4_engine_host_seconds`:
 build, encode, sample, wait; the parallel prefill; the rest of each iteration), to set the service against
 bench/step.py's build / encode split.
@@ -85,14 +87,16 @@ def start_server(port: int, extra: list[str], timeout: float = 120, python_args:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int,
-              salt: str | None = None) -> dict:  # fmt: skip
+              salt: str | None = None, ids: bool = False) -> dict:  # fmt: skip
+    """One streamed greedy completion; `ids`: its token ids too (vLLM's return_tokens_as_token_ids on the sampled
+    tokens' logprobs: a server without a tokenizer, dummy weights, streams no text to compare)."""
     body = {
-        "model": model, "prompt": prompt, "max_tokens": out_len, "logprobs": None, "stream": True,
+        "model": model, "prompt": prompt, "max_tokens": out_len, "logprobs": 0 if ids else None, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
-        **({"cache_salt": salt} if salt else {}),
+        **({"cache_salt": salt} if salt else {}), **({"return_tokens_as_token_ids": True} if ids else {}),
     }
     t0 = time.perf_counter()
-    ttft, stamps, text, usage = None, [], [], None
+    ttft, stamps, text, usage, got = None, [], [], None, []
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
             if r.status_code != 200:
@@ -106,6 +110,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                     ttft = ttft if ttft is not None else now - t0
                     stamps.append(now)
                     text.append(chunk["choices"][0].get("text", ""))
+                    got += (chunk["choices"][0].get("logprobs") or {}).get("tokens") or []
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except httpx.HTTPError as e:
@@ -116,17 +121,19 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
         "ok": True, "ttft": ttft or latency, "latency": latency, "output_tokens": n,
         "input_tokens": (usage or {}).get("prompt_tokens", len(prompt)),
         "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "stamps": stamps, "text": "".join(text),
+        **({"ids": [int(t.removeprefix("token_id:")) for t in got]} if ids else {}),
     }
 
 
 async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, long_prompt=None,
-               long_delay=1.0, rate=math.inf, seed=0, salt=None) -> tuple[dict, list[dict]]:  # fmt: skip
+               long_delay=1.0, rate=math.inf, seed=0, salt=None, ids=0) -> tuple[dict, list[dict]]:  # fmt: skip
     """The cell's prompts at `concurrency`; with `long_prompt`, one more request of it (1 output token) sent
     `long_delay` s in, whose prefill the streams' ITL is then split by (`interference`). `rate` (requests/s, as
     vLLM's --request-rate): the prompts arrive as a Poisson process at that rate, each then waiting for a free
     slot of `concurrency`; inf: all at once (the first `concurrency` are a burst). `warmups`: prompts sent first,
     not measured (their own, so no measured prompt is a prefix-cache hit of one); `salt`: every request's
-    cache_salt (a cell's own, so no prompt hits what an earlier cell cached)."""
+    cache_salt (a cell's own, so no prompt hits what an earlier cell cached); the first `ids` prompts' results carry
+    their token ids."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in prompts:
@@ -137,10 +144,10 @@ async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, l
     async with httpx.AsyncClient(limits=limits) as client:
         await asyncio.gather(*(one(client, url, model, p, out_len, salt) for p in warmups))
 
-        async def guarded(p, at: float):
+        async def guarded(p, at: float, want: bool):
             await asyncio.sleep(at)
             async with sem:
-                return await one(client, url, model, p, out_len, salt)
+                return await one(client, url, model, p, out_len, salt, want)
 
         async def long_request() -> tuple[float, float, dict]:
             await asyncio.sleep(long_delay)
@@ -150,8 +157,8 @@ async def cell(url, model, prompts, out_len, concurrency, warmups, time_limit, l
 
         t0 = time.perf_counter()
         long_task = asyncio.create_task(long_request()) if long_prompt else None
-        results = await asyncio.wait_for(asyncio.gather(*(guarded(p, at) for p, at in zip(prompts, arrivals,
-                                                                                                 strict=True))),
+        results = await asyncio.wait_for(asyncio.gather(*(guarded(p, at, i < ids) for i, (p, at) in
+                                                          enumerate(zip(prompts, arrivals, strict=True)))),
                                          time_limit)  # fmt: skip
         duration = time.perf_counter() - t0
         window = await long_task if long_task else None
@@ -252,13 +259,14 @@ def main() -> None:
             long_prompt = [rng.randrange(2, vocab_hi) for _ in range(opt.long_prompt)] or None
             summary, results = asyncio.run(
                 cell(url, model, fixed + prompts, opt.output_len, c, warmups, opt.time_limit, long_prompt,
-                     opt.long_delay, opt.request_rate, opt.seed, salt=f"bench-serve-{opt.seed}-c{c}")  # fmt: skip
+                     opt.long_delay, opt.request_rate, opt.seed, salt=f"bench-serve-{opt.seed}-c{c}",
+                     ids=len(fixed))  # fmt: skip
             )
             after = scrape(url)
             summary["engine_host_ms_per_step"] = host_ms_per_step(engine_host(before), engine_host(after))
             summary["ttft_phases_ms"], summary["pacing"] = ttft_split(before, after), pacing(before, after)
             summary["prefill_host_ms_a_prompt"] = prefill_split(before, after)
-            check[c] = [r.get("text") for r in results[:8]]
+            check[c] = [r.get("ids") for r in results[:8]]  # the fixed prompts' greedy token ids
             cells.append(summary)
             host = " ".join(f"{k} {v:.2f}" for k, v in summary["engine_host_ms_per_step"].items())
             print(f"concurrency {c}: {summary['output_throughput']:.1f} tok/s, "
@@ -280,9 +288,9 @@ def main() -> None:
                 print(f"  with a {opt.long_prompt}-token prompt ({summary['long_prompt_s']:.2f} s): ITL p99 during "
                       f"{summary['p99_itl_during_ms']:.1f} ms over {summary['itl_during_long']} gaps, median "
                       f"outside {summary['median_itl_outside_ms']:.1f} ms", flush=True)  # fmt: skip
-        same = None
-        if 1 in check and 8 in check and any(check[1]):  # the same 8 fixed prompts open every cell (a server
-            same = check[1] == check[8]  # without a tokenizer streams "" text: nothing to compare, None)
+        same: dict[str, bool] = {}  # the same 8 fixed prompts open every cell: alone at one stream, batched at more
+        if 1 in check and all(check[1]):  # (compared by their ids: dummy weights stream no text)
+            same = {str(c): check[1] == ids for c, ids in check.items() if c != 1}
     finally:
         if proc is not None:
             proc.terminate()
@@ -296,7 +304,7 @@ def main() -> None:
     meta = {
         "model": model, "input_len": opt.input_len, "output_len": opt.output_len,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "greedy_c1_equals_c8": same,
+        "greedy_c1_equals": same, "greedy_c1_equals_c8": same.get("8"),
     } | provenance()
     try:
         import mlx.core as mx

@@ -35,6 +35,8 @@ def test_serve_writes_json_and_plot(tmp_path: Path) -> None:
     assert [c["concurrency"] for c in cells] == [1, 2]
     assert all(c["failed"] == 0 and c["completed"] > 0 and c["output_throughput"] > 0 for c in cells)
     assert png_size(png) == (1200, 480)  # figsize 10 x 4 in at 120 dpi
+    # the 8 fixed prompts' greedy token ids alone (one stream) and two at a time: the same
+    assert json.loads(out.read_text())["meta"]["greedy_c1_equals"] == {"2": True}
 
 
 @pytest.mark.slow
