@@ -155,6 +155,7 @@ class Canary:
         self.last_diff = 0.0
         self.tripped = False  # `fail`: no more checks after a mismatch
         self.declined = False  # the last offer found no free row or pages: an idle thread looks again in RETRY_S
+        self.error: str | None = None  # the last check's step error (its rows failed), if any
 
     def seconds_left(self) -> float | None:
         """How long an idle engine thread may block before the next check is due; None: no check is waiting."""
@@ -182,7 +183,7 @@ class Canary:
         if self.declined:
             return
         self.request = Request(f"canary-{uuid.uuid4().hex}", list(self.prompt), params(), canary=True)
-        self.got = []
+        self.got, self.error = [], None
         sched.add(self.request)
 
     def rows(self) -> int:
@@ -211,6 +212,7 @@ class Canary:
                 self.got.append((e.token_id, float(e.logprob or 0.0), tuple(e.top_logprobs)))
             if e.error is not None:
                 log.warning("canary: the check's step failed (%s); the next one in %g s", e.error, self.interval)
+                self.error = e.error
                 self._next()
             elif e.finish_reason is FinishReason.ABORT:
                 self._next()

@@ -216,9 +216,9 @@ class EngineThread:
     def _first_check(self, engine: Engine, sched: Scheduler, sample: Callable[..., Pending], clock: PhaseClock,
                      prof: EngineProfile) -> bool:  # fmt: skip
         """The canary's first check, through the served path (the parallel prefill, the batched step or its graphs,
-        sampling), before /ready: a path that gives other tokens than the start-up decode never serves a request
-        (under "fail"; "warn" logs it and serves). False: it failed under "fail". A check that cannot run (no room)
-        waits for its interval."""
+        sampling), before /ready: a path that gives other tokens than the start-up decode, or errs, never serves a
+        request (under "fail"; "warn" logs it and serves). False: it failed under "fail". A check that cannot run
+        (no room) waits for its interval."""
         c = self._canary
         assert c is not None
         t0 = time.perf_counter()
@@ -228,7 +228,13 @@ class EngineThread:
             return True
         while c.request is not None and self.canary_failure is None:
             self._iteration(engine, sched, sample, clock, prof, [])  # the loop's, with nothing else admitted
-        canary.log.info("first check through the served path %s in %.2f s", "failed" if c.failures else "passed",
+        if c.error is not None and c.action == "fail" and self.canary_failure is None:  # the served path errs
+            failure = canary.CanaryMismatch(f"canary's first check could not run through the served path: {c.error}")
+            with self._lock:
+                self.canary_failure, self._accepting = failure, False
+            self._report(failure)
+        failed = c.failures or c.error is not None
+        canary.log.info("first check through the served path %s in %.2f s", "failed" if failed else "passed",
                         time.perf_counter() - t0)  # fmt: skip
         return self.canary_failure is None
 

@@ -262,3 +262,30 @@ def test_a_served_path_wrong_at_start_up_under_warn_is_counted_and_serves(monkey
     assert rc == 0
     assert seen["failures"] == 1 and seen["checks"] == 1, seen  # the first check, before /ready: none since
     assert seen["completion"]["usage"]["completion_tokens"] == 2
+
+
+def test_a_served_path_that_errs_at_start_up_never_serves_and_exits_1(monkeypatch, caplog) -> None:
+    """The first check's prefill raises (the canary's 31-token piece alone; the warm-up's forwards are other
+    shapes): an error is no token, but a path that errs is one that cannot serve: never ready, exit 1."""
+    from dsv4_serve.service.engine import canary as canary_module
+    from dsv4_serve.service.engine.engine import Engine
+
+    real = Engine.prefill_batch
+
+    def failing(self: Any, work: Any, *a: Any, **k: Any) -> Any:
+        if len(work) == 1 and len(work[0][1]) == canary_module.PROMPT_LEN - 1:
+            raise RuntimeError("injected prefill fault")
+        return real(self, work, *a, **k)
+
+    monkeypatch.setattr(Engine, "prefill_batch", failing)
+    seen: dict[str, Any] = {}
+
+    def body(url: str, ctl: Any) -> None:
+        seen.update(statuses(url))
+
+    with caplog.at_level(logging.INFO, logger="dsv4.canary"):
+        rc = serve_in_process("fail", body, monkeypatch, ready=False, interval=300.0)
+    assert rc == 1
+    assert seen["ready"] and 200 not in seen["ready"] and 200 not in seen["request"], seen
+    text = [r.getMessage() for r in caplog.records if r.name == "dsv4.canary"]
+    assert any("first check through the served path failed" in m for m in text), text
