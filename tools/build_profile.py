@@ -5,11 +5,15 @@ layer, and a cProfile of where it goes. On the H200 the build is a third of a 1-
 or three graph nodes a launch where MLX's `cuda_kernel` makes one, so the compiled segments' replay (C++, the
 own time of `Block.__call__` in the profile) reads somewhat high; the Python around the kernels reads true.
 
-    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25] [--tiny] [--random]
+    python tools/build_profile.py [--layers 4] [--rows 1] [--steps 30] [--top 25] [--tiny] [--random] [--reset]
 
 Per layer kind (sliding / CSA / HCA) it prints the median build of a layer, the first of its kind in a step
 apart (it makes the step's once-a-kind values). The weights are zeros unless --random: the build reads no
 value, and drawing V4-Flash's random weights on the CPU takes ~40 s a layer.
+
+`--reset` instead: a slot's reset at admission (model/state_copy.py), every per-slot array in one `write_slots`
+against a `write_rows` an array (its form before 2026-12-07), alternated, median host ms of each (2-core CPU,
+`--layers 43`, 167 arrays: 0.7-0.8 against 4.2-4.4 ms; the stand-ins carry no MLX encode, which the GPU adds).
 """
 
 from __future__ import annotations
@@ -66,6 +70,32 @@ def report_layers(spans: list[tuple[int, float]], ratios: list[int]) -> None:
     print("per layer: " + ", ".join(f"{k} {statistics.median(v):.0f} us" for k, v in sorted(by.items())))
 
 
+def reset_ms(pools, reps: int) -> dict[str, float]:  # noqa: ANN001 - a model.state.StatePools
+    """Median host ms of a slot's reset, one `write_slots` against a `write_rows` an array, alternated."""
+    import numpy as np
+
+    from dsv4_serve.kernels.pool_rows import check_write_slots, write_rows
+    from dsv4_serve.kernels.upload import upload
+    from dsv4_serve.model import state_copy
+
+    def per_array(ps, slot, values):  # noqa: ANN001, ANN202 - write_slots' signature, a write_rows a pool
+        check_write_slots(ps, slot, values)
+        out = [write_rows(p, upload(np.arange(slot * p.shape[1], (slot + 1) * p.shape[1], dtype=np.int32)), v)
+               for p, v in zip(ps, values, strict=True)]  # fmt: skip
+        return [a for a, _ in out], mx.concatenate([t for _, t in out])
+
+    forms, times = {"write_slots": state_copy.write_slots, "write_rows each": per_array}, {}
+    for _ in range(reps):
+        for name, fn in forms.items():
+            state_copy.write_slots = fn
+            t = time.perf_counter()
+            pools._reset_slot(0)
+            times.setdefault(name, []).append(time.perf_counter() - t)
+            mx.eval(*pools.arrays())
+    state_copy.write_slots = forms["write_slots"]
+    return {name: 1e3 * statistics.median(ts[2:]) for name, ts in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4, help="V4-Flash layers (sliding, CSA, HCA, CSA, ...)")
@@ -75,6 +105,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true", help="the tiny model instead (the tool's own check)")
     ap.add_argument("--random", action="store_true", help="random weights (model/dummy.py's), not zeros")
+    ap.add_argument("--reset", action="store_true", help="a slot's reset instead: write_slots against write_rows")
     opt = ap.parse_args()
     stand_in_cuda_path()
     if not opt.random:
@@ -90,6 +121,13 @@ def main() -> None:
     else:
         args = flash_args(opt.layers, opt.experts)
         model = random_model(args)
+    if opt.reset:
+        pools = StatePools(args, max_slots=2, max_positions=256, page_size=256, dtype=mx.bfloat16)
+        mx.eval(*pools.arrays())
+        ms = reset_ms(pools, opt.steps)
+        print(f"reset: {len(pools.slot_arrays())} per-slot arrays, host ms (median of {opt.steps}): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))  # fmt: skip
+        return
     ctx = 4096
     pools = StatePools(args, max_slots=opt.rows, max_positions=ctx + 2 * opt.steps + 8, page_size=256,
                        dtype=mx.bfloat16)  # fmt: skip
