@@ -15,6 +15,7 @@ layout, made once), so no shape is passed: the parameters stay 2 x MAX_POOLS poi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -91,8 +92,10 @@ SLOTS_COPY = r"""
 """
 
 
-def slots_source(layout: Sequence[tuple[int, int]]) -> str:
-    """The kernel for pools of (slots, bytes a slot) each: pool y's slot s is bytes [s * n_y, (s + 1) * n_y)."""
+@functools.cache
+def slots_source(layout: tuple[tuple[int, int], ...]) -> str:
+    """The kernel for pools of (slots, bytes a slot) each: pool y's slot s is bytes [s * n_y, (s + 1) * n_y). Made
+    once a layout (~40 us of string building for 96 pools, and a new string's hash at each `kernel` lookup)."""
     cases = "\n".join(
         f"    case {y}: if (s < {a}) {{ dst = const_cast<char*>(reinterpret_cast<const char*>(pool{y})) + (size_t)s * "
         f"{n}; src = reinterpret_cast<const char*>(val{y}); n = {n}; }} break;"
@@ -108,7 +111,7 @@ def write_slots_cuda(pools: Sequence[mx.array], slot: int, values: Sequence[mx.a
     tokens = []
     for lo in range(0, len(pools), MAX_POOLS):
         ps, vs = list(pools[lo:lo + MAX_POOLS]), list(values[lo:lo + MAX_POOLS])
-        layout = [(p.shape[0], p.shape[1] * p.shape[2] * p.dtype.size) for p in ps]
+        layout = tuple((p.shape[0], p.shape[1] * p.shape[2] * p.dtype.size) for p in ps)
         names = tuple(f"pool{y}" for y in range(len(ps))) + tuple(f"val{y}" for y in range(len(ps))) + ("slot",)
         words = max(n for _, n in layout) // 16 + 1
         blocks = max(1, min(SLOTS_BLOCKS, -(-words // THREADS)))

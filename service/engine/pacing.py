@@ -156,7 +156,7 @@ class Pacer:
         target = self.target()
         if target is None or self.step is None or not self.slice_seconds:
             return Pace(self.chunk, self.slice_seconds)
-        lead = self.lead.get(bucket(rows or self.chunk), 0.0) if rows is None else 0.0
+        lead = self.lead.get(bucket(self.chunk), 0.0) if rows is None else 0.0
         rows = rows or self.chunk
         room = max(target - self.step, 0.1 * self.step)
         cost = self.slice_cost(rows)

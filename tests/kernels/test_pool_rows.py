@@ -174,7 +174,7 @@ def test_the_slots_kernel_builds_with_nvrtc() -> None:
     layout = (SLOT_POOLS * 40)[:MAX_POOLS]
     n = len(layout)
     names = tuple(f"pool{y}" for y in range(n)) + tuple(f"val{y}" for y in range(n)) + ("slot",)
-    src = slots_source([(a, b * d * t.size) for a, b, d, t in layout])
+    src = slots_source(tuple((a, b * d * t.size) for a, b, d, t in layout))
     ks = KernelSource(f"dsv4_write_slots{n}_test", names, ("token",), minify(src), minify(HEADER) + "\n", 0)
     pools = [mx.zeros((a, 1, 1), t) for a, _, _, t in layout]  # (dtypes are what the unit takes from them)
     unit = translation_unit(ks, [], [*pools, *pools, mx.zeros((1,), mx.int32)], [mx.int32])
