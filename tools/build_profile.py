@@ -120,7 +120,7 @@ def main() -> None:
         opt.layers = args.num_hidden_layers
     else:
         args = flash_args(opt.layers, opt.experts)
-        model = random_model(args)
+        model = None if opt.reset else random_model(args)  # (a reset reads the pools alone)
     if opt.reset:
         pools = StatePools(args, max_slots=2, max_positions=256, page_size=256, dtype=mx.bfloat16)
         mx.eval(*pools.arrays())

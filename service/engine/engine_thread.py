@@ -229,10 +229,7 @@ class EngineThread:
         while c.request is not None and self.canary_failure is None:
             self._iteration(engine, sched, sample, clock, prof, [])  # the loop's, with nothing else admitted
         if c.error is not None and c.action == "fail" and self.canary_failure is None:  # the served path errs
-            failure = canary.CanaryMismatch(f"canary's first check could not run through the served path: {c.error}")
-            with self._lock:
-                self.canary_failure, self._accepting = failure, False
-            self._report(failure)
+            self._canary_failed(RuntimeError(f"canary's first check could not run through the served path: {c.error}"))
         failed = c.failures or c.error is not None
         canary.log.info("first check through the served path %s in %.2f s", "failed" if failed else "passed",
                         time.perf_counter() - t0)  # fmt: skip
@@ -243,11 +240,14 @@ class EngineThread:
         admission and reports (the server drains, then exits non-zero)."""
         events, mismatch = c.take(events, sched)
         if mismatch is not None and c.tripped:
-            with self._lock:
-                self.canary_failure = mismatch
-                self._accepting = False
-            self._report(mismatch)
+            self._canary_failed(mismatch)
         return events
+
+    def _canary_failed(self, failure: BaseException) -> None:
+        """Stop admitting and report (the server drains, then exits non-zero)."""
+        with self._lock:
+            self.canary_failure, self._accepting = failure, False
+        self._report(failure)
 
     def _report(self, e: BaseException) -> None:
         if self.on_failure is not None:
