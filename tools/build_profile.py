@@ -13,7 +13,7 @@ value, and drawing V4-Flash's random weights on the CPU takes ~40 s a layer.
 
 `--reset` instead: a slot's reset at admission (model/state_copy.py), every per-slot array in one `write_slots`
 against a `write_rows` an array (its form before 2026-12-07), alternated, median host ms of each (2-core CPU,
-`--layers 43`, 167 arrays: 0.7-0.8 against 4.2-4.4 ms; the stand-ins carry no MLX encode, which the GPU adds).
+`--layers 43`, 167 arrays: 0.6-0.7 against 4.0-4.2 ms; the stand-ins carry no MLX encode, which the GPU adds).
 """
 
 from __future__ import annotations
