@@ -45,6 +45,7 @@ __all__ = [
     "Row",
     "RowBatch",
     "backend",
+    "chains_supported",
     "compressor_pair_rows_inplace",
     "compressor_rows",
     "compressor_rows_inplace",
@@ -174,11 +175,24 @@ def sparse_attention_rows(
     scale: float,
     ratio: int | None = None,
     after: mx.array | None = None,
+    tail: mx.array | None = None,
 ) -> mx.array:
     """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`. `after`: the
-    token of an in-place write of `pool` (compressor_rows_inplace)."""
+    token of an in-place write of `pool` (compressor_rows_inplace). `tail`: the step's own window keys, the
+    ring read as before the step's writes (a chained batch; the plain twin only, `chains_supported`)."""
+    if tail is not None:
+        if not chains_supported():
+            raise ValueError("sparse_attention_rows: tail: the fast path takes no chained batch (chains_supported)")
+        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio,
+                                               after=after, tail=tail)  # fmt: skip
     fn = backend.pick("sparse_attention_rows", sparse_attention_rows_reference)
     return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, after=after)
+
+
+def chains_supported() -> bool:
+    """Whether the row-batched ops take a chained batch (a slot's consecutive positions as rows of one step:
+    `rows.check_batch(chains=True)`): the plain twins do; the CUDA kernels refuse it (two rows of one slot)."""
+    return backend.name() == "reference"
 
 
 def hc_pre_mix(

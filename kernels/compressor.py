@@ -6,7 +6,9 @@ Per row at position p (slot s, block table t for `ratio`):
      pool dtype, RMSNorm * norm, RoPE at `p+1-m` (cos/sin from the caller) and store entry
      `w = p//m` at `pool[t[w // page], w % page]`; CSA then rolls the current half into "previous".
 Every row takes the same ops; rows that do not emit write their entry to the trash page 0, so the
-op count does not depend on the rows. Returns new arrays (inputs are not mutated): drop the old
+op count does not depend on the rows. A chained batch (a slot's consecutive positions as rows) is applied
+round by round (`rows.rounds`: every slot's j-th row), so a slot's rows see each other's writes in position
+order, as single steps would. Returns new arrays (inputs are not mutated): drop the old
 references before `mx.eval` so MLX can donate their buffers.
 """
 
@@ -30,6 +32,7 @@ from dsv4_serve.kernels.rows import (
     check_width,
     fail,
     ordered,
+    rounds,
     row_entries,
     zeroed_workspace,
 )
@@ -72,15 +75,17 @@ def check_compressor(
     eps: float,
     cos: mx.array,
     sin: mx.array,
+    chains: bool = False,
 ) -> None:
-    """The row contract for the compressor; raises ValueError('compressor_rows: <arg>: why')."""
+    """The row contract for the compressor; raises ValueError('compressor_rows: <arg>: why'). `chains`: the
+    caller applies a slot's rows in position order (the plain twin)."""
     pair = f"(ratio, head_dim) = ({ratio!r}, {head_dim!r})"
     if not isinstance(ratio, int) or ratio not in RATIOS:
         raise fail(OP, "ratio", f"{pair} is unsupported: ratio must be one of {RATIOS}")
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise fail(OP, "head_dim", f"{pair} is unsupported (ratio): head_dim must be even and positive")
     check_positive(OP, "eps", eps)
-    check_batch(OP, batch)
+    check_batch(OP, batch, chains=chains)
     check_array(OP, "cos", cos, mx.float32, (None, None))
     check_width(OP, "cos", cos.shape[1])
     check_array(OP, "sin", sin, mx.float32, cos.shape)
@@ -97,7 +102,7 @@ def check_compressor(
     check_array(OP, "pool", pool, FLOATS, (None, batch.page_size, d))
     for name, a in (("kv", kv), ("score", score), ("cos", cos), ("sin", sin)):
         check_rows_fit(OP, name, a, batch)
-    check_batch(OP, batch, slots=kv_state.shape[0])
+    check_batch(OP, batch, slots=kv_state.shape[0], chains=chains)
     # The table must hold entry p//m of an emitting row (and every earlier one).
     check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
 
@@ -130,8 +135,18 @@ def compressor_rows_reference(
 ) -> tuple[mx.array, mx.array, mx.array]:
     check_compressor(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
-        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+        ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, chains=True,
     )
+    for part in rounds(batch):  # one round unless chained: a slot's rows in position order
+        kv_state, score_state, pool = _round(part, kv, score, ape, norm, kv_state, score_state, pool,
+                                             ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
+    return kv_state, score_state, pool
+
+
+def _round(batch: RowBatch, kv: mx.array, score: mx.array, ape: mx.array, norm: mx.array, kv_state: mx.array,
+           score_state: mx.array, pool: mx.array, *, ratio: int, head_dim: int, eps: float, cos: mx.array,
+           sin: mx.array) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """One compressor step of rows of distinct slots (checked by the caller)."""
     coff = 2 if ratio == 4 else 1
     m, d = ratio, head_dim
     p, slots, qr = batch.positions, batch.slots, batch.q_rows

@@ -38,9 +38,12 @@ OP = "indexer_rows"
 RATIO = 4
 
 
-def check_indexer(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int) -> None:
-    """The row contract for the indexer; raises ValueError('indexer_rows: <arg>: why')."""
-    check_batch(OP, batch)
+def check_indexer(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int,
+                  chains: bool = False) -> None:  # fmt: skip
+    """The row contract for the indexer; raises ValueError('indexer_rows: <arg>: why'). `chains`: a slot's
+    consecutive positions as rows (each row sees the entries its own position does: a later row's emission is
+    past its count)."""
+    check_batch(OP, batch, chains=chains)
     if not isinstance(topk, int) or isinstance(topk, bool):
         raise fail(OP, "topk", f"must be an int, got {type(topk).__name__}")
     check_width(OP, "topk", topk)
@@ -119,7 +122,7 @@ def indexer_rows_reference(
 ) -> mx.array:  # fmt: skip
     """`after`: the token of an in-place write of `keys` (compressor_rows_inplace); its reads wait for it.
     `workspace` (the fast path's scratch) is checked and otherwise unused."""
-    check_indexer(batch, q, weights, keys, topk=topk)
+    check_indexer(batch, q, weights, keys, topk=topk, chains=True)
     check_after(OP, after)
     check_workspace(workspace, batch.size, batch.tables[RATIO].shape[1] * batch.page_size)
     b, page = batch.size, batch.page_size

@@ -44,6 +44,11 @@ class RowBatch:
     def size(self) -> int:
         return len(self.rows)
 
+    @property
+    def chained(self) -> bool:
+        """Whether some slot has several rows (consecutive positions of one request: `check_batch(chains=True)`)."""
+        return self.once("chained", lambda: len({r.slot for r in self.rows}) < len(self.rows))
+
     def once(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """`make()` the first time `key` is asked of this batch, the remembered value afterwards.
 
@@ -94,20 +99,36 @@ def _memo_of(batch: RowBatch) -> dict[Hashable, Any] | None:
     return memo if isinstance(memo, dict) else None
 
 
-def check_batch(op: str, batch: RowBatch, *, slots: int | None = None, q_len: int | None = None) -> None:
-    """Row count, int32 ranges, q rows and slots used once, q rows inside the q buffer.
+def check_batch(
+    op: str, batch: RowBatch, *, slots: int | None = None, q_len: int | None = None, chains: bool = False
+) -> None:
+    """Row count, int32 ranges, q rows used once, q rows inside the q buffer, and slots used once: or, with
+    `chains` (an op that orders a slot's rows causally: the plain twins), a slot's rows adjacent, their
+    positions ascending by 1, their block tables the same (one request's consecutive tokens in one step).
 
-    A batch that passed once (with the same `slots` / `q_len`) is not walked again."""
+    A batch that passed once (with the same `slots` / `q_len` / `chains`) is not walked again."""
     memo = _memo_of(batch)
-    key = ("check_batch", type(slots), slots, type(q_len), q_len)
+    key = ("check_batch", type(slots), slots, type(q_len), q_len, chains)
     if memo is not None and key in memo:
         return
-    _check_batch(op, batch, slots=slots, q_len=q_len)
+    _check_batch(op, batch, slots=slots, q_len=q_len, chains=chains)
     if memo is not None:
         memo[key] = True
 
 
-def _check_batch(op: str, batch: RowBatch, *, slots: int | None, q_len: int | None) -> None:
+def _check_chain(op: str, batch: RowBatch, i: int) -> None:
+    """Row i shares an earlier row's slot: it must be the next position of the same request, adjacent."""
+    r, prev = batch.rows[i], batch.rows[i - 1] if i else None
+    arg = f"row {i} slot"
+    if prev is None or prev.slot != r.slot:
+        raise fail(op, arg, f"slot {r.slot} is used by two rows that are not adjacent")
+    if r.position != prev.position + 1:
+        raise fail(op, arg, f"slot {r.slot}'s rows must be consecutive positions: {r.position} after {prev.position}")
+    if dict(r.tables) != dict(prev.tables):
+        raise fail(op, arg, f"slot {r.slot}'s rows must share their block tables")
+
+
+def _check_batch(op: str, batch: RowBatch, *, slots: int | None, q_len: int | None, chains: bool = False) -> None:
     n = len(batch.rows)
     if not 1 <= n <= MAX_ROWS:
         raise fail(op, "rows", f"must be 1..={MAX_ROWS}, got {n}")
@@ -121,7 +142,10 @@ def _check_batch(op: str, batch: RowBatch, *, slots: int | None, q_len: int | No
         if r.q_row in seen_q:
             raise fail(op, f"row {i} q_row", f"q_row {r.q_row} is used twice")
         if r.slot in seen_slot:
-            raise fail(op, f"row {i} slot", f"slot {r.slot} is used by two rows")
+            if not chains:
+                why = f"slot {r.slot} is used by two rows (a slot's consecutive positions: the plain twins only)"
+                raise fail(op, f"row {i} slot", why)
+            _check_chain(op, batch, i)
         seen_q.add(r.q_row)
         seen_slot.add(r.slot)
         if slots is not None and r.slot >= slots:
@@ -131,9 +155,9 @@ def _check_batch(op: str, batch: RowBatch, *, slots: int | None, q_len: int | No
 
 
 def check_tables(op: str, batch: RowBatch, ratio: int, pages: int, entries: Sequence[int]) -> None:
-    """Each row's block table covers its `entries`, names real pages, and shares none that a row writes
-    this step (the entry a row emits at position p, when (p + 1) % ratio == 0, is p // ratio). Pages no
-    row writes may be in several tables: the prefix cache maps a cached prefix's full pages read-only.
+    """Each row's block table covers its `entries`, names real pages, and shares none that a row of another
+    slot writes this step (the entry a row emits at position p, when (p + 1) % ratio == 0, is p // ratio). Pages
+    no row writes may be in several tables: the prefix cache maps a cached prefix's full pages read-only.
 
     This walks every page of every row (about 1 ms at 8 rows and 128K context): a batch that
     passed once for (ratio, pages, entries) is not walked again (every layer of a step shares it)."""
@@ -163,7 +187,7 @@ def _check_tables(op: str, batch: RowBatch, ratio: int, pages: int, entries: Seq
             writer[t[w // page]] = i
     for i, r in enumerate(batch.rows):
         for pg in r.tables.get(ratio, ()):
-            if writer.get(pg, i) != i:
+            if writer.get(pg, i) != i and batch.rows[writer[pg]].slot != r.slot:
                 why = f"page {pg} is written by row {writer[pg]} and mapped by row {i}"
                 raise fail(op, f"row {i} block_table", why)
 
@@ -213,6 +237,27 @@ def check_positive(op: str, name: str, v: float) -> None:
 # ---- small shared helpers (additive) ---------------------------------------------------------
 
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def rounds(batch: RowBatch) -> list[RowBatch]:
+    """A chained batch as sub-batches of distinct slots: round j holds every slot's j-th row (its q rows and
+    tables kept, the tables at the batch's widths). An op that updates a slot's state in place applies them
+    in order. An unchained batch is its own one round."""
+
+    def split() -> list[RowBatch]:
+        if not batch.chained:
+            return [batch]
+        rank: dict[int, int] = {}
+        out: list[list[Row]] = []
+        for r in batch.rows:
+            j = rank[r.slot] = rank.get(r.slot, -1) + 1
+            if j == len(out):
+                out.append([])
+            out[j].append(r)
+        widths = {ratio: t.shape[1] for ratio, t in batch.tables.items()}
+        return [RowBatch.build(rows, batch.page_size, widths) for rows in out]
+
+    return batch.once("rounds", split)
 
 
 def row_entries(batch: RowBatch, ratio: int) -> list[int]:

@@ -44,9 +44,12 @@ def check_sparse_attention(
     *,
     scale: float,
     ratio: int | None,
+    tail: mx.array | None = None,
+    chains: bool = False,
 ) -> None:
-    """The row contract for sparse attention; raises ValueError('sparse_attention_rows: <arg>: why')."""
-    check_batch(OP, batch)
+    """The row contract for sparse attention; raises ValueError('sparse_attention_rows: <arg>: why').
+    `chains`: the caller orders a slot's rows causally (the plain twin, with `tail`)."""
+    check_batch(OP, batch, chains=chains)
     check_positive(OP, "scale", scale)
     check_array(OP, "q", q, FLOATS, (None, None, None))
     nh, d = q.shape[1], q.shape[2]
@@ -56,7 +59,14 @@ def check_sparse_attention(
     check_array(OP, "window", window, FLOATS, (None, None, d))
     check_width(OP, "window", window.shape[1])
     check_array(OP, "sinks", sinks, mx.float32, (nh,))
-    check_batch(OP, batch, slots=window.shape[0])
+    check_batch(OP, batch, slots=window.shape[0], chains=chains)
+    if tail is not None:
+        check_array(OP, "tail", tail, window.dtype, (None, d))
+        check_rows_fit(OP, "tail", tail, batch)
+    elif batch.chained:
+        raise fail(OP, "tail", "a slot's consecutive rows need the step's own keys: the ring is read before them")
+    if batch.chained and max(_chain_lengths(batch)) > window.shape[1]:
+        raise fail(OP, "rows", f"a slot's rows must fit its ring of {window.shape[1]}")
     if pool is None:
         if indices is not None:
             raise fail(OP, "indices", "must be None when pool is None (sliding layer)")
@@ -69,6 +79,28 @@ def check_sparse_attention(
         check_width(OP, "indices", indices.shape[1])
         check_rows_fit(OP, "indices", indices, batch)
     check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
+
+
+def _chain_lengths(batch: RowBatch) -> list[int]:
+    n: dict[int, int] = {}
+    for r in batch.rows:
+        n[r.slot] = n.get(r.slot, 0) + 1
+    return list(n.values())
+
+
+def tail_overlay(batch: RowBatch, w_len: int) -> mx.array:
+    """[B, W] int32: for row i and ring row j, the batch row whose key row i reads there (a row of its slot at a
+    position <= its own with that position % W == j), else -1 (the ring's own)."""
+
+    def make() -> mx.array:
+        sel = [[-1] * w_len for _ in batch.rows]
+        for i, r in enumerate(batch.rows):
+            for j, o in enumerate(batch.rows):
+                if o.slot == r.slot and o.position <= r.position:
+                    sel[i][o.position % w_len] = j
+        return mx.array(sel, dtype=mx.int32)
+
+    return batch.once(("tail_overlay", w_len), make)
 
 
 def sink_softmax(parts: list[tuple[mx.array, mx.array]], sinks: mx.array) -> mx.array:
@@ -98,14 +130,21 @@ def sparse_attention_rows_reference(
     scale: float,
     ratio: int | None = None,
     after: mx.array | None = None,
+    tail: mx.array | None = None,
 ) -> mx.array:
     """`indices=None` with a pool attends to every entry in the row's table (HCA needs no indexer).
-    `after`: the token of an in-place write of `pool` (compressor_rows_inplace); its reads wait for it."""
-    check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+    `after`: the token of an in-place write of `pool` (compressor_rows_inplace); its reads wait for it.
+    `tail`: the step's own window keys (the module docstring)."""
+    check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, tail=tail, chains=True)
     check_after(OP, after)
     b, w_len = batch.size, window.shape[1]
     p, qr = batch.positions, batch.q_rows
-    keys = window[batch.slots].astype(mx.float32)  # [B, W, D]
+    keys = window[batch.slots]  # [B, W, D]
+    if tail is not None:  # the step's own keys of each row's slot up to its position, in their ring rows
+        sel = tail_overlay(batch, w_len)
+        own = tail[qr][mx.maximum(sel, 0)]  # [B, W, D]
+        keys = mx.where((sel >= 0)[:, :, None], own, keys)
+    keys = keys.astype(mx.float32)
     n_win = mx.minimum(p, w_len - 1) + 1  # min(p+1, W) without overflowing int32
     valid = mx.arange(w_len)[None, :] < n_win[:, None]
     if pool is not None:

@@ -127,10 +127,17 @@ class Attention(nn.Module):
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
         # (the twin writes proj[1], the kv `project` normed and rotated; the kernel does both from kva itself, and
         # MLX then never runs proj[1]'s launch: nothing reads it)
-        pools.window[layer], wtok = kernels.rms_rope_ring_rows(
+        write = lambda: kernels.rms_rope_ring_rows(  # noqa: E731
             proj[-1], proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
             weight=self.kv_norm.weight, eps=self.kv_norm.eps, kv=proj[1],
         )  # fmt: skip
+        # A chained batch (a slot's consecutive positions as rows: the plain twins) reads the ring as before the
+        # step with its own keys as a tail, and writes the ring after the attention: row p must still see p + 1 - W.
+        chained, tail, wtok = batch.chained, None, None
+        if chained:
+            tail = proj[1].astype(pools.window[layer].dtype)
+        else:
+            pools.window[layer], wtok = write()
         pool, indices, after, ik_after = None, None, wtok, None
         if r:
             comp = self["compressor"]  # nn.Module's children are dict items: [] skips its __getattr__ (~0.5 us)
@@ -157,10 +164,13 @@ class Attention(nn.Module):
                                            after=ik_after, workspace=pools.idx_ws[layer])  # fmt: skip
         # HCA attends to every emitted entry: indices None (the op masks by each row's count; its CUDA
         # path reads a cached arange, no per-step index array)
-        return kernels.sparse_attention_rows(
+        o = kernels.sparse_attention_rows(
             batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
-            self["attn_sink"].astype(mx.float32), scale=a.head_dim**-0.5, ratio=r, after=after,
-        )
+            self["attn_sink"].astype(mx.float32), scale=a.head_dim**-0.5, ratio=r, after=after, tail=tail,
+        )  # fmt: skip
+        if chained:
+            pools.window[layer], _ = write()
+        return o
 
     def output(self, o: mx.array, c: mx.array, s_back: mx.array, dtype: mx.Dtype) -> mx.array:
         """After the kernels: de-rotate (V = K carries RoPE: rotate by -p with `project`'s C and s_back = -S),

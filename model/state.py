@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from dsv4_serve.kernels.compressor import new_workspace as new_comp_workspace
 from dsv4_serve.kernels.indexer import new_workspace
+from dsv4_serve.kernels.rows import MAX_ROWS
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.state_copy import StateCopies
 
@@ -70,9 +71,11 @@ class StatePools(StateCopies):
         self.ikeys: dict[int, mx.array] = {}
         # Scratch per layer for the fast paths (`workspace=` of kernels.indexer_rows in CSA layers, of
         # kernels.compressor_rows_inplace in HCA layers; the layers' calls are ordered by the step's data
-        # flow), for up to max_slots rows a step.
+        # flow), for a step's rows: up to max_slots, or MAX_ROWS where a chained step puts a slot's consecutive
+        # positions in rows of their own.
         self.idx_ws: dict[int, mx.array] = {}
         self.comp_ws: dict[int, mx.array] = {}  # HCA layers: the in-place compressor's (kernels.compressor)
+        ws_rows = max(max_slots, MAX_ROWS)
         for layer, r in enumerate(args.compress_ratios):
             if not r:
                 continue
@@ -81,12 +84,12 @@ class StatePools(StateCopies):
             self.comp_score[layer] = mx.full((max_slots, coff * r, coff * D), -mx.inf, mx.float32)
             self.ckv[layer] = mx.zeros((self.pages[r], page_size, D), dtype)
             if r != 4:
-                self.comp_ws[layer] = new_comp_workspace(max_slots, D)
+                self.comp_ws[layer] = new_comp_workspace(ws_rows, D)
             if r == 4:
                 self.idx_kv[layer] = mx.zeros((max_slots, 8, 2 * Di), mx.float32)
                 self.idx_score[layer] = mx.full((max_slots, 8, 2 * Di), -mx.inf, mx.float32)
                 self.ikeys[layer] = mx.zeros((self.pages[r], page_size, Di), dtype)
-                self.idx_ws[layer] = new_workspace(max_slots, self.table_width(4) * page_size)
+                self.idx_ws[layer] = new_workspace(ws_rows, self.table_width(4) * page_size)
         mx.eval(self.arrays())
         self._free_slots = list(range(max_slots))
         self._free_pages = {r: list(range(1, self.pages[r])) for r in ratios}
