@@ -71,8 +71,11 @@ class DeepseekV4(nn.Module):
         """One decode step for the rows of `batch` (row i reads token_ids[i]); logits [B, vocab] f32.
 
         Updates the rows' state in `pools` (lazily: the caller evaluates logits and pools together)."""
-        y = self.hidden(batch, token_ids, pools)
-        return f32_linear_rows(y, self.head.weight)  # REF: the head in f32
+        return self.logits(self.streams(batch, token_ids, pools))
+
+    def logits(self, hs: mx.array) -> mx.array:
+        """Streams after the last layer [B, nc, H] -> logits [B, vocab] f32 (REF: the head in f32)."""
+        return f32_linear_rows(self.collapse(hs), self.head.weight)
 
     def hidden(self, batch: RowBatch, token_ids: mx.array, pools: StatePools) -> mx.array:
         """The step up to the final norm [B, H] (follower ranks of a distributed model skip the head)."""

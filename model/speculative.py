@@ -1,9 +1,10 @@
 """Speculative decoding's model side (issue 53; docs/mtp.md): the verify forward, the rollback of rejected draft
 positions, and the MTP block over accepted positions.
 
-- `verify`: every request's [last token, drafts...] chunk through ONE forward of the parallel prefill
-  (model/prefill.py: causal order within a chunk, the same state as token-by-token decoding), every position's
-  logits and the final mHC streams (the MTP block's input) kept.
+- `verify`: every request's [last token, drafts...] chunk through ONE decode step with its positions as chained
+  rows (kernels/rows.py: the single steps' bits; where the kernels take chains and the rows fit a step) or ONE
+  forward of the parallel prefill (model/prefill.py: causal order within a chunk, the same state as
+  token-by-token decoding), every position's logits and the final mHC streams (the MTP block's input) kept.
 - `snapshot` / `rollback`: what the draft positions q = first..last can write, copied before the forward, and
   written back for the positions a rejection undoes. A position q writes its window ring row q % W, its
   compressors' state row (coff - 1) m + q % m, at a window's end (q + 1) % m == 0 the entry q // m of its pages
@@ -24,7 +25,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from dsv4_serve import kernels
 from dsv4_serve.kernels.pool_rows import commit, write_rows
+from dsv4_serve.kernels.rows import MAX_ROWS
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.mtp import draft_streams
 from dsv4_serve.model.prefill import _layers, check_work
@@ -34,11 +37,19 @@ MAX_DRAFTS = 3  # k + 1 positions must fit the smallest compress ratio (4): see 
 
 
 def verify(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
-           ) -> tuple[list[mx.array], mx.array]:  # fmt: skip
-    """work[i] = (handle, token_ids, start): every chunk in ONE forward, causal within each; -> each chunk's logits
+           rows: bool | None = None) -> tuple[list[mx.array], mx.array]:  # fmt: skip
+    """work[i] = (handle, token_ids, start): every chunk in ONE pass, causal within each; -> each chunk's logits
     [len_i, vocab] f32 (row t predicts the token after token t) and the streams after the last layer [T, nc, H]
-    (the chunks' rows in work order). Writes every position's state; lazy (evaluate with pools.arrays())."""
+    (the chunks' rows in work order). Writes every position's state; lazy (evaluate with pools.arrays()).
+
+    The pass is ONE decode step with a chunk's positions as chained rows (`rows`; the default where the kernels
+    take chains and the chunks fit a step's rows: the single steps' bits), else the parallel prefill's forward
+    (the same math in another summation order)."""
     check_work(work)
+    if rows is None:
+        rows = kernels.chains_supported() and sum(len(t) for _, t, _ in work) <= MAX_ROWS
+    if rows:
+        return _verify_rows(model, pools, work)
     gen = _layers(model, pools, work, True, [True] * len(work))
     hs = None
     while True:
@@ -46,6 +57,22 @@ def verify(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[
             hs = next(gen)
         except StopIteration as stop:
             return list(stop.value), hs  # type: ignore[arg-type]
+
+
+def _verify_rows(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
+                 ) -> tuple[list[mx.array], mx.array]:  # fmt: skip
+    """`verify` as one chained decode step: chunk i's tokens at positions start_i.. as adjacent rows."""
+    handles, positions, ids = [], [], []
+    for h, toks, start in work:
+        handles += [h] * len(toks)
+        positions += range(start, start + len(toks))
+        ids += [int(t) for t in toks]
+    hs = model.streams(model.make_batch(pools, handles, positions), upload(ids), pools)
+    logits, out, at = model.logits(hs), [], 0
+    for _, toks, _ in work:
+        out.append(logits[at : at + len(toks)])
+        at += len(toks)
+    return out, hs
 
 
 def _compressors(pools: StatePools) -> list[tuple[str, dict[int, mx.array], int, int]]:
