@@ -11,7 +11,7 @@ import importlib
 
 import mlx.core as mx
 
-from dsv4_serve.kernels import backend
+from dsv4_serve.kernels import backend, chained
 from dsv4_serve.kernels.compressor import (
     CompressorArgs,
     PairOut,
@@ -92,6 +92,9 @@ def compressor_rows(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """One compressor step for every row -> new `(kv_state, score_state, pool)`."""
     fn = backend.pick("compressor_rows", compressor_rows_reference)
+    if batch.chained and fn is not compressor_rows_reference:  # a launch a round: a slot's rows in order
+        return chained.compressor_rounds(fn, batch, kv, score, ape, norm, kv_state, score_state, pool, ratio=ratio,
+                                         head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
     return fn(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
         ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
@@ -128,6 +131,10 @@ def compressor_rows_inplace(
     (`kernels.compressor.new_workspace(rows, head_dim)`): scratch the CUDA path's long-window (HCA) form
     uses in place of a zeroed token (a fill node); calls that share one must be ordered."""
     fn = backend.pick("compressor_rows_inplace", compressor_rows_inplace_reference)
+    if batch.chained and fn is not compressor_rows_inplace_reference:
+        return chained.compressor_rounds(fn, batch, kv, score, ape, norm, kv_state, score_state, pool, ratio=ratio,
+                                         head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
+                                         workspace=workspace)  # fmt: skip
     return fn(
         batch, kv, score, ape, norm, kv_state, score_state, pool,
         ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after, workspace=workspace,
@@ -149,6 +156,8 @@ def compressor_pair_rows_inplace(
     -> `((kv_state, score_state, pool) of each, token)`; compressor_rows_inplace's semantics for both, one
     token for both writes."""
     fn = backend.pick("compressor_pair_rows_inplace", compressor_pair_rows_inplace_reference)
+    if batch.chained and fn is not compressor_pair_rows_inplace_reference:
+        return chained.pair_rounds(fn, batch, first, second, ratio=ratio, eps=eps, cos=cos, sin=sin, after=after)
     return fn(batch, first, second, ratio=ratio, eps=eps, cos=cos, sin=sin, after=after)
 
 
@@ -180,19 +189,18 @@ def sparse_attention_rows(
     """Attention over window + selected compressed entries -> `[Bq, nh, D]` in `q.dtype`. `after`: the
     token of an in-place write of `pool` (compressor_rows_inplace). `tail`: the step's own window keys, the
     ring read as before the step's writes (a chained batch; the plain twin only, `chains_supported`)."""
-    if tail is not None:
-        if not chains_supported():
-            raise ValueError("sparse_attention_rows: tail: the fast path takes no chained batch (chains_supported)")
-        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio,
-                                               after=after, tail=tail)  # fmt: skip
     fn = backend.pick("sparse_attention_rows", sparse_attention_rows_reference)
-    return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, after=after)
+    if tail is None:
+        return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, after=after)
+    if not chains_supported():
+        raise ValueError(f"sparse_attention_rows: tail: chained rows are off on this path ({chained.ENV})")
+    return fn(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, after=after, tail=tail)
 
 
 def chains_supported() -> bool:
     """Whether the row-batched ops take a chained batch (a slot's consecutive positions as rows of one step:
-    `rows.check_batch(chains=True)`): the plain twins do; the CUDA kernels refuse it (two rows of one slot)."""
-    return backend.name() == "reference"
+    `rows.check_batch(chains=True)`): the plain twins do, the CUDA path when opted in (kernels/chained.py)."""
+    return chained.supported()
 
 
 def hc_pre_mix(

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from dsv4_serve import kernels
 from dsv4_serve.kernels import matmul as kmatmul
+from dsv4_serve.kernels.rows import ordered
 from dsv4_serve.model.config import ModelArgs
 from dsv4_serve.model.layers import RMSNorm, rope_angles
 from dsv4_serve.model.quant import linear_cat
@@ -127,8 +128,8 @@ class Attention(nn.Module):
         ring = batch.once(("window_ring_row", w), lambda: batch.positions % w)
         # (the twin writes proj[1], the kv `project` normed and rotated; the kernel does both from kva itself, and
         # MLX then never runs proj[1]'s launch: nothing reads it)
-        write = lambda: kernels.rms_rope_ring_rows(  # noqa: E731
-            proj[-1], proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
+        write = lambda after=None: kernels.rms_rope_ring_rows(  # noqa: E731
+            ordered(proj[-1], after), proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
             weight=self.kv_norm.weight, eps=self.kv_norm.eps, kv=proj[1],
         )  # fmt: skip
         # A chained batch (a slot's consecutive positions as rows: the plain twins) reads the ring as before the
@@ -168,8 +169,10 @@ class Attention(nn.Module):
             batch, q.astype(pools.dtype), pools.window[layer], pool, indices,
             self["attn_sink"].astype(mx.float32), scale=a.head_dim**-0.5, ratio=r, after=after, tail=tail,
         )  # fmt: skip
-        if chained:
-            pools.window[layer], _ = write()
+        if chained:  # after the attention's reads (an in-place writer is ordered by its input: `ordered`)
+            pools.window[layer], token = write(o)
+            if token is not None:  # the write is run with the step: the output waits for it (x * 1: the same bits)
+                o = o * (1 + (token.reshape(-1)[:1].view(mx.uint8)[:1] & 0)).astype(o.dtype)
         return o
 
     def output(self, o: mx.array, c: mx.array, s_back: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -33,7 +33,7 @@ from dsv4_serve.kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE
 from dsv4_serve.kernels.cuda.attention_wmma_src import PARTIAL
 from dsv4_serve.kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
 from dsv4_serve.kernels.rows import RowBatch, check_after, checked
-from dsv4_serve.kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
+from dsv4_serve.kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference, tail_overlay
 
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
@@ -196,15 +196,30 @@ def sparse_attention_rows_cuda(
     scale: float,
     ratio: int | None = None,
     after: mx.array | None = None,
+    tail: mx.array | None = None,
 ) -> mx.array:
+    """`tail` (a chained batch: kernels/sparse_attention.py): each row's ring with its slot's own keys up to its
+    position put in, gathered into a scratch window of a row each, which the same kernels read as a batch of
+    distinct slots (the keys and their order those of the single steps)."""
+    chains = tail is not None
+
     def check() -> None:
-        check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio)
+        check_sparse_attention(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio, tail=tail,
+                               chains=chains)  # fmt: skip
 
     check_after("sparse_attention_rows", after)
+    ring = window
+    if chains:
+        check()
+        window = scratch_window(batch, window, tail)
+        slots = arange_rows(1, batch.size).reshape(-1)
+        check = lambda: None  # noqa: E731 - checked above, against the ring itself
+    else:
+        slots = batch.slots
 
     try:
         key: tuple[Any, ...] = (
-            "sparse_attention_rows", type(scale), scale, type(ratio), ratio, q.shape, q.dtype,
+            "sparse_attention_rows", chains, type(scale), scale, type(ratio), ratio, q.shape, q.dtype,
             window.shape, window.dtype, sinks.shape, sinks.dtype,
             None if pool is None else (pool.shape, pool.dtype),
             None if indices is None else (indices.shape, indices.dtype),
@@ -221,8 +236,8 @@ def sparse_attention_rows_cuda(
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
-        return sparse_attention_rows_reference(batch, q, window, pool, indices, sinks, scale=scale, ratio=ratio,
-                                               after=after)  # fmt: skip
+        return sparse_attention_rows_reference(batch, q, ring, pool, indices, sinks, scale=scale, ratio=ratio,
+                                               after=after, tail=tail)  # fmt: skip
     if pool is None:
         table, pool_in, ind = i32_dummy((batch.size, 1)), window, i32_dummy((1, 1))
     else:
@@ -231,5 +246,12 @@ def sparse_attention_rows_cuda(
             indices = arange_rows(q.shape[0], table.shape[1] * batch.page_size)
         ind = indices
     run = plan.compiled if common.COMPILE else plan.launch
-    return run(batch.slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks,
+    return run(slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks,
                i32_dummy((1,)) if after is None else after)  # fmt: skip
+
+
+def scratch_window(batch: RowBatch, window: mx.array, tail: mx.array) -> mx.array:
+    """[B, W, D]: row i's ring as a single step at its position reads it (the overlay of `tail_overlay`)."""
+    sel = tail_overlay(batch, window.shape[1])
+    own = tail[batch.q_rows][mx.maximum(sel, 0)]
+    return mx.where((sel >= 0)[:, :, None], own, window[batch.slots])

@@ -233,8 +233,8 @@ class Plan:
 
 def indexer_rows_cuda(batch: RowBatch, q: mx.array, weights: mx.array, keys: mx.array, *, topk: int,
                       after: mx.array | None = None, workspace: mx.array | None = None) -> mx.array:  # fmt: skip
-    def check() -> None:
-        check_indexer(batch, q, weights, keys, topk=topk)
+    def check() -> None:  # a chained batch's rows read their slot's keys by count alone, as single rows do
+        check_indexer(batch, q, weights, keys, topk=topk, chains=True)
 
     check_after("indexer_rows", after)
 

@@ -122,3 +122,86 @@ def test_a_chain_must_be_consecutive_adjacent_rows(tiny) -> None:
         batch = model.make_batch(pools, handles, positions)
         with pytest.raises(ValueError, match=why):
             model.step(batch, upload([5] * len(handles)), pools)
+
+
+def test_a_fast_path_of_one_row_a_slot_gets_the_compressors_by_rounds(tiny, monkeypatch) -> None:
+    """kernels/chained.py's dispatch, as a fast path sees it: compressors that refuse two rows of one slot (as the
+    CUDA kernels do) are called a round at a time, each after the last's token, and the step still gives the single
+    steps' bits; the rounds are counted."""
+    from dsv4_serve.kernels import backend
+    from dsv4_serve.kernels import compressor as kc
+
+    model, args, toks = tiny
+    calls: list[int] = []
+
+    def strict(ref):
+        def fn(batch, *a, **kw):
+            assert not batch.chained, "a fast path got a chained batch"
+            calls.append(batch.size)
+            return ref(batch, *a, **kw)
+        return fn
+
+    fast = {"compressor_rows_inplace": strict(kc.compressor_rows_inplace_reference),
+            "compressor_pair_rows_inplace": strict(kc.compressor_pair_rows_inplace_reference)}  # fmt: skip
+    monkeypatch.setattr(backend, "pick", lambda op, ref: fast.get(op, ref))
+    pools = StatePools(args, max_slots=2, max_positions=CAP, page_size=PAGE)
+    a, b = pools.alloc(CAP), pools.alloc(CAP)
+    pos = 0
+    for n in (3, 4, 2, 4, 1, 4):
+        seq = toks[1][pos : pos + n]
+        calls.clear()
+        (got,) = chained_step(model, pools, [(a, pos, seq)])
+        assert calls and max(calls) == 1 and len(calls) == n * sum(1 for r in args.compress_ratios if r)
+        np.testing.assert_array_equal(got, single_steps(model, pools, b, pos, seq))
+        pos += n
+        assert_same(state(pools, a), state(pools, b), f"state after {pos}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("glue", [False, True], ids=["mlx_ring", "glue_ring"])
+def test_on_cuda_a_chain_equals_its_single_steps(monkeypatch, glue: bool) -> None:
+    """The CUDA path (DSV4_CHAINED_ROWS=1: the compressors a launch a round, the attention through its scratch
+    ring, the ring written after it, in place with the glue kernels) against single steps on the same kernels,
+    V4-Flash's shapes (4 layers, 16 experts, release precision): logits and state bit for bit, two requests
+    side by side, over CSA and HCA window ends."""
+    from dsv4_serve.kernels.backend import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs an MLX CUDA GPU")
+    from bench.step import flash_args, random_model
+    from dsv4_serve.kernels.cuda import GRAPH_GLUE, set_graph_glue
+
+    monkeypatch.setenv("DSV4_CHAINED_ROWS", "1")
+    set_graph_glue(glue)
+    try:
+        args = flash_args(4, 16)
+        model = random_model(args)
+        cap, page = 640, 64
+        pools = StatePools(args, max_slots=4, max_positions=cap, page_size=page)
+        toks = np.random.default_rng(7).integers(2, args.vocab_size, (2, cap)).tolist()
+        a = [pools.alloc(cap), pools.alloc(cap)]
+        b = [pools.alloc(cap), pools.alloc(cap)]
+        pos = [250, 123]
+        for i in range(2):
+            for h in (a[i], b[i]):
+                model.prefill(pools, h, toks[i][: pos[i]], 0, logits=False)
+
+        def state(h) -> dict[str, np.ndarray]:
+            out = {n: np.array(x[h.slot].view(mx.uint16) if x.dtype == mx.bfloat16 else x[h.slot])
+                   for n, x in pools.slot_arrays().items()}  # fmt: skip
+            for r in pools.ratios:
+                for n, x in pools.read_entries(r, h.tables[r], len(h.tables[r]) * page).items():
+                    out[n] = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+            return out
+
+        for lengths in ([4, 4], [3, 1], [1, 4], [2, 3], [4, 2]):
+            work = [(a[i], pos[i], toks[i][pos[i] : pos[i] + n]) for i, n in enumerate(lengths)]
+            got = chained_step(model, pools, work)
+            for i, n in enumerate(lengths):
+                want = single_steps(model, pools, b[i], pos[i], toks[i][pos[i] : pos[i] + n])
+                np.testing.assert_array_equal(got[i], want, err_msg=f"request {i} at {pos[i]}")
+                pos[i] += n
+            for i in range(2):
+                assert_same(state(a[i]), state(b[i]), f"request {i} at {pos[i]}")
+    finally:
+        set_graph_glue(GRAPH_GLUE)
