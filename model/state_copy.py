@@ -20,9 +20,11 @@ import functools
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from dsv4_serve.kernels import pool_rows
 from dsv4_serve.kernels.pool_rows import commit, write_rows, write_slots
+from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.config import ModelArgs
 
 
@@ -176,6 +178,17 @@ class StateCopies:
                 new = pool_rows.renewed(c[k])
                 new[slot] = values.astype(c[k].dtype)
                 c[k] = mx.contiguous(new)  # (a one-slot pool's full update is a broadcast: a buffer again)
+            return
+        if not pool_rows.WRITE_SLOTS:  # a write_rows a per-slot array, their tokens queued together
+            tokens = []
+            for c, k, values in writes:
+                b = c[k].shape[1]
+                rows = upload(np.arange(slot * b, (slot + 1) * b, dtype=np.int32))  # cached by content
+                c[k], token = write_rows(c[k], rows, values.astype(c[k].dtype))
+                if token is not None:
+                    tokens.append(token)
+            if tokens:
+                mx.async_eval(tokens)
             return
         pools = [c[k] for c, k, _ in writes]
         out, token = write_slots(pools, slot, [v.astype(p.dtype) for p, (_, _, v) in zip(pools, writes, strict=True)])

@@ -162,8 +162,9 @@ def test_a_fast_path_of_one_row_a_slot_gets_the_compressors_by_rounds(tiny, monk
 def test_on_cuda_a_chain_equals_its_single_steps(monkeypatch, glue: bool) -> None:
     """The CUDA path (DSV4_CHAINED_ROWS=1: the compressors a launch a round, the attention through its scratch
     ring, the ring written after it, in place with the glue kernels) against single steps on the same kernels,
-    V4-Flash's shapes (4 layers, 16 experts, release precision): logits and state bit for bit, two requests
-    side by side, over CSA and HCA window ends."""
+    V4-Flash's shapes (4 layers, 16 experts, release precision), two requests side by side over CSA and HCA
+    window ends: logits and state bit for bit. Every step has 8 rows (filler requests of their own slots make up
+    the rest), as the CUDA weight products' sums depend on a launch's row count, not on the other rows."""
     from dsv4_serve.kernels.backend import cuda_available
 
     if not cuda_available():
@@ -177,14 +178,23 @@ def test_on_cuda_a_chain_equals_its_single_steps(monkeypatch, glue: bool) -> Non
         args = flash_args(4, 16)
         model = random_model(args)
         cap, page = 640, 64
-        pools = StatePools(args, max_slots=4, max_positions=cap, page_size=page)
+        pools = StatePools(args, max_slots=20, max_positions=cap, page_size=page)
         toks = np.random.default_rng(7).integers(2, args.vocab_size, (2, cap)).tolist()
         a = [pools.alloc(cap), pools.alloc(cap)]
         b = [pools.alloc(cap), pools.alloc(cap)]
+        fill = {side: [[pools.alloc(cap), 0] for _ in range(7)] for side in ("chained", "single")}
         pos = [250, 123]
         for i in range(2):
             for h in (a[i], b[i]):
                 model.prefill(pools, h, toks[i][: pos[i]], 0, logits=False)
+
+        def padded(side: str, work: list, n: int) -> list:
+            """`work` and filler rows (a token at each filler's next position) to 8 rows."""
+            out = list(work)
+            for f in fill[side][: 8 - n]:
+                out.append((f[0], f[1], [3 + f[1] % 5]))
+                f[1] += 1
+            return out
 
         def state(h) -> dict[str, np.ndarray]:
             out = {n: np.array(x[h.slot].view(mx.uint16) if x.dtype == mx.bfloat16 else x[h.slot])
@@ -196,10 +206,12 @@ def test_on_cuda_a_chain_equals_its_single_steps(monkeypatch, glue: bool) -> Non
 
         for lengths in ([4, 4], [3, 1], [1, 4], [2, 3], [4, 2]):
             work = [(a[i], pos[i], toks[i][pos[i] : pos[i] + n]) for i, n in enumerate(lengths)]
-            got = chained_step(model, pools, work)
+            got = chained_step(model, pools, padded("chained", work, sum(lengths)))
             for i, n in enumerate(lengths):
-                want = single_steps(model, pools, b[i], pos[i], toks[i][pos[i] : pos[i] + n])
-                np.testing.assert_array_equal(got[i], want, err_msg=f"request {i} at {pos[i]}")
+                for j in range(n):
+                    (want,) = chained_step(model, pools, padded("single", [(b[i], pos[i] + j, [toks[i][pos[i] + j]])],
+                                                                1))[:1]  # fmt: skip
+                    np.testing.assert_array_equal(got[i][j], want[0], err_msg=f"request {i} at {pos[i] + j}")
                 pos[i] += n
             for i in range(2):
                 assert_same(state(a[i]), state(b[i]), f"request {i} at {pos[i]}")

@@ -41,10 +41,12 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not backe
                                                                          reason="needs an MLX CUDA GPU")])
 
 
+@pytest.mark.parametrize("slots", [False, True], ids=["write_rows", "write_slots"])
 @pytest.mark.parametrize("arm", ["scatter", "stand-in", CUDA])
-def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm) -> None:
+def test_a_slot_s_reset_copy_and_load_write_its_rows_only(monkeypatch, arm, slots: bool) -> None:
     inplace = arm != "scatter"
     monkeypatch.setattr(pool_rows, "SLOT_ROWS_INPLACE", inplace)
+    monkeypatch.setattr(pool_rows, "WRITE_SLOTS", slots)
     if arm == "stand-in":
         monkeypatch.setattr(state_copy, "write_rows", in_place)
         monkeypatch.setattr(state_copy, "write_slots", in_place_slots)
