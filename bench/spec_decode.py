@@ -3,18 +3,23 @@ against speculation at k = 1..3 with drafts forced to the target's own greedy to
 bound) or each rejected with probability 1 - a (seeded), since random weights accept about 1 draft in 70 and real
 weights cannot be had here. Every arm must give the plain engine's greedy tokens (`exact`).
 
-The engines run as the service runs them (service/engine/stepping.py's `iterate` over a Scheduler, the MLX step;
-speculation verifies through the parallel prefill's forward, docs/mtp.md); a request's decode time is from its
-first token to its last. `--graph` adds the plain engine with `--decode-graphs on` (a GPU; last, since it turns
-the recorder and the glue kernels on for the process): the step issue 61 measures the verify against.
+The engines run as the service runs them (service/engine/stepping.py's `iterate` over a Scheduler, the MLX step);
+a request's decode time is from its first token to its last, and `ms_per_verify` is that time over its verify
+steps (an iteration: verify, sampling, rollback, the MTP drafts). `--verify` picks the verify's forms (docs/mtp.md):
+`forward` (the parallel prefill's forward) and `rows` (one decode step with the positions as chained rows; on
+CUDA it sets DSV4_CHAINED_ROWS=1, opt-in there), each a cell. `--graph` adds the plain engine with
+`--decode-graphs on` (a GPU; last, since it turns the recorder and the glue kernels on for the process): the step
+issue 61 measures the verify against.
 
-    python3 bench/spec_decode.py --experts 32 --prompt 4096 --tokens 64 --ks 1,2,3 --accept 1.0,0.7 --graph  # GPU
+    python3 bench/spec_decode.py --experts 32 --prompt 4096 --tokens 64 --ks 1,2,3 --accept 1.0,0.7 --graph \
+        --verify forward,rows  # GPU
     python bench/spec_decode.py --tiny --prompt 32 --tokens 24                                            # anywhere
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -27,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.common import provenance  # noqa: E402
+from dsv4_serve.kernels import chained  # noqa: E402
+from dsv4_serve.model import speculative  # noqa: E402
 from dsv4_serve.service.engine.engine import Engine  # noqa: E402
 from dsv4_serve.service.engine.request import Request, SamplingParams  # noqa: E402
 from dsv4_serve.service.engine.sampler import sample_lazy  # noqa: E402
@@ -78,6 +85,7 @@ def main() -> int:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--accept", default="1.0,0.7", help="probability a draft is forced right (per draft)")
     ap.add_argument("--graph", action="store_true", help="also the plain engine with --decode-graphs on (a GPU)")
+    ap.add_argument("--verify", default="forward,rows", help="the verify's forms, a cell each: forward, rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec_decode.json"))
     opt = ap.parse_args()
@@ -106,20 +114,25 @@ def main() -> int:
     cells.append({"arm": "plain", "k": 0, "tok_s": base, "x_plain": 1.0, "exact": True})
     print(f"plain: {base:.1f} tok/s ({len(want)} tokens)", flush=True)
     del plain
-    for k in (int(x) for x in opt.ks.split(",")):
-        for a in (float(x) for x in opt.accept.split(",")):
-            spec = engine(speculative=k)
-            spec.speculator = Forced(k, want, a, opt.seed, vocab)
-            got, sec = decode(spec, prompt, opt.tokens)
-            s = spec.speculator
-            cell = {"arm": "spec", "k": k, "accept_forced": a, "tok_s": (len(got) - 1) / sec,
-                    "x_plain": (len(got) - 1) / sec / base, "exact": got == want,
-                    "accepted_per_draft": s.accepted / s.drafted if s.drafted else 0.0,
-                    "verifies": s.verifies}  # fmt: skip
-            cells.append(cell)
-            print(f"k {k}, drafts right with p {a}: {cell['tok_s']:.1f} tok/s ({cell['x_plain']:.2f}x plain), "
-                  f"accepted {cell['accepted_per_draft']:.2f} a draft, exact {cell['exact']}", flush=True)  # fmt: skip
-            del spec
+    for form, k, a in itertools.product(opt.verify.split(","), (int(x) for x in opt.ks.split(",")),
+                                        [float(x) for x in opt.accept.split(",")]):  # fmt: skip
+        speculative.VERIFY_ROWS = form == "rows"
+        if form == "rows":
+            os.environ[chained.ENV] = "1"
+        spec = engine(speculative=k)
+        spec.speculator = Forced(k, want, a, opt.seed, vocab)
+        got, sec = decode(spec, prompt, opt.tokens)
+        s = spec.speculator
+        cell = {"arm": "spec", "verify": form, "k": k, "accept_forced": a, "tok_s": (len(got) - 1) / sec,
+                "x_plain": (len(got) - 1) / sec / base, "exact": got == want,
+                "accepted_per_draft": s.accepted / s.drafted if s.drafted else 0.0, "verifies": s.verifies,
+                "ms_per_verify": 1e3 * sec / max(1, s.verifies)}  # fmt: skip
+        cells.append(cell)
+        print(f"{form} k {k}, drafts right with p {a}: {cell['tok_s']:.1f} tok/s ({cell['x_plain']:.2f}x plain), "
+              f"{cell['ms_per_verify']:.1f} ms a verify, accepted {cell['accepted_per_draft']:.2f} a draft, "
+              f"exact {cell['exact']}", flush=True)  # fmt: skip
+        del spec
+    speculative.VERIFY_ROWS = None
     if opt.graph:
         g = engine(decode_graphs="on")
         got, sec = decode(g, prompt, opt.tokens)

@@ -20,6 +20,7 @@ positions, and the MTP block over accepted positions.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ from dsv4_serve.model.prefill import _layers, check_work
 from dsv4_serve.model.state import StateHandle, StatePools
 
 MAX_DRAFTS = 3  # k + 1 positions must fit the smallest compress ratio (4): see the module docstring
+# The verify's form (`verify`): None picks (a chained step where the kernels take chains and the rows fit), True a
+# chained step, False the prefill forward; DSV4_SPEC_VERIFY=auto / rows / forward sets it (bench arms)
+VERIFY_ROWS: bool | None = {"rows": True, "forward": False}.get(os.environ.get("DSV4_SPEC_VERIFY", "auto"))
 
 
 def verify(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[int], int]],
@@ -46,6 +50,8 @@ def verify(model, pools: StatePools, work: Sequence[tuple[StateHandle, Sequence[
     take chains and the chunks fit a step's rows: the single steps' bits), else the parallel prefill's forward
     (the same math in another summation order)."""
     check_work(work)
+    if rows is None:
+        rows = VERIFY_ROWS
     if rows is None:
         rows = kernels.chains_supported() and sum(len(t) for _, t, _ in work) <= MAX_ROWS
     if rows:
