@@ -1,8 +1,9 @@
 """Speculative decoding with the MTP block on the engine thread (issue 53; docs/mtp.md).
 
 With `--speculative-config` an iteration's step is `spec_step`: every planned row's chunk, [its fed token] or
-[its last token, its k drafts], goes through ONE verify forward (model/speculative.py: the parallel prefill's, causal
-within a chunk; every position's logits and final streams kept). The target rows are sampled with the drafts
+[its last token, its k drafts], goes through ONE verify pass (model/speculative.py: a decode step with the chunks'
+positions as chained rows, or the parallel prefill's forward; causal within a chunk; every position's logits and
+final streams kept). The target rows are sampled with the drafts
 checked (spec_sampler.py), the accepted tokens go through `Scheduler.on_step` one round a token, the rejected
 draft positions are rolled back before anything reads or caches the state, and the MTP block runs on every
 accepted position's streams (its window ring never holds a rejected position) and drafts the next k tokens of
