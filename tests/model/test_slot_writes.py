@@ -114,3 +114,45 @@ def test_a_forward_s_scatters_make_new_arrays_and_leave_the_pools_own(monkeypatc
         assert after[n] is not homes[n], n
     for n, x in homes.items():
         np.testing.assert_array_equal(np.array(x), kept[n], err_msg=n)
+
+
+@pytest.mark.parametrize("op", ["reset", "copy", "load"])
+@pytest.mark.parametrize("arm", ["stand-in", CUDA])
+def test_each_slot_write_through_write_slots_alone_leaves_the_other_slots(monkeypatch, arm, op: str) -> None:
+    """write_slots (DSV4_WRITE_SLOTS=1) for one kind of write at a time, into slot 1 of 3 (a copy from slot 0): the
+    written slot holds its values and slots 0 and 2 keep theirs, every per-slot array. On the H100 (2026-12-08)
+    the sequence above failed with write_slots (a slot no write named changed): this says which write does it."""
+    monkeypatch.setattr(pool_rows, "SLOT_ROWS_INPLACE", True)
+    monkeypatch.setattr(pool_rows, "WRITE_SLOTS", True)
+    if arm == "stand-in":
+        monkeypatch.setattr(state_copy, "write_slots", in_place_slots)
+    _, args, _ = tiny_model()
+    pools = StatePools(args, max_slots=3, max_positions=128, page_size=16, dtype=mx.float32)
+    rng = np.random.default_rng(4)
+    want = {name: rng.standard_normal(a.shape).astype(np.float32) for name, a in pools.slot_arrays().items()}
+    for name, c, k in pools._slot_fields():
+        c[k] = mx.array(want[name])
+    mx.eval(pools.arrays())
+    handles = [pools.alloc(64) for _ in range(2)] if op == "copy" else []
+    if op == "reset":
+        pools._reset_slot(1)
+        for name, v in want.items():
+            v[1] = -np.inf if "score" in name else 0.0
+    elif op == "copy":
+        for name, v in want.items():  # the allocations reset slots 0 and 1 (through write_slots too)
+            v[0] = v[1] = -np.inf if "score" in name else 0.0
+        for name, c, k in pools._slot_fields():
+            c[k][0] = mx.array(rng.standard_normal(c[k].shape[1:]).astype(np.float32))
+            want[name][0] = np.array(c[k][0])
+        pools.copy_slot(handles[0], handles[1], 0)
+        for v in want.values():
+            v[1] = v[0]
+    else:
+        loaded = {name: rng.standard_normal(v.shape[1:]).astype(np.float32) for name, v in want.items()}
+        pools.load_slot(1, {name: mx.array(x) for name, x in loaded.items()})
+        for name, x in loaded.items():
+            want[name][1] = x
+    got = pools.slot_arrays()
+    for name, v in want.items():
+        for s in range(3):
+            np.testing.assert_array_equal(np.array(got[name][s]), v[s], err_msg=f"{name} slot {s}")
