@@ -122,6 +122,14 @@ def minify(src: str) -> str:
     return "\n".join(out)
 
 
+# A token an in-place writer returns and the caller queues and drops (`pool_rows.commit`) has at least this many
+# int32 words (16 bytes): MLX's CUDA allocator keeps outputs of <= 8 bytes in a small managed pool, and a block a
+# dropped output frees there can go to the next small array the host writes (a gather's index, an upload) while the
+# kernel that writes the token is still queued, which then overwrites that array (MLX 0.32, allocator.cpp; custom
+# kernels' outputs are not kept alive to their launch's end). 16 bytes come from device memory, reused in stream
+# order.
+TOKEN_WORDS = 4
+
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y: kernels with rows there take longer inputs to the reference
 
 

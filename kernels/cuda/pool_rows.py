@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from dsv4_serve.kernels.cuda.common import kernel
+from dsv4_serve.kernels.cuda.common import TOKEN_WORDS, kernel
 from dsv4_serve.kernels.pool_rows import check_write_rows, check_write_slots
 from dsv4_serve.kernels.upload import upload
 
@@ -65,8 +65,8 @@ def write_rows_cuda(pool: mx.array, rows: mx.array, values: mx.array, carry: mx.
     blocks = max(1, min(MAX_BLOCKS, -(-words // THREADS)))
     (token,) = kernel("write_rows", ("pool", "rows", "values", "carry"), ("token",), SOURCE)(
         inputs=[pool, rows, values, carry], template=[("T", pool.dtype), ("D", d)], grid=(blocks * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1), output_shapes=[carry.shape], output_dtypes=[mx.int32],
-    )  # fmt: skip
+        threadgroup=(THREADS, 1, 1), output_shapes=[(max(TOKEN_WORDS, carry.shape[0]),)], output_dtypes=[mx.int32],
+    )  # fmt: skip  (the token carries `carry` in its first words; TOKEN_WORDS: device memory)
     return pool, token
 
 
@@ -117,7 +117,7 @@ def write_slots_cuda(pools: Sequence[mx.array], slot: int, values: Sequence[mx.a
         blocks = max(1, min(SLOTS_BLOCKS, -(-words // THREADS)))
         (token,) = kernel(f"write_slots{len(ps)}", names, ("token",), slots_source(layout))(
             inputs=[*ps, *vs, at], template=[], grid=(blocks * THREADS, len(ps), 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[(1,)], output_dtypes=[mx.int32],
+            output_shapes=[(TOKEN_WORDS,)], output_dtypes=[mx.int32],  # device memory (common.TOKEN_WORDS)
         )  # fmt: skip
         tokens.append(token)
     return list(pools), tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)

@@ -29,6 +29,7 @@ def tiny():
 
 def state(pools: StatePools, h) -> dict[str, np.ndarray]:
     """The slot's per-slot arrays and every page entry its tables hold."""
+    mx.synchronize()  # in-place writes (CUDA) done before the host reads
     out = {n: np.array(a[h.slot]) for n, a in pools.slot_arrays().items()}
     for r in pools.ratios:
         for n, a in pools.read_entries(r, h.tables[r], len(h.tables[r]) * PAGE).items():
@@ -197,6 +198,7 @@ def test_on_cuda_a_chain_equals_its_single_steps(monkeypatch, glue: bool) -> Non
             return out
 
         def state(h) -> dict[str, np.ndarray]:
+            mx.synchronize()
             out = {n: np.array(x[h.slot].view(mx.uint16) if x.dtype == mx.bfloat16 else x[h.slot])
                    for n, x in pools.slot_arrays().items()}  # fmt: skip
             for r in pools.ratios:
