@@ -103,6 +103,15 @@ def tail_overlay(batch: RowBatch, w_len: int) -> mx.array:
     return batch.once(("tail_overlay", w_len), make)
 
 
+def scratch_ring(batch: RowBatch, window: mx.array, tail: mx.array) -> mx.array:
+    """[B, W, D] in the ring's dtype: row i's ring as the single step at its position reads it (`tail_overlay`), for
+    a fast path that takes a chained batch as one of distinct slots over it (kernels/cuda/attention.py; the CUDA
+    form is kernels/cuda/scratch_ring.py)."""
+    sel = tail_overlay(batch, window.shape[1])
+    own = tail[batch.q_rows][mx.maximum(sel, 0)]
+    return mx.where((sel >= 0)[:, :, None], own, window[batch.slots])
+
+
 def sink_softmax(parts: list[tuple[mx.array, mx.array]], sinks: mx.array) -> mx.array:
     """Attention output over key sets given as (masked logits [.., nh, L_i] f32, values [.., L_i, D]):
     one softmax across all parts with each head's sink in the denominator only."""

@@ -32,8 +32,9 @@ from dsv4_serve.kernels.cuda.attention_dsplit_src import DSPLIT
 from dsv4_serve.kernels.cuda.attention_src import ATTN_HELPERS, COMBINE, COMBINE_MAX_SPLITS, WIDE
 from dsv4_serve.kernels.cuda.attention_wmma_src import PARTIAL
 from dsv4_serve.kernels.cuda.common import arange_rows, f32_params, i32_dummy, kernel, plan_cached
+from dsv4_serve.kernels.cuda.scratch_ring import scratch_ring_cuda
 from dsv4_serve.kernels.rows import RowBatch, check_after, checked
-from dsv4_serve.kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference, tail_overlay
+from dsv4_serve.kernels.sparse_attention import check_sparse_attention, sparse_attention_rows_reference
 
 HG, CK, THREADS = 16, 64, 256
 TARGET_BLOCKS = 264  # about two blocks per multiprocessor on the H200 (132 SMs)
@@ -199,8 +200,8 @@ def sparse_attention_rows_cuda(
     tail: mx.array | None = None,
 ) -> mx.array:
     """`tail` (a chained batch: kernels/sparse_attention.py): each row's ring with its slot's own keys up to its
-    position put in, gathered into a scratch window of a row each, which the same kernels read as a batch of
-    distinct slots (the keys and their order those of the single steps)."""
+    position put in, gathered into a scratch ring of a row each (one launch, kernels/cuda/scratch_ring.py), which
+    the same kernels read as a batch of distinct slots (the keys and their order those of the single steps)."""
     chains = tail is not None
 
     def check() -> None:
@@ -211,7 +212,7 @@ def sparse_attention_rows_cuda(
     ring = window
     if chains:
         check()
-        window = scratch_window(batch, window, tail)
+        window = scratch_ring_cuda(batch, window, tail)
         slots = arange_rows(1, batch.size).reshape(-1)
         check = lambda: None  # noqa: E731 - checked above, against the ring itself
     else:
@@ -248,10 +249,3 @@ def sparse_attention_rows_cuda(
     run = plan.compiled if common.COMPILE else plan.launch
     return run(slots, batch.positions, batch.q_rows, table, q, window, pool_in, ind, plan.fparams, sinks,
                i32_dummy((1,)) if after is None else after)  # fmt: skip
-
-
-def scratch_window(batch: RowBatch, window: mx.array, tail: mx.array) -> mx.array:
-    """[B, W, D]: row i's ring as a single step at its position reads it (the overlay of `tail_overlay`)."""
-    sel = tail_overlay(batch, window.shape[1])
-    own = tail[batch.q_rows][mx.maximum(sel, 0)]
-    return mx.where((sel >= 0)[:, :, None], own, window[batch.slots])
