@@ -1,7 +1,7 @@
 """A chained batch (a slot's consecutive positions as rows of one step; kernels/rows.py `check_batch(chains=True)`)
-through the fast paths, whose kernels take one row a slot: the compressors applied round by round
-(`rows.rounds`: every slot's j-th row, a launch each, each round after the last's token), so a slot's rows update
-its partial window in position order as single steps would. The plain twins take chains themselves; the sparse
+through the fast paths: the compressors applied round by round (every slot's j-th row, a launch of the whole batch
+each, `chain_round` j, each after the last's token), so a slot's rows update its partial window in position order as
+single steps would. The plain twins take chains themselves; the sparse
 attention's fast path takes them through a scratch ring (kernels/cuda/attention.py).
 
 On CUDA chained batches are opt-in (`DSV4_CHAINED_ROWS=1`) until their gpu test holds them to the single steps
@@ -29,32 +29,47 @@ def supported() -> bool:
     return backend.name() == "reference" or os.environ.get(ENV, "0") == "1"
 
 
+def chain_length(batch: RowBatch) -> int:
+    """The most rows one slot has in the batch (the rounds a chained batch takes)."""
+
+    def count() -> int:
+        n: dict[int, int] = {}
+        for r in batch.rows:
+            n[r.slot] = n.get(r.slot, 0) + 1
+        return max(n.values())
+
+    return batch.once("chain_length", count)
+
+
 def compressor_rounds(fn: Callable[..., Any], batch: RowBatch, kv: mx.array, score: mx.array, ape: mx.array,
                       norm: mx.array, kv_state: mx.array, score_state: mx.array, pool: mx.array, **kw: Any
                       ) -> tuple[mx.array, ...]:  # fmt: skip
-    """compressor_rows (functional, no `after` in `kw`) or compressor_rows_inplace (-> ..., token) by rounds."""
+    """compressor_rows_inplace (`after` in `kw`: -> ..., token): the whole batch a launch a round (`chain_round`:
+    the rows' ranks read from the slots in the kernel, so the launches are the same for every chain pattern);
+    compressor_rows (functional): each round's rows as a batch of their own (`rows.rounds`)."""
     inplace = "after" in kw
     token = kw.pop("after", None)
-    for part in rounds(batch):
-        if inplace:
-            kv_state, score_state, pool, tok = fn(part, kv, score, ape, norm, kv_state, score_state, pool,
-                                                  after=token, **kw)  # fmt: skip
+    if inplace:
+        for j in range(chain_length(batch)):
+            kv_state, score_state, pool, tok = fn(batch, kv, score, ape, norm, kv_state, score_state, pool,
+                                                  after=token, chain_round=j, **kw)  # fmt: skip
             token = token if tok is None else tok
-        else:
-            kv_state, score_state, pool = fn(part, kv, score, ape, norm, kv_state, score_state, pool, **kw)
-    return (kv_state, score_state, pool, token) if inplace else (kv_state, score_state, pool)
+        return kv_state, score_state, pool, token
+    for part in rounds(batch):
+        kv_state, score_state, pool = fn(part, kv, score, ape, norm, kv_state, score_state, pool, **kw)
+    return kv_state, score_state, pool
 
 
 def pair_rounds(fn: Callable[..., PairOut], batch: RowBatch, first: CompressorArgs, second: CompressorArgs,
                 **kw: Any) -> PairOut:  # fmt: skip
-    """compressor_pair_rows_inplace by rounds: each round's states and pools are the next round's."""
+    """compressor_pair_rows_inplace a launch a round (`chain_round`), each after the last's token."""
     token = kw.pop("after", None)
     outs: PairOut | None = None
-    for part in rounds(batch):
-        outs = fn(part, first, second, after=token, **kw)
+    for j in range(chain_length(batch)):
+        outs = fn(batch, first, second, after=token, chain_round=j, **kw)
         a, b, tok = outs
         first = first._replace(kv_state=a[0], score_state=a[1], pool=a[2])
         second = second._replace(kv_state=b[0], score_state=b[1], pool=b[2])
         token = token if tok is None else tok
-    assert outs is not None, "pair_rounds: no rounds"
+    assert outs is not None, "pair_rounds: no rows"
     return outs[0], outs[1], token

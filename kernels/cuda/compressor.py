@@ -251,19 +251,21 @@ class Plan:
 
 def key_and_check(op: str, batch: RowBatch, kv: mx.array, score: mx.array, ape: mx.array, norm: mx.array,
                   kv_state: mx.array, score_state: mx.array, pool: mx.array, *, ratio: int, head_dim: int, eps: float,
-                  cos: mx.array, sin: mx.array) -> tuple[tuple[Any, ...], Callable[[], None]]:  # fmt: skip
+                  cos: mx.array, sin: mx.array, chains: bool = False
+                  ) -> tuple[tuple[Any, ...], Callable[[], None]]:  # fmt: skip
     """A compressor call's `rows.checked` key (`op`, the scalars with their types, every argument's shape and
-    dtype) and its contract check. An argument that is not an array: the check runs now and names it."""
+    dtype) and its contract check. An argument that is not an array: the check runs now and names it. `chains`:
+    a chained batch is taken (a launch a round, compressor_inplace.py's ROUND)."""
 
     def check() -> None:
         check_compressor(
             batch, kv, score, ape, norm, kv_state, score_state, pool,
-            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+            ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin, chains=chains,
         )  # fmt: skip
 
     try:
         key: tuple[Any, ...] = (
-            op, type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
+            op, chains, type(ratio), ratio, type(head_dim), head_dim, type(eps), eps,
             kv.shape, kv.dtype, score.shape, score.dtype, ape.shape, ape.dtype, norm.shape, norm.dtype,
             kv_state.shape, kv_state.dtype, score_state.shape, score_state.dtype, pool.shape, pool.dtype,
             cos.shape, cos.dtype, sin.shape, sin.dtype,

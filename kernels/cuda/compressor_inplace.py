@@ -20,7 +20,7 @@ from dsv4_serve.kernels.compressor import check_workspace, compressor_rows_inpla
 from dsv4_serve.kernels.cuda import common
 from dsv4_serve.kernels.cuda.common import f32_params, i32_dummy, kernel, plan_cached
 from dsv4_serve.kernels.cuda.compressor import key_and_check, norm_rope, template
-from dsv4_serve.kernels.rows import RowBatch, check_after, checked
+from dsv4_serve.kernels.rows import RowBatch, check_after, checked, rounds
 
 NT = 512  # threads per row block (registers: at most 128 per thread)
 INPUTS = ("slots", "positions", "q_rows", "table", "kv", "score", "ape", "norm",
@@ -45,7 +45,7 @@ ROW = (
 // One row's (or, NSPLIT > 1, one feature slice's) compressor step: block `blk` of the row blocks; table
 // width tw; a split row's pooled features and its ticket in feat / tickets (SCRATCH). A device function so
 // that compressor_pair.py's kernel runs two of them (the CSA main and indexer compressors) in one launch.
-template <typename T, typename N, int M, int D, int HALF, int PAGE, int NT, int NSPLIT>
+template <typename T, typename N, int M, int D, int HALF, int PAGE, int NT, int NSPLIT, int ROUND>
 __device__ __forceinline__ void dsv4_compress_row(
     const unsigned int blk, const int tw, const int* slots, const int* positions, const int* q_rows,
     const int* table, const float* kv, const float* score, const float* ape, const N* norm, const float* kv_state,
@@ -72,6 +72,11 @@ __device__ __forceinline__ void dsv4_compress_row(
   const int b = blk / NSPLIT, k = blk % NSPLIT, tid = threadIdx.x, nt = blockDim.x;
   if (blk == 0 && tid == 0 && (NSPLIT == 1 || (void*)feat != (void*)token)) token[0] = 0;
   const int slot = slots[b], p = positions[b], qr = q_rows[b];
+  if (ROUND >= 0) {  // a chained batch, a launch a round: the rows that are their slot's ROUND-th (adjacent) row
+    int rank = 0;
+    while (rank < (int)b && slots[b - rank - 1] == slot) ++rank;
+    if (rank != ROUND) return;
+  }
   const int pm = p % M;
   const bool emit = pm == M - 1;
   const int newrow = (COFF - 1) * M + pm;
@@ -219,7 +224,7 @@ SCRATCH = {
 def call(suffix: str = "", blk: str = "blockIdx.x", d: str = "D", n: str = "N", scratch: str = "token") -> str:
     """A `dsv4_compress_row` call on the inputs named with `suffix` (compressor_pair: "2")."""
     a = [f"{x}{suffix}" for x in ("kv", "score", "ape", "norm", "kv_state", "score_state", "pool")]
-    return (f"  dsv4_compress_row<T, {n}, M, {d}, HALF, PAGE, NT, NSPLIT>({blk}, table_shape[1], "
+    return (f"  dsv4_compress_row<T, {n}, M, {d}, HALF, PAGE, NT, NSPLIT, ROUND>({blk}, table_shape[1], "
             f"slots, positions, q_rows, table, {', '.join(a)}, rcos, rsin, fparams, token, {SCRATCH[scratch]});\n")
 
 
@@ -238,7 +243,7 @@ class Plan:
     __slots__ = ("compiled", "fast", "fparams", "grid", "init", "kernel", "out_shape", "template", "ws")
 
     def __init__(self, b: int, pool: mx.array, norm: mx.array, ratio: int, head_dim: int, half: int, page: int,
-                 eps: float, workspace: bool = False) -> None:  # fmt: skip
+                 eps: float, workspace: bool = False, chain_round: int = -1) -> None:  # fmt: skip
         self.fast = head_dim % 4 == 0 and head_dim <= 4 * NT and half <= NT  # float4 split; else the reference
         if not self.fast:
             return
@@ -248,7 +253,7 @@ class Plan:
         ins, src = (INPUTS + ("workspace",), SOURCE_WS) if self.ws else (INPUTS, SOURCE)
         self.kernel = kernel("compressor_inplace_ws" if self.ws else "compressor_inplace", ins, ("token",), src,
                              header=ROW)  # fmt: skip
-        tail = [("NT", NT), ("NSPLIT", ns)]
+        tail = [("NT", NT), ("NSPLIT", ns), ("ROUND", chain_round)]
         self.template = template(pool.dtype, norm.dtype, ratio, head_dim, half, page, False) + tail
         self.grid = (b * ns * NT, 1, 1)
         # the token; split rows: also the pooled features and the tickets (zeroed). 4 ints, not 1: MLX puts
@@ -279,14 +284,19 @@ def compressor_rows_inplace_cuda(
     sin: mx.array,
     after: mx.array | None = None,
     workspace: mx.array | None = None,
+    chain_round: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+    """`chain_round` j (a chained batch, kernels/chained.py): only the rows that are their slot's j-th, one launch
+    of the whole batch a round (the rows' ranks read from the slots: a launch list that fits every chain pattern)."""
     check_after("compressor_rows", after)
+    chains = chain_round is not None
     key, check_args = key_and_check("compressor_rows_inplace", batch, kv, score, ape, norm, kv_state, score_state,
-                                    pool, ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin)  # fmt: skip
+                                    pool, ratio=ratio, head_dim=head_dim, eps=eps, cos=cos, sin=sin,
+                                    chains=chains)  # fmt: skip
     ws = workspace is not None
     if ws and not isinstance(workspace, mx.array):
         check_workspace(workspace, workspace_words(batch.size, head_dim))  # raises, naming it
-    key += (workspace.shape, workspace.dtype) if ws else (False,)
+    key += ((workspace.shape, workspace.dtype) if ws else (False,)) + (chain_round,)
 
     def check() -> None:  # the workspace first, as before; once per batch and key (its shape and dtype are in it)
         if ws:
@@ -296,10 +306,12 @@ def compressor_rows_inplace_cuda(
     def make() -> Plan:
         pk = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
         return plan_cached(pk, lambda: Plan(batch.size, pool, norm, ratio, head_dim, cos.shape[1], batch.page_size,
-                                            eps, ws))  # fmt: skip
+                                            eps, ws, -1 if chain_round is None else chain_round))  # fmt: skip
 
     plan: Plan = checked(batch, key, check, make)
     if not plan.fast:
+        if chains:  # the twin takes the round's rows alone
+            batch = rounds(batch)[chain_round]
         return compressor_rows_inplace_reference(batch, kv, score, ape, norm, kv_state, score_state, pool, ratio=ratio,
                                                  head_dim=head_dim, eps=eps, cos=cos, sin=sin, after=after,
                                                  workspace=workspace)  # fmt: skip

@@ -12,6 +12,7 @@ run the two single calls.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.core as mx
@@ -46,7 +47,7 @@ class Plan:
     __slots__ = ("compiled", "fast", "fparams", "grid", "kernel", "template")
 
     def __init__(self, b: int, first: CompressorArgs, second: CompressorArgs, ratio: int, half: int, page: int,
-                 eps: float) -> None:  # fmt: skip
+                 eps: float, chain_round: int = -1) -> None:  # fmt: skip
         nt = single.NT
         fits = [a.head_dim % 4 == 0 and a.head_dim <= 4 * nt and single.nsplit(ratio, a.head_dim) == 1
                 for a in (first, second)]  # fmt: skip
@@ -56,7 +57,8 @@ class Plan:
         self.fparams = f32_params(eps)
         self.kernel = kernel("compressor_pair", INPUTS, ("token",), SOURCE, header=single.ROW)
         self.template = template(first.pool.dtype, first.norm.dtype, ratio, first.head_dim, half, page, False) + [
-            ("D2", second.head_dim), ("N2", second.norm.dtype), ("NT", nt), ("NSPLIT", 1)]  # fmt: skip
+            ("D2", second.head_dim), ("N2", second.norm.dtype), ("NT", nt), ("NSPLIT", 1),
+            ("ROUND", chain_round)]  # fmt: skip
         self.grid = (b * nt, 2, 1)
         self.compiled = mx.compile(self.launch)
 
@@ -77,23 +79,28 @@ def compressor_pair_rows_inplace_cuda(
     cos: mx.array,
     sin: mx.array,
     after: mx.array | None = None,
+    chain_round: int | None = None,
 ) -> PairOut:
+    """`chain_round`: as compressor_inplace.py's (a chained batch's round j alone, the whole batch launched)."""
     check_after("compressor_rows", after)
     check_pair(first, second)
+    chains = chain_round is not None
 
     def check() -> None:
         for a in (first, second):
-            check_compressor(batch, *a[:7], ratio=ratio, head_dim=a.head_dim, eps=eps, cos=cos, sin=sin)
+            check_compressor(batch, *a[:7], ratio=ratio, head_dim=a.head_dim, eps=eps, cos=cos, sin=sin,
+                             chains=chains)  # fmt: skip
 
     try:  # one flat key (the scalars with their types, every argument's shape and dtype), no per-set closures
         f, g = first, second
         key: tuple[Any, ...] = (
-            "compressor_pair_rows_inplace", type(ratio), ratio, type(eps), eps, cos.shape, cos.dtype, sin.shape,
-            sin.dtype, type(f.head_dim), f.head_dim, f.kv.shape, f.kv.dtype, f.score.shape, f.score.dtype, f.ape.shape,
-            f.ape.dtype, f.norm.shape, f.norm.dtype, f.kv_state.shape, f.kv_state.dtype, f.score_state.shape,
-            f.score_state.dtype, f.pool.shape, f.pool.dtype, type(g.head_dim), g.head_dim, g.kv.shape, g.kv.dtype,
-            g.score.shape, g.score.dtype, g.ape.shape, g.ape.dtype, g.norm.shape, g.norm.dtype, g.kv_state.shape,
-            g.kv_state.dtype, g.score_state.shape, g.score_state.dtype, g.pool.shape, g.pool.dtype,
+            "compressor_pair_rows_inplace", chain_round, type(ratio), ratio, type(eps), eps, cos.shape, cos.dtype,
+            sin.shape, sin.dtype, type(f.head_dim), f.head_dim, f.kv.shape, f.kv.dtype, f.score.shape, f.score.dtype,
+            f.ape.shape, f.ape.dtype, f.norm.shape, f.norm.dtype, f.kv_state.shape, f.kv_state.dtype,
+            f.score_state.shape, f.score_state.dtype, f.pool.shape, f.pool.dtype, type(g.head_dim), g.head_dim,
+            g.kv.shape, g.kv.dtype, g.score.shape, g.score.dtype, g.ape.shape, g.ape.dtype, g.norm.shape,
+            g.norm.dtype, g.kv_state.shape, g.kv_state.dtype, g.score_state.shape, g.score_state.dtype, g.pool.shape,
+            g.pool.dtype,
         )  # fmt: skip
     except AttributeError:  # not arrays: the check names the argument
         check()
@@ -101,11 +108,12 @@ def compressor_pair_rows_inplace_cuda(
 
     def make() -> Plan:
         pk: tuple[Any, ...] = key + (batch.size, batch.page_size, batch.tables[ratio].shape)
-        return plan_cached(pk, lambda: Plan(batch.size, first, second, ratio, cos.shape[1], batch.page_size, eps))
+        return plan_cached(pk, lambda: Plan(batch.size, first, second, ratio, cos.shape[1], batch.page_size, eps,
+                                            -1 if chain_round is None else chain_round))  # fmt: skip
 
     plan: Plan = checked(batch, key, check, make)
-    if not plan.fast:
-        two = single.compressor_rows_inplace_cuda  # the two single launches, the second after the first
+    if not plan.fast:  # the two single launches, the second after the first (each of the round's rows alone)
+        two = functools.partial(single.compressor_rows_inplace_cuda, chain_round=chain_round)
         return compressor_pair_rows_inplace_reference(batch, first, second, ratio=ratio, eps=eps, cos=cos, sin=sin,
                                                       after=after, single=two)  # fmt: skip
     run = plan.compiled if common.COMPILE else plan.launch

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dsv4_serve import kernels
+from dsv4_serve.kernels.rows import rounds
 from dsv4_serve.kernels.upload import upload
 from dsv4_serve.model.state import StatePools
 from dsv4_serve.model.tiny import tiny_model
@@ -126,9 +127,9 @@ def test_a_chain_must_be_consecutive_adjacent_rows(tiny) -> None:
 
 
 def test_a_fast_path_of_one_row_a_slot_gets_the_compressors_by_rounds(tiny, monkeypatch) -> None:
-    """kernels/chained.py's dispatch, as a fast path sees it: compressors that refuse two rows of one slot (as the
-    CUDA kernels do) are called a round at a time, each after the last's token, and the step still gives the single
-    steps' bits; the rounds are counted."""
+    """kernels/chained.py's dispatch, as a fast path sees it: the in-place compressors get the chained batch a launch a
+    round (`chain_round`), each after the last's token, and the step still gives the single steps' bits; the
+    rounds are counted."""
     from dsv4_serve.kernels import backend
     from dsv4_serve.kernels import compressor as kc
 
@@ -136,10 +137,12 @@ def test_a_fast_path_of_one_row_a_slot_gets_the_compressors_by_rounds(tiny, monk
     calls: list[int] = []
 
     def strict(ref):
-        def fn(batch, *a, **kw):
-            assert not batch.chained, "a fast path got a chained batch"
-            calls.append(batch.size)
-            return ref(batch, *a, **kw)
+        """As the CUDA kernels: a chained batch only with its round named, whose rows alone are written."""
+        def fn(batch, *a, chain_round=None, **kw):
+            assert batch.chained == (chain_round is not None), "a fast path got a chained batch without its round"
+            part = rounds(batch)[chain_round] if batch.chained else batch
+            calls.append(part.size)
+            return ref(part, *a, **kw)
         return fn
 
     fast = {"compressor_rows_inplace": strict(kc.compressor_rows_inplace_reference),
@@ -152,7 +155,7 @@ def test_a_fast_path_of_one_row_a_slot_gets_the_compressors_by_rounds(tiny, monk
         seq = toks[1][pos : pos + n]
         calls.clear()
         (got,) = chained_step(model, pools, [(a, pos, seq)])
-        assert calls and max(calls) == 1 and len(calls) == n * sum(1 for r in args.compress_ratios if r)
+        assert calls == [1] * (n * sum(1 for r in args.compress_ratios if r))  # a round a launch, one row each
         np.testing.assert_array_equal(got, single_steps(model, pools, b, pos, seq))
         pos += n
         assert_same(state(pools, a), state(pools, b), f"state after {pos}")
