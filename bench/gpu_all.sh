@@ -239,7 +239,8 @@ for part in ${PART:-tests}; do
                # (the skinny products' tests first: their kernel's text changed 2026-12-07, the decode step's included)
                # (2026-12-08: the slot writes and the chained rows first, each file in its own process: test order
                # mattered once; the whole matmul file took ~250 s cold on the H100)
-               for f in tests/model/test_slot_writes.py tests/model/test_chained_rows.py tests/kernels/test_pool_rows.py \
+               for f in tests/model/test_slot_writes.py tests/kernels/test_scratch_ring.py \
+                        tests/kernels/test_compressor_round_build.py tests/model/test_chained_rows.py tests/kernels/test_pool_rows.py \
                         tests/model/test_cuda_prefill.py tests/kernels/test_cuda_matmul.py; do
                  timeout $(( (400 - SECONDS) > 30 ? 400 - SECONDS : 30 )) python3 -m pytest -m gpu -q --tb=short -rf \
                    -p no:cacheprovider $f 2>&1 | grep -E "^E  |FAIL|ERROR|passed|failed|skipped" | cut -c1-240 | tail -8
