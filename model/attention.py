@@ -132,7 +132,7 @@ class Attention(nn.Module):
             ordered(proj[-1], after), proj[2], proj[3], pools.window[layer], batch.slots, batch.positions, ring,
             weight=self.kv_norm.weight, eps=self.kv_norm.eps, kv=proj[1],
         )  # fmt: skip
-        # A chained batch (a slot's consecutive positions as rows: the plain twins) reads the ring as before the
+        # A chained batch (a slot's consecutive positions as rows: kernels/rows.py) reads the ring as before the
         # step with its own keys as a tail, and writes the ring after the attention: row p must still see p + 1 - W.
         chained, tail, wtok = batch.chained, None, None
         if chained:
