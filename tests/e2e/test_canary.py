@@ -82,6 +82,8 @@ def test_healthy_server_counts_checks_beside_streams(start_server: type[Server])
                                                 re.M)}  # fmt: skip
     assert le["4.0"] - le["3.0"] > 0, le
     assert "canary mismatch" not in srv.log_tail(100_000)
+    # Stopped now, not with the session's servers: a check a second would take a third of a CI core to the end.
+    assert srv.stop() == 0
 
 
 def flip_norm_byte(engine: Any) -> None:
