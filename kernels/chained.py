@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from dsv4_serve.kernels import backend
 from dsv4_serve.kernels.compressor import CompressorArgs, PairOut
-from dsv4_serve.kernels.rows import RowBatch, rounds
+from dsv4_serve.kernels.rows import RowBatch, chain_length, rounds
 
 ENV = "DSV4_CHAINED_ROWS"
 
@@ -27,18 +27,6 @@ ENV = "DSV4_CHAINED_ROWS"
 def supported() -> bool:
     """Whether the row-batched ops take a chained batch: the plain twins always, the CUDA path when opted in."""
     return backend.name() == "reference" or os.environ.get(ENV, "0") == "1"
-
-
-def chain_length(batch: RowBatch) -> int:
-    """The most rows one slot has in the batch (the rounds a chained batch takes)."""
-
-    def count() -> int:
-        n: dict[int, int] = {}
-        for r in batch.rows:
-            n[r.slot] = n.get(r.slot, 0) + 1
-        return max(n.values())
-
-    return batch.once("chain_length", count)
 
 
 def compressor_rounds(fn: Callable[..., Any], batch: RowBatch, kv: mx.array, score: mx.array, ape: mx.array,

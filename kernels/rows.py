@@ -260,6 +260,18 @@ def rounds(batch: RowBatch) -> list[RowBatch]:
     return batch.once("rounds", split)
 
 
+def chain_length(batch: RowBatch) -> int:
+    """The most rows one slot has in the batch (a chained batch's rounds; 1 unchained)."""
+
+    def count() -> int:
+        n: dict[int, int] = {}
+        for r in batch.rows:
+            n[r.slot] = n.get(r.slot, 0) + 1
+        return max(n.values(), default=0)
+
+    return batch.once("chain_length", count)
+
+
 def row_entries(batch: RowBatch, ratio: int) -> list[int]:
     """Compressed entries each row can see after this step: `(p+1) // ratio` (python ints)."""
     return [(r.position + 1) // ratio for r in batch.rows]

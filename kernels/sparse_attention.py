@@ -17,6 +17,7 @@ import mlx.core as mx
 from dsv4_serve.kernels.rows import (
     FLOATS,
     RowBatch,
+    chain_length,
     check_after,
     check_array,
     check_batch,
@@ -65,7 +66,7 @@ def check_sparse_attention(
         check_rows_fit(OP, "tail", tail, batch)
     elif batch.chained:
         raise fail(OP, "tail", "a slot's consecutive rows need the step's own keys: the ring is read before them")
-    if batch.chained and max(_chain_lengths(batch)) > window.shape[1]:
+    if batch.chained and chain_length(batch) > window.shape[1]:
         raise fail(OP, "rows", f"a slot's rows must fit its ring of {window.shape[1]}")
     if pool is None:
         if indices is not None:
@@ -79,13 +80,6 @@ def check_sparse_attention(
         check_width(OP, "indices", indices.shape[1])
         check_rows_fit(OP, "indices", indices, batch)
     check_tables(OP, batch, ratio, pool.shape[0], row_entries(batch, ratio))
-
-
-def _chain_lengths(batch: RowBatch) -> list[int]:
-    n: dict[int, int] = {}
-    for r in batch.rows:
-        n[r.slot] = n.get(r.slot, 0) + 1
-    return list(n.values())
 
 
 def tail_overlay(batch: RowBatch, w_len: int) -> mx.array:
@@ -148,12 +142,8 @@ def sparse_attention_rows_reference(
     check_after(OP, after)
     b, w_len = batch.size, window.shape[1]
     p, qr = batch.positions, batch.q_rows
-    keys = window[batch.slots]  # [B, W, D]
-    if tail is not None:  # the step's own keys of each row's slot up to its position, in their ring rows
-        sel = tail_overlay(batch, w_len)
-        own = tail[qr][mx.maximum(sel, 0)]  # [B, W, D]
-        keys = mx.where((sel >= 0)[:, :, None], own, keys)
-    keys = keys.astype(mx.float32)
+    # [B, W, D]; with a tail, the step's own keys of each row's slot up to its position in their ring rows
+    keys = (window[batch.slots] if tail is None else scratch_ring(batch, window, tail)).astype(mx.float32)
     n_win = mx.minimum(p, w_len - 1) + 1  # min(p+1, W) without overflowing int32
     valid = mx.arange(w_len)[None, :] < n_win[:, None]
     if pool is not None:
